@@ -1,0 +1,103 @@
+"""VMM drivers: the protocol, the built-in drivers, and a registry by name.
+
+A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``) or by ``module:factory``, where
+``factory`` is a zero-argument callable in an importable module that returns a driver. ``get_driver`` resolves
+both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the GPU driver when one
+works and the host driver otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import DriverLoadError, DriverUnavailable
+from . import cuda as _cuda
+from . import host as _host
+from ._protocol import Driver, Handle
+from .ledger import Ledger
+
+__all__ = ["Driver", "Handle", "Ledger", "register", "registered", "probe", "get_driver", "best_available",
+           "DRIVER_METHODS"]
+
+DRIVER_METHODS = ("granularity", "reserve", "free", "create", "release", "map", "unmap", "set_access", "zero",
+                  "tensor", "accessible", "synchronize", "mem_info")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    factory: Callable[[], Driver]
+    probe: Callable[[], str | None]
+    gpu: bool
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register(name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool) -> None:
+    """Register a driver under ``name``; ``probe()`` returns ``None`` when it can run, else the reason."""
+    if not name or ":" in name:
+        raise DriverLoadError(f"driver names must be non-empty and contain no ':', got {name!r}")
+    _REGISTRY[name] = _Entry(factory, probe, gpu)
+
+
+def registered() -> list[str]:
+    """Registered driver names, GPU drivers first."""
+    return sorted(_REGISTRY, key=lambda n: (not _REGISTRY[n].gpu, n))
+
+
+def probe(name: str) -> str | None:
+    """Why the registered driver ``name`` cannot run here, or ``None`` when it can."""
+    if name not in _REGISTRY:
+        raise DriverLoadError(f"unknown driver {name!r}; registered: {', '.join(registered())}")
+    return _REGISTRY[name].probe()
+
+
+def best_available() -> str:
+    """The first registered GPU driver whose probe passes, else ``host``."""
+    for name in registered():
+        if _REGISTRY[name].gpu and _REGISTRY[name].probe() is None:
+            return name
+    return "host"
+
+
+def get_driver(spec: str) -> Driver:
+    """Build the driver named by ``spec``: a registered name or ``module:factory``.
+
+    Raises ``DriverLoadError`` for an unknown name, a module that does not import, a missing factory, or a factory
+    that returns something without the protocol's methods; ``DriverUnavailable`` when the driver cannot run here.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DriverLoadError(f"a driver spec is a registered name or 'module:factory', got {spec!r}")
+    if ":" not in spec:
+        reason = probe(spec)
+        if reason:
+            raise DriverUnavailable(f"driver {spec!r} is unavailable: {reason}")
+        return _check_driver(spec, _REGISTRY[spec].factory())
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DriverLoadError(f"driver spec {spec!r} must look like 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DriverLoadError(f"driver spec {spec!r}: module {module_name!r} does not import: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise DriverLoadError(f"driver spec {spec!r}: {module_name} has no callable {attr!r}")
+    return _check_driver(spec, factory())
+
+
+def _check_driver(spec: str, driver: object) -> Driver:
+    missing = [m for m in DRIVER_METHODS if not callable(getattr(driver, m, None))]
+    missing += [a for a in ("name", "device", "max_handle_bytes") if not hasattr(driver, a)]
+    if missing:
+        raise DriverLoadError(f"driver spec {spec!r} built {type(driver).__name__}, which lacks the protocol's "
+                              f"{', '.join(missing)}")
+    return driver  # type: ignore[return-value]
+
+
+register("host", _host.HostDriver, _host.probe, gpu=False)
+register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k"), _host.probe, gpu=False)
+register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True)
+

@@ -1,0 +1,191 @@
+"""The CUDA driver: ``cuMem*`` virtual memory calls through cuda-bindings (``cuda.bindings.driver``).
+
+==========================  =========================================================================
+protocol operation          CUDA driver call
+==========================  =========================================================================
+``granularity``             ``cuMemGetAllocationGranularity(RECOMMENDED)`` (a multiple of MINIMUM)
+``reserve`` / ``free``      ``cuMemAddressReserve`` / ``cuMemAddressFree``
+``create`` / ``release``    ``cuMemCreate`` (pinned, device-located) / ``cuMemRelease``
+``map`` / ``unmap``         ``cuMemMap`` / ``cuMemUnmap``
+``set_access``              ``cuMemSetAccess`` (read-write for the owning device)
+``zero``                    ``cuMemsetD8Async`` on torch's current stream
+``accessible``              ``cuMemGetAccess``
+``mem_info``                ``cuMemGetInfo``
+==========================  =========================================================================
+
+Tensors are torch CUDA tensors built from ``__cuda_array_interface__``; torch keeps the interface object (and with
+it the keeper) alive for the storage's lifetime, so no DLPack deleter of ours ever runs.
+
+Note [Why not cuda.core.VirtualMemoryResource]
+    Its ``modify_allocation`` grows a buffer by asking the driver for the address range right after it and, when
+    refused, reserves a new range and moves the pointer. Captured CUDA graphs hold raw addresses, so a moved base
+    breaks them; we reserve the upper bound once instead and only ever map inside it.
+
+Note [Current context]
+    cuda-bindings calls act on the calling thread's current context. torch uses the device's primary context, so
+    every entry point makes the primary context of ``device`` current first (retaining it once). Calls from a
+    thread on which torch never ran would otherwise fail with CUDA_ERROR_INVALID_CONTEXT.
+
+Note [Granularity]
+    The driver asks for the RECOMMENDED granularity (2 MiB on current NVIDIA GPUs; never assumed). Sizes,
+    addresses and offsets must be multiples of the MINIMUM, which divides the recommended one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+
+_OOM_NAMES = ("CUDA_ERROR_OUT_OF_MEMORY",)
+
+
+def _bindings() -> Any:
+    from cuda.bindings import driver  # noqa: PLC0415 - optional dependency
+
+    return driver
+
+
+def probe(ordinal: int = 0) -> str | None:
+    """Return why the CUDA driver cannot run here, or ``None`` when it can."""
+    try:
+        cu = _bindings()
+    except ImportError as exc:
+        return f"cuda-bindings is not installed ({exc}); install the 'cuda' extra"
+    try:
+        (err,) = cu.cuInit(0)
+    except (RuntimeError, OSError) as exc:  # libcuda.so.1 missing: cuda-bindings cannot load the driver
+        return f"the CUDA driver library could not be loaded ({exc})"
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return f"cuInit failed: {err.name} (no NVIDIA driver or no device)"
+    err, count = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or count <= ordinal:
+        return f"no CUDA device {ordinal} (found {count if err == cu.CUresult.CUDA_SUCCESS else 0})"
+    err, dev = cu.cuDeviceGet(ordinal)
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    err, supported = cu.cuDeviceGetAttribute(attr, dev)
+    if err != cu.CUresult.CUDA_SUCCESS or not supported:
+        return f"CUDA device {ordinal} does not support virtual memory management"
+    if not torch.cuda.is_available():
+        return "torch was built without CUDA or cannot see the device"
+    return None
+
+
+class _CudaArray:
+    """The smallest object torch.as_tensor accepts as CUDA memory; it carries the keeper."""
+
+    __slots__ = ("__cuda_array_interface__", "keeper")
+
+    def __init__(self, va: int, nbytes: int, keeper: object) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None,
+            "stream": None,
+        }
+        self.keeper = keeper
+
+
+class CudaDriver:
+    """VMM on an NVIDIA GPU through cuda-bindings (see the module docstring)."""
+
+    max_handle_bytes: int | None = None
+
+    def __init__(self, ordinal: int = 0, *, name: str = "cuda") -> None:
+        reason = probe(ordinal)
+        if reason:
+            raise DriverUnavailable(reason)
+        self.name = name
+        self.ordinal = ordinal
+        self.device = torch.device("cuda", ordinal)
+        self._cu = cu = _bindings()
+        torch.cuda.init()
+        self._local = threading.local()
+        self._dev = self._check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+        self._ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._dev))
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        self._prop = prop
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = ordinal
+        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [desc]
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        self._granularity = int(self._call("granularity", "cuMemGetAllocationGranularity", prop, flag))
+
+    def __repr__(self) -> str:
+        return f"CudaDriver(ordinal={self.ordinal}, granularity={self._granularity})"
+
+    # -- protocol ---------------------------------------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._granularity
+
+    def reserve(self, size: int, alignment: int) -> int:
+        return int(self._call("reserve", "cuMemAddressReserve", size, alignment, 0, 0))
+
+    def free(self, va: int, size: int) -> None:
+        self._call("free", "cuMemAddressFree", va, size)
+
+    def create(self, size: int) -> int:
+        return int(self._call("create", "cuMemCreate", size, self._prop, 0))
+
+    def release(self, handle: int) -> None:
+        self._call("release", "cuMemRelease", handle)
+
+    def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
+        self._call("map", "cuMemMap", va, size, offset, handle, 0)
+
+    def unmap(self, va: int, size: int) -> None:
+        self._call("unmap", "cuMemUnmap", va, size)
+
+    def set_access(self, va: int, size: int) -> None:
+        self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
+
+    def zero(self, va: int, size: int) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._call("zero", "cuMemsetD8Async", va, 0, size, stream)
+
+    def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        self._make_current()
+        return torch.as_tensor(_CudaArray(va, nbytes, keeper), device=self.device)
+
+    def accessible(self, va: int) -> bool:
+        self._make_current()
+        err, flags = self._cu.cuMemGetAccess(self._access[0].location, va)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            return False
+        return int(flags) == int(self._cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = self._call("mem_info", "cuMemGetInfo")
+        return int(free), int(total)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _make_current(self) -> None:  # Note [Current context]
+        if getattr(self._local, "ready", False):
+            return
+        self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._ctx))
+        self._local.ready = True
+
+    def _call(self, op: str, fn: str, *args: Any) -> Any:
+        self._make_current()
+        result = getattr(self._cu, fn)(*args)
+        return self._check(fn, result, op, args)
+
+    def _check(self, fn: str, result: tuple, op: str | None = None, args: tuple = ()) -> Any:
+        err, *values = result
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            shown = ", ".join(hex(a) if isinstance(a, int) and a > 1 << 20 else str(a)
+                              for a in args if not isinstance(a, (list, self._cu.CUmemAllocationProp)))
+            kind = DriverOutOfMemory if err.name in _OOM_NAMES else DriverError
+            raise kind(op or fn, f"{fn}({shown}) returned {err.name}", int(err))
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)

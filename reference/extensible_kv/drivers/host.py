@@ -1,0 +1,254 @@
+"""The host driver: virtual memory management emulated on the CPU with Linux mmap and memfd.
+
+It is a real implementation of the driver protocol, not a mock: reservations, physical handles and mappings are
+kernel objects, so a granule that was never mapped really faults when touched, and ``accessible`` reads the
+kernel's view (``/proc/self/maps``). Tensors are CPU torch tensors over the mapped bytes.
+
+==========================  =========================================================================
+protocol operation          Linux call
+==========================  =========================================================================
+``reserve``                 ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``, trimmed to the alignment
+``create``                  ``memfd_create`` + ``ftruncate``
+``map``                     ``mmap(PROT_NONE, MAP_SHARED|MAP_FIXED)`` of the memfd at the address
+``set_access``              ``mprotect(PROT_READ|PROT_WRITE)``
+``unmap``                   ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE|MAP_FIXED)``: back to reserved
+``release``                 ``close`` (a live mapping keeps the pages, as ``cuMemRelease`` does)
+``free``                    ``munmap``
+==========================  =========================================================================
+
+What it does not emulate: device memory pressure (``mem_info`` reports host memory), peer access, IPC handles,
+asynchronous streams (``zero`` and ``synchronize`` are synchronous).
+
+Note [Host granularity]
+    The default granularity is 2 MiB, the CUDA granularity on current NVIDIA GPUs, so the rounding, straddling and
+    dedup arithmetic that runs on GPUs runs here too. 4 KiB (the ROCm minimum, and the Linux page) is registered as
+    ``host-4k``. Any multiple of the page size works.
+
+Note [Fresh pages are not zero]
+    ``cuMemCreate`` makes no promise about the contents of new physical memory, but a fresh memfd reads as zeros,
+    which would hide a missing zero step. The host driver therefore fills every new handle with ``fill_byte``
+    (0xA5 by default; ``None`` turns this off) so callers that forget to zero are caught.
+
+Note [MAP_FIXED replaces silently]
+    ``mmap(MAP_FIXED)`` silently replaces whatever was mapped at the address, where ``cuMemMap`` refuses a range
+    that is already mapped. The driver keeps a table of its live mappings and refuses overlaps itself, so a caller
+    that maps a granule twice gets the same error here as on a GPU, instead of silently losing the first mapping's
+    data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+
+MIB = 1 << 20
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+_PROT_NONE = 0x0
+_PROT_READ = 0x1
+_PROT_WRITE = 0x2
+_MAP_SHARED = 0x01
+_MAP_PRIVATE = 0x02
+_MAP_FIXED = 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mprotect.restype = ctypes.c_int
+        lib.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = lib
+    return _libc
+
+
+def probe() -> str | None:
+    """Return why the host driver cannot run here, or ``None`` when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"the host driver needs Linux (mmap, memfd_create); this is {sys.platform}"
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is missing (needs Linux and Python built against glibc >= 2.27)"
+    return None
+
+
+@dataclass(eq=False)
+class HostHandle:
+    """A physical allocation: one memfd of ``size`` bytes. Compared by identity."""
+
+    fd: int
+    size: int
+
+    def __repr__(self) -> str:
+        return f"HostHandle(fd={self.fd}, size={self.size})"
+
+
+class HostDriver:
+    """VMM emulated with mmap/memfd on Linux (see the module docstring)."""
+
+    device = torch.device("cpu")
+    max_handle_bytes: int | None = None
+
+    def __init__(self, granularity: int = 2 * MIB, *, fill_byte: int | None = 0xA5, name: str = "host") -> None:
+        reason = probe()
+        if reason:
+            raise DriverUnavailable(reason)
+        if not isinstance(granularity, int) or granularity <= 0 or granularity % PAGE_BYTES:
+            raise ValueError(f"host granularity must be a positive multiple of the page size {PAGE_BYTES}, "
+                             f"got {granularity!r}")
+        self.name = name
+        self._granularity = granularity
+        self._fill_byte = fill_byte
+        self._lock = threading.Lock()
+        self._reservations: dict[int, int] = {}  # va -> size
+        self._mappings: dict[int, tuple[int, HostHandle]] = {}  # va -> (size, handle); see Note [MAP_FIXED ...]
+
+    def __repr__(self) -> str:
+        return f"HostDriver(name={self.name!r}, granularity={self._granularity})"
+
+    # -- protocol ---------------------------------------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._granularity
+
+    def reserve(self, size: int, alignment: int) -> int:
+        alignment = max(alignment, PAGE_BYTES)
+        span = size + alignment
+        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if raw in (None, _MAP_FAILED):
+            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+        va = (raw + alignment - 1) // alignment * alignment
+        # Trim the over-reservation so the kernel holds exactly [va, va+size).
+        if va > raw:
+            _lib().munmap(raw, va - raw)
+        if raw + span > va + size:
+            _lib().munmap(va + size, raw + span - (va + size))
+        with self._lock:
+            self._reservations[va] = size
+        return va
+
+    def free(self, va: int, size: int) -> None:
+        with self._lock:
+            if self._reservations.get(va) != size:
+                raise DriverError("free", f"[{va:#x}, +{size}) is not a reservation of this driver")
+            live = [m for m in self._mappings if va <= m < va + size]
+            if live:
+                raise DriverError("free", f"reservation {va:#x} still has {len(live)} mapping(s)")
+            del self._reservations[va]
+        if _lib().munmap(va, size) != 0:
+            self._fail("free", f"munmap({va:#x}, {size})")
+
+    def create(self, size: int) -> HostHandle:
+        try:
+            fd = os.memfd_create("extensible-kv", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
+        try:
+            os.ftruncate(fd, size)
+            if self._fill_byte is not None:  # Note [Fresh pages are not zero]
+                self._fill(fd, size, self._fill_byte)
+        except OSError as exc:
+            os.close(fd)
+            kind = DriverOutOfMemory if exc.errno in (errno.ENOMEM, errno.ENOSPC) else DriverError
+            raise kind("create", f"ftruncate/fill of a {size}-byte memfd: {exc}", exc.errno) from exc
+        return HostHandle(fd, size)
+
+    def release(self, handle: HostHandle) -> None:
+        os.close(handle.fd)
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        with self._lock:
+            self._check_in_reservation("map", va, size)
+            for m_va, (m_size, _) in self._mappings.items():
+                if m_va < va + size and va < m_va + m_size:  # Note [MAP_FIXED replaces silently]
+                    raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
+            if offset + size > handle.size:
+                raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
+            got = _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
+            if got != va:
+                self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            self._mappings[va] = (size, handle)
+
+    def unmap(self, va: int, size: int) -> None:
+        with self._lock:
+            live = self._mappings.get(va)
+            if live is None or live[0] != size:
+                raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping")
+            got = _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            if got != va:
+                self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+            del self._mappings[va]
+
+    def set_access(self, va: int, size: int) -> None:
+        with self._lock:
+            covered = sum(s for m, (s, _) in self._mappings.items() if va <= m and m + s <= va + size)
+        if covered != size:
+            raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
+        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
+            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+
+    def zero(self, va: int, size: int) -> None:
+        ctypes.memset(va, 0, size)
+
+    def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        buffer = (ctypes.c_uint8 * nbytes).from_address(va)
+        buffer.keeper = keeper  # the storage holds `buffer`, which holds the keeper
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def accessible(self, va: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= va < hi:
+                    return perms.startswith("rw")
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_info(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES
+        free = os.sysconf("SC_AVPHYS_PAGES") * PAGE_BYTES
+        return free, total
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _check_in_reservation(self, op: str, va: int, size: int) -> None:
+        for r_va, r_size in self._reservations.items():
+            if r_va <= va and va + size <= r_va + r_size:
+                return
+        raise DriverError(op, f"[{va:#x}, +{size}) does not lie inside one reservation of this driver")
+
+    @staticmethod
+    def _fill(fd: int, size: int, byte: int) -> None:
+        lib = _lib()
+        addr = lib.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        try:
+            ctypes.memset(addr, byte, size)
+        finally:
+            lib.munmap(addr, size)
+
+    @staticmethod
+    def _fail(op: str, detail: str, oom: bool = False) -> None:
+        err = ctypes.get_errno()
+        kind = DriverOutOfMemory if (oom or err == errno.ENOMEM) else DriverError
+        raise kind(op, f"{detail}: {os.strerror(err)}", err)
