@@ -230,7 +230,7 @@ class ExtensibleTensor:
         cap = driver.max_handle_bytes
         max_granules = max(cap // g, 1) if cap else None
         mapped: list[tuple[int, int]] = []
-        pending = None  # a handle created but not yet mapped
+        pending = None  # a handle created and not yet released
         op = "create"
         try:
             for lo, hi in runs:
@@ -241,9 +241,9 @@ class ExtensibleTensor:
                     op = "map"
                     driver.map(va, size, pending, 0)
                     mapped.append((va, size))
-                    handle, pending = pending, None
                     op = "release"
-                    driver.release(handle)  # the mapping keeps the memory alive
+                    driver.release(pending)  # the mapping keeps the memory alive
+                    pending = None
                 op = "set_access"
                 driver.set_access(base + lo * g, (hi - lo) * g)
             if zero_new:

@@ -1,0 +1,155 @@
+"""Rules of the driver protocol itself, one per test (see extensible_kv.drivers._protocol)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from extensible_kv.errors import DriverError
+
+from .helpers import expect, expect_bytes, pattern
+
+
+@pytest.fixture
+def reservation(driver):
+    """Four granules reserved (and freed after the test)."""
+    g = driver.granularity()
+    va = driver.reserve(4 * g, g)
+    yield va
+    for m_va, size in sorted(driver.outstanding().mappings.items()):
+        driver.unmap(m_va, size)
+    driver.free(va, 4 * g)
+
+
+def _map(driver, va, size, access=True):
+    h = driver.create(size)
+    driver.map(va, size, h, 0)
+    driver.release(h)
+    if access:
+        driver.set_access(va, size)
+
+
+def test_granularity_is_a_positive_multiple_of_4096(driver):
+    g = driver.granularity()
+    expect(isinstance(g, int) and g > 0 and g % 4096 == 0, driver, "granularity", "a positive multiple of 4096", g)
+
+
+def test_reserve_is_aligned_and_not_accessible(driver, reservation):
+    g = driver.granularity()
+    expect(reservation % g == 0, driver, "reserve", f"an address aligned to {g}", hex(reservation))
+    states = [driver.accessible(reservation + i * g) for i in range(4)]
+    expect(not any(states), driver, "accessible after reserve", "no granule accessible", states)
+
+
+def test_mapping_alone_grants_no_access(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, g, access=False)
+    expect(not driver.accessible(reservation), driver, "accessible after map without set_access", False, True)
+
+
+def test_set_access_makes_mapped_range_readable_and_writable(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, 2 * g)
+    states = [driver.accessible(reservation + i * g) for i in range(4)]
+    expect(states == [True, True, False, False], driver, "accessible after map+set_access of 2 granules",
+           [True, True, False, False], states)
+    data = pattern(2 * g, 1, driver.device)
+    driver.tensor(reservation, 2 * g, None).copy_(data)
+    expect_bytes(driver, "read back after write", driver.tensor(reservation, 2 * g, None), data)
+
+
+def test_unmap_returns_range_to_reserved(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, g)
+    driver.synchronize()
+    driver.unmap(reservation, g)
+    expect(not driver.accessible(reservation), driver, "accessible after unmap", False, True)
+
+
+def test_map_over_mapped_granule_is_refused(driver, reservation):
+    # Asked of the driver itself: the ledger would refuse first.
+    g = driver.granularity()
+    _map(driver, reservation, 2 * g)
+    h = driver.inner.create(g)
+    try:
+        with pytest.raises(DriverError) as info:
+            driver.inner.map(reservation + g, g, h, 0)
+            driver.inner.unmap(reservation + g, g)  # the driver accepted it; undo so teardown stays sane
+        expect(info.value.operation == "map", driver, "map over a mapped granule", "DriverError(operation='map')",
+               repr(info.value))
+    finally:
+        driver.inner.release(h)
+
+
+def test_unmap_of_a_subrange_is_refused(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, 2 * g)
+    driver.synchronize()
+    with pytest.raises(DriverError):
+        driver.inner.unmap(reservation, g)
+    expect(driver.accessible(reservation), driver, "accessible after a refused partial unmap", True, False)
+
+
+def test_map_outside_a_reservation_is_refused(driver, reservation):
+    g = driver.granularity()
+    h = driver.inner.create(g)
+    try:
+        with pytest.raises(DriverError):
+            driver.inner.map(reservation + 8 * g, g, h, 0)
+    finally:
+        driver.inner.release(h)
+
+
+def test_release_while_mapped_keeps_the_memory(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, g)  # _map releases the handle right after mapping
+    data = pattern(g, 2, driver.device)
+    view = driver.tensor(reservation, g, None)
+    view.copy_(data)
+    expect_bytes(driver, "read after release of the mapped handle", view, data)
+
+
+def test_zero_sets_exactly_the_range(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, 2 * g)
+    view = driver.tensor(reservation, 2 * g, None)
+    view.fill_(0xFF)
+    lo, hi = g // 2, 2 * g - g // 4  # crosses the granule boundary, stops short of the end
+    driver.zero(reservation + lo, hi - lo)
+    driver.synchronize()
+    expected = view.new_full((2 * g,), 0xFF)
+    expected[lo:hi] = 0
+    expect_bytes(driver, f"zero({lo}, {hi - lo})", view, expected)
+
+
+def test_tensor_aliases_memory_without_copy(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, g)
+    a = driver.tensor(reservation, g, None)
+    half = g // 2
+    b = driver.tensor(reservation + half, g - half, None)
+    expect(a.data_ptr() == reservation, driver, "tensor().data_ptr()", hex(reservation), hex(a.data_ptr()))
+    a.fill_(3)
+    b[:16].fill_(9)
+    driver.synchronize()
+    expect(int(a[half]) == 9, driver, "write through one tensor seen through another", 9, int(a[half]))
+
+
+def test_tensor_keeps_its_keeper_alive(driver, reservation):
+    g = driver.granularity()
+    _map(driver, reservation, g)
+
+    class Keeper:
+        pass
+
+    keeper = Keeper()
+    ref = weakref.ref(keeper)
+    view = driver.tensor(reservation, g, keeper)
+    del keeper
+    gc.collect()
+    expect(ref() is not None, driver, "keeper while the tensor lives", "alive", "collected")
+    del view
+    gc.collect()
+    expect(ref() is None, driver, "keeper after the tensor died", "collected", "alive")
