@@ -17,12 +17,19 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 import extensible_kv
 from extensible_kv import drivers
 from extensible_kv.errors import DriverLoadError, DriverUnavailable
 
 REQUIRE_GPU_ENV = "EXTENSIBLE_KV_REQUIRE_GPU"
+
+# Hypothesis profiles: "default" for the suite, "meta" when the meta-tests re-run the suite many times.
+settings.register_profile("default", max_examples=25)
+settings.register_profile("meta", max_examples=5, phases=[Phase.explicit, Phase.generate], database=None,
+                          derandomize=True)
+settings.load_profile("default")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,6 +76,12 @@ def _build(config: pytest.Config, spec: str) -> object:
     return sel.built[spec]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get(REQUIRE_GPU_ENV) == "1" and drivers.best_available() == "host":
+        reasons = "; ".join(f"{n}: {drivers.probe(n)}" for n in drivers.registered() if not n.startswith("host"))
+        raise pytest.UsageError(f"{REQUIRE_GPU_ENV}=1 but no GPU driver can run here ({reasons})")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "driver" in metafunc.fixturenames:
         specs = _selection(metafunc.config).specs
@@ -97,8 +110,7 @@ def driver(request: pytest.FixtureRequest, driver_spec: str):
     config = request.config
     built = _build(config, driver_spec)
     if isinstance(built, str):
-        if _selection(config).explicit or (os.environ.get(REQUIRE_GPU_ENV) == "1" and driver_spec != "host"
-                                           and driver_spec != "host-4k"):
+        if _selection(config).explicit:
             pytest.fail(f"driver {driver_spec!r} was asked for but cannot run: {built}", pytrace=False)
         pytest.skip(built)
     marker = request.node.get_closest_marker("drivers")
@@ -189,3 +201,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             json.dump({"exitstatus": int(exitstatus), "torch": torch.__version__, "drivers": rows,
                        "tests": [{"driver": s, "test": n, "outcome": o} for (s, n), o in sorted(_outcomes.items())]},
                       fh, indent=2)
+

@@ -62,6 +62,7 @@ _MAP_FIXED = 0x10
 _MAP_ANONYMOUS = 0x20
 _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MEMFD_NAME = "extensible-kv"
 
 _libc: ctypes.CDLL | None = None
 
@@ -156,7 +157,7 @@ class HostDriver:
 
     def create(self, size: int) -> HostHandle:
         try:
-            fd = os.memfd_create("extensible-kv", os.MFD_CLOEXEC)
+            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
         except OSError as exc:
             raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
         try:
@@ -212,12 +213,13 @@ class HostDriver:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def accessible(self, va: int) -> bool:
+        # Mapped means: the kernel maps one of our memfds here (not anonymous memory), readable and writable.
         with open("/proc/self/maps") as maps:
             for line in maps:
-                span, perms = line.split(None, 2)[:2]
-                lo, hi = (int(x, 16) for x in span.split("-"))
+                fields = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 if lo <= va < hi:
-                    return perms.startswith("rw")
+                    return fields[1].startswith("rw") and len(fields) == 6 and _MEMFD_NAME in fields[5]
         return False
 
     def synchronize(self) -> None:

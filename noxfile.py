@@ -1,0 +1,63 @@
+"""Sessions for local runs and GPU CI. `nox -l` lists them; `nox -t cpu|cuda|rocm` picks a runner's set.
+
+Every session also runs with `--no-venv` on a machine where nothing can be installed (the packages must already be
+importable, e.g. with PYTHONPATH=reference): installs are skipped there, everything else is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_venv = "yes"
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
+PYTEST_NO_TESTS = 5
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """Install into the session's venv; with --no-venv, assume it is all there already."""
+    if session.venv_backend != "none":
+        session.install(*args)
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    """Run pytest; a run that collected no tests is an error, never a pass."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
+                                                         os.environ.get("PYTHONPATH")]))}
+    code = session.run("python", "-m", "pytest", *args, env=env, success_codes=[0, PYTEST_NO_TESTS])
+    if code == PYTEST_NO_TESTS:
+        session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
+
+
+# `tests` uses pip (virtualenv): pip honours the machine's own configuration (local wheel folders, constraints),
+# which is where a CPU build of torch comes from on GPU-less machines; uv does not read it.
+@nox.session(venv_backend="virtualenv", tags=["cpu"])
+def tests(session: nox.Session) -> None:
+    """Unit, meta and conformance tests on the host driver (no GPU needed)."""
+    _install(session, "-e", ".", *TEST_DEPS)
+    _pytest(session, "conformance", "--driver", "host,host-4k", *session.posargs)
+
+
+@nox.session(tags=["cuda", "rocm"])
+def conformance(session: nox.Session) -> None:
+    """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one)."""
+    args = list(session.posargs)
+    driver = args.pop(0) if args and not args[0].startswith("-") else None
+    if session.venv_backend != "none":
+        extra = {"cuda": "[cuda]", "hip": "[rocm]"}.get(driver or "", "[cuda]" if shutil.which("nvidia-smi") else "")
+        session.install("-e", f".{extra}", *TEST_DEPS)
+    if driver is None:
+        driver = session.run("python", "-c", "from extensible_kv.drivers import best_available as b; print(b())",
+                             silent=True, env={"PYTHONPATH": str(ROOT / "reference")}).strip()
+    Path("reports/out").mkdir(parents=True, exist_ok=True)
+    _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
+            "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", *args)
