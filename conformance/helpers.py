@@ -26,7 +26,8 @@ def pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 def first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
-    diff = (actual.cpu() != expected.cpu()).nonzero()
+    actual, expected = actual.cpu().reshape(-1), expected.cpu().reshape(-1)
+    diff = (actual != expected).nonzero().flatten()
     if diff.numel() == 0:
         return "none"
     i = int(diff[0])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from extensible_kv import granules, tensor
+from extensible_kv import granules, kv_cache, layout, tensor
 
 
 def _per_granule(seg, n, old, new, g):
@@ -46,6 +46,15 @@ def _leaky_teardown(memory):
         memory.driver.unmap(*memory.mappings.pop())
 
 
+def _single_segment(layers, page_size_bytes, num_blocks):
+    """KV buffers ignore their layout: one segment, as if every backend were block-major."""
+    return layout.Segments(1, page_size_bytes * num_blocks)
+
+
+def _no_retract(self, mark):
+    """A failed multi-buffer step leaves the buffers grown before the failure as they are."""
+
+
 _ORIGINAL_RUNS = granules.new_granule_runs
 SABOTAGE = {
     "per_granule": (granules, "new_granule_runs", _per_granule),
@@ -53,6 +62,8 @@ SABOTAGE = {
     "wide_views": (tensor.ExtensibleTensor, "segment_view", _wide_views),
     "skip_rollback": (tensor.ExtensibleTensor, "_rollback", _skip_rollback),
     "leaky_teardown": (tensor, "_teardown", _leaky_teardown),
+    "single_segment": (kv_cache, "buffer_segments", _single_segment),
+    "no_retract": (tensor.ExtensibleTensor, "_retract", _no_retract),
 }
 
 

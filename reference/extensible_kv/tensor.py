@@ -280,6 +280,21 @@ class ExtensibleTensor:
                 problems.append(f"release: {exc}")
         return problems
 
+    def _mark(self) -> tuple[int, int]:
+        """A point to ``_retract`` to: the size per segment and the number of mappings now."""
+        return self._per_segment, len(self._memory.mappings)
+
+    def _retract(self, mark: tuple[int, int]) -> None:
+        """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step)."""
+        per_segment, count = mark
+        with self._lock:
+            self._driver.synchronize()
+            while len(self._memory.mappings) > count:
+                va, size = self._memory.mappings[-1]
+                self._driver.unmap(va, size)
+                self._memory.mappings.pop()
+            self._per_segment = per_segment
+
     # -- views -------------------------------------------------------------------------------------------------
     def segment_view(self, index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over exactly the committed bytes of segment ``index``, as ``dtype``."""

@@ -1,0 +1,198 @@
+"""ExtensibleKVCacheBuffers: every KV cache buffer of a model as an ExtensibleTensor, grown a block prefix at a time.
+
+One buffer per KV cache tensor (a buffer may be shared by several layers, as vLLM's ``KVCacheTensor.shared_by``),
+each sized for the upper-bound block count and split into the lockstep segments its layers' layout needs
+(``extensible_kv.layout``). ``ensure_blocks(n)`` commits blocks ``[0, n)`` in every segment of every buffer, as one
+step: if any buffer fails, the buffers grown in that step are retracted and the old block count kept.
+
+Per-layer views come in two kinds: ``layer_views`` at the full upper-bound shape, whose addresses never change
+(what captured CUDA graphs and vLLM's forward context hold), and ``committed_layer_views`` over exactly the
+committed blocks. Legacy mode commits everything at construction: the path when the feature is off.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .drivers import Driver, best_available, get_driver
+from .errors import CommitError, InvalidSizeError
+from .layout import Layer, LayoutError, buffer_segments
+from .tensor import ExtensibleTensor, _check_int
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """One KV cache buffer: ``page_size_bytes`` per block, viewed by ``layers``."""
+
+    name: str
+    page_size_bytes: int
+    layers: tuple[Layer, ...]
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    name: str
+    layers: tuple[str, ...]
+    num_segments: int
+    page_size_bytes: int
+    reserved_bytes: int
+    committed_bytes: int
+    backed_bytes: int
+    waste_bytes: int
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """Plain accounting of a whole KV cache, in bytes and blocks, for reports (``to_dict`` is JSON-ready)."""
+
+    driver: str
+    granularity: int
+    max_num_blocks: int
+    num_blocks: int
+    reserved_bytes: int
+    committed_bytes: int
+    backed_bytes: int
+    waste_bytes: int
+    buffers: tuple[BufferStats, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ExtensibleKVCacheBuffers:
+    """The KV cache buffers of a model (see the module docstring)."""
+
+    def __init__(self, buffers: Sequence[KVBuffer], max_num_blocks: int, *, driver: Driver | str | None = None,
+                 legacy: bool = False) -> None:
+        max_num_blocks = _check_int("max_num_blocks", max_num_blocks)
+        if max_num_blocks <= 0:
+            raise InvalidSizeError(f"max_num_blocks must be positive, got {max_num_blocks}")
+        if not buffers:
+            raise InvalidSizeError("ExtensibleKVCacheBuffers needs at least one buffer")
+        names = [b.name for b in buffers]
+        layer_names = [layer.name for b in buffers for layer in b.layers]
+        for kind, seq in (("buffer", names), ("layer", layer_names)):
+            dups = sorted({n for n in seq if seq.count(n) > 1})
+            if dups:
+                raise InvalidSizeError(f"duplicate {kind} names: {dups}")
+        for b in buffers:
+            _check_int(f"page_size_bytes of buffer {b.name}", b.page_size_bytes)
+            if b.page_size_bytes <= 0:
+                raise InvalidSizeError(f"buffer {b.name}: page_size_bytes must be positive, got {b.page_size_bytes}")
+        segments = [buffer_segments(b.layers, b.page_size_bytes, max_num_blocks) for b in buffers]
+        for b, seg in zip(buffers, segments):
+            if b.page_size_bytes % seg.count:
+                raise LayoutError(f"buffer {b.name}: {seg.count} segments do not divide its {b.page_size_bytes}-byte "
+                                  f"page")
+        if driver is None:
+            driver = best_available()
+        if isinstance(driver, str):
+            driver = get_driver(driver)
+        self._driver = driver
+        self._buffers = tuple(buffers)
+        self._max_num_blocks = max_num_blocks
+        self._num_blocks = 0
+        self._lock = threading.Lock()
+        self._tensors: dict[str, ExtensibleTensor] = {}
+        try:
+            for b, seg in zip(buffers, segments):
+                self._tensors[b.name] = ExtensibleTensor(b.page_size_bytes * max_num_blocks, seg.count,
+                                                         driver=driver, alignment=b.page_size_bytes // seg.count)
+        except BaseException:
+            self.close()
+            raise
+        self._views: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        for b in buffers:
+            raw = self._tensors[b.name].full_view(torch.int8)
+            for layer in b.layers:
+                self._views[layer.name] = list(zip(layer.views(raw, max_num_blocks), layer.block_dims()))
+        if legacy:
+            self.ensure_blocks(max_num_blocks)
+
+    # -- properties --------------------------------------------------------------------------------------------
+    @property
+    def max_num_blocks(self) -> int:
+        return self._max_num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks committed in every segment of every buffer."""
+        return self._num_blocks
+
+    @property
+    def buffers(self) -> tuple[KVBuffer, ...]:
+        return self._buffers
+
+    def tensor(self, buffer: str) -> ExtensibleTensor:
+        if buffer not in self._tensors:
+            raise InvalidSizeError(f"unknown buffer {buffer!r}; buffers: {sorted(self._tensors)}")
+        return self._tensors[buffer]
+
+    # -- growth ------------------------------------------------------------------------------------------------
+    def ensure_blocks(self, num_blocks: int, zero_new: bool = True) -> int:
+        """Commit blocks ``[0, num_blocks)`` in every segment of every buffer; return the committed block count.
+
+        Idempotent and grow-only: a count at or below the committed one does nothing. All buffers grow as one step.
+        """
+        num_blocks = _check_int("num_blocks", num_blocks)
+        if num_blocks < 0:
+            raise InvalidSizeError(f"num_blocks must be non-negative, got {num_blocks}")
+        if num_blocks > self._max_num_blocks:
+            raise InvalidSizeError(f"num_blocks={num_blocks} exceeds the reserved upper bound "
+                                   f"max_num_blocks={self._max_num_blocks}")
+        with self._lock:
+            if num_blocks <= self._num_blocks:
+                return self._num_blocks
+            marks = []
+            try:
+                for b in self._buffers:
+                    t = self._tensors[b.name]
+                    marks.append((t, t._mark()))
+                    t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments), zero_new=zero_new)
+            except CommitError:
+                for t, mark in reversed(marks[:-1]):
+                    t._retract(mark)
+                raise
+            self._num_blocks = num_blocks
+            return num_blocks
+
+    # -- views -------------------------------------------------------------------------------------------------
+    def layer_views(self, layer: str) -> list[torch.Tensor]:
+        """The layer's views at the full upper-bound shape (one per Mamba state, one for attention).
+
+        Addresses never change; only blocks below ``num_blocks`` may be touched.
+        """
+        return [v for v, _ in self._layer(layer)]
+
+    def committed_layer_views(self, layer: str) -> list[torch.Tensor]:
+        """The layer's views narrowed to exactly the committed blocks."""
+        return [v.narrow(d, 0, self._num_blocks) for v, d in self._layer(layer)]
+
+    def _layer(self, layer: str) -> list[tuple[torch.Tensor, int]]:
+        if layer not in self._views:
+            raise InvalidSizeError(f"unknown layer {layer!r}; layers: {sorted(self._views)[:8]}")
+        return self._views[layer]
+
+    # -- accounting and lifetime -------------------------------------------------------------------------------
+    def stats(self) -> KVCacheStats:
+        rows = []
+        for b in self._buffers:
+            s = self._tensors[b.name].stats()
+            rows.append(BufferStats(b.name, tuple(layer.name for layer in b.layers), s.num_segments,
+                                    b.page_size_bytes, s.reserved_bytes, s.committed_bytes, s.backed_bytes,
+                                    s.waste_bytes))
+        return KVCacheStats(
+            driver=self._driver.name, granularity=self._driver.granularity(), max_num_blocks=self._max_num_blocks,
+            num_blocks=self._num_blocks, reserved_bytes=sum(r.reserved_bytes for r in rows),
+            committed_bytes=sum(r.committed_bytes for r in rows), backed_bytes=sum(r.backed_bytes for r in rows),
+            waste_bytes=sum(r.waste_bytes for r in rows), buffers=tuple(rows))
+
+    def close(self) -> None:
+        """Drop the views this object holds and close every buffer (forcing: callers promise not to use views)."""
+        self._views = {}
+        for t in self._tensors.values():
+            t.close(force=True)
