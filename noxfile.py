@@ -14,7 +14,7 @@ import nox
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "layouts"]
 nox.options.reuse_venv = "yes"
 
 ROOT = Path(__file__).parent
@@ -61,3 +61,11 @@ def conformance(session: nox.Session) -> None:
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
             "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", *args)
+
+
+@nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])
+def layouts(session: nox.Session) -> None:
+    """Segment derivation against vLLM 0.26.0's real attention backends and reshape code (CPU is enough)."""
+    _install(session, "-e", ".[vllm]", *TEST_DEPS)
+    session.env["EXTENSIBLE_KV_REQUIRE_VLLM"] = "1"
+    _pytest(session, "integration/test_backend_layouts.py", *session.posargs)

@@ -1,0 +1,212 @@
+"""The Ledger: protocol checks that stop a broken caller before the inner driver, fault injection, bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from extensible_kv.drivers import Ledger
+from extensible_kv.drivers.host import HostDriver, HostHandle
+from extensible_kv.drivers.ledger import OPERATIONS, Outstanding
+from extensible_kv.errors import DriverError, DriverOutOfMemory, ProtocolViolation
+
+G = 4096
+
+
+class RecordingHost(HostDriver):
+    """A 4 KiB host driver that records every protocol call reaching it (in ``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__(granularity=G, name="recording-host")
+        self.seen: list[str] = []
+
+
+def _recorded(op: str):
+    def method(self, *args, **kwargs):
+        self.seen.append(op)
+        return getattr(HostDriver, op)(self, *args, **kwargs)
+    return method
+
+
+for _op in OPERATIONS:
+    setattr(RecordingHost, _op, _recorded(_op))
+
+
+@pytest.fixture
+def ledger():
+    """An empty Ledger over a RecordingHost; afterwards everything left is unmapped, released and freed."""
+    led = Ledger(RecordingHost())
+    yield led
+    for va, size in led.outstanding().mappings.items():
+        led.unmap(va, size)
+    for handle, _ in list(led.handles.values()):
+        led.release(handle)
+    for va, size in led.outstanding().reservations.items():
+        led.free(va, size)
+    inner = led.inner
+    assert not led.outstanding() and not inner._mappings and not inner._reservations, \
+        f"ledger teardown: expected nothing left, got {led.outstanding()}, inner mappings {inner._mappings}, " \
+        f"inner reservations {inner._reservations}"
+
+
+@dataclass
+class World:
+    ledger: Ledger
+    inner: RecordingHost
+    va: int  # a 4-granule reservation whose first 2 granules are mapped (from `mapped`) and accessible
+    mapped: HostHandle
+    spare: HostHandle  # a live 2-granule handle, not mapped
+    empty: int  # a 2-granule reservation with nothing mapped
+    foreign: HostHandle  # a handle created on the inner driver behind the ledger's back
+
+
+@pytest.fixture
+def world(ledger):
+    inner = ledger.inner
+    va = ledger.reserve(4 * G, G)
+    mapped = ledger.create(2 * G)
+    ledger.map(va, 2 * G, mapped)
+    ledger.set_access(va, 2 * G)
+    w = World(ledger, inner, va, mapped, ledger.create(2 * G), ledger.reserve(2 * G, G), inner.create(G))
+    yield w
+    inner.release(w.foreign)
+
+
+def state(w: World) -> tuple:
+    """Everything a call that reached the inner driver (or the ledger's books) would change."""
+    return (list(w.inner.seen), dict(w.inner._mappings), dict(w.inner._reservations), len(w.ledger.calls),
+            w.ledger.outstanding(), [w.inner.accessible(w.va + k * G) for k in range(4)])
+
+
+VIOLATIONS = {
+    "reserve misaligned size": lambda w: w.ledger.reserve(G + 1, G),
+    "create misaligned size": lambda w: w.ledger.create(G // 2),
+    "create zero size": lambda w: w.ledger.create(0),
+    "map misaligned va": lambda w: w.ledger.map(w.va + 2 * G + 1, G, w.spare),
+    "map misaligned size": lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
+    "map misaligned offset": lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
+    "map past the handle": lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
+    "map outside a reservation": lambda w: w.ledger.map(w.va + 4 * G, G, w.spare),
+    "map straddling a reservation end": lambda w: w.ledger.map(w.va + 3 * G, 2 * G, w.spare),
+    "map overlapping a live mapping": lambda w: w.ledger.map(w.va + G, 2 * G, w.spare),
+    "map of a handle the ledger did not create": lambda w: w.ledger.map(w.va + 2 * G, G, w.foreign),
+    "unmap first half of a mapping": lambda w: w.ledger.unmap(w.va, G),
+    "unmap second half of a mapping": lambda w: w.ledger.unmap(w.va + G, G),
+    "unmap more than a mapping": lambda w: w.ledger.unmap(w.va, 3 * G),
+    "set_access over a partly mapped range": lambda w: w.ledger.set_access(w.va, 3 * G),
+    "free with live mappings": lambda w: w.ledger.free(w.va, 4 * G),
+    "free with the wrong size": lambda w: w.ledger.free(w.empty, G),
+    "free of an unknown address": lambda w: w.ledger.free(w.empty + G, G),
+    "release of an unknown handle": lambda w: w.ledger.release(w.foreign),
+}
+
+
+@pytest.mark.parametrize("case", VIOLATIONS, ids=list(VIOLATIONS))
+def test_protocol_violation_is_raised_before_the_inner_driver_is_touched(world, case):
+    before = state(world)
+    with pytest.raises(ProtocolViolation):
+        VIOLATIONS[case](world)
+    after = state(world)
+    assert after == before, f"Ledger, {case}: expected ProtocolViolation with nothing changed ({before}), got {after}"
+
+
+def test_release_twice_is_a_protocol_violation(world):
+    world.ledger.release(world.spare)
+    before = state(world)
+    with pytest.raises(ProtocolViolation):
+        world.ledger.release(world.spare)
+    assert state(world) == before, f"Ledger.release twice: expected nothing changed ({before}), got {state(world)}"
+
+
+VALID_CALLS = {
+    "reserve": lambda w: w.ledger.reserve(G, G),
+    "free": lambda w: w.ledger.free(w.empty, 2 * G),
+    "create": lambda w: w.ledger.create(G),
+    "release": lambda w: w.ledger.release(w.spare),
+    "map": lambda w: w.ledger.map(w.va + 2 * G, G, w.spare),
+    "unmap": lambda w: w.ledger.unmap(w.va, 2 * G),
+    "set_access": lambda w: w.ledger.set_access(w.va, 2 * G),
+    "zero": lambda w: w.ledger.zero(w.va, G),
+}
+
+
+@pytest.mark.parametrize("op", OPERATIONS)
+def test_injected_failure_raises_driver_error_without_reaching_the_inner_driver(world, op):
+    world.ledger.fail(op)
+    seen, books = list(world.inner.seen), world.ledger.outstanding()
+    with pytest.raises(DriverError) as info:
+        VALID_CALLS[op](world)
+    got = (info.type, info.value.operation, world.inner.seen, world.ledger.outstanding())
+    assert got == (DriverError, op, seen, books), \
+        f"Ledger.fail({op!r}) then {op}: expected (DriverError, {op!r}, {seen}, {books}), got {got}"
+    VALID_CALLS[op](world)
+    assert world.inner.seen == [*seen, op], \
+        f"Ledger.fail({op!r}): expected the retry of {op} to reach the inner driver, inner saw {world.inner.seen}"
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_fail_nth_makes_exactly_the_nth_next_call_fail(ledger, nth):
+    ledger.fail("create", nth)
+    outcomes = []
+    for _ in range(nth + 2):
+        try:
+            ledger.create(G)
+            outcomes.append("ok")
+        except DriverError as exc:
+            outcomes.append(exc.operation)
+    expected = ["ok"] * (nth - 1) + ["create", "ok", "ok"]
+    assert outcomes == expected and ledger.inner.seen == ["create"] * (nth + 1), \
+        f"Ledger.fail('create', {nth}) then {nth + 2} creates: expected {expected} with {nth + 1} reaching the " \
+        f"inner driver, got {outcomes} with inner calls {ledger.inner.seen}"
+
+
+def test_fail_raises_the_given_error(ledger):
+    error = DriverOutOfMemory("create", "test-injected")
+    ledger.fail("create", error=error)
+    with pytest.raises(DriverOutOfMemory) as info:
+        ledger.create(G)
+    assert info.value is error, f"Ledger.fail('create', error={error!r}): expected that error, got {info.value!r}"
+
+
+@pytest.mark.parametrize(("op", "nth"), [("tensor", 1), ("bogus", 1), ("create", 0), ("create", -1)])
+def test_fail_rejects_unknown_operations_and_nth_below_one(ledger, op, nth):
+    with pytest.raises(ValueError):
+        ledger.fail(op, nth)
+    ledger.create(G)  # nothing was armed
+    assert ledger.inner.seen == ["create"], \
+        f"Ledger.fail({op!r}, {nth}): expected a later create to reach the driver, inner saw {ledger.inner.seen}"
+
+
+def test_outstanding_reflects_reservations_handles_and_mappings(ledger):
+    got = [ledger.outstanding()]
+    va = ledger.reserve(2 * G, G)
+    got.append(ledger.outstanding())
+    handle = ledger.create(G)
+    got.append(ledger.outstanding())
+    ledger.map(va + G, G, handle)
+    got.append(ledger.outstanding())
+    ledger.release(handle)  # a live mapping keeps its pages
+    got.append(ledger.outstanding())
+    ledger.unmap(va + G, G)
+    got.append(ledger.outstanding())
+    ledger.free(va, 2 * G)
+    got.append(ledger.outstanding())
+    res, mapping = {va: 2 * G}, {va + G: G}
+    expected = [Outstanding(), Outstanding(res), Outstanding(res, 1), Outstanding(res, 1, mapping),
+                Outstanding(res, 0, mapping), Outstanding(res), Outstanding()]
+    assert got == expected, f"Ledger.outstanding() through reserve/create/map/release/unmap/free: " \
+                            f"expected {expected}, got {got}"
+    assert [bool(o) for o in got] == [False] + [True] * 5 + [False], \
+        f"bool(Ledger.outstanding()): expected empty only at both ends, got {[bool(o) for o in got]}"
+
+
+def test_count_counts_calls_of_an_op_from_an_index_on(world):
+    led = world.ledger
+    mark = len(led.calls)
+    led.map(world.va + 2 * G, G, world.spare)
+    led.map(world.va + 3 * G, G, world.spare, G)
+    led.unmap(world.va + 2 * G, G)
+    got = {op: (led.count(op), led.count(op, mark)) for op in ("map", "unmap", "reserve", "zero")}
+    expected = {"map": (3, 2), "unmap": (1, 1), "reserve": (2, 0), "zero": (0, 0)}
+    assert got == expected, f"Ledger.count(op) and count(op, since={mark}): expected {expected}, got {got}"

@@ -1,0 +1,61 @@
+"""Command line: ``python -m extensible_kv drivers`` and ``python -m extensible_kv validate-backend ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import drivers
+
+
+def _drivers(_: argparse.Namespace) -> int:
+    for name in drivers.registered():
+        reason = drivers.probe(name)
+        print(f"{name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
+    print(f"best available: {drivers.best_available()}")
+    return 0
+
+
+def _validate_backend(args: argparse.Namespace) -> int:
+    from .backend_check import validate_many  # noqa: PLC0415
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        print(f"error: --dtype {args.dtype!r} is not a torch dtype", file=sys.stderr)
+        return 2
+    layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
+    reports = validate_many(args.backend, layouts, driver=args.driver, num_kv_heads=args.num_kv_heads,
+                            head_size=args.head_size, block_size=args.block_size, dtype=dtype,
+                            cache_dtype_str=args.cache_dtype)
+    for report in reports:
+        print("\n".join(report.lines()))
+    failed = [f"{r.backend}/{r.kv_layout}" for r in reports if not r.ok]
+    print(f"{len(reports) - len(failed)} of {len(reports)} passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m extensible_kv")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(
+        run=_drivers)
+    vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
+                                                 "commits")
+    vb.add_argument("backend", nargs="+", help="vLLM AttentionBackendEnum name (e.g. FLASH_ATTN) or module:Class")
+    vb.add_argument("--layout", choices=["NHD", "HND", "both"], default="NHD",
+                    help="vLLM KV cache layout (VLLM_KV_CACHE_LAYOUT) to check under; 'both' runs NHD and HND")
+    vb.add_argument("--driver", default=None, help="driver name or module:factory (default: best available)")
+    vb.add_argument("--num-kv-heads", type=int, default=4)
+    vb.add_argument("--head-size", type=int, default=64)
+    vb.add_argument("--block-size", type=int, default=16)
+    vb.add_argument("--dtype", default="bfloat16")
+    vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
+    vb.set_defaults(run=_validate_backend)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
