@@ -42,9 +42,9 @@ def _pytest(session: nox.Session, *args: str) -> None:
 # which is where a CPU build of torch comes from on GPU-less machines; uv does not read it.
 @nox.session(venv_backend="virtualenv", tags=["cpu"])
 def tests(session: nox.Session) -> None:
-    """Unit, meta and conformance tests on the host driver (no GPU needed)."""
+    """Unit, meta and conformance tests and the benchmark smoke run on the host driver (no GPU needed)."""
     _install(session, "-e", ".", *TEST_DEPS)
-    _pytest(session, "conformance", "--driver", "host,host-4k", *session.posargs)
+    _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", *session.posargs)
 
 
 @nox.session(tags=["cuda", "rocm"])
@@ -69,3 +69,21 @@ def layouts(session: nox.Session) -> None:
     _install(session, "-e", ".[vllm]", *TEST_DEPS)
     session.env["EXTENSIBLE_KV_REQUIRE_VLLM"] = "1"
     _pytest(session, "integration/test_backend_layouts.py", *session.posargs)
+
+
+@nox.session(tags=["cuda", "rocm"])
+def bench(session: nox.Session) -> None:
+    """Commit-path benchmarks on the best available driver; JSON in reports/out/, then the summary table."""
+    _install(session, "-e", ".[cuda]" if shutil.which("nvidia-smi") else ".", *TEST_DEPS)
+    Path("reports/out").mkdir(parents=True, exist_ok=True)
+    out = "reports/out/bench.json"
+    _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)
+    session.run("python", "-m", "bench.summary", out, env={"PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                                                        str(ROOT / "reference")])})
+
+
+@nox.session(tags=["cuda", "rocm"])
+def integration(session: nox.Session) -> None:
+    """vLLM 0.26.0 greedy parity, legacy vs extensible KV cache, each case in a fresh process (needs a GPU)."""
+    _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS)
+    _pytest(session, "integration/test_greedy_parity.py", *session.posargs)

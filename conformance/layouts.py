@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from extensible_kv.layout import AttentionLayer, MambaLayer
+from extensible_kv.layout import AttentionLayer, MambaLayer, footprint, merge  # noqa: F401 - re-exported for the rules
 
 HEADS, BLOCK, HEAD = 2, 16, 64
 DTYPE = torch.bfloat16
@@ -49,36 +49,6 @@ LAYOUTS = {
     "hybrid_kv_first_and_mamba": (lambda: (kv_first("l0", block_major=True), mamba("m0")), 1),
     "hybrid_flash_and_mamba": (lambda: (flash_nhd("l0"), mamba("m0")), 1),
 }
-
-
-def footprint(view: torch.Tensor, block_dim: int, num_blocks: int) -> list[tuple[int, int]]:
-    """Byte ranges (relative to the buffer start) that blocks ``[0, num_blocks)`` of ``view`` occupy, merged.
-
-    Computed by replaying the view's shape, strides and offset over element indices, so it does not trust the
-    segment arithmetic it checks.
-    """
-    item = view.element_size()
-    span = view.storage_offset() + sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
-    index = torch.as_strided(torch.arange(span, dtype=torch.int64), view.shape, view.stride(),
-                             view.storage_offset()).narrow(block_dim, 0, num_blocks)
-    elements = torch.unique(index.reshape(-1))
-    if elements.numel() == 0:
-        return []
-    # Merge consecutive element indices into byte ranges.
-    breaks = torch.nonzero(elements[1:] != elements[:-1] + 1).flatten().tolist()
-    starts = [0, *[b + 1 for b in breaks]]
-    ends = [*breaks, elements.numel() - 1]
-    return [(int(elements[s]) * item, (int(elements[e]) + 1) * item) for s, e in zip(starts, ends)]
-
-
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def granules_of(ranges: list[tuple[int, int]], granularity: int) -> set[int]:

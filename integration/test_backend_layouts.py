@@ -99,6 +99,7 @@ def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
             attn_groups.append(AttentionGroup(MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1],
                                               groups[1].kv_cache_spec, 1))
         views = attn_utils._reshape_kv_cache(attn_groups, raw, "auto", [BLOCK] * len(grouped), {}, config)
+    _vllm_views.last_groups = attn_groups
     return config, raw, views, mamba, backend
 
 
@@ -182,3 +183,23 @@ def test_validate_backend_cli_fails_a_backend_whose_shape_does_not_match_its_str
     assert proc.returncode == 1, f"validate-backend on a mismatched backend: expected exit 1, got {proc.returncode}\n{out}"
     assert "stride order (1, 0, 2, 3, 4) does not match its declared 4-d shape" in out, out
     assert "1 of 2 passed; failed: synthetic_backends:ShapeOrderMismatch" in out, out
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid_mamba"])
+@pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN"])
+def test_meta_dry_run_of_vllms_v2_reshape_gives_the_segments(backend_name, hybrid, kv_layout):
+    # What the V2 patch does before allocating: run vLLM's own reshape on meta tensors, read the segments off it.
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.worker.gpu import attn_utils
+
+    from extensible_kv.vllm.worker_kv import derive_segments
+
+    config, raw, views, mamba, backend = _vllm_views(backend_name, hybrid)
+    attn_groups = _vllm_views.last_groups
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        got = derive_segments(config, lambda meta: attn_utils._reshape_kv_cache(
+            attn_groups=attn_groups, kv_cache_raw_tensors=meta, kernel_block_sizes=[BLOCK] * len(attn_groups),
+            cache_dtype="auto", shared_kv_cache_layers={}, kv_cache_config=config))
+    want = [2 if backend_name == "ROCM_ATTN" and not hybrid else 1] * len(config.kv_cache_tensors)
+    assert got == want, f"{backend_name} ({kv_layout}, hybrid={hybrid}): segments per KV tensor expected {want}, " \
+                        f"got {got}"

@@ -20,17 +20,32 @@ import torch
 
 from .drivers import Driver, best_available, get_driver
 from .errors import CommitError, InvalidSizeError
-from .layout import Layer, LayoutError, buffer_segments
+from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, _check_int
 
 
 @dataclass(frozen=True)
 class KVBuffer:
-    """One KV cache buffer: ``page_size_bytes`` per block, viewed by ``layers``."""
+    """One KV cache buffer: ``page_size_bytes`` per block, viewed by ``layers``.
+
+    The segment count is derived from the layers' layouts; a caller that derived it elsewhere (from the views a
+    model runner builds, say) passes ``num_segments`` and no layers instead.
+    """
 
     name: str
     page_size_bytes: int
-    layers: tuple[Layer, ...]
+    layers: tuple[Layer, ...] = ()
+    num_segments: int | None = None
+
+    def segments(self, max_num_blocks: int) -> Segments:
+        if self.num_segments is not None:
+            if self.layers:
+                raise LayoutError(f"buffer {self.name}: give layers or num_segments, not both")
+            n = _check_int(f"num_segments of buffer {self.name}", self.num_segments)
+            if n <= 0:
+                raise InvalidSizeError(f"buffer {self.name}: num_segments must be positive, got {n}")
+            return Segments(n, self.page_size_bytes * max_num_blocks // n)
+        return buffer_segments(self.layers, self.page_size_bytes, max_num_blocks)
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,7 @@ class ExtensibleKVCacheBuffers:
             _check_int(f"page_size_bytes of buffer {b.name}", b.page_size_bytes)
             if b.page_size_bytes <= 0:
                 raise InvalidSizeError(f"buffer {b.name}: page_size_bytes must be positive, got {b.page_size_bytes}")
-        segments = [buffer_segments(b.layers, b.page_size_bytes, max_num_blocks) for b in buffers]
+        segments = [b.segments(max_num_blocks) for b in buffers]
         for b, seg in zip(buffers, segments):
             if b.page_size_bytes % seg.count:
                 raise LayoutError(f"buffer {b.name}: {seg.count} segments do not divide its {b.page_size_bytes}-byte "
@@ -126,6 +141,10 @@ class ExtensibleKVCacheBuffers:
     @property
     def buffers(self) -> tuple[KVBuffer, ...]:
         return self._buffers
+
+    def raw(self, buffer: str) -> torch.Tensor:
+        """The whole buffer as a 1-D int8 tensor at its upper-bound size (what vLLM's runners reshape)."""
+        return self.tensor(buffer).full_view(torch.int8)
 
     def tensor(self, buffer: str) -> ExtensibleTensor:
         if buffer not in self._tensors:

@@ -1,0 +1,317 @@
+"""Turn a pytest-benchmark JSON file from ``bench/`` into the figures and ratios the commit-path issue asks for.
+
+``python -m bench.summary reports/out/bench-cuda.json [--json]`` prints a table (or the dict as JSON). Every
+benchmark in ``bench/`` stores a stable ``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and
+its byte counts; this module needs nothing else, imports neither pytest nor torch, and never runs anything.
+
+Time of a benchmark = the median of its rounds (``stats.median``), except where the benchmark measured the figure
+itself in a subprocess (``extra_info['subprocess_median_s']``, the expandable-segments peer). Rates are decimal:
+GB/s = bytes / seconds / 1e9, and 5 TB/s = 5000 GB/s. Ratios of times between benchmarks of different byte counts
+are taken per byte. Targets are judged only for CUDA runs; on the host driver they read ``n/a`` (no claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CLAIM_DEVICE_TYPES = ("cuda",)
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+def _entries(data: dict) -> dict[str, dict]:
+    """Benchmarks by ``extra_info['key']``: ``seconds`` (the figure), ``extra`` (extra_info), ``stats``."""
+    out: dict[str, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info") or {}
+        key = extra.get("key")
+        if not key:
+            continue
+        stats = bench.get("stats") or {}
+        seconds = extra.get("subprocess_median_s", stats.get("median"))
+        out[key] = {"seconds": float(seconds) if seconds is not None else None, "extra": extra, "stats": stats}
+    return out
+
+
+def _seconds(entries: dict, key: str) -> float | None:
+    entry = entries.get(key)
+    return entry["seconds"] if entry else None
+
+
+def _bytes(entries: dict, key: str, field: str = "bytes") -> int | None:
+    entry = entries.get(key)
+    return entry["extra"].get(field) if entry else None
+
+
+def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
+    if not nbytes or not seconds:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or not b:
+        return None
+    return a / b
+
+
+def _per_byte(entries: dict, key: str) -> float | None:
+    return _div(_seconds(entries, key), _bytes(entries, key))
+
+
+# -- the figures ------------------------------------------------------------------------------------------------
+def summarize(benchmark_json_path: str | Path) -> dict:
+    """Read a pytest-benchmark JSON file and compute the issue's figures and ratios (see ``summarize_data``)."""
+    with open(benchmark_json_path) as fh:
+        return summarize_data(json.load(fh))
+
+
+def summarize_data(data: dict) -> dict:
+    """The issue's figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
+    e = _entries(data)
+    first = next(iter(e.values()), None)
+    device_type = first["extra"].get("device_type") if first else None
+    summary = {
+        "keys": sorted(e),
+        "driver": first["extra"].get("driver") if first else None,
+        "device_type": device_type,
+        "granularity": first["extra"].get("granularity") if first else None,
+        "scale": first["extra"].get("scale") if first else None,
+        "claims": device_type in CLAIM_DEVICE_TYPES,
+        "commit": _commit(e),
+        "peers": _peers(e),
+        "zero": _zero(e),
+        "kv": _kv(e),
+        "access": _access(e),
+        "graph": _graph(e),
+        "scaling": _scaling(e),
+    }
+    summary["targets"] = _targets(summary)
+    return summary
+
+
+def _commit(e: dict) -> dict:
+    paths = {}
+    for path in ("per_granule", "single_handle", "extensible"):
+        key = f"commit/{path}"
+        if key in e:
+            paths[path] = {"seconds": _seconds(e, key), "bytes": _bytes(e, key),
+                           "gbps": _gbps(_bytes(e, key), _seconds(e, key)),
+                           "handles": e[key]["extra"].get("handles")}
+    ours = _per_byte(e, "commit/extensible")
+    return {
+        "paths": paths,
+        "speedup_vs_per_granule": _div(_per_byte(e, "commit/per_granule"), ours),
+        "time_vs_single_handle": _div(ours, _per_byte(e, "commit/single_handle")),
+    }
+
+
+def _peers(e: dict) -> dict:
+    ours = _per_byte(e, "commit/extensible")
+    return {
+        "torch_default_s": _seconds(e, "peer/torch_default"),
+        "expandable_segments_s": _seconds(e, "peer/expandable_segments"),
+        "time_vs_torch_default": _div(ours, _per_byte(e, "peer/torch_default")),
+        "time_vs_expandable_segments": _div(ours, _per_byte(e, "peer/expandable_segments")),
+    }
+
+
+def _zero(e: dict) -> dict:
+    nbytes = _bytes(e, "zero/grow_zero")
+    with_zero, without = _seconds(e, "zero/grow_zero"), _seconds(e, "zero/grow_nozero")
+    implied = with_zero - without if with_zero is not None and without is not None else None
+    zero_gbps = _gbps(nbytes, implied) if implied and implied > 0 else None
+    memset_gbps = _gbps(_bytes(e, "zero/memset"), _seconds(e, "zero/memset"))
+    return {
+        "bytes": nbytes,
+        "grow_zero_s": with_zero,
+        "grow_nozero_s": without,
+        "implied_zero_s": implied,
+        "zero_gbps": zero_gbps,
+        "memset_gbps": memset_gbps,
+        "zero_vs_memset": _div(zero_gbps, memset_gbps),
+        "end_to_end_gbps": _gbps(nbytes, with_zero),
+        "torch_zero_gbps": _gbps(_bytes(e, "zero/torch_zero_"), _seconds(e, "zero/torch_zero_")),
+        "zero_calls": e["zero/grow_zero"]["extra"].get("zero_calls") if "zero/grow_zero" in e else None,
+    }
+
+
+def _kv(e: dict) -> dict:
+    out = {}
+    for key in sorted(k for k in e if k.startswith("kv/")):
+        x = e[key]["extra"]
+        out[key[len("kv/"):]] = {"ms": e[key]["seconds"] * 1e3 if e[key]["seconds"] is not None else None,
+                                 "bytes": x.get("bytes"), "buffers": x.get("buffers"), "segments": x.get("segments"),
+                                 "state": x.get("state"), "handles": x.get("handles"),
+                                 "set_access": x.get("set_access")}
+    return out
+
+
+def _access(e: dict) -> dict:
+    out = {}
+    for op in ("copy", "kernel"):
+        vmm, native = f"access/{op}/vmm", f"access/{op}/native"
+        if vmm not in e and native not in e:
+            continue
+        vmm_gbps = _gbps(_bytes(e, vmm, "moved_bytes"), _seconds(e, vmm))
+        native_gbps = _gbps(_bytes(e, native, "moved_bytes"), _seconds(e, native))
+        out[op] = {"vmm_gbps": vmm_gbps, "native_gbps": native_gbps, "ratio": _div(vmm_gbps, native_gbps)}
+    return out
+
+
+def _graph(e: dict) -> dict:
+    before, after = _seconds(e, "graph/before_growth"), _seconds(e, "graph/after_growth")
+    return {"before_s": before, "after_s": after, "ratio": _div(after, before)}
+
+
+def _scaling(e: dict) -> dict:
+    rows = []
+    for key, entry in e.items():
+        if not key.startswith("scale/"):
+            continue
+        x = entry["extra"]
+        rows.append({"nominal_gib": x.get("nominal_gib"), "segments": x.get("segments"), "bytes": x.get("bytes"),
+                     "handles": x.get("handles"), "set_access": x.get("set_access"), "runs": x.get("runs"),
+                     "granules": x.get("granules"), "seconds": entry["seconds"],
+                     "gbps": _gbps(x.get("bytes"), entry["seconds"]),
+                     "us_per_handle": _div(entry["seconds"] * 1e6 if entry["seconds"] is not None else None,
+                                           x.get("handles"))})
+    rows.sort(key=lambda r: (r["nominal_gib"], r["segments"]))
+    if not rows:
+        return {"rows": [], "handles_track_runs": None, "handles_independent_of_bytes": None,
+                "worst_growth_vs_handles": None}
+    by_segments: dict[int, set] = {}
+    for r in rows:
+        by_segments.setdefault(r["segments"], set()).add(r["handles"])
+    worst = None
+    for gib in sorted({r["nominal_gib"] for r in rows}):
+        same = [r for r in rows if r["nominal_gib"] == gib]
+        base = min(same, key=lambda r: r["segments"])
+        for r in same:
+            if r is base or not base["handles"] or not base["seconds"] or r["seconds"] is None:
+                continue
+            growth = (r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"])
+            worst = growth if worst is None else max(worst, growth)
+    return {
+        "rows": rows,
+        "handles_track_runs": all(r["handles"] == r["runs"] for r in rows),
+        "handles_independent_of_bytes": all(len(h) == 1 for h in by_segments.values()),
+        "worst_growth_vs_handles": worst,
+    }
+
+
+def _targets(s: dict) -> list[dict]:
+    """The issue's targets, each with its value and whether it is met (``None``: no data, or no claims here)."""
+    commit_gbps = s["commit"]["paths"].get("extensible", {}).get("gbps")
+    rows = [
+        ("commit 32 GiB, GB/s (ExtensibleTensor)", commit_gbps, ">=", 5000.0),
+        ("commit speedup vs per-granule", s["commit"]["speedup_vs_per_granule"], ">=", 100.0),
+        ("commit time / torch default (cudaMalloc)", s["peers"]["time_vs_torch_default"], "<=", 1.0),
+        ("commit time / expandable segments", s["peers"]["time_vs_expandable_segments"], "<=", 1.0),
+    ]
+    rows += [(f"KV growth ms [{label}]", kv["ms"], "<=", 50.0) for label, kv in s["kv"].items()]
+    rows.append(("zero_new bandwidth / memset", s["zero"]["zero_vs_memset"], ">=", 0.8))
+    rows += [(f"{op} bandwidth vmm / native", a["ratio"], ">=", 0.98) for op, a in s["access"].items()]
+    rows.append(("graph replay after / before growth", s["graph"]["ratio"], "<=", 1.02))
+    rows.append(("scaling: time growth / handle growth (worst)", s["scaling"]["worst_growth_vs_handles"], "<=", 1.0))
+    rows.append(("scaling: handles == runs", s["scaling"]["handles_track_runs"], "==", True))
+    rows.append(("scaling: handles independent of bytes", s["scaling"]["handles_independent_of_bytes"], "==", True))
+    out = []
+    for name, value, op, goal in rows:
+        if value is None or not s["claims"]:
+            met = None
+        elif op == ">=":
+            met = value >= goal
+        elif op == "<=":
+            met = value <= goal
+        else:
+            met = value == goal
+        out.append({"name": name, "value": value, "op": op, "target": goal, "met": met})
+    return out
+
+
+# -- printing ---------------------------------------------------------------------------------------------------
+def _t(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _b(nbytes: int | None) -> str:
+    if not nbytes:
+        return "-"
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.4g} GiB"
+    return f"{nbytes / (1 << 20):.4g} MiB"
+
+
+def _n(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.{digits}g}"
+
+
+def format_table(s: dict) -> str:
+    """The summary as a plain-text table."""
+    lines = [f"extensible-kv benchmarks: driver {s['driver']} ({s['device_type']}), granularity {_b(s['granularity'])}"
+             f", scale {s['scale']}" + ("" if s["claims"] else "  [no claims: not a GPU run]")]
+    if s["commit"]["paths"]:
+        lines.append(f"{'commit (zero_new=False)':<34}{'bytes':>12}{'median':>12}{'GB/s':>10}{'handles':>9}")
+        for path, p in s["commit"]["paths"].items():
+            lines.append(f"  {path:<32}{_b(p['bytes']):>12}{_t(p['seconds']):>12}{_n(p['gbps']):>10}"
+                         f"{_n(p['handles'], 9):>9}")
+    if s["kv"]:
+        lines.append(f"{'KV growth (lockstep, set-access)':<34}{'bytes':>12}{'median':>12}{'buffers':>10}"
+                     f"{'handles':>9}")
+        for label, kv in s["kv"].items():
+            lines.append(f"  {label:<32}{_b(kv['bytes']):>12}{_t(kv['ms'] / 1e3 if kv['ms'] is not None else None):>12}"
+                         f"{_n(kv['buffers']):>10}{_n(kv['handles'], 9):>9}")
+    z = s["zero"]
+    if z["bytes"]:
+        lines.append(f"zeroing {_b(z['bytes'])}: implied zero_new {_t(z['implied_zero_s'])} = {_n(z['zero_gbps'])} "
+                     f"GB/s, memset {_n(z['memset_gbps'])} GB/s, torch zero_ {_n(z['torch_zero_gbps'])} GB/s, "
+                     f"end-to-end grow+zero {_n(z['end_to_end_gbps'])} GB/s, {_n(z['zero_calls'])} memset call(s)")
+    p = s["peers"]
+    if p["torch_default_s"] is not None or p["expandable_segments_s"] is not None:
+        lines.append(f"peers (32 GiB usable): torch default {_t(p['torch_default_s'])}, expandable segments "
+                     f"{_t(p['expandable_segments_s'])}")
+    for op, a in s["access"].items():
+        lines.append(f"access {op}: vmm {_n(a['vmm_gbps'])} GB/s, native {_n(a['native_gbps'])} GB/s")
+    g = s["graph"]
+    if g["before_s"] is not None or g["after_s"] is not None:
+        lines.append(f"graph replay: before growth {_t(g['before_s'])}, after growth {_t(g['after_s'])}")
+    if s["scaling"]["rows"]:
+        lines.append(f"{'scaling: nominal':<18}{'segments':>9}{'bytes':>12}{'median':>12}{'GB/s':>10}{'handles':>9}"
+                     f"{'us/handle':>11}")
+        for r in s["scaling"]["rows"]:
+            lines.append(f"  {str(r['nominal_gib']) + ' GiB':<16}{r['segments']:>9}{_b(r['bytes']):>12}"
+                         f"{_t(r['seconds']):>12}{_n(r['gbps']):>10}{_n(r['handles'], 9):>9}"
+                         f"{_n(r['us_per_handle']):>11}")
+    lines.append(f"{'target':<48}{'value':>12}{'goal':>12}{'met':>6}")
+    for t in s["targets"]:
+        goal = f"{t['op']} {_n(t['target'])}"
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"  {t['name']:<46}{_n(t['value']):>12}{goal:>12}{met:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.summary", description=__doc__.splitlines()[0])
+    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    args = parser.parse_args(argv)
+    summary = summarize(args.benchmark_json)
+    print(json.dumps(summary, indent=2) if args.json else format_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

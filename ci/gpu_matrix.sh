@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU matrix on a machine where nothing can be installed: torch, cuda-bindings and pytest must be importable,
+# vllm too for the layouts and integration stages (e.g. unpacked onto PYTHONPATH).
+#
+#   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
+#
+# STAGE: conformance | bench | layouts | integration. Logs, JSON and a junit XML per stage land in OUTDIR; the
+# integration stage also packs its per-case JSON and logs into OUTDIR/integration.tgz.
+set -uo pipefail
+out=${1:?OUTDIR}; stage=${2:?STAGE}; shift 2
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+cd "$root"
+export PYTHONPATH="$root/reference:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export EXTENSIBLE_KV_REQUIRE_GPU=1
+
+# The vllm.general_plugins entry point, registered without installing the package.
+ep=$(mktemp -d)/extensible_kv-0.1.0.dist-info
+mkdir -p "$ep"
+printf 'Metadata-Version: 2.1\nName: extensible-kv\nVersion: 0.1.0\n' > "$ep/METADATA"
+printf '[vllm.general_plugins]\nextensible_kv = extensible_kv.vllm.plugin:register\n' > "$ep/entry_points.txt"
+export PYTHONPATH="$(dirname "$ep"):$PYTHONPATH"
+
+common=(-p no:cacheprovider -q "--junitxml=$out/junit-$stage.xml")
+case $stage in
+  conformance)
+    python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit --driver cuda \
+      "--summary-json=$out/conformance-cuda.json" --commit-probe-bytes=34359738368 "${common[@]}" "$@" ;;
+  bench)
+    python3 -m pytest bench --bench-driver cuda --benchmark-enable "--benchmark-json=$out/bench-cuda.json" \
+      "${common[@]}" "$@" ;;
+  layouts)
+    export EXTENSIBLE_KV_REQUIRE_VLLM=1
+    python3 -m pytest integration/test_backend_layouts.py "${common[@]}" "$@"
+    rc=$?
+    python3 -m extensible_kv validate-backend FLASH_ATTN TRITON_ATTN FLEX_ATTENTION ROCM_ATTN --layout both \
+      --driver cuda > "$out/validate-backend-cuda.txt" 2>&1
+    python3 -m extensible_kv validate-backend TRITON_MLA FLASHMLA CUTLASS_MLA FLASH_ATTN_MLA --num-kv-heads 1 \
+      --head-size 576 --driver cuda >> "$out/validate-backend-cuda.txt" 2>&1
+    tail -n 3 "$out/validate-backend-cuda.txt"
+    exit $rc ;;
+  integration)
+    work=$(mktemp -d)
+    export EXTENSIBLE_KV_REPORT_DIR=$work
+    python3 -m pytest integration/test_greedy_parity.py "${common[@]}" "$@"
+    rc=$?
+    tar -czf "$out/integration.tgz" -C "$work" .
+    exit $rc ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,145 @@
+"""The vLLM patch's logic that needs no GPU and no vLLM: sizing arithmetic, gating, the V2 warmup prefix, the
+segment derivation, and switching on by environment."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from extensible_kv.drivers import Ledger
+from extensible_kv.drivers.host import HostDriver
+from extensible_kv.layout import attention_view
+from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
+from extensible_kv.vllm.sizing import MemoryState
+
+GIB = 1 << 30
+
+
+def _state(**overrides) -> MemoryState:
+    values = dict(init_free=100 * GIB, requested=90 * GIB, free_now=60 * GIB, kv_backed=2 * GIB, weights=16 * GIB,
+                  profiled_peak=4 * GIB, torch_reserved_now=18 * GIB, bytes_per_block=1 << 20,
+                  rounding_bound=4 << 20, capacity_blocks=80_000, committed_blocks=10)
+    values.update(overrides)
+    return MemoryState(**values)
+
+
+def test_sizing_commits_what_the_measured_budget_fits():
+    s = _state()
+    # non-KV = 100 - 60 - 2 = 38 GiB; torch may still grow by 16 + 4 - 18 = 2 GiB; budget = 90 - 38 - 2 = 50 GiB.
+    assert (s.non_kv, s.torch_growth, s.budget) == (38 * GIB, 2 * GIB, 50 * GIB), s.to_dict()
+    assert s.blocks() == (50 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (dict(capacity_blocks=1000), 1000),                      # never above the reservation
+    (dict(free_now=1 * GIB, committed_blocks=77), 77),        # never below what is committed (grow-only)
+    (dict(torch_reserved_now=30 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+    (dict(margin=GIB), (49 * GIB - (4 << 20)) // (1 << 20)),
+])
+def test_sizing_clamps(overrides, expected):
+    s = _state(**overrides)
+    assert s.blocks() == expected, f"MemoryState({overrides}).blocks(): expected {expected}, got {s.blocks()}"
+
+
+_PLATFORM_CUDA = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")
+
+
+@pytest.mark.parametrize("config,platform,needle", [
+    (SimpleNamespace(kv_transfer_config=object(), model_config=None), _PLATFORM_CUDA, "KV connector"),
+    (SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(enable_sleep_mode=True)), _PLATFORM_CUDA,
+     "sleep mode"),
+    (SimpleNamespace(kv_transfer_config=None, model_config=None),
+     SimpleNamespace(is_cuda_alike=lambda: False, device_name="xpu"), "neither CUDA nor ROCm"),
+])
+def test_unsupported_configurations_are_refused_with_the_reason(config, platform, needle):
+    with pytest.raises(ExtensibleKVUnsupported, match=needle):
+        patches.check_supported(config, platform)
+
+
+def test_supported_configuration_passes():
+    patches.check_supported(SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(
+        enable_sleep_mode=False)), _PLATFORM_CUDA)
+
+
+def _output(new=(), cached=()):
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(block_ids=b) for b in new],
+                           scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)))
+
+
+@pytest.mark.parametrize("output,expected", [
+    (_output(), -1),
+    (_output(new=[([1, 2, 3],), ([4, 5],)]), 5),
+    (_output(new=[([1], [9, 2])], cached=[None, ([], [12])]), 12),
+    (_output(cached=[([7, 30],)]), 30),
+])
+def test_max_block_id_reads_new_and_cached_requests(output, expected):
+    assert patches.max_block_id(output) == expected
+
+
+def _kv_config(num_blocks: int, page: int, tensors: int = 2):
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
+        SimpleNamespace(size=num_blocks * page, shared_by=[f"layer{i}"], block_stride=0) for i in range(tensors)])
+
+
+def _kv_first_reshape(raw: dict) -> dict:
+    # A K/V-first layout (2, B, N, H, D) in bf16, as ROCM_ATTN builds it: 2 segments.
+    out = {}
+    for name, t in raw.items():
+        blocks = t.numel() // (2 * 16 * 2 * 64 * 2)
+        out[name] = attention_view(t, (2, blocks, 16, 2, 64), (0, 1, 2, 3, 4), torch.bfloat16)
+    return out
+
+
+def test_derive_segments_reads_the_runners_own_views():
+    assert worker_kv.derive_segments(_kv_config(100, 8192), _kv_first_reshape) == [2, 2]
+
+
+def test_packed_layouts_are_refused():
+    config = _kv_config(100, 8192)
+    config.kv_cache_tensors[0].block_stride = 8192
+    with pytest.raises(ExtensibleKVUnsupported, match="packed"):
+        worker_kv.derive_segments(config, _kv_first_reshape)
+
+
+def test_v2_warmup_commits_exactly_the_block_ids_each_step_uses():
+    ledger = Ledger(HostDriver(granularity=4096))
+    state = worker_kv.start(ledger)
+    config = _kv_config(200, 8192)
+    state.segments = worker_kv.derive_segments(config, _kv_first_reshape)
+    raw = state.allocate(config)
+    assert state.buffers.num_blocks == 1 and set(raw) == {"layer0", "layer1"}
+    seen = []
+
+    def original(runner, execute, sample):
+        for out in (_output(new=[([1, 2],), ([3, 4],)]), _output(cached=[([5],), ([6],)])):
+            execute(out)
+            seen.append(state.buffers.num_blocks)
+
+    patches._warmup_kernels(original)(None, lambda out: None, None)
+    assert seen == [5, 7], f"blocks committed before each warmup step: expected [5, 7], got {seen}"
+    state.buffers.close()
+    assert not ledger.outstanding(), ledger.outstanding()
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), (None, False)])
+def test_env_switch(value, expected):
+    env = {} if value is None else {"EXTENSIBLE_KV_CACHE": value}
+    assert env_enabled(env) is expected
+
+
+def test_env_switch_refuses_other_values():
+    with pytest.raises(ExtensibleKVUnsupported, match="must be 0 or 1"):
+        env_enabled({"EXTENSIBLE_KV_CACHE": "yes"})
+
+
+def test_margin_from_environment_must_be_a_non_negative_integer(monkeypatch):
+    monkeypatch.setenv(patches.MARGIN_ENV, "-5")
+    with pytest.raises(ExtensibleKVUnsupported, match=">= 0"):
+        patches._margin()
+    monkeypatch.setenv(patches.MARGIN_ENV, "lots")
+    with pytest.raises(ExtensibleKVUnsupported, match="integer"):
+        patches._margin()
+    monkeypatch.setenv(patches.MARGIN_ENV, "1024")
+    assert patches._margin() == 1024

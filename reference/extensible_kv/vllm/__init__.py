@@ -1,0 +1,58 @@
+"""The extensible KV cache for vLLM 0.26.0's V1 and V2 model runners (opt-in; vLLM is untouched when off).
+
+In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
+
+    from extensible_kv.vllm import extensible_kv_cache
+    with extensible_kv_cache():
+        llm = LLM(...)          # reserve, warm up and capture, measure, commit the final size
+
+Across processes (``vllm serve``, multiprocess engines, TP workers): the ``vllm.general_plugins`` entry point
+``extensible_kv`` installs the patches in every vLLM process when ``EXTENSIBLE_KV_CACHE=1``.
+
+Refused with ``ExtensibleKVUnsupported``: KV connectors, sleep mode, platforms other than CUDA and ROCm, packed
+(cross-layer) KV layouts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .worker_kv import ExtensibleKVUnsupported
+
+ENV_VAR = "EXTENSIBLE_KV_CACHE"
+
+__all__ = ["ENV_VAR", "ExtensibleKVUnsupported", "enable", "disable", "extensible_kv_cache", "env_enabled"]
+
+
+def enable() -> None:
+    """Install the patches in this process (idempotent)."""
+    from . import patches
+
+    patches.install()
+
+
+def disable() -> None:
+    """Remove the patches from this process; engines already built keep their extensible KV cache."""
+    from . import patches
+
+    patches.uninstall()
+
+
+@contextmanager
+def extensible_kv_cache() -> Iterator[None]:
+    """Enable the extensible KV cache for engines built inside the block (in-process engines only)."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def env_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``EXTENSIBLE_KV_CACHE`` asks for the extensible path: ``1`` yes, ``0`` or unset no, else an error."""
+    value = (environ if environ is not None else os.environ).get(ENV_VAR, "0").strip()
+    if value not in ("0", "1"):
+        raise ExtensibleKVUnsupported(f"{ENV_VAR} must be 0 or 1, got {value!r}")
+    return value == "1"

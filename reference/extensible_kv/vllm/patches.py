@@ -1,0 +1,301 @@
+"""The patch points in vLLM 0.26.0, installed and removed as one set.
+
+Worker side (runs in each worker process):
+
+- V1 ``GPUModelRunner.initialize_kv_cache_tensors`` derives the segments (dry run of ``_reshape_kv_cache_tensors``
+  on meta tensors), then ``GPUModelRunner._allocate_kv_cache_tensors`` allocates the extensible buffers.
+- V2 ``gpu.model_runner.init_kv_cache`` derives the segments (dry run of ``attn_utils._reshape_kv_cache``), then
+  ``gpu.attn_utils._allocate_kv_cache`` allocates them.
+- ``gpu_worker.warmup_kernels`` (V2 only): before every warmup step, commits the block ids that step references.
+- ``Worker.determine_available_memory`` adds back the CUDA graph estimate, so vLLM sizes the reservation as the
+  upper bound; the measured graph memory replaces the estimate later.
+- ``Worker.extensible_kv_measure`` / ``Worker.extensible_kv_commit`` / ``Worker.extensible_kv_report``: new RPCs.
+
+Engine side: ``EngineCore._initialize_kv_caches`` runs vLLM's own sizing, allocation, warmup and capture, then asks
+every worker how many blocks fit, takes the minimum, has every worker commit it, and hands that count to the
+scheduler (built right after). ``initialize_kv_cache`` is never run again, so captured graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import drivers
+from . import worker_kv
+from .worker_kv import ExtensibleKVUnsupported
+
+logger = logging.getLogger("extensible_kv.vllm")
+
+MARGIN_ENV = "EXTENSIBLE_KV_CACHE_MARGIN_BYTES"
+
+
+def check_supported(vllm_config: Any, platform: Any) -> None:
+    """Raise ExtensibleKVUnsupported, naming the reason, for configurations the extensible path refuses."""
+    reasons = []
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        reasons.append("a KV connector is configured (kv_transfer_config): connectors register and transfer the "
+                       "KV memory, which the extensible path does not support")
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False):
+        reasons.append("sleep mode is enabled (enable_sleep_mode): its CuMem allocator pool would own the KV memory")
+    if not platform.is_cuda_alike():
+        reasons.append(f"platform {getattr(platform, 'device_name', type(platform).__name__)} is neither CUDA nor "
+                       f"ROCm")
+    if reasons:
+        raise ExtensibleKVUnsupported("the extensible KV cache cannot be used: " + "; ".join(reasons))
+
+
+def _margin() -> int:
+    raw = os.environ.get(MARGIN_ENV, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ExtensibleKVUnsupported(f"{MARGIN_ENV} must be an integer number of bytes, got {raw!r}") from None
+    if value < 0:
+        raise ExtensibleKVUnsupported(f"{MARGIN_ENV} must be >= 0, got {value}")
+    return value
+
+
+def max_block_id(scheduler_output: Any) -> int:
+    """The largest KV block id a SchedulerOutput references (-1 when none)."""
+    top = -1
+    for req in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        for ids in req.block_ids or ():
+            if ids:
+                top = max(top, max(ids))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    for groups in getattr(cached, "new_block_ids", None) or ():
+        for ids in groups or ():
+            if ids:
+                top = max(top, max(ids))
+    return top
+
+
+def _worker_kv() -> worker_kv.WorkerKV:
+    state = worker_kv.active()
+    if state is None or state.buffers is None:
+        raise ExtensibleKVUnsupported("the extensible KV cache is enabled but this worker built no extensible "
+                                      "buffers (was it enabled before the engine started?)")
+    return state
+
+
+def _platform_driver() -> object:
+    from vllm.platforms import current_platform
+
+    import torch
+
+    if current_platform.is_rocm():
+        name = "hip"
+    else:
+        name = "cuda"
+    if name not in drivers.registered():
+        raise ExtensibleKVUnsupported(f"no {name} driver is registered in extensible_kv")
+    ordinal = torch.cuda.current_device()
+    if name == "cuda":
+        return drivers._cuda.CudaDriver(ordinal)
+    return drivers.get_driver(name)
+
+
+# -- worker side ---------------------------------------------------------------------------------------------------
+def _v1_initialize_kv_cache_tensors(original: Callable) -> Callable:
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes):
+        from vllm.platforms import current_platform
+
+        check_supported(self.vllm_config, current_platform)
+        if self.use_uniform_kv_cache(self.attn_groups):
+            raise ExtensibleKVUnsupported("the uniform cross-layer KV cache path (a connector preferring "
+                                          "cross-layer blocks) is not supported")
+        state = worker_kv.start(_platform_driver())
+        state.segments = worker_kv.derive_segments(
+            kv_cache_config, lambda raw: self._reshape_kv_cache_tensors(raw, kernel_block_sizes))
+        return original(self, kv_cache_config, kernel_block_sizes)
+
+    return initialize_kv_cache_tensors
+
+
+def _v1_allocate_kv_cache_tensors(original: Callable) -> Callable:
+    def _allocate_kv_cache_tensors(self, kv_cache_config):
+        return worker_kv.active().allocate(kv_cache_config)
+
+    return _allocate_kv_cache_tensors
+
+
+def _v2_init_kv_cache(original: Callable) -> Callable:
+    def init_kv_cache(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device, cache_dtype,
+                      kernel_block_sizes, vllm_config):
+        from vllm.platforms import current_platform
+        from vllm.v1.worker.gpu import attn_utils
+
+        check_supported(vllm_config, current_platform)
+        shared = attn_utils.get_shared_kv_cache_layers(vllm_config)
+        flat = [g for groups in attn_groups for g in groups]
+        state = worker_kv.start(_platform_driver())
+        state.segments = worker_kv.derive_segments(kv_cache_config, lambda raw: attn_utils._reshape_kv_cache(
+            attn_groups=flat, kv_cache_raw_tensors=raw, kernel_block_sizes=kernel_block_sizes,
+            cache_dtype=cache_dtype, shared_kv_cache_layers=shared, kv_cache_config=kv_cache_config))
+        return original(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device, cache_dtype,
+                        kernel_block_sizes, vllm_config)
+
+    return init_kv_cache
+
+
+def _v2_allocate_kv_cache(original: Callable) -> Callable:
+    def _allocate_kv_cache(kv_cache_config, shared_kv_cache_layers, device):
+        raw = worker_kv.active().allocate(kv_cache_config)
+        return {name: t for name, t in raw.items() if name not in shared_kv_cache_layers}
+
+    return _allocate_kv_cache
+
+
+def _warmup_kernels(original: Callable) -> Callable:
+    def warmup_kernels(model_runner, worker_execute_model, worker_sample_tokens):
+        state = _worker_kv()
+
+        def execute_model(scheduler_output):
+            top = max_block_id(scheduler_output)
+            if top >= 0:
+                state.ensure_blocks(top + 1, reason="V2 warmup_kernels")
+            return worker_execute_model(scheduler_output)
+
+        return original(model_runner, execute_model, worker_sample_tokens)
+
+    return warmup_kernels
+
+
+def _determine_available_memory(original: Callable) -> Callable:
+    def determine_available_memory(self):
+        from vllm import envs
+
+        available = original(self)
+        estimate = getattr(self, "cudagraph_memory_estimate", 0) or 0
+        if envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and self.cache_config.kv_cache_memory_bytes is None:
+            available += estimate  # reserve the upper bound; the measured graph memory replaces the estimate
+        self._extensible_kv_profile = {"profiled_available": available - estimate, "cudagraph_estimate": estimate,
+                                       "reserved_available": available}
+        return available
+
+    return determine_available_memory
+
+
+def extensible_kv_measure(self) -> int:
+    """RPC: measure memory after warmup; return the blocks this worker can commit."""
+    return _worker_kv().measure(self, margin=_margin()).blocks()
+
+
+def extensible_kv_commit(self, num_blocks: int) -> dict:
+    """RPC: commit ``num_blocks`` under the same base pointers; tell the runner its new size."""
+    state = _worker_kv()
+    state.commit(num_blocks)
+    self.model_runner.kv_cache_config.num_blocks = num_blocks
+    self.cache_config.num_gpu_blocks = num_blocks
+    return extensible_kv_report(self)
+
+
+def extensible_kv_report(self) -> dict:
+    """RPC: what this worker reserved, committed and measured (plain data, for reports)."""
+    state = worker_kv.active()
+    report = state.report() if state is not None else {}
+    report["profile"] = getattr(self, "_extensible_kv_profile", None)
+    report["runner"] = "v2" if type(self.model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+    return report
+
+
+# -- engine side ---------------------------------------------------------------------------------------------------
+def _initialize_kv_caches(original: Callable) -> Callable:
+    def _initialize_kv_caches(self, vllm_config):
+        from vllm.platforms import current_platform
+        from vllm.v1.engine import core
+
+        check_supported(vllm_config, current_platform)
+        config = original(self, vllm_config)  # sizes the reservation, allocates, warms up, captures graphs
+        reserved = config.num_blocks
+        fits = self.model_executor.collective_rpc("extensible_kv_measure")
+        final = min(min(fits), reserved)
+        reports = self.model_executor.collective_rpc("extensible_kv_commit", args=(final,))
+        config.num_blocks = final
+        vllm_config.cache_config.num_gpu_blocks = final
+        if config.kv_cache_groups:
+            tokens, concurrency = core.get_kv_cache_capacity(vllm_config, config)
+            vllm_config.cache_config.kv_cache_size_tokens = tokens
+            vllm_config.cache_config.kv_cache_max_concurrency = concurrency
+            block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+            if tokens < vllm_config.model_config.max_model_len:
+                raise ExtensibleKVUnsupported(
+                    f"after warmup only {final} KV blocks ({tokens} tokens of block size {block}) fit, fewer than "
+                    f"max_model_len={vllm_config.model_config.max_model_len}; lower max_model_len or raise "
+                    f"gpu_memory_utilization")
+        self._extensible_kv_reports = {"reserved_blocks": reserved, "worker_fits": fits, "final_blocks": final,
+                                       "workers": reports}
+        logger.info("extensible KV cache: %d blocks reserved, %d committed (per-worker fit %s)", reserved, final,
+                    fits)
+        return config
+
+    return _initialize_kv_caches
+
+
+# -- install / remove ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Patch:
+    module: str
+    owner: str | None  # a class in the module, or None for a module-level function
+    attr: str
+    make: Callable[[Callable | None], Callable]
+
+
+PATCHES = (
+    _Patch("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches", _initialize_kv_caches),
+    _Patch("vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory", _determine_available_memory),
+    _Patch("vllm.v1.worker.gpu_worker", None, "warmup_kernels", _warmup_kernels),
+    _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_measure", lambda _: extensible_kv_measure),
+    _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_commit", lambda _: extensible_kv_commit),
+    _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_report", lambda _: extensible_kv_report),
+    _Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "initialize_kv_cache_tensors",
+           _v1_initialize_kv_cache_tensors),
+    _Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_allocate_kv_cache_tensors",
+           _v1_allocate_kv_cache_tensors),
+    _Patch("vllm.v1.worker.gpu.model_runner", None, "init_kv_cache", _v2_init_kv_cache),
+    _Patch("vllm.v1.worker.gpu.attn_utils", None, "_allocate_kv_cache", _v2_allocate_kv_cache),
+)
+
+_SAVED: dict[tuple[str, str | None, str], Any] = {}
+_MISSING = object()
+
+
+def install() -> None:
+    """Install every patch (idempotent). Raises ImportError naming the module if vLLM's layout changed."""
+    if _SAVED:
+        return
+    targets = []
+    for p in PATCHES:
+        module = importlib.import_module(p.module)
+        owner = getattr(module, p.owner) if p.owner else module
+        targets.append((p, owner, owner.__dict__.get(p.attr, _MISSING) if p.owner else getattr(module, p.attr,
+                                                                                              _MISSING)))
+    for p, owner, original in targets:
+        if original is _MISSING and not p.attr.startswith("extensible_kv_"):
+            raise ImportError(f"vLLM has no {p.module}.{p.owner + '.' if p.owner else ''}{p.attr}; this patch set "
+                              f"targets vllm 0.26.0")
+    for p, owner, original in targets:
+        _SAVED[(p.module, p.owner, p.attr)] = original
+        setattr(owner, p.attr, p.make(None if original is _MISSING else original))
+
+
+def uninstall() -> None:
+    """Restore every patched attribute (idempotent)."""
+    for (module_name, owner_name, attr), original in list(_SAVED.items()):
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        if original is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+        del _SAVED[(module_name, owner_name, attr)]
+
+
+def installed() -> bool:
+    return bool(_SAVED)

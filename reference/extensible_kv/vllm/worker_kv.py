@@ -1,0 +1,177 @@
+"""The worker side of the extensible KV cache: reserve, commit a prefix, measure, commit the final size.
+
+One ``WorkerKV`` per worker process (``active()``). It is created when the model runner initializes its KV cache:
+
+1. ``prepare`` runs vLLM's own reshape of the KV cache on ``meta`` tensors whose block count is a sentinel, and
+   derives every buffer's lockstep segments from the final per-layer views (``extensible_kv.layout.segments_of``):
+   whatever vLLM does to the layout (stride orders, hybrid re-stride, Mamba pages) is what the segments follow.
+2. ``allocate`` replaces vLLM's ``torch.zeros(size, int8)`` per ``KVCacheTensor`` with an ExtensibleTensor of the
+   same size and commits block 0 (the null block, the only block profiling and graph capture touch). vLLM then
+   reshapes these raw tensors itself; their addresses never change.
+3. ``ensure_blocks`` commits more blocks (V2 warmup writes real block ids 1..n first).
+4. ``measure`` (after warmup and capture) computes how many blocks fit (``sizing.MemoryState``); ``commit`` commits
+   them under the same base pointers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ExtensibleKVError
+from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+from ..layout import LayoutError, segments_of
+from .sizing import MemoryState
+
+logger = logging.getLogger("extensible_kv.vllm")
+
+SENTINEL_BLOCKS = 65537
+"""Block count of the meta dry run: the block dimension is the largest one in every view it yields."""
+
+
+class ExtensibleKVUnsupported(ExtensibleKVError, RuntimeError):
+    """This vLLM configuration cannot use the extensible KV cache; the message says why."""
+
+
+def _views(value: object) -> list[tuple[torch.Tensor, int]]:
+    """(view, block dim) pairs of one layer's KV cache value: a tensor (attention) or a list (Mamba states)."""
+    if isinstance(value, torch.Tensor):
+        return [(value, max(range(value.dim()), key=lambda d: value.shape[d]))]
+    return [(v, 0) for v in value]
+
+
+def derive_segments(kv_cache_config: object, reshape: Callable[[dict[str, torch.Tensor]], dict[str, object]]
+                    ) -> list[int]:
+    """Segments of each ``KVCacheTensor``, from vLLM's own reshape applied to ``meta`` tensors."""
+    num_blocks = kv_cache_config.num_blocks
+    raw: dict[str, torch.Tensor] = {}
+    pages = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        if getattr(tensor, "block_stride", 0):
+            raise ExtensibleKVUnsupported("packed KV cache layouts (KVCacheTensor.block_stride > 0, cross-layer "
+                                          "blocks) are not supported by the extensible KV cache")
+        if tensor.size % num_blocks:
+            raise ExtensibleKVUnsupported(f"KVCacheTensor of {tensor.size} bytes is not a whole number of "
+                                          f"{num_blocks} blocks")
+        page = tensor.size // num_blocks
+        pages.append(page)
+        meta = torch.empty(page * SENTINEL_BLOCKS, dtype=torch.int8, device="meta")
+        for name in tensor.shared_by:
+            raw[name] = meta
+    views = reshape(raw)
+    counts = []
+    for tensor, page in zip(kv_cache_config.kv_cache_tensors, pages):
+        found = {}
+        for name in tensor.shared_by:
+            if name not in views:
+                continue
+            for view, dim in _views(views[name]):
+                found[name] = segments_of(view, dim, page * SENTINEL_BLOCKS).count
+        if len(set(found.values())) > 1:
+            raise LayoutError(f"layers sharing a KV cache tensor disagree on segments: {found}")
+        counts.append(next(iter(found.values()), 1))
+    return counts
+
+
+@dataclass
+class WorkerKV:
+    """A worker's extensible KV cache and what it measured (see the module docstring)."""
+
+    driver: object
+    segments: list[int] = field(default_factory=list)
+    buffers: ExtensibleKVCacheBuffers | None = None
+    layer_buffer: dict[str, str] = field(default_factory=dict)
+    measured: MemoryState | None = None
+    commit_seconds: float | None = None
+    events: list[dict] = field(default_factory=list)
+
+    def allocate(self, kv_cache_config: object) -> dict[str, torch.Tensor]:
+        """Raw int8 tensors per layer, at the full reserved size, with block 0 committed."""
+        if not self.segments:
+            raise ExtensibleKVError("allocate before prepare: the segments were not derived")
+        n = kv_cache_config.num_blocks
+        specs = []
+        for i, (tensor, segs) in enumerate(zip(kv_cache_config.kv_cache_tensors, self.segments)):
+            specs.append(KVBuffer(f"kv{i}", tensor.size // n, num_segments=segs))
+            for name in tensor.shared_by:
+                self.layer_buffer[name] = f"kv{i}"
+        if self.buffers is not None:
+            self.buffers.close()
+        self.buffers = ExtensibleKVCacheBuffers(specs, n, driver=self.driver)
+        self.ensure_blocks(1, reason="null block")
+        return {name: self.buffers.raw(buf) for name, buf in self.layer_buffer.items()}
+
+    def ensure_blocks(self, num_blocks: int, reason: str) -> int:
+        if self.buffers is None:
+            raise ExtensibleKVError("ensure_blocks before allocate")
+        before = self.buffers.num_blocks
+        got = self.buffers.ensure_blocks(min(num_blocks, self.buffers.max_num_blocks))
+        if got > before:
+            self.events.append({"event": "ensure_blocks", "reason": reason, "from": before, "to": got})
+        if num_blocks > got:
+            raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
+        return got
+
+    def measure(self, worker: object, margin: int = 0) -> MemoryState:
+        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit."""
+        assert self.buffers is not None
+        torch.cuda.synchronize()
+        free_now, _ = torch.cuda.mem_get_info()
+        stats = self.buffers.stats()
+        g = stats.granularity
+        self.measured = MemoryState(
+            init_free=int(worker.init_snapshot.free_memory),
+            requested=int(worker.requested_memory),
+            free_now=int(free_now),
+            kv_backed=stats.backed_bytes,
+            weights=int(worker.model_runner.model_memory_usage),
+            profiled_peak=int(getattr(worker, "peak_activation_memory", 0)),
+            torch_reserved_now=int(torch.cuda.memory_reserved()),
+            bytes_per_block=sum(b.page_size_bytes for b in stats.buffers),
+            rounding_bound=sum(b.num_segments * g for b in stats.buffers),
+            capacity_blocks=stats.max_num_blocks,
+            committed_blocks=stats.num_blocks,
+            margin=margin,
+        )
+        return self.measured
+
+    def commit(self, num_blocks: int) -> float:
+        """Commit the final block count; return the seconds it took (device synchronized)."""
+        assert self.buffers is not None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.ensure_blocks(num_blocks, reason="final size")
+        torch.cuda.synchronize()
+        self.commit_seconds = time.perf_counter() - start
+        stats = self.buffers.stats()
+        logger.info("extensible KV cache: committed %d of %d reserved blocks (%.2f GiB) in %.1f ms", num_blocks,
+                    stats.max_num_blocks, stats.committed_bytes / 2**30, self.commit_seconds * 1e3)
+        return self.commit_seconds
+
+    def report(self) -> dict:
+        stats = self.buffers.stats() if self.buffers is not None else None
+        return {
+            "segments": self.segments,
+            "kv": stats.to_dict() if stats else None,
+            "measured": self.measured.to_dict() if self.measured else None,
+            "commit_seconds": self.commit_seconds,
+            "events": self.events,
+        }
+
+
+_ACTIVE: WorkerKV | None = None
+
+
+def active() -> WorkerKV | None:
+    """This process's WorkerKV, once a model runner built one."""
+    return _ACTIVE
+
+
+def start(driver: object) -> WorkerKV:
+    global _ACTIVE
+    _ACTIVE = WorkerKV(driver)
+    return _ACTIVE
