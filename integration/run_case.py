@@ -24,6 +24,7 @@ from pathlib import Path
 
 MODELS = Path(__file__).resolve().parent / "models"
 PROMPT_LEN, NUM_PROMPTS = 40, 4
+CORRUPT_BLOCKS = 256
 
 
 def _env(runner: str, mode: str) -> None:
@@ -70,14 +71,15 @@ def corrupt_kv(worker) -> int:
     """Overwrite every committed block of every attention KV tensor with large noise; return elements written."""
     import torch
 
-    n = worker.model_runner.kv_cache_config.num_blocks
+    # The prompts' cached blocks come first out of the block pool: the first CORRUPT_BLOCKS cover them.
+    n = min(worker.model_runner.kv_cache_config.num_blocks, CORRUPT_BLOCKS)
     gen = torch.Generator(device="cuda").manual_seed(7)
     written = 0
     for t in worker.model_runner.kv_caches:
         if not isinstance(t, torch.Tensor):
             continue  # Mamba state lists
         part = t.narrow(_block_dim(t), 0, n)
-        part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32).mul_(10))
+        part.normal_(0.0, 10.0, generator=gen)
         written += part.numel()
     torch.cuda.synchronize()
     return written
@@ -123,9 +125,9 @@ def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
         llm = LLM(**kwargs)
-    engine_seconds = time.perf_counter() - start
+        engine_seconds = time.perf_counter() - start
+        extensible = llm.collective_rpc("extensible_kv_report")[0] if args.mode != "legacy" else None
     figures = llm.collective_rpc(memory_figures)[0]
-    extensible = llm.collective_rpc("extensible_kv_report")[0] if args.mode != "legacy" else None
     reinit = llm.apply_model(reinit_weights)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
