@@ -109,13 +109,13 @@ def test_corrupting_committed_kv_blocks_changes_the_tokens():
 
 
 def test_hybrid_attention_mamba_on_v1_matches_legacy():
-    legacy = run_case("tiny-bamba-v1-legacy", "--model", "tiny-bamba", "--runner", "v1", "--mode", "legacy")
-    ext = run_case("tiny-bamba-v1-extensible", "--model", "tiny-bamba", "--runner", "v1", "--mode", "extensible")
+    legacy = run_case("tiny-jamba-v1-legacy", "--model", "tiny-jamba", "--runner", "v1", "--mode", "legacy")
+    ext = run_case("tiny-jamba-v1-extensible", "--model", "tiny-jamba", "--runner", "v1", "--mode", "extensible")
     assert ext["token_ids"] == legacy["token_ids"], \
-        f"tiny-bamba/v1: extensible tokens differ from legacy: {_diff(ext['token_ids'], legacy['token_ids'])}"
-    check_memory_budget("tiny-bamba/v1", legacy, ext)
+        f"tiny-jamba/v1: extensible tokens differ from legacy: {_diff(ext['token_ids'], legacy['token_ids'])}"
+    check_memory_budget("tiny-jamba/v1", legacy, ext)
     assert ext["extensible"]["segments"] and set(ext["extensible"]["segments"]) == {1}, \
-        f"tiny-bamba/v1: hybrid buffers must be single-segment, got {ext['extensible']['segments']}"
+        f"tiny-jamba/v1: hybrid buffers must be single-segment, got {ext['extensible']['segments']}"
 
 
 def test_entry_point_switches_a_multiprocess_engine():
