@@ -85,6 +85,25 @@ def corrupt_kv(worker) -> int:
     return written
 
 
+_GRAPH_MEMORY: list[int] = []
+
+
+def record_graph_memory() -> None:
+    """Keep what each runner's capture_model returns (the memory its CUDA graphs took), for the report."""
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu import model_runner as v2_model_runner
+
+    for cls in (gpu_model_runner.GPUModelRunner, v2_model_runner.GPUModelRunner):
+        original = cls.capture_model
+
+        def capture_model(self, *args, _original=original, **kwargs):
+            result = _original(self, *args, **kwargs)
+            _GRAPH_MEMORY.append(int(result or 0))
+            return result
+
+        cls.capture_model = capture_model
+
+
 def memory_figures(worker) -> dict:
     """vLLM's own profiling figures and a post-warmup measurement, for legacy and extensible runs alike."""
     import torch
@@ -101,6 +120,7 @@ def memory_figures(worker) -> dict:
         "available_kv_cache_memory": int(getattr(worker, "available_kv_cache_memory_bytes", 0)),
         "torch_reserved": int(torch.cuda.memory_reserved()),
         "num_gpu_blocks": int(worker.cache_config.num_gpu_blocks),
+        "cudagraph_memory": _GRAPH_MEMORY[-1] if _GRAPH_MEMORY else None,
         "runner": "v2" if type(worker.model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1",
     }
 
@@ -122,6 +142,8 @@ def run(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=args.gpu_memory_utilization)
     if args.capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(s) for s in args.capture_sizes.split(",")]}
+    if args.mode != "plugin":  # in-process engines only: the worker runs in this process
+        record_graph_memory()
     start = time.perf_counter()
     with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
         llm = LLM(**kwargs)

@@ -29,10 +29,12 @@ SABOTAGED_TENSORS = {
     "per_granule": {"test_one_handle_per_contiguous_run_of_new_granules"},
     "no_dedup": {"test_straddling_granule_is_mapped_once"},
     "wide_views": {"test_views_cover_exactly_the_committed_bytes", "test_segments_grow_in_lockstep"},
-    "skip_rollback": {"test_failed_growth_rolls_back_completely"},
+    "skip_rollback": {"test_failed_growth_rolls_back_completely",
+                      "test_failure_at_every_call_of_a_tensor_growth_step_rolls_back"},
     "leaky_teardown": {"test_garbage_collection_frees_exactly_once", "test_close_twice_is_harmless"},
     "single_segment": {"test_ensure_blocks_maps_the_granules_of_the_block_prefix_and_no_more"},
-    "no_retract": {"test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count"},
+    "no_retract": {"test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count",
+                   "test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer"},
 }
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import drivers
-from . import worker_kv
+from . import agreement, worker_kv
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -183,8 +183,10 @@ def _determine_available_memory(original: Callable) -> Callable:
 
 
 def extensible_kv_measure(self) -> int:
-    """RPC: measure memory after warmup; return the blocks this worker can commit."""
-    return _worker_kv().measure(self, margin=_margin()).blocks()
+    """RPC: measure memory after warmup; return the blocks every rank can commit (the minimum over ranks)."""
+    fits = _worker_kv().measure(self, margin=_margin()).blocks()
+    group = agreement.vllm_cpu_group()
+    return agreement.agree_min(fits, group) if group is not None else fits
 
 
 def extensible_kv_commit(self, num_blocks: int) -> dict:

@@ -1,0 +1,193 @@
+"""Reliability rules: a failure at every driver call of a growth step rolls back completely (tensor and KV buffers),
+concurrent growth serializes, and object lifetimes survive garbage-collection stress."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import weakref
+
+import pytest
+import torch
+
+from extensible_kv import ExtensibleTensor
+from extensible_kv.errors import CommitError, DriverError
+from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+from . import layouts
+from .helpers import expect, expect_bytes, expected_granules, granule_states, odd_tensor
+
+STEP_OPS = ("create", "map", "release", "set_access", "zero")
+
+
+def _calls_of_a_step(driver, make, grow) -> dict[str, int]:
+    """How many calls of each kind one growth step makes (measured on a twin object)."""
+    obj = make()
+    before = len(driver.calls)
+    grow(obj)
+    counts = {op: driver.count(op, since=before) for op in STEP_OPS}
+    obj.close()
+    return counts
+
+
+def _device_free(driver) -> int | None:
+    return driver.mem_info()[0] if driver.device.type == "cuda" else None
+
+
+def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
+    def make():
+        t = odd_tensor(driver, num_segments=3, granules_per_segment=3.5)
+        t.resize_per_segment_(1024)
+        return t
+
+    def grow(t):
+        t.resize_per_segment_(t.segment_bytes)
+
+    counts = _calls_of_a_step(driver, make, grow)
+    expect(counts["create"] >= 2 and counts["zero"] >= 1, driver, "calls in the swept growth step",
+           "several creates and zeros", counts)
+    swept = 0
+    for op, total in counts.items():
+        for k in range(1, total + 1):
+            t = make()
+            data = [torch.randint(0, 256, (1024,), dtype=torch.uint8).to(t.device) for _ in range(3)]
+            for i, d in enumerate(data):
+                t.segment_view(i).copy_(d)
+            driver.synchronize()
+            maps, states, free = driver.outstanding().mappings, granule_states(driver, t.base_address,
+                                                                                 t.max_num_bytes), _device_free(driver)
+            driver.fail(op, k)
+            with pytest.raises(CommitError):
+                grow(t)
+            where = f"failed {op} #{k} of {total}"
+            expect(t.bytes_per_segment == 1024, driver, f"size after a {where}", 1024, t.bytes_per_segment)
+            expect(driver.outstanding().mappings == maps and driver.outstanding().handles == 0, driver,
+                   f"mappings and handles after a {where}", (len(maps), 0),
+                   (len(driver.outstanding().mappings), driver.outstanding().handles))
+            now = granule_states(driver, t.base_address, t.max_num_bytes)
+            expect(now == states, driver, f"accessible granules after a {where}", states, now)
+            if free is not None:
+                expect(_device_free(driver) == free, driver, f"cuMemGetInfo free bytes after a {where}", free,
+                       _device_free(driver))
+            for i, d in enumerate(data):
+                expect_bytes(driver, f"segment {i} after a {where}", t.segment_view(i), d)
+            grow(t)  # the next growth succeeds
+            expect(granule_states(driver, t.base_address, t.max_num_bytes) == expected_granules(t), driver,
+                   f"accessible granules after retrying a {where}", expected_granules(t),
+                   granule_states(driver, t.base_address, t.max_num_bytes))
+            t.close()
+            swept += 1
+    expect(swept == sum(counts.values()), driver, "fault points swept", sum(counts.values()), swept)
+
+
+def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(driver):
+    def make():
+        specs = [KVBuffer(f"b{i}", layouts.PAGE, (layouts.kv_first(f"b{i}.l"),)) for i in range(3)]
+        cache = ExtensibleKVCacheBuffers(specs, 600, driver=driver)
+        cache.ensure_blocks(17)
+        return cache
+
+    def grow(cache):
+        cache.ensure_blocks(600)
+
+    counts = _calls_of_a_step(driver, make, grow)
+    for op, total in counts.items():
+        for k in range(1, total + 1):
+            cache = make()
+            maps = driver.outstanding().mappings
+            driver.fail(op, k)
+            with pytest.raises(CommitError):
+                grow(cache)
+            where = f"failed {op} #{k} of {total}"
+            sizes = {b.name: cache.tensor(b.name).bytes_per_segment for b in cache.buffers}
+            expect(cache.num_blocks == 17 and set(sizes.values()) == {17 * layouts.PAGE // 2}, driver,
+                   f"KV block count and per-buffer sizes after a {where}", (17, 17 * layouts.PAGE // 2),
+                   (cache.num_blocks, sizes))
+            expect(driver.outstanding().mappings == maps and driver.outstanding().handles == 0, driver,
+                   f"mappings and handles after a {where}", (len(maps), 0),
+                   (len(driver.outstanding().mappings), driver.outstanding().handles))
+            grow(cache)
+            expect(cache.num_blocks == 600, driver, f"KV block count after retrying a {where}", 600,
+                   cache.num_blocks)
+            cache.close()
+
+
+def test_failed_reservation_leaves_nothing_behind(driver):
+    driver.fail("reserve", 1)
+    with pytest.raises(DriverError):
+        odd_tensor(driver)
+    expect(not driver.outstanding(), driver, "driver state after a failed reserve", "nothing", driver.outstanding())
+
+
+def test_concurrent_growth_serializes_to_the_largest_size(driver):
+    t = odd_tensor(driver, num_segments=2, granules_per_segment=4.5)
+    sizes = [random.Random(i).randrange(256, t.segment_bytes, 256) for i in range(16)]
+    barrier = threading.Barrier(len(sizes))
+    errors = []
+
+    def worker(n):
+        barrier.wait()
+        try:
+            t.resize_per_segment_(n)
+        except Exception as exc:  # a smaller size after a larger one is a shrink: the only allowed error
+            if "grow-only" not in str(exc):
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in sizes]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    expect(not errors, driver, "errors from concurrent resize_per_segment_", [], errors)
+    expect(t.bytes_per_segment == max(sizes), driver, "size after concurrent growth", max(sizes),
+           t.bytes_per_segment)
+    states = granule_states(driver, t.base_address, t.max_num_bytes)
+    expect(states == expected_granules(t), driver, "accessible granules after concurrent growth",
+           expected_granules(t), states)
+    t.close()
+
+
+def test_concurrent_ensure_blocks_serializes_to_the_largest_count(driver):
+    specs = [KVBuffer(f"b{i}", layouts.PAGE, (layouts.kv_first(f"b{i}.l"),)) for i in range(2)]
+    cache = ExtensibleKVCacheBuffers(specs, 600, driver=driver)
+    counts = [random.Random(i).randrange(1, 600) for i in range(12)]
+    barrier = threading.Barrier(len(counts))
+
+    def worker(n):
+        barrier.wait()
+        cache.ensure_blocks(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in counts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    expect(cache.num_blocks == max(counts), driver, "blocks after concurrent ensure_blocks", max(counts),
+           cache.num_blocks)
+    cache.close()
+
+
+def test_lifecycle_under_garbage_collection_stress(driver):
+    refs = []
+    survivors = []
+    for round_ in range(20):
+        t = odd_tensor(driver, num_segments=1 + round_ % 3)
+        t.resize_per_segment_(256 * (1 + round_ % 5))
+        view = t.segment_view(round_ % t.num_segments)
+        view.fill_(round_ % 251)
+        refs.append(weakref.ref(t))
+        if round_ % 4 == 0:
+            survivors.append((round_, view))  # the view outlives every direct reference to its tensor
+        del t, view
+        gc.collect()
+    for round_, view in survivors:
+        expect(bool((view == round_ % 251).all()), driver, f"a surviving view of round {round_}",
+               f"filled with {round_ % 251}", "changed")
+    del view
+    alive = sum(r() is not None for r in refs)
+    expect(alive == len(survivors), driver, "tensors alive under gc stress", len(survivors), alive)
+    survivors.clear()
+    gc.collect()
+    expect(not driver.outstanding(), driver, "driver state after the last view died", "nothing",
+           driver.outstanding())
