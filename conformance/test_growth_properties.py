@@ -1,4 +1,4 @@
-"""Random grow / write / read sequences, checked against a model: one bytearray per segment."""
+"""Random grow / fault / write / read sequences, checked against a model: one bytearray per segment."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from extensible_kv import ExtensibleTensor
+from extensible_kv.errors import CommitError
 
 from .helpers import expect, expected_granules, granule_states
 
@@ -16,8 +17,10 @@ def plans(draw):
     num_segments = draw(st.integers(1, 4), label="num_segments")
     quarter_granules = draw(st.integers(1, 12), label="segment size in quarter granules")
     extra = draw(st.integers(0, 3), label="extra 256-byte units per segment")
-    steps = draw(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16)), min_size=1,
-                          max_size=6), label="steps (fraction, zero_new, seed)")
+    faults = st.one_of(st.none(), st.tuples(st.sampled_from(["create", "map", "release", "set_access", "zero"]),
+                                            st.integers(1, 3)))
+    steps = draw(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16), faults), min_size=1,
+                          max_size=6), label="steps (fraction, zero_new, seed, injected fault)")
     return num_segments, quarter_granules, extra, steps
 
 
@@ -31,11 +34,19 @@ def test_random_growth_matches_a_bytearray_model(driver, plan):
     model = [bytearray(seg) for _ in range(num_segments)]
     known = 0  # bytes per segment whose value the model knows
     try:
-        for fraction, zero_new, seed in steps:
+        for fraction, zero_new, seed, fault in steps:
             target = max(t.bytes_per_segment, int(fraction * seg) // 256 * 256, 256)
-            note(f"grow {t.bytes_per_segment} -> {target} per segment (zero_new={zero_new})")
+            note(f"grow {t.bytes_per_segment} -> {target} per segment (zero_new={zero_new}, fault={fault})")
             old = t.bytes_per_segment
-            t.resize_per_segment_(target, zero_new=zero_new)
+            if fault:
+                driver.fail(*fault)
+            try:
+                t.resize_per_segment_(target, zero_new=zero_new)
+            except CommitError:
+                target = old  # the step rolled back: the model does not move
+            finally:
+                driver.clear_faults()
+            expect(t.bytes_per_segment == target, driver, "size after the step", target, t.bytes_per_segment)
             if zero_new:
                 for m in model:
                     m[old:target] = bytes(target - old)

@@ -42,3 +42,11 @@ def partial() -> _Partial:
 
 def bare() -> object:
     return object()
+
+
+class KVFirstBackend:
+    """An attention backend with a K/V-first layout ``(2, B, N, H, D)`` and no stride order (identity)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)

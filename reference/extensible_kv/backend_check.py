@@ -124,18 +124,22 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
     """Run the checks of the module docstring; never raises for a backend's fault, reports it instead."""
     name = getattr(backend, "__name__", str(backend))
     report = BackendReport(name, kv_layout)
+    try:
+        if isinstance(driver, str) or driver is None:
+            driver = get_driver(driver or best_available())
+    except ExtensibleKVError as exc:
+        report.add("driver", False, str(exc))
+        return report
     with kv_cache_layout(kv_layout):
         try:
             layer = attention_layer("layer", backend, block_size=block_size, num_kv_heads=num_kv_heads,
                                     head_size=head_size, dtype=dtype, cache_dtype_str=cache_dtype_str)
             report.shape, report.stride_order = layer.shape_of(1), layer.stride_order
             report.block_dim = layer.block_dim
-        except (LayoutError, TypeError, ValueError, AssertionError, NotImplementedError) as exc:
+        except (LayoutError, AttributeError, TypeError, ValueError, AssertionError, NotImplementedError) as exc:
             report.add("layout", False, f"{type(exc).__name__}: {exc}")
             return report
     report.add("layout", True, f"shape(num_blocks=1) {report.shape}, stride order {report.stride_order}")
-    if isinstance(driver, str) or driver is None:
-        driver = get_driver(driver or best_available())
     ledger = Ledger(driver)
     report.driver = driver.name
     page = layer.page_size_bytes()

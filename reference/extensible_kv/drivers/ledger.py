@@ -84,6 +84,12 @@ class Ledger:
             self._faults[op] = nth
             self._fault_errors[op] = error
 
+    def clear_faults(self) -> None:
+        """Drop every failure injected with ``fail`` that has not fired yet."""
+        with self._lock:
+            self._faults.clear()
+            self._fault_errors.clear()
+
     # -- protocol ----------------------------------------------------------------------------------------------
     def granularity(self) -> int:
         return self._granularity

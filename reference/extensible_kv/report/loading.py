@@ -78,6 +78,7 @@ class Bench:
     raw: dict[str, dict]
     datetime: str | None
     summarized_by: str  # "bench.summary" or "raw JSON (bench.summary not importable)"
+    machine_info: dict = field(default_factory=dict)
 
     def bytes_of(self, key: str) -> int | None:
         entry = self.raw.get(key)
@@ -244,9 +245,10 @@ def _bench(path: Path) -> Bench:
         from bench.summary import summarize_data  # noqa: PLC0415  (the repository root must be on sys.path)
     except ImportError:
         return Bench(source=path.name, summary=_reduced_summary(raw), raw=raw, datetime=data.get("datetime"),
-                     summarized_by="raw JSON (bench.summary not importable: run from the repository root)")
+                     summarized_by="raw JSON (bench.summary not importable: run from the repository root)",
+                     machine_info=data.get("machine_info") or {})
     return Bench(source=path.name, summary=summarize_data(data), raw=raw, datetime=data.get("datetime"),
-                 summarized_by="bench.summary")
+                 summarized_by="bench.summary", machine_info=data.get("machine_info") or {})
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
@@ -371,6 +373,7 @@ _README_PATTERNS = {
     "torch": re.compile(r"\btorch\s+(\d[\w.+-]*\w)"),
     "cuda_bindings": re.compile(r"\bcuda-bindings\s+(\d[\w.]*\w)"),
     "vllm": re.compile(r"\bvllm\s+(\d[\w.]*\w)"),
+    "date": re.compile(r"\b(\d{4}-\d{2}-\d{2})\b"),
 }
 
 
@@ -410,9 +413,7 @@ def _environment(run: Run) -> dict[str, EnvironmentItem]:
             m = pattern.search(text)
             if m:
                 put(key, m.group(1), readme.name)
-    bench_json = [p for p in sorted(run.path.glob("bench-*.json"))]
-    for p in bench_json:
-        info = _read_json(p).get("machine_info") or {}
-        put("python", info.get("python_version"), p.name)
-        put("cpu", (info.get("cpu") or {}).get("brand_raw"), p.name)
+    for b in run.bench:
+        put("python", b.machine_info.get("python_version"), b.source)
+        put("cpu", (b.machine_info.get("cpu") or {}).get("brand_raw"), b.source)
     return {k: env.get(k, EnvironmentItem(None, None)) for k in ENVIRONMENT_KEYS}

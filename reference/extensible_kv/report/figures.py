@@ -1,0 +1,371 @@
+"""The report's plots as PNG bytes (matplotlib, Agg canvas, no pyplot state). Every axis names its unit.
+
+Sizes are binary (GiB = 2**30 bytes, MiB = 2**20 bytes); rates are decimal (GB/s = 1e9 bytes per second), as in
+``bench.summary``.
+"""
+
+from __future__ import annotations
+
+import io
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from . import accounting as acc
+from .accounting import BlockPair, MemoryBreakdown
+from .loading import Bench, Conformance
+from .matrix import cell_state, cell_text, matrix_cells
+
+DPI = 110
+GIB, MIB = float(1 << 30), float(1 << 20)
+
+SEGMENT_COLORS = {
+    acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.PEAK: "#ff7f0e", acc.GRAPHS: "#9467bd",
+    acc.OTHER: "#8c564b", acc.OTHER_WITH_GRAPHS: "#8c564b", acc.UNSPLIT: "#bcbd22", acc.KV: "#2ca02c",
+    acc.PADDING: "#98df8a", acc.FREE: "#f2f2f2",
+}
+ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
+                   "CUDA graph estimate": "#e377c2"}
+
+
+def _new(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", facecolor="white")
+    return buf.getvalue()
+
+
+def _case_tick(b: MemoryBreakdown) -> str:
+    mode = b.case.mode + ("+corrupt" if b.case.corrupt else "")
+    return f"{mode}\n({b.case.folder})" if b.case.folder else mode
+
+
+def _bytes_label(n: float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.1f} MiB"
+
+
+# -- memory of one (model, runner, backend) group --------------------------------------------------------------------
+def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
+    """Left: the whole GPU per run (GiB). Right: the non-KV part magnified (MiB)."""
+    fig = _new(11.5, 5.2)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 1]})
+    xs = list(range(len(breakdowns)))
+    present: list[str] = []
+    for x, b in zip(xs, breakdowns):
+        segs = b.segments()
+        if segs is None:
+            left.text(x, 0.5, "not measured", rotation=90, ha="center", va="bottom", transform=left.get_xaxis_transform())
+            continue
+        bottom = 0.0
+        for s in segs:
+            height = max(s.bytes or 0, 0) / GIB
+            left.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[s.label], edgecolor="#555555",
+                     linewidth=0.5)
+            if s.label in (acc.KV, acc.UNSPLIT, acc.FREE) and s.bytes and s.bytes / GIB > 4:
+                left.text(x, bottom + height / 2, f"{s.label}\n{s.bytes / GIB:.2f} GiB", ha="center", va="center",
+                          fontsize=7.5)
+            bottom += height
+            if s.label not in present:
+                present.append(s.label)
+        if b.requested is not None:
+            left.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1.2)
+    left.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
+    left.set_ylabel("GPU memory (GiB)")
+    left.set_title("whole GPU after warmup; dashed: requested (utilization x total)", fontsize=9)
+    left.set_xlim(-0.6, len(xs) - 0.4)
+
+    non_kv = [acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS]
+    for x, b in zip(xs, breakdowns):
+        segs = {s.label: s.bytes for s in (b.segments() or [])}
+        if not any(k in segs for k in (acc.OTHER, acc.OTHER_WITH_GRAPHS)):
+            right.text(x, 0.02, "KV not measured:\nnon-KV not separable", rotation=90, ha="center", va="bottom",
+                       fontsize=8, transform=right.get_xaxis_transform())
+            continue
+        bottom = 0.0
+        for label in non_kv:
+            if label not in segs:
+                continue
+            height = (segs[label] or 0) / MIB
+            right.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[label], edgecolor="#555555",
+                      linewidth=0.5)
+            bottom += height
+        right.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+        if b.estimate is not None:
+            right.hlines(b.estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted", linewidth=1.5)
+    right.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
+    right.set_ylabel("non-KV memory after warmup (MiB)")
+    right.set_title("non-KV part magnified; dotted: vLLM's profiled estimate", fontsize=9)
+    right.set_xlim(-0.6, len(xs) - 0.4)
+    right.margins(y=0.12)
+
+    handles = [Patch(facecolor=SEGMENT_COLORS[k], edgecolor="#555555", label=k) for k in acc.SEGMENT_ORDER
+               if k in present]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.08))
+    fig.suptitle(f"GPU memory, legacy vs extensible KV cache: {title}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return _png(fig)
+
+
+# -- vLLM's non-KV estimate against the measurement -------------------------------------------------------------------
+def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
+    rows = [b for b in breakdowns if b.estimate is not None or b.non_kv_after_warmup is not None]
+    fig = _new(11, 1.0 + 0.55 * max(len(rows), 1))
+    ax = fig.subplots()
+    h = 0.38
+    for i, b in enumerate(rows):
+        y = len(rows) - 1 - i
+        if b.estimate is not None:
+            left = 0.0
+            for name, color in ESTIMATE_COLORS.items():
+                v = (b.estimate_parts.get(name) or 0) / MIB
+                ax.barh(y + h / 2, v, left=left, height=h, color=color, hatch="//", edgecolor="white", linewidth=0)
+                left += v
+            other = b.estimate / MIB - left  # anything in the estimate that its recorded parts do not cover
+            if abs(other) > 1e-6:
+                ax.barh(y + h / 2, other, left=left, height=h, color="#cccccc", hatch="//", edgecolor="white")
+            ax.text(b.estimate / MIB, y + h / 2, f" {b.estimate / MIB:.1f}", va="center", fontsize=7.5)
+        else:
+            ax.text(0, y + h / 2, " estimate not measured", va="center", fontsize=7.5)
+        segs = {s.label: s.bytes for s in (b.segments() or [])}
+        if b.non_kv_after_warmup is not None:
+            left = 0.0
+            for label in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS):
+                if label in segs:
+                    v = (segs[label] or 0) / MIB
+                    ax.barh(y - h / 2, v, left=left, height=h, color=SEGMENT_COLORS[label], edgecolor="white",
+                            linewidth=0.5)
+                    left += v
+            ax.text(b.non_kv_after_warmup / MIB, y - h / 2, f" {b.non_kv_after_warmup / MIB:.1f}", va="center",
+                    fontsize=7.5)
+        else:
+            ax.text(0, y - h / 2, " measured: not measured (KV bytes unknown)", va="center", fontsize=7.5)
+    ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [b.case.label for b in rows], fontsize=8)
+    ax.set_xlabel("non-KV memory (MiB)")
+    ax.set_title("vLLM's profiled non-KV estimate (upper bar of each case, hatched) vs non-KV measured after "
+                 "warmup (lower bar, solid)", fontsize=10)
+    ax.margins(x=0.12)
+    handles = [Patch(facecolor=c, hatch="//", edgecolor="white", label=f"estimate: {k}")
+               for k, c in ESTIMATE_COLORS.items()]
+    handles += [Patch(facecolor=SEGMENT_COLORS[k], label=f"measured: {k}")
+                for k in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER_WITH_GRAPHS)
+                if any(k in {s.label for s in (b.segments() or [])} for b in rows)]
+    ax.legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+# -- KV blocks -------------------------------------------------------------------------------------------------------
+def kv_blocks(pairs: list[BlockPair]) -> bytes:
+    fig = _new(11.5, 1.2 + 0.6 * max(len(pairs), 1))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]}, sharey=True)
+    h = 0.38
+    for i, p in enumerate(pairs):
+        y = len(pairs) - 1 - i
+        for dy, b, color, name in ((h / 2, p.legacy, "#7f7f7f", "legacy"), (-h / 2, p.other, "#2ca02c", "other")):
+            if b.blocks is None:
+                left.text(1, y + dy, " not measured", va="center", fontsize=7.5)
+                continue
+            left.barh(y + dy, b.blocks, height=h, color=color)
+            left.text(b.blocks, y + dy, f" {b.blocks:,}", va="center", fontsize=7.5)
+        d = p.delta_blocks
+        if d is None:
+            right.text(0, y, " not measured", va="center", fontsize=7.5)
+            continue
+        right.barh(y, d, height=h * 1.6, color="#d62728" if d < 0 else "#2ca02c")
+        extra = f" ({p.delta_percent:+.3f} %" + (f", {p.delta_bytes / MIB:+.1f} MiB)" if p.delta_bytes is not None
+                                                  else ")")
+        right.text(d, y, f" {d:+,}{extra} ", va="center", ha="left" if d >= 0 else "right", fontsize=7.5)
+    labels = [f"{p.other.case.label}\nvs legacy ({p.legacy.case.folder})" if p.legacy.case.folder
+              else f"{p.other.case.label}\nvs legacy" for p in pairs]
+    left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=7.5)
+    left.set_xscale("log")
+    left.set_xlabel("KV cache blocks (log scale)")
+    left.set_title("blocks: legacy (grey) vs extensible (green)", fontsize=10)
+    left.margins(x=0.35)
+    right.axvline(0, color="black", linewidth=0.8)
+    right.set_xlabel("extensible - legacy (blocks)")
+    right.set_title("difference in blocks (% of legacy, MiB)", fontsize=10)
+    lim = max([abs(p.delta_blocks) for p in pairs if p.delta_blocks is not None] or [1])
+    right.set_xlim(-lim * 2.6, lim * 2.6)
+    right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    left.legend(handles=[Patch(color="#7f7f7f", label="legacy"), Patch(color="#2ca02c", label="extensible")],
+                fontsize=8, loc="lower right")
+    fig.suptitle("KV cache blocks, legacy vs extensible (same model, runner and backend)", fontsize=11)
+    fig.tight_layout()
+    return _png(fig)
+
+
+# -- commit throughput -----------------------------------------------------------------------------------------------
+def _gib_formatter(v: float, _pos: object) -> str:
+    if v >= GIB:
+        return f"{v / GIB:g} GiB"
+    if v >= MIB:
+        return f"{v / MIB:g} MiB"
+    return f"{v / 1024:g} KiB"
+
+
+def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, str, str]]:
+    """(label, bytes, GB/s, handles, marker, color) of the commit paths and the peers."""
+    s = bench.summary
+    out = []
+    styles = {"per_granule": ("per-granule handles (baseline)", "v", "#d62728"),
+              "single_handle": ("one handle (the driver's limit)", "D", "black"),
+              "extensible": ("ExtensibleTensor 32 GiB", "*", "#2ca02c")}
+    for path, p in (s.get("commit") or {}).get("paths", {}).items():
+        if p.get("gbps") and p.get("bytes"):
+            label, marker, color = styles.get(path, (path, "o", "grey"))
+            out.append((label, float(p["bytes"]), float(p["gbps"]), p.get("handles"), marker, color))
+    for key, label, marker, color in (("peer/torch_default", "peer: torch default (cudaMalloc)", "s", "#ff7f0e"),
+                                      ("peer/expandable_segments", "peer: torch expandable segments", "P", "#9467bd")):
+        nbytes, seconds = bench.bytes_of(key), bench.seconds_of(key)
+        if nbytes and seconds:
+            out.append((label, float(nbytes), nbytes / seconds / 1e9, None, marker, color))
+    return out
+
+
+def commit_throughput(bench: Bench) -> bytes:
+    """Left: GB/s against bytes per handle. Right: GB/s against bytes committed, with the peers and the target."""
+    s = bench.summary
+    rows = [r for r in (s.get("scaling") or {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
+    fig = _new(12, 5.2)
+    by_handle, by_bytes = fig.subplots(1, 2, sharey=True)
+    sizes = sorted({r["nominal_gib"] for r in rows})
+    segs = sorted({r["segments"] for r in rows})
+    size_colors = dict(zip(sizes, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"] * 3))
+    for gib in sizes:
+        pts = sorted((r["bytes"] / r["handles"], r["gbps"]) for r in rows if r["nominal_gib"] == gib and r["handles"])
+        by_handle.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=size_colors[gib],
+                       label=f"scaling: {gib} GiB in 1-64 segments")
+    seg_markers = dict(zip(segs, ["o", "s", "^", "v", "D", "x"] * 3))
+    for n in segs:
+        pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
+        by_bytes.plot([p[0] for p in pts], [p[1] for p in pts], marker=seg_markers[n], linestyle="-",
+                      label=f"scaling: {n} segment(s) = {n} handle(s)")
+    points = _commit_points(bench)
+    for label, nbytes, gbps, handles, marker, color in points:
+        by_bytes.plot([nbytes], [gbps], marker=marker, color=color, markersize=10, linestyle="none", label=label)
+        if handles:
+            by_handle.plot([nbytes / handles], [gbps], marker=marker, color=color, markersize=10, linestyle="none",
+                           label=label)
+    target = next((t for t in s.get("targets", []) if t.get("name", "").startswith("commit 32 GiB, GB/s")), None)
+    for ax in (by_handle, by_bytes):
+        if target and target.get("target"):
+            ax.axhline(target["target"], color="#d62728", linestyle="dashed", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(_gib_formatter))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=8, rotation=30)
+    if target and target.get("target"):
+        by_bytes.text(by_bytes.get_xlim()[0], target["target"], f" target {target['op']} {target['target']:g} GB/s",
+                      va="bottom", fontsize=8, color="#d62728")
+    by_handle.set_xlabel("bytes per physical handle (log scale)")
+    by_handle.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
+    by_handle.set_title("commit rate vs handle size", fontsize=10)
+    by_bytes.set_xlabel("bytes committed in one growth step (log scale)")
+    by_bytes.set_title("commit rate vs bytes, with peers and limits", fontsize=10)
+    by_handle.legend(fontsize=7.5, loc="lower right")
+    by_bytes.legend(fontsize=7.5, loc="lower right")
+    fig.suptitle(f"Commit throughput (zero_new=False), {bench.source}: driver {s.get('driver')}, granularity "
+                 f"{_gib_formatter(s['granularity'], None) if s.get('granularity') else 'not recorded'}", fontsize=11)
+    fig.tight_layout()
+    return _png(fig)
+
+
+# -- conformance matrix ----------------------------------------------------------------------------------------------
+MATRIX_COLORS = {"pass": "#a1d99b", "fail": "#fc9272", "skip": "#d9d9d9", "mixed": "#fee391", "none": "white"}
+
+
+def conformance_matrix(conformance: list[Conformance]) -> bytes:
+    rules, columns, cells = matrix_cells(conformance)
+    fig = _new(3.2 + 2.2 * max(len(columns), 1) + 3.5, 1.3 + 0.26 * max(len(rules), 1))
+    ax = fig.subplots()
+    for i, rule in enumerate(rules):
+        for j, col in enumerate(columns):
+            counts = cells.get((rule, col))
+            ax.add_patch(_rect(j, i, MATRIX_COLORS[cell_state(counts)]))
+            ax.text(j + 0.5, i + 0.5, cell_text(counts), ha="center", va="center",
+                    fontsize=7.5)
+    ax.set_xlim(0, max(len(columns), 1))
+    ax.set_ylim(max(len(rules), 1), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(columns))], columns, fontsize=9)
+    ax.xaxis.tick_top()
+    ax.set_yticks([i + 0.5 for i in range(len(rules))], rules, fontsize=7.5)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    handles = [Patch(facecolor=MATRIX_COLORS[k], edgecolor="#888888", label=label) for k, label in
+               (("pass", "all passed"), ("fail", "any failed"), ("skip", "all skipped"),
+                ("mixed", "passed and skipped"), ("none", "not run"))]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
+              title="cell: tests of the rule (parametrizations)", title_fontsize=8)
+    ax.set_title("Conformance: driver x rule (counts are test parametrizations)", fontsize=11, pad=22)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _rect(x: float, y: float, color: str):
+    from matplotlib.patches import Rectangle  # noqa: PLC0415
+
+    return Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", linewidth=1.5)
+
+
+# -- comparison ------------------------------------------------------------------------------------------------------
+def compare_commit(a_name: str, a: Bench | None, b_name: str, b: Bench | None) -> bytes:
+    """Commit rate against bytes for both runs: solid lines for the run, dashed for the baseline."""
+    fig = _new(9, 5)
+    ax = fig.subplots()
+    for name, bench, style in ((a_name, a, "-"), (b_name, b, "--")):
+        if bench is None:
+            continue
+        rows = [r for r in bench.summary.get("scaling", {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
+        for n in sorted({r["segments"] for r in rows}):
+            pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style,
+                    label=f"{name}: {n} segment(s)")
+        for label, nbytes, gbps, _h, marker, _c in _commit_points(bench):
+            ax.plot([nbytes], [gbps], marker=marker, linestyle="none", markersize=9, markerfacecolor="none"
+                    if style == "--" else None, label=f"{name}: {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(_gib_formatter))
+    ax.set_xlabel("bytes committed in one growth step (log scale)")
+    ax.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
+    ax.set_title(f"Commit throughput: {a_name} (solid) vs {b_name} (dashed, hollow)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def compare_blocks(a_name: str, b_name: str, rows: list[tuple[str, int | None, int | None]]) -> bytes:
+    """KV blocks per case in both runs (log scale), ``rows`` = (case key, blocks in a, blocks in b)."""
+    fig = _new(11, 1.2 + 0.45 * max(len(rows), 1))
+    ax = fig.subplots()
+    h = 0.38
+    for i, (key, va, vb) in enumerate(rows):
+        y = len(rows) - 1 - i
+        for dy, v, color in ((h / 2, va, "#1f77b4"), (-h / 2, vb, "#ff7f0e")):
+            if v is None:
+                ax.text(1, y + dy, " not measured", va="center", fontsize=7.5)
+            else:
+                ax.barh(y + dy, v, height=h, color=color)
+                ax.text(v, y + dy, f" {v:,}", va="center", fontsize=7.5)
+    ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [r[0] for r in rows], fontsize=7.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache blocks (log scale)")
+    ax.margins(x=0.3)
+    ax.legend(handles=[Patch(color="#1f77b4", label=a_name), Patch(color="#ff7f0e", label=b_name)], fontsize=8,
+              loc="lower right")
+    ax.set_title("KV cache blocks per vLLM case in both runs", fontsize=10)
+    fig.tight_layout()
+    return _png(fig)
