@@ -120,6 +120,15 @@ def test_failed_reservation_leaves_nothing_behind(driver):
     expect(not driver.outstanding(), driver, "driver state after a failed reserve", "nothing", driver.outstanding())
 
 
+def _run_together(worker, args: list[int]) -> None:
+    """Run ``worker(a)`` for every ``a`` on its own thread, all released at once by a barrier."""
+    threads = [threading.Thread(target=worker, args=(a,)) for a in args]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def test_concurrent_growth_serializes_to_the_largest_size(driver):
     t = odd_tensor(driver, num_segments=2, granules_per_segment=4.5)
     sizes = [random.Random(i).randrange(256, t.segment_bytes, 256) for i in range(16)]
@@ -134,11 +143,7 @@ def test_concurrent_growth_serializes_to_the_largest_size(driver):
             if "grow-only" not in str(exc):
                 errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in sizes]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _run_together(worker, sizes)
     expect(not errors, driver, "errors from concurrent resize_per_segment_", [], errors)
     expect(t.bytes_per_segment == max(sizes), driver, "size after concurrent growth", max(sizes),
            t.bytes_per_segment)
@@ -158,11 +163,7 @@ def test_concurrent_ensure_blocks_serializes_to_the_largest_count(driver):
         barrier.wait()
         cache.ensure_blocks(n)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in counts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _run_together(worker, counts)
     expect(cache.num_blocks == max(counts), driver, "blocks after concurrent ensure_blocks", max(counts),
            cache.num_blocks)
     cache.close()
