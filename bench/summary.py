@@ -82,6 +82,7 @@ def summarize_data(data: dict) -> dict:
         "claims": device_type in CLAIM_DEVICE_TYPES,
         "commit": _commit(e),
         "peers": _peers(e),
+        "calls": {key.split("/", 1)[1]: e[key]["extra"]["calls"] for key in sorted(e) if key.startswith("calls/")},
         "zero": _zero(e),
         "kv": _kv(e),
         "access": _access(e),
@@ -283,6 +284,9 @@ def format_table(s: dict) -> str:
     if p["torch_default_s"] is not None or p["expandable_segments_s"] is not None:
         lines.append(f"peers (32 GiB usable): torch default {_t(p['torch_default_s'])}, expandable segments "
                      f"{_t(p['expandable_segments_s'])}")
+    for state, calls in s.get("calls", {}).items():
+        lines.append(f"commit calls [{state}]: " + ", ".join(f"{c} {_t(v)}" for c, v in calls.items())
+                     + f"; dominant: {max(calls, key=calls.get)}")
     for op, a in s["access"].items():
         lines.append(f"access {op}: vmm {_n(a['vmm_gbps'])} GB/s, native {_n(a['native_gbps'])} GB/s")
     g = s["graph"]
