@@ -29,6 +29,17 @@ def _install(session: nox.Session, *args: str) -> None:
         session.install(*args)
 
 
+def _gpu_extra(driver: str | None) -> str:
+    """The extra that brings the bindings of ``driver`` (or of the GPU this machine has)."""
+    if driver in ("cuda", "hip"):
+        return {"cuda": "[cuda]", "hip": "[rocm]"}[driver]
+    if shutil.which("nvidia-smi"):
+        return "[cuda]"
+    if shutil.which("rocminfo") or shutil.which("amd-smi"):
+        return "[rocm]"
+    return ""
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     """Run pytest; a run that collected no tests is an error, never a pass."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
@@ -53,8 +64,7 @@ def conformance(session: nox.Session) -> None:
     args = list(session.posargs)
     driver = args.pop(0) if args and not args[0].startswith("-") else None
     if session.venv_backend != "none":
-        extra = {"cuda": "[cuda]", "hip": "[rocm]"}.get(driver or "", "[cuda]" if shutil.which("nvidia-smi") else "")
-        session.install("-e", f".{extra}", *TEST_DEPS)
+        session.install("-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
     if driver is None:
         driver = session.run("python", "-c", "from extensible_kv.drivers import best_available as b; print(b())",
                              silent=True, env={"PYTHONPATH": str(ROOT / "reference")}).strip()
@@ -74,7 +84,7 @@ def layouts(session: nox.Session) -> None:
 @nox.session(tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
     """Commit-path benchmarks on the best available driver; JSON in reports/out/, then the summary table."""
-    _install(session, "-e", ".[cuda]" if shutil.which("nvidia-smi") else ".", *TEST_DEPS)
+    _install(session, "-e", f".{_gpu_extra(None)}", *TEST_DEPS)
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     out = "reports/out/bench.json"
     _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)

@@ -4,7 +4,8 @@
 #
 #   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
 #
-# STAGE: conformance | bench | layouts | integration. Logs, JSON and a junit XML per stage land in OUTDIR; the
+# STAGE: conformance | bench | layouts | integration. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
+# ROCm). Logs, JSON and a junit XML per stage land in OUTDIR; the
 # integration stage also packs its per-case JSON and logs into OUTDIR/integration.tgz.
 set -uo pipefail
 out=${1:?OUTDIR}; stage=${2:?STAGE}; shift 2
@@ -21,23 +22,24 @@ printf 'Metadata-Version: 2.1\nName: extensible-kv\nVersion: 0.1.0\n' > "$ep/MET
 printf '[vllm.general_plugins]\nextensible_kv = extensible_kv.vllm.plugin:register\n' > "$ep/entry_points.txt"
 export PYTHONPATH="$(dirname "$ep"):$PYTHONPATH"
 
+driver=${EXTENSIBLE_KV_DRIVER:-cuda}
 common=(-p no:cacheprovider -q "--junitxml=$out/junit-$stage.xml")
 case $stage in
   conformance)
-    python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit --driver cuda \
-      "--summary-json=$out/conformance-cuda.json" --commit-probe-bytes=34359738368 "${common[@]}" "$@" ;;
+    python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit --driver "$driver" \
+      "--summary-json=$out/conformance-$driver.json" --commit-probe-bytes=34359738368 "${common[@]}" "$@" ;;
   bench)
-    python3 -m pytest bench --bench-driver cuda --benchmark-enable "--benchmark-json=$out/bench-cuda.json" \
+    python3 -m pytest bench --bench-driver "$driver" --benchmark-enable "--benchmark-json=$out/bench-$driver.json" \
       "${common[@]}" "$@" ;;
   layouts)
     export EXTENSIBLE_KV_REQUIRE_VLLM=1
     python3 -m pytest integration/test_backend_layouts.py "${common[@]}" "$@"
     rc=$?
     python3 -m extensible_kv validate-backend FLASH_ATTN TRITON_ATTN FLEX_ATTENTION ROCM_ATTN --layout both \
-      --driver cuda > "$out/validate-backend-cuda.txt" 2>&1
+      --driver "$driver" > "$out/validate-backend-$driver.txt" 2>&1
     python3 -m extensible_kv validate-backend TRITON_MLA FLASHMLA CUTLASS_MLA FLASH_ATTN_MLA --num-kv-heads 1 \
-      --head-size 576 --driver cuda >> "$out/validate-backend-cuda.txt" 2>&1
-    tail -n 3 "$out/validate-backend-cuda.txt"
+      --head-size 576 --driver "$driver" >> "$out/validate-backend-$driver.txt" 2>&1
+    tail -n 3 "$out/validate-backend-$driver.txt"
     exit $rc ;;
   integration)
     work=$(mktemp -d)

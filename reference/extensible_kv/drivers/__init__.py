@@ -1,6 +1,6 @@
 """VMM drivers: the protocol, the built-in drivers, and a registry by name.
 
-A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``) or by ``module:factory``, where
+A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``, ``hip``) or by ``module:factory``, where
 ``factory`` is a zero-argument callable in an importable module that returns a driver. ``get_driver`` resolves
 both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the GPU driver when one
 works and the host driver otherwise.
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import DriverLoadError, DriverUnavailable
 from . import cuda as _cuda
+from . import hip as _hip
 from . import host as _host
 from ._protocol import Driver, Handle
 from .ledger import Ledger
@@ -100,4 +101,5 @@ def _check_driver(spec: str, driver: object) -> Driver:
 register("host", _host.HostDriver, _host.probe, gpu=False)
 register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k"), _host.probe, gpu=False)
 register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True)
+register("hip", _hip.HipDriver, _hip.probe, gpu=True)
 

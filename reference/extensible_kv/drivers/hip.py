@@ -16,34 +16,39 @@ protocol operation          HIP runtime call
 
 Tensors are torch ROCm tensors (torch calls HIP devices ``cuda``) built from ``__cuda_array_interface__``, which
 torch keeps alive (and with it the keeper) for the storage's lifetime. HIP VMM is Linux-only and marked Beta by
-AMD; the references for every quirk below are in ``shared/research/anchors.md`` section 2.
+AMD (https://rocm.docs.amd.com/projects/HIP/en/docs-6.1.2/reference/virtual_memory_reference.html); each Note below
+links the report behind the quirk it handles.
 
 Every binding call goes through ``_bindings()``, so the unit tests (``conformance/unit/test_hip_driver.py``)
 substitute a recording fake of ``hip.hip`` and run all of this on a CPU.
 
 Note [hipMemMap offset]
-    ``hipMemMap``'s offset "currently must be zero" (HIP reference, hipfort ``hipmemmap``). The protocol allows an
-    offset into a handle; this driver refuses any other offset with ``DriverError`` before calling HIP, so the
-    error names the rule instead of surfacing as ``hipErrorInvalidValue``. ``ExtensibleTensor`` always maps whole
-    handles at offset 0.
+    ``hipMemMap``'s offset "currently must be zero"
+    (https://rocm.docs.amd.com/projects/hipfort/en/develop/doxygen/html/interfacehipfort_1_1hipmemmap.html). The
+    protocol allows an offset into a handle; this driver refuses any other offset with ``DriverError`` before
+    calling HIP, so the error names the rule instead of surfacing as ``hipErrorInvalidValue``. ``ExtensibleTensor``
+    always maps whole handles at offset 0.
 
 Note [Granularity]
     The driver asks for the Recommended granularity and never assumes a value. ROCm reports different figures per
     device: gfx942 (MI300X) device pools show a 4 KiB minimum and a 2 MiB recommended granule, MI300A pools 4 KiB
-    for both (ROCm/hip#3716, ROCm/amdgpu#186). The Minimum divides the Recommended one, so every size and address
-    the callers derive from ``granularity()`` is valid.
+    for both (https://github.com/ROCm/hip/issues/3716, https://github.com/ROCm/amdgpu/issues/186). The Minimum
+    divides the Recommended one, so every size and address the callers derive from ``granularity()`` is valid.
 
 Note [Chunked handles]
     Large ``hipMemCreate`` allocations misbehave on ROCm: vLLM's cumem allocator and torch_memory_saver create
-    physical memory in chunks of 256 MiB (``VLLM_SLEEP_MEM_CHUNK_SIZE``; fzyzcjy/torch_memory_saver#14, which also
-    reports that ROCm 6.4.0 fails to release large handles). ``max_handle_bytes`` is therefore
-    ``HANDLE_CHUNK_BYTES`` (256 MiB) rounded down to a multiple of the granularity (at least one granule), and
-    ``ExtensibleTensor`` splits every run of new granules into handles no larger than that.
+    physical memory in chunks of 256 MiB (``VLLM_SLEEP_MEM_CHUNK_SIZE`` in
+    https://github.com/vllm-project/vllm/blob/main/csrc/cumem_allocator.cpp; following vllm-project/vllm#12695,
+    https://github.com/fzyzcjy/torch_memory_saver/pull/14, which also reports that ROCm 6.4.0 fails to release
+    large handles). ``max_handle_bytes`` is therefore ``HANDLE_CHUNK_BYTES`` (256 MiB) rounded down to a multiple
+    of the granularity (at least one granule), and ``ExtensibleTensor`` splits every run of new granules into
+    handles no larger than that.
 
 Note [Access per mapping]
     ``hipMemSetAccess`` over a range made of several ``hipMemMap`` regions fails with ``hipErrorInvalidValue`` on
-    some ROCm releases and sizes (ROCm/rocm-systems#2516; fixes in ROCm/rocm-systems#2568 and #6977, the latter for
-    a tail range of one reservation among several, the "grow" pattern). With chunked handles one growth run is
+    some ROCm releases and sizes (https://github.com/ROCm/rocm-systems/issues/2516; fixes in
+    https://github.com/ROCm/rocm-systems/pull/2568 and https://github.com/ROCm/rocm-systems/pull/6977, the latter
+    for a tail range of one reservation among several, the "grow" pattern). With chunked handles one growth run is
     several mappings, so ``set_access(va, size)`` walks the driver's own record of its mappings and issues one
     ``hipMemSetAccess`` per mapping inside the range; a range that is not fully mapped is refused. If the k-th of
     those calls fails, the earlier mappings of the range keep their access: the caller's rollback unmaps them,
@@ -52,15 +57,16 @@ Note [Access per mapping]
 Note [Host access on large BAR]
     On large-BAR devices (MI300X) PyTorch ROCm >= 7.2 reads scalars through a host pointer; VMM memory with
     device-only access then faults in the host process (SIGSEGV, no traceback). vLLM grants a second access
-    descriptor with location Host on ROCm (vllm-project/vllm#51369), which needs a runtime that accepts Host in
-    ``hipMemSetAccess`` for device memory (ROCm/rocm-systems#1606). ``host_access=None`` (the default) turns it on
-    when ``hipDeviceAttributeIsLargeBar`` is non-zero and the bindings know ``hipMemLocationTypeHost``;
-    ``True``/``False`` force it. ``HipDriver.host_access`` says what was decided.
+    descriptor with location Host on ROCm (https://github.com/vllm-project/vllm/pull/51369), which needs a runtime
+    that accepts Host in ``hipMemSetAccess`` for device memory (https://github.com/ROCm/rocm-systems/pull/1606).
+    ``host_access=None`` (the default) turns it on when ``hipDeviceAttributeIsLargeBar`` is non-zero and the
+    bindings know ``hipMemLocationTypeHost``; ``True``/``False`` force it. ``HipDriver.host_access`` says what was
+    decided. The host descriptor uses location id 0.
 
 Note [Access descriptor array]
     ``hipMemSetAccess`` takes a C array of ``hipMemAccessDesc``. hip-python's struct wrappers each own a separate
     allocation, so two of them are not an array; the driver keeps the descriptors in a ctypes array with the C
-    layout (``{{int type; int id} location; int flags}``, enum values taken from the bindings) and passes its
+    layout (``{ {int type; int id} location; int flags }``, enum values taken from the bindings) and passes its
     address, which hip-python accepts for any struct argument. ``hipMemGetAccess`` gets the address of the first
     descriptor's location the same way.
 
@@ -71,8 +77,8 @@ Note [Allocation properties]
 
 Note [Unmap per mapping]
     One ``hipMemUnmap`` over several mapped regions leaves use counts behind so that ``hipMemAddressFree`` fails
-    later (ROCm/ROCR-Runtime#285). The protocol already requires unmapping exactly one mapping; the driver checks it
-    against its records and refuses anything else before calling HIP.
+    later (https://github.com/ROCm/ROCR-Runtime/issues/285). The protocol already requires unmapping exactly one
+    mapping; the driver checks it against its records and refuses anything else before calling HIP.
 
 Note [Reserve alignment]
     The requested alignment is checked on the returned address. If HIP ignored it, the driver frees the range,

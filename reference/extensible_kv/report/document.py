@@ -56,7 +56,18 @@ class Document:
     sections: list[Section]
 
     def figures(self) -> list[Figure]:
-        return [b for s in self.sections for b in s.blocks if isinstance(b, Figure)]
+        """Every figure, nested sections included, in reading order."""
+        out: list[Figure] = []
+
+        def walk(blocks: list) -> None:
+            for b in blocks:
+                if isinstance(b, Figure):
+                    out.append(b)
+                elif isinstance(b, Section):
+                    walk(b.blocks)
+
+        walk(self.sections)
+        return out
 
 
 # -- number formats --------------------------------------------------------------------------------------------------

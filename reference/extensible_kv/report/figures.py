@@ -7,11 +7,12 @@ Sizes are binary (GiB = 2**30 bytes, MiB = 2**20 bytes); rates are decimal (GB/s
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from . import accounting as acc
 from .accounting import BlockPair, MemoryBreakdown
@@ -23,7 +24,7 @@ GIB, MIB = float(1 << 30), float(1 << 20)
 
 SEGMENT_COLORS = {
     acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.PEAK: "#ff7f0e", acc.GRAPHS: "#9467bd",
-    acc.OTHER: "#8c564b", acc.OTHER_WITH_GRAPHS: "#8c564b", acc.UNSPLIT: "#bcbd22", acc.KV: "#2ca02c",
+    acc.OTHER: "#8c564b", acc.OTHER_WITH_GRAPHS: "#c49c94", acc.UNSPLIT: "#bcbd22", acc.KV: "#2ca02c",
     acc.PADDING: "#98df8a", acc.FREE: "#f2f2f2",
 }
 ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
@@ -81,15 +82,18 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     left.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
     left.set_ylabel("GPU memory (GiB)")
     left.set_title("whole GPU after warmup; dashed: requested (utilization x total)", fontsize=9)
-    left.set_xlim(-0.6, len(xs) - 0.4)
+    pad = max(3 - len(xs), 0) / 2
+    left.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
 
     non_kv = [acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS]
+    drawn = 0
     for x, b in zip(xs, breakdowns):
         segs = {s.label: s.bytes for s in (b.segments() or [])}
         if not any(k in segs for k in (acc.OTHER, acc.OTHER_WITH_GRAPHS)):
-            right.text(x, 0.02, "KV not measured:\nnon-KV not separable", rotation=90, ha="center", va="bottom",
-                       fontsize=8, transform=right.get_xaxis_transform())
+            right.text(x, 0.5, "not measured:\nKV bytes unknown, so\nnon-KV is not separable", ha="center",
+                       va="center", fontsize=8, transform=right.get_xaxis_transform())
             continue
+        drawn += 1
         bottom = 0.0
         for label in non_kv:
             if label not in segs:
@@ -104,8 +108,10 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     right.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
     right.set_ylabel("non-KV memory after warmup (MiB)")
     right.set_title("non-KV part magnified; dotted: vLLM's profiled estimate", fontsize=9)
-    right.set_xlim(-0.6, len(xs) - 0.4)
+    right.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
     right.margins(y=0.12)
+    if not drawn:
+        right.set_yticks([])
 
     handles = [Patch(facecolor=SEGMENT_COLORS[k], edgecolor="#555555", label=k) for k in acc.SEGMENT_ORDER
                if k in present]
@@ -172,18 +178,21 @@ def kv_blocks(pairs: list[BlockPair]) -> bytes:
         y = len(pairs) - 1 - i
         for dy, b, color, name in ((h / 2, p.legacy, "#7f7f7f", "legacy"), (-h / 2, p.other, "#2ca02c", "other")):
             if b.blocks is None:
-                left.text(1, y + dy, " not measured", va="center", fontsize=7.5)
+                left.text(0.01, y + dy, "not measured", va="center", fontsize=7.5,
+                          transform=left.get_yaxis_transform())
                 continue
             left.barh(y + dy, b.blocks, height=h, color=color)
             left.text(b.blocks, y + dy, f" {b.blocks:,}", va="center", fontsize=7.5)
-        d = p.delta_blocks
+        d, db = p.delta_blocks, p.delta_bytes
         if d is None:
             right.text(0, y, " not measured", va="center", fontsize=7.5)
             continue
-        right.barh(y, d, height=h * 1.6, color="#d62728" if d < 0 else "#2ca02c")
-        extra = f" ({p.delta_percent:+.3f} %" + (f", {p.delta_bytes / MIB:+.1f} MiB)" if p.delta_bytes is not None
-                                                  else ")")
-        right.text(d, y, f" {d:+,}{extra} ", va="center", ha="left" if d >= 0 else "right", fontsize=7.5)
+        if db is None:
+            right.text(0, y, f" {d:+,} blocks (bytes per block not measured)", va="center", fontsize=7.5)
+            continue
+        right.barh(y, db / MIB, height=h * 1.6, color="#d62728" if d < 0 else "#2ca02c")
+        right.text(max(db / MIB, 0), y, f" {db / MIB:+.1f} MiB\n {d:+,} blocks, {p.delta_percent:+.3f} %",
+                   va="center", ha="left", fontsize=7.5)
     labels = [f"{p.other.case.label}\nvs legacy ({p.legacy.case.folder})" if p.legacy.case.folder
               else f"{p.other.case.label}\nvs legacy" for p in pairs]
     left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=7.5)
@@ -192,11 +201,11 @@ def kv_blocks(pairs: list[BlockPair]) -> bytes:
     left.set_title("blocks: legacy (grey) vs extensible (green)", fontsize=10)
     left.margins(x=0.35)
     right.axvline(0, color="black", linewidth=0.8)
-    right.set_xlabel("extensible - legacy (blocks)")
-    right.set_title("difference in blocks (% of legacy, MiB)", fontsize=10)
-    lim = max([abs(p.delta_blocks) for p in pairs if p.delta_blocks is not None] or [1])
-    right.set_xlim(-lim * 2.6, lim * 2.6)
-    right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    right.set_xlabel("extensible - legacy KV committed (MiB)")
+    right.set_title("difference (MiB; blocks and % of legacy)", fontsize=10)
+    lim = max([abs(p.delta_bytes) / MIB for p in pairs if p.delta_bytes is not None] or [1])
+    right.set_xlim(-lim * 1.15, lim * 2.6)
+    right.xaxis.set_major_locator(MaxNLocator(6))
     left.legend(handles=[Patch(color="#7f7f7f", label="legacy"), Patch(color="#2ca02c", label="extensible")],
                 fontsize=8, loc="lower right")
     fig.suptitle("KV cache blocks, legacy vs extensible (same model, runner and backend)", fontsize=11)
@@ -232,51 +241,50 @@ def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, st
     return out
 
 
+SERIES_COLORS = ["#1f77b4", "#17becf", "#7f7f7f", "#bcbd22", "#8c564b", "#e377c2"]
+
+
 def commit_throughput(bench: Bench) -> bytes:
     """Left: GB/s against bytes per handle. Right: GB/s against bytes committed, with the peers and the target."""
     s = bench.summary
     rows = [r for r in (s.get("scaling") or {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
-    fig = _new(12, 5.2)
+    fig = _new(12, 6.4)
     by_handle, by_bytes = fig.subplots(1, 2, sharey=True)
     sizes = sorted({r["nominal_gib"] for r in rows})
     segs = sorted({r["segments"] for r in rows})
-    size_colors = dict(zip(sizes, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"] * 3))
-    for gib in sizes:
+    for i, gib in enumerate(sizes):
         pts = sorted((r["bytes"] / r["handles"], r["gbps"]) for r in rows if r["nominal_gib"] == gib and r["handles"])
-        by_handle.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=size_colors[gib],
-                       label=f"scaling: {gib} GiB in 1-64 segments")
-    seg_markers = dict(zip(segs, ["o", "s", "^", "v", "D", "x"] * 3))
-    for n in segs:
+        by_handle.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=SERIES_COLORS[i % len(SERIES_COLORS)],
+                       markersize=5, label=f"scaling: {gib} GiB split over {min(segs)}-{max(segs)} handles")
+    for i, n in enumerate(segs):
         pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
-        by_bytes.plot([p[0] for p in pts], [p[1] for p in pts], marker=seg_markers[n], linestyle="-",
-                      label=f"scaling: {n} segment(s) = {n} handle(s)")
-    points = _commit_points(bench)
-    for label, nbytes, gbps, handles, marker, color in points:
-        by_bytes.plot([nbytes], [gbps], marker=marker, color=color, markersize=10, linestyle="none", label=label)
+        by_bytes.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=5, linestyle="-",
+                      color=SERIES_COLORS[i % len(SERIES_COLORS)], label=f"scaling: {n} segment(s) = {n} handle(s)")
+    for label, nbytes, gbps, handles, marker, color in _commit_points(bench):
+        style = dict(marker=marker, color=color, markersize=11, markeredgecolor="black", linestyle="none",
+                     label=label)
+        by_bytes.plot([nbytes], [gbps], **style)
         if handles:
-            by_handle.plot([nbytes / handles], [gbps], marker=marker, color=color, markersize=10, linestyle="none",
-                           label=label)
+            by_handle.plot([nbytes / handles], [gbps], **style)
     target = next((t for t in s.get("targets", []) if t.get("name", "").startswith("commit 32 GiB, GB/s")), None)
     for ax in (by_handle, by_bytes):
         if target and target.get("target"):
-            ax.axhline(target["target"], color="#d62728", linestyle="dashed", linewidth=1)
+            ax.axhline(target["target"], color="#d62728", linestyle="dashed", linewidth=1,
+                       label=f"target {target['op']} {target['target']:g} GB/s (32 GiB commit)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(_gib_formatter))
         ax.grid(True, which="major", alpha=0.3)
         ax.tick_params(axis="x", labelsize=8, rotation=30)
-    if target and target.get("target"):
-        by_bytes.text(by_bytes.get_xlim()[0], target["target"], f" target {target['op']} {target['target']:g} GB/s",
-                      va="bottom", fontsize=8, color="#d62728")
+        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     by_handle.set_xlabel("bytes per physical handle (log scale)")
     by_handle.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
     by_handle.set_title("commit rate vs handle size", fontsize=10)
     by_bytes.set_xlabel("bytes committed in one growth step (log scale)")
-    by_bytes.set_title("commit rate vs bytes, with peers and limits", fontsize=10)
-    by_handle.legend(fontsize=7.5, loc="lower right")
-    by_bytes.legend(fontsize=7.5, loc="lower right")
-    fig.suptitle(f"Commit throughput (zero_new=False), {bench.source}: driver {s.get('driver')}, granularity "
-                 f"{_gib_formatter(s['granularity'], None) if s.get('granularity') else 'not recorded'}", fontsize=11)
+    by_bytes.set_title("commit rate vs bytes, with peers (torch) and limits (one handle)", fontsize=10)
+    gran = _gib_formatter(s["granularity"], None) if s.get("granularity") else "not recorded"
+    fig.suptitle(f"Commit throughput (zero_new=False), {bench.source}: driver {s.get('driver')}, granularity {gran}",
+                 fontsize=11)
     fig.tight_layout()
     return _png(fig)
 
@@ -297,7 +305,12 @@ def conformance_matrix(conformance: list[Conformance]) -> bytes:
                     fontsize=7.5)
     ax.set_xlim(0, max(len(columns), 1))
     ax.set_ylim(max(len(rules), 1), 0)
-    ax.set_xticks([j + 0.5 for j in range(len(columns))], columns, fontsize=9)
+    heads = []
+    for col in columns:
+        total = sum((cells[(r, col)] for r in rules if (r, col) in cells), Counter())
+        heads.append(f"{col}\n{total.get('passed', 0)} passed, {total.get('failed', 0)} failed, "
+                     f"{total.get('skipped', 0)} skipped")
+    ax.set_xticks([j + 0.5 for j in range(len(columns))], heads, fontsize=9)
     ax.xaxis.tick_top()
     ax.set_yticks([i + 0.5 for i in range(len(rules))], rules, fontsize=7.5)
     ax.tick_params(length=0)
@@ -321,26 +334,31 @@ def _rect(x: float, y: float, color: str):
 
 # -- comparison ------------------------------------------------------------------------------------------------------
 def compare_commit(a_name: str, a: Bench | None, b_name: str, b: Bench | None) -> bytes:
-    """Commit rate against bytes for both runs: solid lines for the run, dashed for the baseline."""
-    fig = _new(9, 5)
+    """Commit rate against bytes for both runs: the run solid and filled, the baseline dashed and hollow."""
+    fig = _new(10, 5.2)
     ax = fig.subplots()
+    segs = sorted({r["segments"] for bench in (a, b) if bench is not None
+                   for r in bench.summary.get("scaling", {}).get("rows", [])})
+    colors = {n: SERIES_COLORS[i % len(SERIES_COLORS)] for i, n in enumerate(segs)}
     for name, bench, style in ((a_name, a, "-"), (b_name, b, "--")):
         if bench is None:
             continue
         rows = [r for r in bench.summary.get("scaling", {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
         for n in sorted({r["segments"] for r in rows}):
             pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style,
-                    label=f"{name}: {n} segment(s)")
-        for label, nbytes, gbps, _h, marker, _c in _commit_points(bench):
-            ax.plot([nbytes], [gbps], marker=marker, linestyle="none", markersize=9, markerfacecolor="none"
-                    if style == "--" else None, label=f"{name}: {label}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=5, linestyle=style,
+                    color=colors[n], markerfacecolor=colors[n] if style == "-" else "white",
+                    label=f"{name}: scaling, {n} segment(s)")
+        for label, nbytes, gbps, _h, marker, color in _commit_points(bench):
+            ax.plot([nbytes], [gbps], marker=marker, linestyle="none", markersize=10, color=color,
+                    markeredgecolor="black" if style == "-" else color,
+                    markerfacecolor=color if style == "-" else "white", label=f"{name}: {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(_gib_formatter))
     ax.set_xlabel("bytes committed in one growth step (log scale)")
     ax.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
-    ax.set_title(f"Commit throughput: {a_name} (solid) vs {b_name} (dashed, hollow)", fontsize=10)
+    ax.set_title(f"Commit throughput: {a_name} (solid, filled) vs {b_name} (dashed, hollow)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
@@ -348,24 +366,30 @@ def compare_commit(a_name: str, a: Bench | None, b_name: str, b: Bench | None) -
 
 
 def compare_blocks(a_name: str, b_name: str, rows: list[tuple[str, int | None, int | None]]) -> bytes:
-    """KV blocks per case in both runs (log scale), ``rows`` = (case key, blocks in a, blocks in b)."""
-    fig = _new(11, 1.2 + 0.45 * max(len(rows), 1))
+    """KV blocks per case, run against baseline: the difference in % of the baseline, with both counts written
+    out. ``rows`` = (case key, blocks in the run, blocks in the baseline)."""
+    fig = _new(11, 1.3 + 0.42 * max(len(rows), 1))
     ax = fig.subplots()
-    h = 0.38
+    where = ax.get_yaxis_transform()  # x in axes fraction, y in data
     for i, (key, va, vb) in enumerate(rows):
         y = len(rows) - 1 - i
-        for dy, v, color in ((h / 2, va, "#1f77b4"), (-h / 2, vb, "#ff7f0e")):
-            if v is None:
-                ax.text(1, y + dy, " not measured", va="center", fontsize=7.5)
-            else:
-                ax.barh(y + dy, v, height=h, color=color)
-                ax.text(v, y + dy, f" {v:,}", va="center", fontsize=7.5)
+        if va is None or vb is None or not vb:
+            ax.text(1.01, y, f"{_count(vb)} -> {_count(va)} blocks: no delta", va="center", fontsize=7.5,
+                    transform=where)
+            continue
+        pct = (va - vb) / vb * 100.0
+        ax.barh(y, pct, height=0.6, color="#d62728" if pct < 0 else "#2ca02c")
+        ax.text(1.01, y, f"{vb:,} -> {va:,} blocks ({va - vb:+,}, {pct:+.3f} %)", va="center", fontsize=7.5,
+                transform=where)
     ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [r[0] for r in rows], fontsize=7.5)
-    ax.set_xscale("log")
-    ax.set_xlabel("KV cache blocks (log scale)")
-    ax.margins(x=0.3)
-    ax.legend(handles=[Patch(color="#1f77b4", label=a_name), Patch(color="#ff7f0e", label=b_name)], fontsize=8,
-              loc="lower right")
-    ax.set_title("KV cache blocks per vLLM case in both runs", fontsize=10)
+    ax.axvline(0, color="black", linewidth=0.8)
+    lim = max([abs((va - vb) / vb * 100.0) for _k, va, vb in rows if va is not None and vb] or [1.0]) or 1.0
+    ax.set_xlim(-lim * 1.3, lim * 1.3)
+    ax.set_xlabel(f"KV blocks, {a_name} - {b_name} (% of {b_name})")
+    ax.set_title(f"KV cache blocks per vLLM case: {a_name} vs {b_name} (text: baseline -> run)", fontsize=10)
     fig.tight_layout()
     return _png(fig)
+
+
+def _count(n: int | None) -> str:
+    return "not measured" if n is None else f"{n:,}"

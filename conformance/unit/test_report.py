@@ -1,0 +1,444 @@
+"""The memory-accounting report renders fixture runs (report_fixtures/) and every number in it equals the input.
+
+The fixtures are small hand-written files in the formats the real stages write: ``full`` has every input,
+``partial`` lacks the benchmarks, the backend validation and the extensible partner of its one legacy case.
+Expected values are computed here from the fixture JSON, never copied from the report.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import dataclasses
+import json
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from extensible_kv import report
+from extensible_kv.report import accounting, comparison, loading, rendering, sections
+
+FIXTURES = Path(__file__).resolve().parent / "report_fixtures"
+FULL, PARTIAL = FIXTURES / "full", FIXTURES / "partial"
+MIB, GIB = 1 << 20, 1 << 30
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def case_file(run: Path, rel: str) -> dict:
+    return read_json(run / "integration" / rel)
+
+
+def md_tables(md: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table of ``md`` as a list of rows keyed by column header."""
+    tables, lines = [], md.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("| ---"):
+            head = [c.strip() for c in lines[i].strip().strip("|").split(" | ")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split(" | ")]
+                rows.append(dict(zip(head, cells)))
+                i += 1
+            tables.append(rows)
+        else:
+            i += 1
+    return tables
+
+
+def md_row(md: str, column: str, value: str, *, needs: str | None = None) -> dict[str, str]:
+    """The one row, in a table that has ``needs`` as a column, whose ``column`` is ``value``."""
+    found = [r for t in md_tables(md) for r in t if r.get(column) == value and (needs is None or needs in r)]
+    assert len(found) == 1, f"expected one row with {column} = {value!r} (and a {needs!r} column), got {found}"
+    return found[0]
+
+
+def section(md: str, title: str) -> str:
+    """The text of the ``## title`` section, up to the next ``## ``."""
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", md, re.S | re.M)
+    assert m, f"no section {title!r} in the report"
+    return m.group(1)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f}"
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:,.2f}"
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == PNG_SIGNATURE, "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def render(run: Path, out: Path, *extra: str) -> tuple[str, dict, str]:
+    code = report.main([str(run), "--out", str(out), *extra])
+    assert code == 0, f"report exited {code} for {run}"
+    return (out / "report.md").read_text(), read_json(out / "summary.json"), (out / "report.html").read_text()
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    md, summary, html = render(FULL, out)
+    return out, md, summary, html
+
+
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    out = tmp_path_factory.mktemp("partial")
+    md, summary, html = render(PARTIAL, out)
+    return out, md, summary, html
+
+
+# -- conformance ---------------------------------------------------------------------------------------------------
+def test_conformance_counts_equal_the_input(full):
+    _, md, summary, _ = full
+    for name in ("conformance-cuda.json", "conformance-host.json"):
+        data = read_json(FULL / name)
+        want = data["drivers"][0]
+        got = next(c for c in summary["conformance"] if c["source"] == name)["drivers"][0]
+        for key in ("passed", "failed", "skipped", "granularity", "commit_gb_per_s", "commit_bytes"):
+            assert got[key] == want[key], f"{name}: summary.json {key} = {got[key]}, input {want[key]}"
+        row = md_row(md, "file", name, needs="passed")
+        assert (row["driver"], row["passed"], row["failed"], row["skipped"]) == \
+            (want["driver"], str(want["passed"]), str(want["failed"]), str(want["skipped"])), row
+        assert row["commit probe (GB/s)"] == f"{want['commit_gb_per_s']:,.2f}"
+        outcomes = {}
+        for t in data["tests"]:
+            outcomes[t["outcome"]] = outcomes.get(t["outcome"], 0) + 1
+        assert next(c for c in summary["conformance"] if c["source"] == name)["outcomes"] == outcomes
+
+
+def test_conformance_matrix_shows_pass_fail_skip_and_reasons_only_where_recorded(full):
+    _, md, summary, _ = full
+    rule = "test_extensible_tensor.py::test_failed_growth_rolls_back_completely"
+    row = md_row(md, "rule", rule)
+    assert row["cuda"] == "1/2 pass, 1/2 fail" and row["host"] == "1/1 pass", row
+    skipped = md_row(md, "rule", "test_graph_replay.py::test_graph_captured_before_growth_replays_after_growth")
+    reason = next(t["reason"] for t in read_json(FULL / "conformance-host.json")["tests"] if t.get("reason"))
+    assert skipped["host"] == "1/1 skip" and skipped["skip reasons"] == f"host: {reason}", skipped
+    assert summary["conformance_matrix"]["rules"][rule] == {"cuda": {"passed": 1, "failed": 1},
+                                                            "host": {"passed": 1}}
+
+
+# -- benchmarks ----------------------------------------------------------------------------------------------------
+def bench_entry(key: str) -> dict:
+    for b in read_json(FULL / "bench-cuda.json")["benchmarks"]:
+        if b["extra_info"]["key"] == key:
+            return b
+    raise AssertionError(f"fixture has no benchmark {key}")
+
+
+def test_commit_benchmark_numbers_equal_the_input(full):
+    _, md, summary, _ = full
+    paths = summary["bench"][0]["summary"]["commit"]["paths"]
+    for path in ("per_granule", "single_handle", "extensible"):
+        b = bench_entry(f"commit/{path}")
+        seconds, nbytes = b["stats"]["median"], b["extra_info"]["bytes"]
+        assert paths[path]["seconds"] == seconds and paths[path]["bytes"] == nbytes
+        row = md_row(md, "path", path, needs="GB/s")
+        assert row["median (ms)"] == ms(seconds), row
+        assert row["GB/s"] == gbps(nbytes, seconds), row
+        assert row["handles"] == f"{b['extra_info']['handles']:,}", row
+    # the expandable-segments peer takes its subprocess median, not the pytest-benchmark median
+    peer = bench_entry("peer/expandable_segments")
+    row = md_row(md, "peer", "torch expandable segments")
+    assert row["median (ms)"] == ms(peer["extra_info"]["subprocess_median_s"]), row
+    assert row["GB/s"] == gbps(peer["extra_info"]["bytes"], peer["extra_info"]["subprocess_median_s"]), row
+
+
+def test_scaling_and_kv_growth_rows_equal_the_input(full):
+    _, md, _, _ = full
+    rows = [r for t in md_tables(md) for r in t if "us per handle" in r]
+    scale = sorted((b for b in read_json(FULL / "bench-cuda.json")["benchmarks"]
+                    if b["extra_info"]["key"].startswith("scale/")),
+                   key=lambda b: (b["extra_info"]["nominal_gib"], b["extra_info"]["segments"]))
+    assert len(rows) == len(scale)
+    for row, b in zip(rows, scale):
+        x = b["extra_info"]
+        assert (row["nominal (GiB)"], row["segments"], row["handles"]) == \
+            (str(x["nominal_gib"]), str(x["segments"]), str(x["handles"])), row
+        assert row["median (ms)"] == ms(b["stats"]["median"]) and row["GB/s"] == gbps(x["bytes"], b["stats"]["median"])
+        assert row["bytes per handle (MiB)"] == f"{x['bytes'] / x['handles'] / MIB:,.2f}"
+    kv = bench_entry("kv/1seg/fresh")
+    row = md_row(md, "case", "1seg/fresh", needs="buffers")
+    assert row["median (ms)"] == ms(kv["stats"]["median"]) and row["buffers"] == str(kv["extra_info"]["buffers"])
+
+
+# -- integration ---------------------------------------------------------------------------------------------------
+LEGACY = "call1/tiny-llama-v1-FLASH_ATTN-legacy.json"
+EXT = "call1/tiny-llama-v1-FLASH_ATTN-extensible.json"
+PLUGIN = "call2/tiny-llama-v1-FLASH_ATTN-plugin.json"
+
+
+def test_case_blocks_and_commit_times_equal_the_input(full):
+    _, md, summary, _ = full
+    cases = {c["path"]: c for c in summary["integration"]["cases"]}
+    assert set(cases) == {LEGACY, EXT, PLUGIN}
+    for rel in (LEGACY, EXT, PLUGIN):
+        data = case_file(FULL, rel)
+        blocks = data["memory"]["num_gpu_blocks"]
+        commit = (data["extensible"] or {}).get("commit_seconds")
+        assert cases[rel]["blocks"] == blocks and cases[rel]["commit_seconds"] == commit
+        row = md_row(md, "case file", rel, needs="KV blocks")
+        assert row["KV blocks"] == f"{blocks:,}", row
+        assert row["final commit (ms)"] == (ms(commit) if commit is not None else "not measured"), row
+
+
+def test_memory_segments_follow_the_documented_formulas(full):
+    _, md, summary, _ = full
+    cases = {c["path"]: c for c in summary["integration"]["cases"]}
+    ext, legacy = case_file(FULL, EXT), case_file(FULL, LEGACY)
+    bpb = ext["extensible"]["measured"]["bytes_per_block"]
+    m = legacy["memory"]
+    kv = m["num_gpu_blocks"] * bpb  # legacy KV = its blocks x the extensible partner's bytes per block
+    non_kv = m["init_free"] - m["free_after_warmup"] - kv
+    c = cases[LEGACY]
+    assert c["kv_committed"] == kv and c["kv_partner"] == EXT
+    assert c["non_kv_after_warmup"] == non_kv
+    assert c["other_non_kv"] == non_kv - m["weights"] - m["profiled_peak_activation"]  # no cudagraph_memory here
+    assert c["graph_pools"] is None
+    assert c["over_budget"] == m["init_free"] - m["requested"] - m["free_after_warmup"]
+    assert c["non_kv_estimate"] == m["requested"] - m["available_kv_cache_memory"]
+    assert sum(s["bytes"] for s in c["segments"]) == m["total"]
+    e, em = cases[EXT], ext["memory"]
+    backed, committed = ext["extensible"]["kv"]["backed_bytes"], ext["extensible"]["kv"]["committed_bytes"]
+    assert e["kv_committed"] == committed and e["kv_padding"] == backed - committed
+    assert e["graph_pools"] == em["cudagraph_memory"]
+    assert e["other_non_kv"] == (em["init_free"] - em["free_after_warmup"] - backed - em["weights"]
+                                 - em["profiled_peak_activation"] - em["cudagraph_memory"])
+    assert e["non_kv_sizing"] == ext["extensible"]["measured"]["non_kv"]
+    row = md_row(md, "case file", LEGACY, needs="over budget")
+    assert row["KV committed"] == f"{kv / MIB:,.2f}" and row["CUDA graph pools"] == "not measured", row
+    assert row["over budget"] == f"{c['over_budget'] / MIB:+,.2f}", row
+
+
+def test_kv_blocks_pair_legacy_and_extensible_across_subfolders(full):
+    _, md, summary, _ = full
+    legacy_blocks = case_file(FULL, LEGACY)["memory"]["num_gpu_blocks"]
+    pairs = {p["other"]: p for p in summary["integration"]["pairs"]}
+    assert set(pairs) == {EXT, PLUGIN}
+    for rel in (EXT, PLUGIN):
+        blocks = case_file(FULL, rel)["memory"]["num_gpu_blocks"]
+        p = pairs[rel]
+        assert p["legacy"] == LEGACY and p["legacy_blocks"] == legacy_blocks and p["blocks"] == blocks
+        assert p["delta_blocks"] == blocks - legacy_blocks
+        assert p["delta_bytes"] == (blocks - legacy_blocks) * 16384
+        row = md_row(md, "case file", rel, needs="legacy blocks")
+        assert row["legacy blocks"] == f"{legacy_blocks:,}" and row["blocks"] == f"{blocks:,}", row
+        assert row["difference (blocks)"] == f"{blocks - legacy_blocks:+,}", row
+        assert row["difference (% of legacy)"] == f"{(blocks - legacy_blocks) / legacy_blocks * 100:+.3f} %", row
+
+
+def test_backend_validation_lines_are_parsed(full):
+    _, md, summary, _ = full
+    checks = summary["backend_validation"]["checks"]
+    assert [(c["backend"], c["layout"], c["result"]) for c in checks] == [("FLASH_ATTN", "NHD", "PASS"),
+                                                                           ("ROCM_ATTN", "NHD", "FAIL")]
+    assert checks[1]["checks_not_ok"] == ["blocks inside commit"] and checks[1]["segments"] == 2
+    row = md_row(md, "backend", "ROCM_ATTN", needs="result")
+    assert row["result"] == "FAIL" and row["checks not ok"] == "blocks inside commit", row
+    assert summary["backend_validation"]["totals"] == ["1 of 2 passed; failed: ROCM_ATTN/NHD"]
+
+
+def test_environment_names_its_sources(full):
+    _, md, summary, _ = full
+    env = summary["environment"]
+    assert env["gpu"] == {"value": "NVIDIA H100", "source": "README.md"}
+    assert env["torch"] == {"value": "2.9.0+cu128", "source": "conformance-cuda.json"}
+    assert env["cuda_bindings"]["value"] == "12.9.0" and env["vllm"]["value"] == "0.26.0"
+    assert env["date"] == {"value": read_json(FULL / "bench-cuda.json")["datetime"], "source": "bench-cuda.json"}
+    assert md_row(md, "item", "GPU driver")["value"] == "570.86.10"
+
+
+# -- missing inputs ------------------------------------------------------------------------------------------------
+def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
+    _, md, summary, html = partial
+    assert summary["bench"] == [] and summary["backend_validation"]["checks"] == []
+    assert any(m.startswith("benchmarks:") for m in summary["not_measured"])
+    assert any(m.startswith("backend validation:") for m in summary["not_measured"])
+    assert "not measured" in section(md, "Commit benchmarks")
+    assert "not measured" in section(md, "Backend validation")
+    assert md_row(md, "input", "benchmarks")["files"] == "not measured"
+    # the legacy case has no extensible partner: KV and everything derived from it is not measured
+    (case,) = summary["integration"]["cases"]
+    for key in ("kv_committed", "bytes_per_block", "non_kv_after_warmup", "other_non_kv", "commit_seconds"):
+        assert case[key] is None, f"{key}: expected null (not measured), got {case[key]}"
+    row = md_row(md, "case file", "call1/tiny-llama-v2-TRITON_ATTN-legacy.json", needs="KV committed")
+    assert row["KV committed"] == "not measured" and row["other non-KV"] == "not measured", row
+    assert summary["integration"]["pairs"] == []
+    # measured figures of the same file are still there
+    assert case["blocks"] == case_file(PARTIAL, "call1/tiny-llama-v2-TRITON_ATTN-legacy.json")["memory"]["num_gpu_blocks"]
+    assert md_row(md, "file", "conformance-cuda.json")["commit probe (GB/s)"] == "not measured"
+    # no figure of the full fixture leaks in as a default
+    for number in ("671.09", "1.600", "16,384", "1,234.56"):
+        assert number not in md, f"{number} appears in a report whose run has no such measurement"
+    assert "not measured" in html
+
+
+def test_an_empty_run_folder_reports_everything_as_not_measured(tmp_path, capsys):
+    run = tmp_path / "empty-run"
+    run.mkdir()
+    md, summary, _ = render(run, tmp_path / "out")
+    assert len(summary["not_measured"]) == 4, summary["not_measured"]
+    for title in ("Conformance", "Commit benchmarks", "vLLM integration: memory accounting", "Backend validation"):
+        assert "not measured" in section(md, title), title
+    assert summary["run"] == "empty-run" and summary["figures"] == []
+    assert not re.search(r"\d\.\d", section(md, "At a glance")), "numbers in a report of an empty run"
+
+
+def test_a_missing_run_folder_is_an_error_with_exit_2(tmp_path, capsys):
+    code = report.main([str(tmp_path / "no-such-run"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no-such-run" in err and "does not exist" in err, (code, err)
+    assert not (tmp_path / "out").exists()
+    code = report.main([str(FULL), "--compare", str(tmp_path / "no-baseline"), "--out", str(tmp_path / "out")])
+    assert code == 2 and "no-baseline" in capsys.readouterr().err
+
+
+# -- comparison ----------------------------------------------------------------------------------------------------
+def test_comparison_computes_exact_deltas(tmp_path):
+    after = tmp_path / "after"
+    shutil.copytree(FULL, after)
+    bench = read_json(after / "bench-cuda.json")
+    for b in bench["benchmarks"]:
+        if b["extra_info"]["key"] == "commit/extensible":
+            b["stats"]["median"] = 0.002
+    (after / "bench-cuda.json").write_text(json.dumps(bench))
+    ext = case_file(after, EXT)
+    ext["memory"]["num_gpu_blocks"] += 1234
+    (after / "integration" / EXT).write_text(json.dumps(ext))
+    cuda = read_json(after / "conformance-cuda.json")
+    cuda["drivers"][0].update(passed=5, failed=0, skipped=0)
+    (after / "conformance-cuda.json").write_text(json.dumps(cuda))
+    (after / "integration" / PLUGIN).unlink()
+
+    md, summary, _ = render(after, tmp_path / "out", "--compare", str(FULL))
+    assert summary["run"] == "after" and summary["baseline"] == "full"
+    d = {(x["group"], x["name"]): x for x in summary["deltas"]}
+    before_s = bench_entry("commit/extensible")["stats"]["median"]
+    x = d[("benchmarks (bench-cuda.json)", "commit extensible: median")]
+    assert x["run"] == pytest.approx(2.0) and x["baseline"] == pytest.approx(before_s * 1e3)
+    assert x["delta"] == pytest.approx(2.0 - before_s * 1e3)
+    assert x["delta_percent"] == pytest.approx((0.002 - before_s) / before_s * 100)
+    blocks = d[("vLLM tiny-llama/v1/FLASH_ATTN/extensible", "KV blocks")]
+    base_blocks = case_file(FULL, EXT)["memory"]["num_gpu_blocks"]
+    assert (blocks["run"], blocks["baseline"], blocks["delta"]) == (base_blocks + 1234, base_blocks, 1234)
+    passed = d[("conformance (cuda, conformance-cuda.json)", "passed")]
+    assert (passed["run"], passed["baseline"], passed["delta"]) == (5, 3, 2)
+    gone = d[("vLLM tiny-llama/v1/FLASH_ATTN/plugin", "KV blocks")]
+    assert gone["run"] is None and gone["delta"] is None and gone["baseline"] is not None
+    row = md_row(md, "figure", "commit extensible: median")
+    assert row["delta"] == f"{2.0 - before_s * 1e3:+,.3f}" and row["run: after"] == "2.000", row
+    row = [r for t in md_tables(md) for r in t if r.get("figure") == "KV blocks" and r.get("delta") == "+1,234"]
+    assert len(row) == 1, "expected the +1,234 blocks delta row"
+    gone_rows = [r for t in md_tables(md) for r in t if r.get("figure") == "KV blocks" and r["run: after"] ==
+                 "not measured"]
+    assert len(gone_rows) == 1 and gone_rows[0]["delta"] == "-"
+    assert summary["not_measured"] == {"run": [], "baseline": []}
+
+
+def test_deltas_of_identical_runs_are_zero():
+    s = sections.summary_of(loading.load_run(FULL))
+    ds = comparison.deltas(s, s)
+    assert ds and all(d.delta == 0 for d in ds if d.run is not None), [d for d in ds if d.delta]
+
+
+# -- HTML and PNG --------------------------------------------------------------------------------------------------
+def test_html_is_self_contained(full):
+    out, _, summary, html = full
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html, re.I), "external reference in the HTML"
+    assert "<link" not in html.lower() and "<script" not in html.lower() and "@import" not in html
+    assert "url(" not in html
+    images = re.findall(r'<img [^>]*src="([^"]+)"', html)
+    assert images and all(src.startswith("data:image/png;base64,") for src in images), images[:3]
+    if summary["figures"]:  # the same PNGs as the files beside report.md
+        embedded = {base64.b64decode(src.split(",", 1)[1]) for src in images}
+        assert embedded == {(out / name).read_bytes() for name in summary["figures"]}
+
+
+def test_png_files_exist_are_referenced_and_non_trivial(full):
+    pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
+    out, md, summary, _ = full
+    expected = {"conformance-matrix.png", "commit-throughput-bench-cuda.png", "memory-tiny-llama-v1-flash-attn.png",
+                "non-kv-estimate.png", "kv-blocks.png"}
+    assert set(summary["figures"]) == expected
+    for name in expected:
+        data = (out / name).read_bytes()
+        width, height = png_size(data)
+        assert len(data) > 10_000 and width >= 400 and height >= 200, (name, len(data), width, height)
+        assert f"]({name})" in md, f"report.md does not show {name}"
+
+
+def test_figures_not_drawn_say_why():
+    run = loading.load_run(FULL)
+    doc, _ = sections.build(run, sections.Plotter(None, "matplotlib is not importable (test)"))
+    md = rendering.markdown(doc)
+    assert "not drawn: matplotlib is not importable (test)" in md
+    assert "![" not in md
+
+
+def test_rerendering_removes_stale_pngs(tmp_path):
+    pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
+    out = tmp_path / "out"
+    render(FULL, out)
+    assert (out / "kv-blocks.png").exists()
+    (out / "notes.png").write_bytes(b"not ours")
+    render(PARTIAL, out)
+    assert not (out / "kv-blocks.png").exists(), "a PNG of the earlier report was left behind"
+    assert (out / "notes.png").exists(), "a PNG the report did not write was removed"
+
+
+# -- plumbing ------------------------------------------------------------------------------------------------------
+def test_bench_summary_is_reused_and_raw_reading_is_the_fallback(monkeypatch):
+    from bench import summary as bench_summary
+
+    run = loading.load_run(FULL)
+    assert run.bench[0].summarized_by == "bench.summary"
+    assert run.bench[0].summary == bench_summary.summarize(FULL / "bench-cuda.json")
+    monkeypatch.setitem(sys.modules, "bench.summary", None)  # import fails: the reduced raw reading takes over
+    raw = loading.load_run(FULL).bench[0]
+    assert raw.summarized_by.startswith("raw JSON")
+    ext = bench_entry("commit/extensible")
+    assert raw.summary["commit"]["paths"]["extensible"]["seconds"] == ext["stats"]["median"]
+    assert raw.summary["targets"] == []
+
+
+def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():
+    cases = loading.load_run(FULL).cases
+    plugin = next(c for c in cases if c.path == PLUGIN)
+    pool = cases + [dataclasses.replace(plugin, path="call1/plugin-copy.json")]
+    legacy = next(b for b in accounting.account(pool) if b.case.path == LEGACY)
+    assert legacy.kv_partner.path == EXT  # same folder, and mode extensible before the entry-point run
+    without_ext = [c for c in cases if c.path != EXT]
+    legacy = next(b for b in accounting.account(without_ext) if b.case.path == LEGACY)
+    assert legacy.kv_partner.path == PLUGIN  # another subfolder when the same one has none
+    assert legacy.kv_committed == legacy.blocks * plugin.extensible["measured"]["bytes_per_block"]
+
+
+def test_the_report_package_never_imports_pytest():
+    root = Path(report.__file__).parent
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not any(n == "pytest" or n.startswith("pytest.") for n in names), f"{path.name} imports pytest"
+
+
+def test_name_option_and_default_output_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert report.main([str(PARTIAL), "--name", "renamed"]) == 0
+    md = (tmp_path / "reports" / "renamed" / "report.md").read_text()
+    assert md.startswith("# Memory-accounting report: renamed\n")

@@ -1,0 +1,76 @@
+"""Memory-accounting reports from the JSON the conformance, integration and benchmark runs write.
+
+    python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME]
+    python -m extensible_kv report reports/runs/<run-name> --compare reports/runs/<baseline-name>
+
+writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into
+``reports/<run-name>/`` (``reports/<run-name>-vs-<baseline-name>/`` when comparing), relative to the current
+folder. Numbers come only from the run's files; what a run lacks reads "not measured". Run it from the repository
+root so that ``bench.summary`` is importable (it computes the benchmark figures).
+
+Modules: ``loading`` (run folder -> dataclasses), ``accounting`` (memory of the vLLM cases), ``matrix``
+(conformance driver x rule), ``figures`` (matplotlib PNGs), ``document`` and ``rendering`` (Markdown, HTML,
+summary.json), ``sections`` (one run's report), ``comparison`` (two runs with deltas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .loading import RunFolderError, load_run
+
+__all__ = ["add_arguments", "main", "register", "run_command"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. reports/runs/h200-2026-12-02")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: reports/<run-name>/, or reports/<run-name>-vs-<baseline>/ "
+                             "with --compare)")
+    parser.add_argument("--name", default=None, help="the run's name in the report (default: RUN_DIR's basename)")
+    parser.add_argument("--compare", metavar="OTHER_RUN_DIR", default=None,
+                        help="a baseline run folder: report both side by side, deltas = RUN_DIR - OTHER_RUN_DIR")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The ``report`` command on parsed arguments; 2 when a run folder is missing."""
+    try:
+        run = load_run(args.run_dir, name=args.name)
+        baseline = load_run(args.compare) if args.compare else None
+    except RunFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if baseline is None:
+        from .rendering import write  # noqa: PLC0415
+        from .sections import build  # noqa: PLC0415
+
+        doc, summary = build(run)
+        out = Path(args.out) if args.out else Path("reports") / run.name
+    else:
+        from .comparison import build as build_comparison  # noqa: PLC0415
+        from .rendering import write  # noqa: PLC0415
+
+        doc, summary = build_comparison(run, baseline)
+        out = Path(args.out) if args.out else Path("reports") / f"{run.name}-vs-{baseline.name}"
+    write(doc, summary, out)
+    drawn = [f for f in doc.figures() if f.png is not None]
+    undrawn = [f for f in doc.figures() if f.png is None]
+    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {len(drawn)} PNG"
+          + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``report`` command to ``python -m extensible_kv``'s subparsers."""
+    parser = subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run "
+                                                  "folder, or two run folders side by side")
+    add_arguments(parser)
+    parser.set_defaults(run=run_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m extensible_kv report", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_command(parser.parse_args(argv))
