@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ._device_array import DeviceArray
 
 _OOM_NAMES = ("CUDA_ERROR_OUT_OF_MEMORY",)
 
@@ -72,19 +73,6 @@ def probe(ordinal: int = 0) -> str | None:
     if not torch.cuda.is_available():
         return "torch was built without CUDA or cannot see the device"
     return None
-
-
-class _CudaArray:
-    """The smallest object torch.as_tensor accepts as CUDA memory; it carries the keeper."""
-
-    __slots__ = ("__cuda_array_interface__", "keeper")
-
-    def __init__(self, va: int, nbytes: int, keeper: object) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None,
-            "stream": None,
-        }
-        self.keeper = keeper
 
 
 class CudaDriver:
@@ -151,7 +139,7 @@ class CudaDriver:
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
         self._make_current()
-        return torch.as_tensor(_CudaArray(va, nbytes, keeper), device=self.device)
+        return torch.as_tensor(DeviceArray(va, nbytes, keeper), device=self.device)
 
     def accessible(self, va: int) -> bool:
         self._make_current()

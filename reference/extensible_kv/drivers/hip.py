@@ -102,6 +102,7 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ._device_array import DeviceArray
 
 HANDLE_CHUNK_BYTES = 256 << 20
 """Largest physical handle asked of HIP before rounding to the granularity; see Note [Chunked handles]."""
@@ -168,19 +169,6 @@ class _MemAccessDesc(ctypes.Structure):
     """C layout of ``hipMemAccessDesc``; see Note [Access descriptor array]."""
 
     _fields_ = [("location", _MemLocation), ("flags", ctypes.c_uint)]
-
-
-class _HipArray:
-    """The smallest object torch.as_tensor accepts as device memory; it carries the keeper."""
-
-    __slots__ = ("__cuda_array_interface__", "keeper")
-
-    def __init__(self, va: int, nbytes: int, keeper: object) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None,
-            "stream": None,
-        }
-        self.keeper = keeper
 
 
 class HipDriver:
@@ -285,7 +273,7 @@ class HipDriver:
         self._call("zero", "hipMemsetD8Async", va, 0, size, self._current_stream())
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        return torch.as_tensor(_HipArray(va, nbytes, keeper), device=self.device)
+        return torch.as_tensor(DeviceArray(va, nbytes, keeper), device=self.device)
 
     def accessible(self, va: int) -> bool:
         hip = self._hip
