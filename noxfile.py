@@ -54,7 +54,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session(venv_backend="virtualenv", tags=["cpu"])
 def tests(session: nox.Session) -> None:
     """Unit, meta and conformance tests and the benchmark smoke run on the host driver (no GPU needed)."""
-    _install(session, "-e", ".", *TEST_DEPS)
+    _install(session, "-e", ".[report]", *TEST_DEPS)
     _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", *session.posargs)
 
 
@@ -97,3 +97,19 @@ def integration(session: nox.Session) -> None:
     """vLLM 0.26.0 greedy parity, legacy vs extensible KV cache, each case in a fresh process (needs a GPU)."""
     _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS)
     _pytest(session, "integration/test_greedy_parity.py", *session.posargs)
+
+
+@nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
+def report(session: nox.Session) -> None:
+    """Memory-accounting reports of every run folder in reports/runs/ into reports/<run-name>/ (no GPU needed).
+
+    `nox -s report -- --compare reports/runs/<baseline>` passes its arguments to every run's report."""
+    _install(session, "-e", ".[report]", *TEST_DEPS)
+    runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
+    if not runs:
+        session.error("no run folders under reports/runs/")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
+                                                         os.environ.get("PYTHONPATH")]))}
+    for run in runs:
+        session.run("python", "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs,
+                    env=env)

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     vb.add_argument("--dtype", default="bfloat16")
     vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
     vb.set_defaults(run=_validate_backend)
+    from .report import register as register_report  # noqa: PLC0415 - matplotlib loads only when it draws
+
+    register_report(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

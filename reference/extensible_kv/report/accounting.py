@@ -165,8 +165,9 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
             bpb = _bytes_per_block(kv_partner) if kv_partner else None
             committed = blocks * bpb if blocks is not None and bpb else None
             padding = None
-            source = (f"num_gpu_blocks x {bpb} bytes per block of integration/{kv_partner.path}" if committed is not None
-                      else "not measured: no extensible run of the same model, runner and backend")
+            source = (f"num_gpu_blocks x {bpb} bytes per block of integration/{kv_partner.path}"
+                      if committed is not None else
+                      "not measured: no extensible run of the same model, runner and backend")
         else:
             legacy_partner = _partner(case, legacy)
             bpb = _bytes_per_block(case)

@@ -44,42 +44,50 @@ def _png(fig: Figure) -> bytes:
 
 
 def _case_tick(b: MemoryBreakdown) -> str:
-    mode = b.case.mode + ("+corrupt" if b.case.corrupt else "")
+    mode = b.case.mode + ("\n+corrupt" if b.case.corrupt else "")
     return f"{mode}\n({b.case.folder})" if b.case.folder else mode
 
 
-def _bytes_label(n: float) -> str:
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    return f"{n / MIB:.1f} MiB"
+def _ticks(ax, xs: list[int], breakdowns: list[MemoryBreakdown]) -> None:
+    crowded = len(xs) > 3
+    ax.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=7.5 if crowded else 8,
+                  rotation=30 if crowded else 0, ha="right" if crowded else "center",
+                  rotation_mode="anchor" if crowded else "default")
 
 
 # -- memory of one (model, runner, backend) group --------------------------------------------------------------------
 def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
-    """Left: the whole GPU per run (GiB). Right: the non-KV part magnified (MiB)."""
-    fig = _new(11.5, 5.2)
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 1]})
+    """Left: the whole GPU per run (GiB). Middle: the non-KV part magnified (MiB). Right: memory used beyond
+    gpu_memory_utilization's budget (MiB)."""
+    fig = _new(14, 5.4)
+    left, right, budget = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.1, 1, 0.95]})
     xs = list(range(len(breakdowns)))
     present: list[str] = []
     for x, b in zip(xs, breakdowns):
         segs = b.segments()
         if segs is None:
-            left.text(x, 0.5, "not measured", rotation=90, ha="center", va="bottom", transform=left.get_xaxis_transform())
+            left.text(x, 0.5, "not measured", rotation=90, ha="center", va="bottom",
+                      transform=left.get_xaxis_transform())
             continue
         bottom = 0.0
+        negative = [s.label for s in segs if s.bytes is not None and s.bytes < 0]
+        if negative:  # drawn as zero; the tables give the value
+            left.text(x, 1.0, "negative, drawn as 0:\n" + "\n".join(negative), ha="center", va="bottom", fontsize=7,
+                      color="#d62728", transform=left.get_xaxis_transform())
         for s in segs:
             height = max(s.bytes or 0, 0) / GIB
             left.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[s.label], edgecolor="#555555",
                      linewidth=0.5)
             if s.label in (acc.KV, acc.UNSPLIT, acc.FREE) and s.bytes and s.bytes / GIB > 4:
-                left.text(x, bottom + height / 2, f"{s.label}\n{s.bytes / GIB:.2f} GiB", ha="center", va="center",
+                short = {acc.KV: "KV", acc.UNSPLIT: "KV + other", acc.FREE: "free"}[s.label]
+                left.text(x, bottom + height / 2, f"{short}\n{s.bytes / GIB:.2f} GiB", ha="center", va="center",
                           fontsize=7.5)
             bottom += height
             if s.label not in present:
                 present.append(s.label)
         if b.requested is not None:
             left.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1.2)
-    left.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
+    _ticks(left, xs, breakdowns)
     left.set_ylabel("GPU memory (GiB)")
     left.set_title("whole GPU after warmup; dashed: requested (utilization x total)", fontsize=9)
     pad = max(3 - len(xs), 0) / 2
@@ -98,20 +106,39 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
         for label in non_kv:
             if label not in segs:
                 continue
-            height = (segs[label] or 0) / MIB
+            height = max(segs[label] or 0, 0) / MIB
             right.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[label], edgecolor="#555555",
                       linewidth=0.5)
             bottom += height
-        right.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+        top = max(bottom, b.estimate / MIB if b.estimate is not None else 0.0)
+        right.text(x, top, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
         if b.estimate is not None:
             right.hlines(b.estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted", linewidth=1.5)
-    right.set_xticks(xs, [_case_tick(b) for b in breakdowns], fontsize=8)
+    _ticks(right, xs, breakdowns)
     right.set_ylabel("non-KV memory after warmup (MiB)")
     right.set_title("non-KV part magnified; dotted: vLLM's profiled estimate", fontsize=9)
     right.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
     right.margins(y=0.12)
     if not drawn:
         right.set_yticks([])
+
+    for x, b in zip(xs, breakdowns):
+        over = b.over_budget
+        if over is None:
+            budget.text(x, 0.5, "not measured", rotation=90, ha="center", va="center", fontsize=8,
+                        transform=budget.get_xaxis_transform())
+            continue
+        budget.bar(x, over / MIB, width=0.6, color="#d62728" if over > 0 else "#2ca02c")
+        budget.text(x, over / MIB, f"{over / MIB:+.1f}", ha="center", va="bottom" if over >= 0 else "top",
+                    fontsize=8)
+    budget.axhline(0, color="black", linewidth=0.8)
+    values = [b.over_budget / MIB for b in breakdowns if b.over_budget is not None] + [0.0]
+    span = max(max(values) - min(values), 1.0)
+    budget.set_ylim(min(values) - 0.2 * span, max(values) + 0.2 * span)
+    _ticks(budget, xs, breakdowns)
+    budget.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
+    budget.set_ylabel("used beyond the requested budget (MiB)")
+    budget.set_title("(init_free - requested) - free after warmup\n> 0: over gpu_memory_utilization", fontsize=9)
 
     handles = [Patch(facecolor=SEGMENT_COLORS[k], edgecolor="#555555", label=k) for k in acc.SEGMENT_ORDER
                if k in present]
@@ -162,7 +189,7 @@ def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
     handles = [Patch(facecolor=c, hatch="//", edgecolor="white", label=f"estimate: {k}")
                for k, c in ESTIMATE_COLORS.items()]
     handles += [Patch(facecolor=SEGMENT_COLORS[k], label=f"measured: {k}")
-                for k in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER_WITH_GRAPHS)
+                for k in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS)
                 if any(k in {s.label for s in (b.segments() or [])} for b in rows)]
     ax.legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()

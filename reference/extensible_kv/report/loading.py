@@ -158,6 +158,7 @@ class Run:
     cases: list[Case]
     backend_checks: list[BackendCheck]
     backend_totals: list[str]
+    backend_files: list[str]
     missing: list[str]  # what is not measured in this run, in words
 
 
@@ -191,7 +192,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     if not backend_files:
         missing.append("backend validation: no validate-backend*.txt in the run folder")
     run = Run(name=name or folder.resolve().name, path=folder, environment={}, conformance=conformance, bench=bench,
-              cases=cases, backend_checks=checks, backend_totals=totals, missing=missing)
+              cases=cases, backend_checks=checks, backend_totals=totals,
+              backend_files=[p.name for p in backend_files], missing=missing)
     run.environment = _environment(run)
     return run
 

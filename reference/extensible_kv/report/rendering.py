@@ -87,7 +87,8 @@ def _html_block(block: object) -> str:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
     if isinstance(block, Figure):
         if block.png is None:
-            return f"<p class=\"missing\">Figure &quot;{_inline(block.title)}&quot; not drawn: {_inline(block.missing)}</p>"
+            return (f"<p class=\"missing\">Figure &quot;{_inline(block.title)}&quot; not drawn: "
+                    f"{_inline(block.missing)}</p>")
         data = base64.b64encode(block.png).decode("ascii")
         return (f"<figure><img alt=\"{html.escape(block.title, quote=True)}\" src=\"data:image/png;base64,{data}\">"
                 f"<figcaption>{_inline(block.title)} ({html.escape(block.name)})</figcaption></figure>")

@@ -84,12 +84,11 @@ def glance_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: list[
         equal = [b for b in clean if b.tokens_match_legacy]
         corrupt = [b for b in breakdowns if b.case.corrupt]
         compared = [b for b in clean if b.tokens_match_legacy is not None]
+        differ = [fmt.yes_no(None if b.tokens_match_legacy is None else not b.tokens_match_legacy) for b in corrupt]
         items.append(f"vLLM: {len(breakdowns)} case file(s); "
                      + (f"greedy tokens equal legacy in {len(equal)} of {len(compared)} uncorrupted non-legacy "
                         f"run(s) with a legacy partner" if compared else "no non-legacy run with a legacy partner")
-                     + (f"; the corrupted run(s) differ from legacy: "
-                        f"{', '.join(fmt.yes_no(None if b.tokens_match_legacy is None else not b.tokens_match_legacy) for b in corrupt)}"
-                        if corrupt else "") + ".")
+                     + (f"; the corrupted run(s) differ from legacy: {', '.join(differ)}" if corrupt else "") + ".")
         deltas = [p.delta_bytes for p in pairs if p.delta_bytes is not None]
         if deltas:
             items.append(f"KV committed, extensible - legacy: {fmt.signed_mib(min(deltas))} to "
@@ -124,8 +123,7 @@ def inputs_section(run: Run) -> Section:
     rows = [["conformance", ", ".join(c.source for c in run.conformance) or NM],
             ["benchmarks", ", ".join(b.source for b in run.bench) or NM],
             ["vLLM integration", f"{len(run.cases)} case file(s) under integration/" if run.cases else NM],
-            ["backend validation", ", ".join(sorted({c.source for c in run.backend_checks})) or
-             ("read, no stanzas" if not any("backend validation" in m for m in run.missing) else NM)]]
+            ["backend validation", ", ".join(run.backend_files) or NM]]
     s = Section("Inputs").add(Table(["input", "files"], rows))
     if run.missing:
         s.add(Paragraph("**Not measured in this run:**"), Bullets(run.missing))
@@ -202,7 +200,8 @@ def _bench_section(b: Bench, plot: Plotter, several: bool) -> Section:
     sec = Section(title).add(Paragraph(
         f"`{b.source}`, summarised by {b.summarized_by}: driver {fmt.text(s.get('driver'))} "
         f"({fmt.text(s.get('device_type'))}), granularity {fmt.count(s.get('granularity'))} bytes, scale "
-        f"{fmt.text(s.get('scale'))}, taken {fmt.text(b.datetime)}. Time = median of the rounds; GB/s = bytes / s / 1e9."
+        f"{fmt.text(s.get('scale'))}, taken {fmt.text(b.datetime)}. Time = median of the rounds; "
+        "GB/s = bytes / s / 1e9."
         + ("" if s.get("claims") else " Not a GPU run: targets are not judged.")))
     sec.add(plot.figure(f"commit-throughput-{slug(b.source.removesuffix('.json'))}.png",
                         f"Commit throughput vs handle size and vs bytes ({b.source})", "commit_throughput", b))
@@ -234,8 +233,9 @@ def _bench_section(b: Bench, plot: Plotter, several: bool) -> Section:
         sec.add(Paragraph("**Zeroing:**"), Table(["figure", "value"], [
             ["bytes (GiB)", fmt.gib(z.get("bytes"))], ["grow + zero (ms)", fmt.ms(z.get("grow_zero_s"))],
             ["grow without zero (ms)", fmt.ms(z.get("grow_nozero_s"))],
-            ["implied zero_new (ms)", fmt.ms(z.get("implied_zero_s"))], ["zero_new (GB/s)", fmt.rate(z.get("zero_gbps"))],
-            ["memset (GB/s)", fmt.rate(z.get("memset_gbps"))], ["torch zero_ (GB/s)", fmt.rate(z.get("torch_zero_gbps"))],
+            ["implied zero_new (ms)", fmt.ms(z.get("implied_zero_s"))],
+            ["zero_new (GB/s)", fmt.rate(z.get("zero_gbps"))], ["memset (GB/s)", fmt.rate(z.get("memset_gbps"))],
+            ["torch zero_ (GB/s)", fmt.rate(z.get("torch_zero_gbps"))],
             ["end-to-end grow + zero (GB/s)", fmt.rate(z.get("end_to_end_gbps"))],
             ["memset calls", fmt.count(z.get("zero_calls"))]]))
     access = s.get("access") or {}
@@ -278,7 +278,8 @@ def integration_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: 
     for b in breakdowns:
         c = b.case
         rows.append([c.path, c.model, c.runner, c.backend, c.mode + ("+corrupt" if c.corrupt else ""),
-                     fmt.count(b.blocks), fmt.count(b.bytes_per_block), fmt.gib(b.kv_committed), fmt.ms(b.commit_seconds),
+                     fmt.count(b.blocks), fmt.count(b.bytes_per_block), fmt.gib(b.kv_committed),
+                     fmt.ms(b.commit_seconds),
                      fmt.mib(b.non_kv_after_warmup), "-" if c.mode == "legacy" else fmt.yes_no(b.tokens_match_legacy),
                      fmt.text(c.num_cached_tokens)])
     s.add(Section("Cases", level=3).add(
@@ -352,10 +353,10 @@ def integration_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: 
 # -- backend validation ----------------------------------------------------------------------------------------------
 def backend_section(run: Run) -> Section:
     s = Section("Backend validation")
+    if not run.backend_files:
+        return s.add(Paragraph(f"{NM}: no `validate-backend*.txt` in the run folder."))
     if not run.backend_checks:
-        if any("backend validation" in m for m in run.missing):
-            return s.add(Paragraph(f"{NM}: no `validate-backend*.txt` in the run folder."))
-        return s.add(Paragraph("The validation output holds no backend stanzas."))
+        return s.add(Paragraph(f"{NM}: {', '.join(run.backend_files)} hold(s) no `backend ...` stanza."))
     s.add(Paragraph("Parsed from the `backend ...` and `  result` lines of `python -m extensible_kv validate-backend`; "
                     "a failed check is named in the last column."),
           Table(["backend", "layout", "driver", "shape", "stride order", "block dim", "segments", "page (bytes)",
