@@ -28,6 +28,7 @@ CORRUPT_BLOCKS = 256
 
 
 def _env(runner: str, mode: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the lent multi-GPU machines
     # "plugin": engine core and worker in their own processes; the vllm.general_plugins entry point patches them.
     multiprocess = mode == "plugin"
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
@@ -139,17 +140,21 @@ def run(args: argparse.Namespace) -> dict:
     kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                   max_model_len=args.max_model_len, max_num_seqs=8, generation_config="vllm",
                   attention_config={"backend": args.backend}, enable_prefix_caching=True, enforce_eager=False,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
     if args.capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(s) for s in args.capture_sizes.split(",")]}
-    if args.mode != "plugin":  # in-process engines only: the worker runs in this process
+    if args.tp > 1 and args.mode == "extensible":
+        raise SystemExit("--tp > 1 runs every rank in its own process: use --mode plugin")
+    if args.mode != "plugin" and args.tp == 1:  # in-process engines only: the worker runs in this process
         record_graph_memory()
     start = time.perf_counter()
     with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
         llm = LLM(**kwargs)
         engine_seconds = time.perf_counter() - start
         extensible = llm.collective_rpc("extensible_kv_report")[0] if args.mode != "legacy" else None
-    figures = llm.collective_rpc(memory_figures)[0]
+    all_figures = llm.collective_rpc(memory_figures)
+    figures = all_figures[0]
+    ranks = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" and args.tp > 1 else None
     reinit = llm.apply_model(reinit_weights)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
@@ -162,10 +167,11 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "case": {"model": args.model, "runner": args.runner, "backend": args.backend, "mode": args.mode,
                  "corrupt": args.corrupt, "gpu_memory_utilization": args.gpu_memory_utilization,
-                 "max_model_len": args.max_model_len},
+                 "max_model_len": args.max_model_len, "tensor_parallel_size": args.tp},
         "token_ids": tokens, "num_cached_tokens": cached, "corrupted_elements": corrupted,
         "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
         "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
+        "ranks": {"memory": all_figures, "extensible": ranks},
     }
 
 
@@ -182,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--capture-sizes", default="1,2,4,8")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (TP > 1 needs --mode plugin or "
+                                                           "legacy: every rank is its own process)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)

@@ -129,3 +129,24 @@ def test_entry_point_switches_a_multiprocess_engine():
         f"got {plugin['extensible']}"
     assert plugin["token_ids"] == baseline["token_ids"], \
         f"plugin/v2: tokens differ from the in-process run: {_diff(plugin['token_ids'], baseline['token_ids'])}"
+
+
+def _gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_tensor_parallel_ranks_agree_on_the_block_count():
+    if _gpus() < 2:
+        pytest.skip(f"tensor parallelism needs 2 GPUs, found {_gpus()}")
+    legacy = run_case("tiny-llama-v1-FLASH_ATTN-tp2-legacy", "--runner", "v1", "--mode", "legacy", "--tp", "2")
+    ext = run_case("tiny-llama-v1-FLASH_ATTN-tp2-plugin", "--runner", "v1", "--mode", "plugin", "--tp", "2")
+    assert ext["token_ids"] == legacy["token_ids"], \
+        f"TP=2: extensible tokens differ from legacy: {_diff(ext['token_ids'], legacy['token_ids'])}"
+    per_rank = [r["kv"]["num_blocks"] for r in ext["ranks"]["extensible"]]
+    assert len(per_rank) == 2 and len(set(per_rank)) == 1, f"TP=2: ranks committed different block counts {per_rank}"
+    assert per_rank[0] == ext["memory"]["num_gpu_blocks"], \
+        f"TP=2: ranks committed {per_rank}, the scheduler got {ext['memory']['num_gpu_blocks']}"
