@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -41,12 +42,15 @@ def _gpu_extra(driver: str | None) -> str:
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
-    """Run pytest; a run that collected no tests is an error, never a pass."""
+    """Run pytest; a run that collected no tests (exit 5) is an error with its own message, never a pass."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
                                                          os.environ.get("PYTHONPATH")]))}
-    code = session.run("python", "-m", "pytest", *args, env=env, success_codes=[0, PYTEST_NO_TESTS])
-    if code == PYTEST_NO_TESTS:
-        session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
+    try:
+        session.run("python", "-m", "pytest", *args, env=env)
+    except CommandFailed as exc:
+        if getattr(exc, "return_code", None) == PYTEST_NO_TESTS:
+            session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
+        raise
 
 
 # `tests` uses pip (virtualenv): pip honours the machine's own configuration (local wheel folders, constraints),
