@@ -62,7 +62,11 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", *session.posargs)
 
 
-@nox.session(tags=["cuda", "rocm"])
+# On a machine without a GPU the main job runs the host driver: pip then takes the machine's CPU build of torch.
+GPU_MACHINE = bool(shutil.which("nvidia-smi") or shutil.which("rocminfo") or shutil.which("amd-smi"))
+
+
+@nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def conformance(session: nox.Session) -> None:
     """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one)."""
     args = list(session.posargs)
