@@ -85,20 +85,16 @@ def _worker_kv() -> worker_kv.WorkerKV:
 
 
 def _platform_driver() -> object:
+    """The driver for this worker's device: hip on ROCm, cuda otherwise, on torch's current device."""
+    import torch
     from vllm.platforms import current_platform
 
-    import torch
-
-    if current_platform.is_rocm():
-        name = "hip"
-    else:
-        name = "cuda"
-    if name not in drivers.registered():
-        raise ExtensibleKVUnsupported(f"no {name} driver is registered in extensible_kv")
-    ordinal = torch.cuda.current_device()
-    if name == "cuda":
-        return drivers._cuda.CudaDriver(ordinal)
-    return drivers.get_driver(name)
+    name = "hip" if current_platform.is_rocm() else "cuda"
+    reason = drivers.probe(name)
+    if reason:
+        raise ExtensibleKVUnsupported(f"the {name} driver cannot run in this worker: {reason}")
+    factory = drivers._hip.HipDriver if name == "hip" else drivers._cuda.CudaDriver
+    return factory(torch.cuda.current_device())
 
 
 # -- worker side ---------------------------------------------------------------------------------------------------
