@@ -9,6 +9,6 @@ benchmarked function run once, as a smoke test, unless ``--benchmark-enable`` is
     python3 -m bench.summary reports/out/bench-cuda.json
 
 ``bench/conftest.py`` picks the driver (``--bench-driver``, default: the best available one) and the sizes
-(``--bench-scale``); ``bench/summary.py`` turns the JSON into the ratios the issue asks for. Nothing here asserts a
+(``--bench-scale``); ``bench/summary.py`` turns the JSON into the target ratios. Nothing here asserts a
 time: the benchmarks assert that what they committed is really usable, the summary compares numbers to targets.
 """

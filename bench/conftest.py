@@ -7,12 +7,12 @@ Options:
   conformance suite (which owns ``--driver``) is not collected in the same run; when it is, the first driver of its
   ``--driver`` list is used. A driver that cannot run here skips every benchmark with its probe's reason (unless
   ``EXTENSIBLE_KV_REQUIRE_GPU=1``, which makes a run without a GPU driver fail).
-- ``--bench-scale X``: multiplies every size. On a GPU sizes are the issue's (32 GiB, 100 GiB, ...) times X. On a
+- ``--bench-scale X``: multiplies every size. On a GPU sizes are the published ones (32 GiB, 100 GiB, ...) times X. On a
   CPU driver they are scaled down automatically (32 GiB -> 64 MiB, 100 GiB -> 128 MiB, 64 KV buffers -> 8) so the
   host run is a quick smoke test; X then multiplies those.
 - ``--bench-settle S``: seconds to wait before a "fresh" round, after the previous round's memory was released
-  (default 1 s on a GPU, 0 on the host). The cost of a commit depends on what was freed just before it (the issue
-  saw 15 ms vs 95-190 ms for the same KV growth), so "fresh" rounds wait and ``after_release`` rounds do not.
+  (default 1 s on a GPU, 0 on the host). The cost of a commit depends on what was freed just before it (earlier
+  H200 runs saw 15 ms vs 95-190 ms for the same KV growth), so "fresh" rounds wait and ``after_release`` rounds do not.
 
 Sizes are always multiples of ``driver.granularity()``. Every benchmark records what it measured in
 ``benchmark.extra_info`` under a stable ``key`` that ``bench/summary.py`` reads; at the end of a run with benchmarks

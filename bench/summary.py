@@ -1,4 +1,4 @@
-"""Turn a pytest-benchmark JSON file from ``bench/`` into the figures and ratios the commit-path issue asks for.
+"""Turn a pytest-benchmark JSON file from ``bench/`` into the figures and ratios the commit-path targets ask for.
 
 ``python -m bench.summary reports/out/bench-cuda.json [--json]`` prints a table (or the dict as JSON). Every
 benchmark in ``bench/`` stores a stable ``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and
@@ -63,13 +63,13 @@ def _per_byte(entries: dict, key: str) -> float | None:
 
 # -- the figures ------------------------------------------------------------------------------------------------
 def summarize(benchmark_json_path: str | Path) -> dict:
-    """Read a pytest-benchmark JSON file and compute the issue's figures and ratios (see ``summarize_data``)."""
+    """Read a pytest-benchmark JSON file and compute the target figures and ratios (see ``summarize_data``)."""
     with open(benchmark_json_path) as fh:
         return summarize_data(json.load(fh))
 
 
 def summarize_data(data: dict) -> dict:
-    """The issue's figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
+    """The target figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
     e = _entries(data)
     first = next(iter(e.values()), None)
     device_type = first["extra"].get("device_type") if first else None
@@ -204,7 +204,7 @@ def _scaling(e: dict) -> dict:
 
 
 def _targets(s: dict) -> list[dict]:
-    """The issue's targets, each with its value and whether it is met (``None``: no data, or no claims here)."""
+    """The targets, each with its value and whether it is met (``None``: no data, or no claims here)."""
     commit_gbps = s["commit"]["paths"].get("extensible", {}).get("gbps")
     rows = [
         ("commit 32 GiB, GB/s (ExtensibleTensor)", commit_gbps, ">=", 5000.0),

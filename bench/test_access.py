@@ -1,4 +1,4 @@
-"""No access penalty (issue item 5): VMM-backed memory is as fast to use as memory from torch's allocator.
+"""No access penalty: VMM-backed memory is as fast to use as memory from torch's allocator.
 
 ``test_copy_bandwidth[op-memory]``: a bandwidth-bound operation from one 8 GiB half of a buffer to the other half,
 for ``memory`` = ``vmm`` (an ExtensibleTensor with two 8 GiB segments, fully committed) and ``native`` (one

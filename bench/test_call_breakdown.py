@@ -1,4 +1,4 @@
-"""Which driver call dominates a large commit: create, map and set_access timed one by one (issue item 1's "why").
+"""Which driver call dominates a large commit: create, map and set_access timed one by one.
 
 One 32 GiB (scaled) single-handle commit, each call timed with the device synchronized around it, in two states:
 ``settled`` (``--bench-settle`` seconds after the last release) and ``after_release`` (right after committing and

@@ -1,4 +1,4 @@
-"""Commit throughput (issue items 1 and 6): how fast growing an ExtensibleTensor makes memory usable.
+"""Commit throughput: how fast growing an ExtensibleTensor makes memory usable.
 
 ``test_commit_32gib[path]`` commits 32 GiB (scaled) three ways, side by side in one run:
 
@@ -8,7 +8,7 @@
 
 Each round starts from a fresh reservation built in the untimed setup (which first closes the previous round's
 memory and waits ``--bench-settle`` seconds); the timed part is the commit itself plus a device synchronize. The
-summary turns the medians into GB/s and into the ratios the issue targets (>= 5 TB/s, >= 100x per-granule).
+summary turns the medians into GB/s and into the target ratios (>= 5 TB/s, >= 100x per-granule).
 
 ``test_commit_scaling[bytes-segments]`` publishes the curve: commit time vs bytes (1, 8, 32, 100 GiB) and vs segment
 count (1, 2, 8, 64). Every segment is grown to half its capacity, so the committed prefixes never touch and each

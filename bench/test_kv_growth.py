@@ -1,4 +1,4 @@
-"""Lockstep growth of a real KV cache shape (issue item 2).
+"""Lockstep growth of a real KV cache shape.
 
 A KV cache is one buffer per layer; with the K/V split each buffer is two segments that grow together. The shape
 here is 64 buffers x 2 segments (and the same with 1 segment), reserved at their final size, each with one KV block

@@ -1,4 +1,4 @@
-"""Peers (issue item 4): how long torch takes to make 32 GiB usable, measured in the same run as our commit.
+"""Peers: how long torch takes to make 32 GiB usable, measured in the same run as our commit.
 
 - ``test_peer_torch_default``: ``torch.empty(32 GiB, uint8, device='cuda')`` with torch's default caching allocator,
   in this process. Each round's setup drops the previous tensor and calls ``torch.cuda.empty_cache()`` (then waits

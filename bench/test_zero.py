@@ -1,4 +1,4 @@
-"""Zeroing new bytes (issue item 3): what ``zero_new=True`` costs, against a raw memset of the same size.
+"""Zeroing new bytes: what ``zero_new=True`` costs, against a raw memset of the same size.
 
 ExtensibleTensor zeroes a growth's new bytes with one fused ``driver.zero`` (``cuMemsetD8Async`` on CUDA) per
 contiguous new range; its public API has no zero-only call, so the zero part is measured as a difference of two
