@@ -64,13 +64,11 @@ def reinit_weights(model) -> int:
     return count
 
 
-def _block_dim(t) -> int:
-    return max(range(t.dim()), key=lambda d: t.shape[d])
-
-
 def corrupt_kv(worker) -> int:
     """Overwrite every committed block of every attention KV tensor with large noise; return elements written."""
     import torch
+
+    from extensible_kv.vllm.worker_kv import block_dim
 
     # The prompts' cached blocks come first out of the block pool: the first CORRUPT_BLOCKS cover them.
     n = min(worker.model_runner.kv_cache_config.num_blocks, CORRUPT_BLOCKS)
@@ -79,7 +77,7 @@ def corrupt_kv(worker) -> int:
     for t in worker.model_runner.kv_caches:
         if not isinstance(t, torch.Tensor):
             continue  # Mamba state lists
-        part = t.narrow(_block_dim(t), 0, n)
+        part = t.narrow(block_dim(t), 0, n)
         part.normal_(0.0, 10.0, generator=gen)
         written += part.numel()
     torch.cuda.synchronize()

@@ -24,7 +24,7 @@ import torch
 from .drivers import Driver, Ledger, best_available, get_driver
 from .errors import ExtensibleKVError
 from .kv_cache import ExtensibleKVCacheBuffers, KVBuffer
-from .layout import LayoutError, attention_layer, footprint, merge
+from .layout import LayoutError, attention_layer, footprint
 
 
 class BackendLoadError(ExtensibleKVError, ValueError):

@@ -20,6 +20,14 @@ def _merge_append(out: list[Interval], lo: int, hi: int) -> None:
         out.append((lo, hi))
 
 
+def merge(ranges: list[Interval]) -> list[Interval]:
+    """``ranges`` sorted, with overlapping or touching intervals merged."""
+    out: list[Interval] = []
+    for lo, hi in sorted(ranges):
+        _merge_append(out, lo, hi)
+    return out
+
+
 def committed_ranges(segment_bytes: int, num_segments: int, per_segment: int) -> list[Interval]:
     """The logical byte ranges committed when each segment holds ``per_segment`` bytes, merged where they touch."""
     out: list[Interval] = []

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ExtensibleKVError
+from .granules import merge  # noqa: F401 - re-exported next to footprint
 
 BLOCK_SENTINEL = 1234567
 """Block count passed to ``get_kv_cache_shape`` to find the block dimension (vLLM's own trick)."""
@@ -133,16 +134,6 @@ def footprint(view: torch.Tensor, block_dim: int, num_blocks: int) -> list[tuple
     starts = [0, *[b + 1 for b in breaks]]
     ends = [*breaks, elements.numel() - 1]
     return [(int(elements[s]) * item, (int(elements[e]) + 1) * item) for s, e in zip(starts, ends)]
-
-
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 # -- layers ---------------------------------------------------------------------------------------------------------

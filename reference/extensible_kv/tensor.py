@@ -52,14 +52,18 @@ class _Memory:
     mappings: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _teardown(memory: _Memory) -> None:
-    driver = memory.driver
-    driver.synchronize()
-    while memory.mappings:
+def _unmap_down_to(memory: _Memory, count: int) -> None:
+    """Unmap the newest mappings until ``count`` remain (the device synchronized first)."""
+    memory.driver.synchronize()
+    while len(memory.mappings) > count:
         va, size = memory.mappings[-1]
-        driver.unmap(va, size)
+        memory.driver.unmap(va, size)
         memory.mappings.pop()
-    driver.free(memory.base, memory.reserved)
+
+
+def _teardown(memory: _Memory) -> None:
+    _unmap_down_to(memory, 0)
+    memory.driver.free(memory.base, memory.reserved)
 
 
 @dataclass(frozen=True)
@@ -288,11 +292,7 @@ class ExtensibleTensor:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step)."""
         per_segment, count = mark
         with self._lock:
-            self._driver.synchronize()
-            while len(self._memory.mappings) > count:
-                va, size = self._memory.mappings[-1]
-                self._driver.unmap(va, size)
-                self._memory.mappings.pop()
+            _unmap_down_to(self._memory, count)
             self._per_segment = per_segment
 
     # -- views -------------------------------------------------------------------------------------------------

@@ -37,10 +37,15 @@ class ExtensibleKVUnsupported(ExtensibleKVError, RuntimeError):
     """This vLLM configuration cannot use the extensible KV cache; the message says why."""
 
 
+def block_dim(view: torch.Tensor) -> int:
+    """The block dimension of an attention view sized for many blocks: its largest dimension."""
+    return max(range(view.dim()), key=lambda d: view.shape[d])
+
+
 def _views(value: object) -> list[tuple[torch.Tensor, int]]:
     """(view, block dim) pairs of one layer's KV cache value: a tensor (attention) or a list (Mamba states)."""
     if isinstance(value, torch.Tensor):
-        return [(value, max(range(value.dim()), key=lambda d: value.shape[d]))]
+        return [(value, block_dim(value))]
     return [(v, 0) for v in value]
 
 
