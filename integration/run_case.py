@@ -136,9 +136,11 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = MODELS / args.model
     config = json.loads((model_dir / "config.json").read_text())
     kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                  max_model_len=args.max_model_len, max_num_seqs=8, generation_config="vllm",
+                  max_model_len=args.max_model_len, generation_config="vllm",
                   attention_config={"backend": args.backend}, enable_prefix_caching=True, enforce_eager=False,
                   gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
     if args.capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(s) for s in args.capture_sizes.split(",")]}
     if args.tp > 1 and args.mode == "extensible":
@@ -165,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "case": {"model": args.model, "runner": args.runner, "backend": args.backend, "mode": args.mode,
                  "corrupt": args.corrupt, "gpu_memory_utilization": args.gpu_memory_utilization,
-                 "max_model_len": args.max_model_len, "tensor_parallel_size": args.tp},
+                 "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs or None,
+                 "capture_sizes": args.capture_sizes or None, "tensor_parallel_size": args.tp},
         "token_ids": tokens, "num_cached_tokens": cached, "corrupted_elements": corrupted,
         "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
         "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--capture-sizes", default="1,2,4,8")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="0: vLLM's default")
+    parser.add_argument("--capture-sizes", default="1,2,4,8", help="comma-separated; empty: vLLM's default sizes")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (TP > 1 needs --mode plugin or "
                                                            "legacy: every rank is its own process)")
     parser.add_argument("--out", required=True)

@@ -98,6 +98,23 @@ def check_memory_budget(name: str, legacy: dict, ext: dict) -> None:
         f"{shortfall / 2**20:.1f} MiB, more than legacy's own overshoot of its budget ({legacy_over / 2**20:.1f} MiB)")
 
 
+# A realistic shape for the memory accounting: Llama-3-8B's config with dummy weights, 8K context, 64 sequences and
+# vLLM's default CUDA graph capture sizes for that batch (graph pools and activation peaks of real size).
+LLAMA_8B = ("--model", "llama-8b-shape", "--max-model-len", "8192", "--max-num-seqs", "64", "--capture-sizes", "")
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_llama_8b_shape_matches_legacy_within_the_budget(runner):
+    legacy = run_case(f"llama-8b-shape-{runner}-legacy", *LLAMA_8B, "--runner", runner, "--mode", "legacy")
+    ext = run_case(f"llama-8b-shape-{runner}-extensible", *LLAMA_8B, "--runner", runner, "--mode", "extensible")
+    assert ext["token_ids"] == legacy["token_ids"], \
+        f"llama-8b-shape/{runner}: extensible tokens differ from legacy: " \
+        f"{_diff(ext['token_ids'], legacy['token_ids'])}"
+    assert all(c and c >= 32 for c in ext["num_cached_tokens"]), \
+        f"llama-8b-shape/{runner}: the measured pass must read cached KV blocks, got {ext['num_cached_tokens']}"
+    check_memory_budget(f"llama-8b-shape/{runner}", legacy, ext)
+
+
 def test_corrupting_committed_kv_blocks_changes_the_tokens():
     clean = run_case("tiny-llama-v2-FLASH_ATTN-extensible", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode",
                      "extensible")
