@@ -12,14 +12,14 @@ from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.layout import attention_view
 from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
-from extensible_kv.vllm.sizing import MemoryState
+from extensible_kv.vllm.sizing import MemoryState, reusable_cache
 
 GIB = 1 << 30
 
 
 def _state(**overrides) -> MemoryState:
     values = dict(init_free=100 * GIB, requested=90 * GIB, free_now=60 * GIB, kv_backed=2 * GIB, weights=16 * GIB,
-                  profiled_peak=4 * GIB, torch_reserved_now=18 * GIB, bytes_per_block=1 << 20,
+                  profiled_peak=4 * GIB, torch_reusable_now=2 * GIB, bytes_per_block=1 << 20,
                   rounding_bound=4 << 20, capacity_blocks=80_000, committed_blocks=10)
     values.update(overrides)
     return MemoryState(**values)
@@ -27,7 +27,7 @@ def _state(**overrides) -> MemoryState:
 
 def test_sizing_commits_what_the_measured_budget_fits():
     s = _state()
-    # non-KV = 100 - 60 - 2 = 38 GiB; torch may still grow by 16 + 4 - 18 = 2 GiB; budget = 90 - 38 - 2 = 50 GiB.
+    # non-KV = 100 - 60 - 2 = 38 GiB; torch may still grow by 4 - 2 = 2 GiB; budget = 90 - 38 - 2 = 50 GiB.
     assert (s.non_kv, s.torch_growth, s.budget) == (38 * GIB, 2 * GIB, 50 * GIB), s.to_dict()
     assert s.blocks() == (50 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
 
@@ -35,12 +35,30 @@ def test_sizing_commits_what_the_measured_budget_fits():
 @pytest.mark.parametrize("overrides,expected", [
     (dict(capacity_blocks=1000), 1000),                      # never above the reservation
     (dict(free_now=1 * GIB, committed_blocks=77), 77),        # never below what is committed (grow-only)
-    (dict(torch_reserved_now=30 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+    (dict(torch_reusable_now=6 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
     (dict(margin=GIB), (49 * GIB - (4 << 20)) // (1 << 20)),
 ])
 def test_sizing_clamps(overrides, expected):
     s = _state(**overrides)
     assert s.blocks() == expected, f"MemoryState({overrides}).blocks(): expected {expected}, got {s.blocks()}"
+
+
+def _segment(pool, total, active, device=0):
+    return {"device": device, "segment_pool_id": pool, "total_size": total, "active_size": active}
+
+
+def test_only_unused_default_pool_memory_is_credited_against_the_activation_peak():
+    # Note [Graph pools are not activation cache]: a captured graph's private pool and live tensors are reserved by
+    # torch but cannot serve eager activations; another device's cache is not this worker's.
+    segments = [_segment((0, 0), 64 << 20, 16 << 20),     # default pool: 48 MiB unused
+                _segment((0, 0), 20 << 20, 20 << 20),     # default pool, fully in use (persistent buffers)
+                _segment((0, 1), 230 << 20, 0),           # graph private pool, all "inactive" after capture
+                _segment((0, 0), 512 << 20, 0, device=1)]  # another GPU
+    got = reusable_cache(segments, device=0)
+    assert got == 48 << 20, f"reusable_cache: expected {48 << 20} bytes (default pool, unused, device 0), got {got}"
+    s = _state(profiled_peak=1 << 30, torch_reusable_now=got)
+    assert s.torch_growth == (1 << 30) - (48 << 20), \
+        f"torch_growth with {got} reusable bytes: expected {(1 << 30) - (48 << 20)}, got {s.torch_growth}"
 
 
 _PLATFORM_CUDA = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")

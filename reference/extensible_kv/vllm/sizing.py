@@ -6,16 +6,36 @@ estimate (an upper bound), warms up and captures graphs with a small committed p
 everything other than the KV cache really uses and commits the rest:
 
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
-    growth   = max(0, weights + profiled_peak - torch_reserved_now)   (activation memory torch may still take)
+    growth   = max(0, profiled_peak - torch_reusable_now)   (activation memory torch may still take)
     budget   = requested - non_kv - growth - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
+
+Note [Graph pools are not activation cache]
+    The activation peak that vLLM profiled comes back whenever a batch as large as the profiling one runs; torch
+    serves it first from blocks its default pool holds unused, and takes new device memory for the rest. Only those
+    unused default-pool blocks may be credited against the peak. CUDA graph private pools (vLLM captures into one
+    shared pool) and live tensors (persistent input buffers, workspaces) are reserved too, but cannot serve eager
+    activations. Crediting all of ``memory_reserved() - weights`` counted the graph pool twice (once in ``non_kv``,
+    once as reusable cache): on an 8B Llama shape on the H200 (graph pools 186 MiB on V1, 230 MiB on V2) that
+    committed about that many bytes too many. ``reusable_cache`` reads the default pool from torch's segment snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+
+DEFAULT_POOL = (0, 0)  # torch's segment_pool_id of the caching allocator's default pool
+
+
+def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
+    """Bytes of ``device``'s default pool that torch holds reserved but unused (``torch.cuda.memory_snapshot()``
+    segments): the part of torch's cache a new activation peak can reuse. Note [Graph pools are not activation
+    cache]."""
+    return sum(int(s["total_size"]) - int(s["active_size"]) for s in segments
+               if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL)
 
 
 @dataclass(frozen=True)
@@ -28,7 +48,7 @@ class MemoryState:
     kv_backed: int  # KV bytes physically mapped now
     weights: int  # model weights (torch-allocated)
     profiled_peak: int  # vLLM's profiled activation peak
-    torch_reserved_now: int  # torch caching allocator reserved bytes now (weights + cached activations)
+    torch_reusable_now: int  # bytes torch's default pool holds unused now (``reusable_cache``)
     bytes_per_block: int  # one block in every KV buffer, summed
     rounding_bound: int  # most bytes granule rounding can add (granularity x segments, summed over buffers)
     capacity_blocks: int  # blocks reserved (the upper bound)
@@ -41,7 +61,7 @@ class MemoryState:
 
     @property
     def torch_growth(self) -> int:
-        return max(0, self.weights + self.profiled_peak - self.torch_reserved_now)
+        return max(0, self.profiled_peak - self.torch_reusable_now)
 
     @property
     def budget(self) -> int:

@@ -25,7 +25,7 @@ import torch
 from ..errors import ExtensibleKVError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import LayoutError, segments_of
-from .sizing import MemoryState
+from .sizing import MemoryState, reusable_cache
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -135,7 +135,7 @@ class WorkerKV:
             kv_backed=stats.backed_bytes,
             weights=int(worker.model_runner.model_memory_usage),
             profiled_peak=int(getattr(worker, "peak_activation_memory", 0)),
-            torch_reserved_now=int(torch.cuda.memory_reserved()),
+            torch_reusable_now=reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device()),
             bytes_per_block=sum(b.page_size_bytes for b in stats.buffers),
             rounding_bound=sum(b.num_segments * g for b in stats.buffers),
             capacity_blocks=stats.max_num_blocks,
