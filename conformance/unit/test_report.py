@@ -212,7 +212,8 @@ def test_memory_segments_follow_the_documented_formulas(full):
     c = cases[LEGACY]
     assert c["kv_committed"] == kv and c["kv_partner"] == EXT
     assert c["non_kv_after_warmup"] == non_kv
-    assert c["other_non_kv"] == non_kv - m["weights"] - m["profiled_peak_activation"]  # no cudagraph_memory here
+    assert c["other_non_kv"] == non_kv - m["weights"]  # no cudagraph_memory here; the activation peak is not resident
+    assert c["activation_headroom"] is None and c["over_budget_at_peak"] is None  # no torch_reusable here
     assert c["graph_pools"] is None
     assert c["over_budget"] == m["init_free"] - m["requested"] - m["free_after_warmup"]
     assert c["non_kv_estimate"] == m["requested"] - m["available_kv_cache_memory"]
@@ -222,11 +223,18 @@ def test_memory_segments_follow_the_documented_formulas(full):
     assert e["kv_committed"] == committed and e["kv_padding"] == backed - committed
     assert e["graph_pools"] == em["cudagraph_memory"]
     assert e["other_non_kv"] == (em["init_free"] - em["free_after_warmup"] - backed - em["weights"]
-                                 - em["profiled_peak_activation"] - em["cudagraph_memory"])
+                                 - em["cudagraph_memory"])
+    headroom = max(0, em["profiled_peak_activation"] - em["torch_reusable"])
+    assert e["activation_headroom"] == headroom and headroom > 0
+    assert e["over_budget_at_peak"] == em["init_free"] - em["requested"] - em["free_after_warmup"] + headroom
     assert e["non_kv_sizing"] == ext["extensible"]["measured"]["non_kv"]
     row = md_row(md, "case file", LEGACY, needs="over budget")
     assert row["KV committed"] == f"{kv / MIB:,.2f}" and row["CUDA graph pools"] == "not measured", row
     assert row["over budget"] == f"{c['over_budget'] / MIB:+,.2f}", row
+    assert row["activation peak still to come"] == "not measured", row
+    row = md_row(md, "case file", EXT, needs="over budget at peak")
+    assert row["over budget at peak"] == f"{e['over_budget_at_peak'] / MIB:+,.2f}", row
+    assert row["activation peak still to come"] == f"{headroom / MIB:,.2f}", row
 
 
 def test_kv_blocks_pair_legacy_and_extensible_across_subfolders(full):

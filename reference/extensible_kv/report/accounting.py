@@ -13,6 +13,7 @@ from .loading import Case
 BEFORE = "in use before engine start"
 WEIGHTS = "weights"
 PEAK = "profiled activation peak"
+HEADROOM = "activation peak still to come"
 GRAPHS = "CUDA graph pools"
 OTHER = "other non-KV"
 OTHER_WITH_GRAPHS = "other non-KV (incl. CUDA graph pools)"
@@ -20,11 +21,16 @@ KV = "KV committed"
 PADDING = "KV granule padding"
 FREE = "free after warmup"
 UNSPLIT = "KV + other non-KV (KV not measured)"
-SEGMENT_ORDER = (BEFORE, WEIGHTS, PEAK, GRAPHS, OTHER, OTHER_WITH_GRAPHS, UNSPLIT, KV, PADDING, FREE)
+SEGMENT_ORDER = (BEFORE, WEIGHTS, GRAPHS, OTHER, OTHER_WITH_GRAPHS, UNSPLIT, KV, PADDING, FREE)
 
 HOW_TO_READ = [
     f"**{BEFORE}** = total - init_free: the CUDA context and anything else on the GPU before vLLM started.",
-    f"**{WEIGHTS}** = memory.weights, **{PEAK}** = memory.profiled_peak_activation (vLLM's profiling run).",
+    f"**{WEIGHTS}** = memory.weights, **{PEAK}** = memory.profiled_peak_activation (vLLM's profiling run). The "
+    "peak is not resident after warmup: it returns with the next batch as large as the profiling one, served first "
+    "from torch's unused default-pool cache (memory.torch_reusable).",
+    f"**{HEADROOM}** = max(0, profiled activation peak - memory.torch_reusable): what that batch still takes from "
+    "free memory; not measured in runs that lack memory.torch_reusable (the plots then draw the whole peak as its "
+    "upper bound).",
     f"**{GRAPHS}** = memory.cudagraph_memory (what capture_model returned). Runs that did not record it show it "
     f"as not measured, and the bar merges the graph pools into **{OTHER_WITH_GRAPHS}**.",
     f"**{KV}**: extensible runs: extensible.kv.committed_bytes (blocks x bytes per block). Legacy runs: "
@@ -34,11 +40,15 @@ HOW_TO_READ = [
     "**non-KV after warmup** = init_free - free_after_warmup - KV bytes (committed + padding), for both modes. "
     "For extensible runs it is what the sizing measured (extensible.measured.non_kv) when nothing was allocated "
     "after the final commit.",
-    f"**{OTHER}** = non-KV after warmup - weights - profiled activation peak - CUDA graph pools (where measured).",
-    f"**{FREE}** = memory.free_after_warmup. The segments add up to memory.total.",
+    f"**{OTHER}** = non-KV after warmup - weights - CUDA graph pools (where measured): torch's activation cache, "
+    "non-torch memory (CUDA context growth, NCCL, cuBLAS workspaces), persistent buffers.",
+    f"**{FREE}** = memory.free_after_warmup. The stacked segments are what is resident after warmup and add up to "
+    "memory.total.",
     "**profiled non-KV estimate** = requested - available_kv_cache_memory (vLLM's own prediction; its parts are "
     "weights, activation peak, non-torch memory and the CUDA graph estimate). **over budget** = "
-    "(init_free - requested) - free_after_warmup: memory used beyond gpu_memory_utilization (negative: headroom).",
+    "(init_free - requested) - free_after_warmup: memory used beyond gpu_memory_utilization after warmup "
+    f"(negative: unused). **over budget at peak** = over budget + {HEADROOM}: the same when the activation peak "
+    "comes back.",
 ]
 
 
@@ -59,6 +69,7 @@ class MemoryBreakdown:
     requested: int | None
     weights: int | None
     activation_peak: int | None
+    activation_reusable: int | None  # memory.torch_reusable
     graph_pools: int | None
     kv_committed: int | None
     kv_padding: int | None
@@ -88,12 +99,22 @@ class MemoryBreakdown:
 
     @property
     def other_non_kv(self) -> int | None:
-        rest = _sub(_sub(self.non_kv_after_warmup, self.weights), self.activation_peak)
+        rest = _sub(self.non_kv_after_warmup, self.weights)
         return rest if self.graph_pools is None else _sub(rest, self.graph_pools)
+
+    @property
+    def activation_headroom(self) -> int | None:
+        d = _sub(self.activation_peak, self.activation_reusable)
+        return None if d is None else max(0, d)
 
     @property
     def over_budget(self) -> int | None:
         return _sub(_sub(self.init_free, self.requested), self.free_after_warmup)
+
+    @property
+    def over_budget_at_peak(self) -> int | None:
+        h = self.activation_headroom
+        return None if h is None or self.over_budget is None else self.over_budget + h
 
     @property
     def estimate_vs_measured(self) -> int | None:
@@ -108,13 +129,14 @@ class MemoryBreakdown:
         return p.token_ids == self.case.token_ids
 
     def segments(self) -> list[Segment] | None:
-        """The stacked bar, bottom to top; ``None`` when the case lacks total, init_free or free_after_warmup."""
+        """The stacked bar of resident memory after warmup, bottom to top; ``None`` when the case lacks total,
+        init_free or free_after_warmup."""
         if None in (self.total, self.init_free, self.free_after_warmup):
             return None
-        out = [Segment(BEFORE, self.before_engine), Segment(WEIGHTS, self.weights), Segment(PEAK, self.activation_peak)]
+        out = [Segment(BEFORE, self.before_engine), Segment(WEIGHTS, self.weights)]
         if self.kv_committed is None:
             engine = self.init_free - self.free_after_warmup
-            out.append(Segment(UNSPLIT, _sub(_sub(engine, self.weights), self.activation_peak)))
+            out.append(Segment(UNSPLIT, _sub(engine, self.weights)))
         else:
             if self.graph_pools is not None:
                 out.append(Segment(GRAPHS, self.graph_pools))
@@ -183,7 +205,8 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
         out.append(MemoryBreakdown(
             case=case, total=_mem(case, "total"), init_free=_mem(case, "init_free"),
             free_after_warmup=_mem(case, "free_after_warmup"), requested=requested, weights=_mem(case, "weights"),
-            activation_peak=_mem(case, "profiled_peak_activation"), graph_pools=_mem(case, "cudagraph_memory"),
+            activation_peak=_mem(case, "profiled_peak_activation"),
+            activation_reusable=_mem(case, "torch_reusable"), graph_pools=_mem(case, "cudagraph_memory"),
             kv_committed=committed if isinstance(committed, int) else None, kv_padding=padding, kv_source=source,
             bytes_per_block=bpb, blocks=blocks, estimate=_sub(requested, available), estimate_parts=parts,
             non_kv_sizing=measured.get("non_kv") if isinstance(measured.get("non_kv"), int) else None,

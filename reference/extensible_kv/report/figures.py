@@ -23,10 +23,11 @@ DPI = 110
 GIB, MIB = float(1 << 30), float(1 << 20)
 
 SEGMENT_COLORS = {
-    acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.PEAK: "#ff7f0e", acc.GRAPHS: "#9467bd",
+    acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.GRAPHS: "#9467bd",
     acc.OTHER: "#8c564b", acc.OTHER_WITH_GRAPHS: "#c49c94", acc.UNSPLIT: "#bcbd22", acc.KV: "#2ca02c",
     acc.PADDING: "#98df8a", acc.FREE: "#f2f2f2",
 }
+PEAK_COLOR = "#ff7f0e"
 ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
                    "CUDA graph estimate": "#e377c2"}
 
@@ -55,6 +56,18 @@ def _ticks(ax, xs: list[int], breakdowns: list[MemoryBreakdown]) -> None:
                   rotation_mode="anchor" if crowded else "default")
 
 
+def _peak_box(b: MemoryBreakdown) -> tuple[int | None, str]:
+    """The activation memory still to come, drawn hatched above what is resident: the measured headroom, or the whole
+    profiled peak as its upper bound where torch's reusable cache was not recorded."""
+    if b.activation_headroom is not None:
+        return b.activation_headroom, acc.HEADROOM
+    return b.activation_peak, f"{acc.PEAK} (upper bound of what is still to come)"
+
+
+def _draw_peak(ax, x: float, bottom: float, height: float) -> None:
+    ax.bar(x, height, bottom=bottom, width=0.6, facecolor="none", edgecolor=PEAK_COLOR, hatch="///", linewidth=1.0)
+
+
 # -- memory of one (model, runner, backend) group --------------------------------------------------------------------
 def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     """Left: the whole GPU per run (GiB). Middle: the non-KV part magnified (MiB). Right: memory used beyond
@@ -63,6 +76,7 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     left, right, budget = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.1, 1, 0.95]})
     xs = list(range(len(breakdowns)))
     present: list[str] = []
+    peak_labels: list[str] = []
     for x, b in zip(xs, breakdowns):
         segs = b.segments()
         if segs is None:
@@ -72,8 +86,9 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
         bottom = 0.0
         negative = [s.label for s in segs if s.bytes is not None and s.bytes < 0]
         if negative:  # drawn as zero; the tables give the value
-            left.text(x, 1.0, "negative, drawn as 0:\n" + "\n".join(negative), ha="center", va="bottom", fontsize=7,
+            left.text(x, 0.02, "negative, drawn as 0:\n" + "\n".join(negative), ha="center", va="bottom", fontsize=7,
                       color="#d62728", transform=left.get_xaxis_transform())
+        used = 0.0
         for s in segs:
             height = max(s.bytes or 0, 0) / GIB
             left.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[s.label], edgecolor="#555555",
@@ -83,18 +98,26 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
                 left.text(x, bottom + height / 2, f"{short}\n{s.bytes / GIB:.2f} GiB", ha="center", va="center",
                           fontsize=7.5)
             bottom += height
+            if s.label != acc.FREE:
+                used = bottom
             if s.label not in present:
                 present.append(s.label)
+        peak, label = _peak_box(b)
+        if peak:
+            _draw_peak(left, x, used, peak / GIB)
+            if label not in peak_labels:
+                peak_labels.append(label)
         if b.requested is not None:
             left.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1.2)
     _ticks(left, xs, breakdowns)
     left.set_ylabel("GPU memory (GiB)")
-    left.set_title("whole GPU after warmup; dashed: requested (utilization x total)", fontsize=9)
+    left.set_title("whole GPU after warmup; hatched: activation peak to come;\ndashed: requested (utilization x total)",
+                   fontsize=9)
     pad = max(3 - len(xs), 0) / 2
     left.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
 
-    non_kv = [acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS]
-    drawn = 0
+    non_kv = [acc.WEIGHTS, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS]
+    drawn, highest = 0, 0.0
     for x, b in zip(xs, breakdowns):
         segs = {s.label: s.bytes for s in (b.segments() or [])}
         if not any(k in segs for k in (acc.OTHER, acc.OTHER_WITH_GRAPHS)):
@@ -110,38 +133,54 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
             right.bar(x, height, bottom=bottom, width=0.6, color=SEGMENT_COLORS[label], edgecolor="#555555",
                       linewidth=0.5)
             bottom += height
-        top = max(bottom, b.estimate / MIB if b.estimate is not None else 0.0)
-        right.text(x, top, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+        right.text(x, bottom / 2, f"resident\n{bottom:.1f}", ha="center", va="center", fontsize=7.5, color="white")
+        peak, _ = _peak_box(b)
+        top = bottom
+        if peak:
+            _draw_peak(right, x, bottom, peak / MIB)
+            top += peak / MIB
+            right.text(x, top, f"+{peak / MIB:.1f}", ha="center", va="bottom", fontsize=7.5)
         if b.estimate is not None:
             right.hlines(b.estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted", linewidth=1.5)
+        highest = max(highest, top, b.estimate / MIB if b.estimate is not None else 0.0)
     _ticks(right, xs, breakdowns)
-    right.set_ylabel("non-KV memory after warmup (MiB)")
-    right.set_title("non-KV part magnified; dotted: vLLM's profiled estimate", fontsize=9)
+    right.set_ylabel("non-KV memory (MiB)")
+    right.set_title("non-KV part magnified: resident after warmup, hatched:\nactivation peak to come; dotted: vLLM's "
+                    "profiled estimate", fontsize=9)
     right.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
-    right.margins(y=0.12)
-    if not drawn:
+    if drawn:
+        right.set_ylim(0, highest * 1.1)
+    else:
         right.set_yticks([])
 
     for x, b in zip(xs, breakdowns):
-        over = b.over_budget
+        over, at_peak = b.over_budget, b.over_budget_at_peak
         if over is None:
             budget.text(x, 0.5, "not measured", rotation=90, ha="center", va="center", fontsize=8,
                         transform=budget.get_xaxis_transform())
             continue
-        budget.bar(x, over / MIB, width=0.6, color="#d62728" if over > 0 else "#2ca02c")
-        budget.text(x, over / MIB, f"{over / MIB:+.1f}", ha="center", va="bottom" if over >= 0 else "top",
-                    fontsize=8)
+        for dx, value, hatch in ((-0.15, over, None), (0.15, at_peak, "///")):
+            if value is None:
+                budget.text(x + dx, 0.02, "at peak:\nnot measured" if hatch else "", ha="center", va="bottom",
+                            fontsize=7, transform=budget.get_xaxis_transform())
+                continue
+            budget.bar(x + dx, value / MIB, width=0.28, color="#d62728" if value > 0 else "#2ca02c", hatch=hatch,
+                       edgecolor="white" if hatch else None)
+            budget.text(x + dx, value / MIB, f"{value / MIB:+.1f}", ha="center",
+                        va="bottom" if value >= 0 else "top", fontsize=7.5)
     budget.axhline(0, color="black", linewidth=0.8)
-    values = [b.over_budget / MIB for b in breakdowns if b.over_budget is not None] + [0.0]
+    values = [v / MIB for b in breakdowns for v in (b.over_budget, b.over_budget_at_peak) if v is not None] + [0.0]
     span = max(max(values) - min(values), 1.0)
     budget.set_ylim(min(values) - 0.2 * span, max(values) + 0.2 * span)
     _ticks(budget, xs, breakdowns)
     budget.set_xlim(-0.6 - pad, len(xs) - 0.4 + pad)
     budget.set_ylabel("used beyond the requested budget (MiB)")
-    budget.set_title("(init_free - requested) - free after warmup\n> 0: over gpu_memory_utilization", fontsize=9)
+    budget.set_title("beyond gpu_memory_utilization (> 0: over): solid after\nwarmup, hatched with the activation peak "
+                     "to come", fontsize=9)
 
     handles = [Patch(facecolor=SEGMENT_COLORS[k], edgecolor="#555555", label=k) for k in acc.SEGMENT_ORDER
                if k in present]
+    handles += [Patch(facecolor="none", edgecolor=PEAK_COLOR, hatch="///", label=k) for k in peak_labels]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.08))
     fig.suptitle(f"GPU memory, legacy vs extensible KV cache: {title}", fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -171,7 +210,7 @@ def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
         segs = {s.label: s.bytes for s in (b.segments() or [])}
         if b.non_kv_after_warmup is not None:
             left = 0.0
-            for label in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS):
+            for label in (acc.WEIGHTS, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS):
                 if label in segs:
                     v = (segs[label] or 0) / MIB
                     ax.barh(y - h / 2, v, left=left, height=h, color=SEGMENT_COLORS[label], edgecolor="white",
@@ -183,13 +222,13 @@ def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
             ax.text(0, y - h / 2, " measured: not measured (KV bytes unknown)", va="center", fontsize=7.5)
     ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [b.case.label for b in rows], fontsize=8)
     ax.set_xlabel("non-KV memory (MiB)")
-    ax.set_title("vLLM's profiled non-KV estimate (upper bar of each case, hatched) vs non-KV measured after "
+    ax.set_title("vLLM's profiled non-KV estimate (upper bar of each case, hatched) vs non-KV resident after "
                  "warmup (lower bar, solid)", fontsize=10)
     ax.margins(x=0.12)
     handles = [Patch(facecolor=c, hatch="//", edgecolor="white", label=f"estimate: {k}")
                for k, c in ESTIMATE_COLORS.items()]
     handles += [Patch(facecolor=SEGMENT_COLORS[k], label=f"measured: {k}")
-                for k in (acc.WEIGHTS, acc.PEAK, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS)
+                for k in (acc.WEIGHTS, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS)
                 if any(k in {s.label for s in (b.segments() or [])} for b in rows)]
     ax.legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory``).
+# Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory`` and
+# ``torch_reusable``).
 MEMORY_KEYS = ("total", "free_after_warmup", "init_free", "requested", "weights", "profiled_peak_activation",
                "profiled_non_torch", "cudagraph_estimate", "available_kv_cache_memory", "torch_reserved",
-               "num_gpu_blocks", "cudagraph_memory")
+               "torch_reusable", "num_gpu_blocks", "cudagraph_memory")
 
 
 @dataclass(frozen=True)

@@ -289,14 +289,16 @@ def integration_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: 
                "KV committed (GiB)", "final commit (ms)", "non-KV after warmup (MiB)", "tokens = legacy",
                "cached tokens"], rows)))
     mem = Section("Memory breakdown", level=3)
-    mem.add(Table(["case file", "total", acc.BEFORE, acc.WEIGHTS, acc.PEAK, acc.GRAPHS, "other non-KV", acc.KV,
-                   acc.PADDING, acc.FREE, "requested", "over budget"],
+    mem.add(Table(["case file", "total", acc.BEFORE, acc.WEIGHTS, acc.GRAPHS, "other non-KV", acc.KV,
+                   acc.PADDING, acc.FREE, "requested", "over budget", acc.PEAK, acc.HEADROOM, "over budget at peak"],
                   [[b.case.path, fmt.mib(b.total), fmt.mib(b.before_engine), fmt.mib(b.weights),
-                    fmt.mib(b.activation_peak), fmt.mib(b.graph_pools), fmt.mib(b.other_non_kv),
+                    fmt.mib(b.graph_pools), fmt.mib(b.other_non_kv),
                     fmt.mib(b.kv_committed), "-" if b.case.mode == "legacy" else fmt.mib(b.kv_padding),
-                    fmt.mib(b.free_after_warmup), fmt.mib(b.requested), fmt.signed_mib(b.over_budget)]
+                    fmt.mib(b.free_after_warmup), fmt.mib(b.requested), fmt.signed_mib(b.over_budget),
+                    fmt.mib(b.activation_peak), fmt.mib(b.activation_headroom), fmt.signed_mib(b.over_budget_at_peak)]
                    for b in breakdowns]))
-    mem.add(Paragraph("All columns in MiB. " + (
+    mem.add(Paragraph("All columns in MiB. The columns from total to free are resident after warmup; the "
+                      "activation peak columns say what the next batch as large as the profiling one adds. " + (
         "CUDA graph pools are not measured in this run (no memory.cudagraph_memory): other non-KV includes them."
         if all(b.graph_pools is None for b in breakdowns) else
         "Where CUDA graph pools are not measured, other non-KV includes them.")))
@@ -489,6 +491,8 @@ def _case_summary(b: acc.MemoryBreakdown) -> dict:
         "non_kv_after_warmup": b.non_kv_after_warmup, "non_kv_sizing": b.non_kv_sizing,
         "non_kv_estimate": b.estimate, "non_kv_estimate_parts": b.estimate_parts,
         "measured_minus_estimate": b.estimate_vs_measured, "over_budget": b.over_budget,
+        "activation_reusable": b.activation_reusable, "activation_headroom": b.activation_headroom,
+        "over_budget_at_peak": b.over_budget_at_peak,
         "tokens_match_legacy": b.tokens_match_legacy if c.mode != "legacy" else None,
         "num_cached_tokens": c.num_cached_tokens,
         "legacy_partner": b.legacy_partner.path if b.legacy_partner else None,
