@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -41,12 +42,18 @@ def _gpu_extra(driver: str | None) -> str:
     return ""
 
 
+def _python(session: nox.Session) -> str:
+    """The session's interpreter; with --no-venv, the one running nox (a bare "python" may be absent from PATH or a
+    different interpreter than the one the packages are importable from)."""
+    return "python" if session.venv_backend != "none" else sys.executable
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     """Run pytest; a run that collected no tests (exit 5) is an error with its own message, never a pass."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
                                                          os.environ.get("PYTHONPATH")]))}
     try:
-        session.run("python", "-m", "pytest", *args, env=env)
+        session.run(_python(session), "-m", "pytest", *args, env=env)
     except CommandFailed as exc:
         if getattr(exc, "return_code", None) == PYTEST_NO_TESTS:
             session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
@@ -74,7 +81,7 @@ def conformance(session: nox.Session) -> None:
     if session.venv_backend != "none":
         session.install("-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
     if driver is None:
-        driver = session.run("python", "-c", "from extensible_kv.drivers import best_available as b; print(b())",
+        driver = session.run(_python(session), "-c", "from extensible_kv.drivers import best_available as b; print(b())",
                              silent=True, env={"PYTHONPATH": str(ROOT / "reference")}).strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
@@ -96,7 +103,7 @@ def bench(session: nox.Session) -> None:
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     out = "reports/out/bench.json"
     _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)
-    session.run("python", "-m", "bench.summary", out, env={"PYTHONPATH": os.pathsep.join([str(ROOT),
+    session.run(_python(session), "-m", "bench.summary", out, env={"PYTHONPATH": os.pathsep.join([str(ROOT),
                                                                                         str(ROOT / "reference")])})
 
 
@@ -119,5 +126,5 @@ def report(session: nox.Session) -> None:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
                                                          os.environ.get("PYTHONPATH")]))}
     for run in runs:
-        session.run("python", "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs,
+        session.run(_python(session), "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs,
                     env=env)

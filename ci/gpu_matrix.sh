@@ -4,7 +4,7 @@
 #
 #   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
 #
-# STAGE: conformance | bench | layouts | integration. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
+# STAGE: conformance | memcheck | bench | layouts | integration. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
 # ROCm). Logs, JSON and a junit XML per stage land in OUTDIR; the
 # integration stage also packs its per-case JSON and logs into OUTDIR/integration.tgz.
 set -uo pipefail
@@ -28,6 +28,18 @@ case $stage in
   conformance)
     python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit --driver "$driver" \
       "--summary-json=$out/conformance-$driver.json" --commit-probe-bytes=34359738368 "${common[@]}" "$@" ;;
+  memcheck)
+    # The conformance rules under compute-sanitizer memcheck (fewer Hypothesis examples; the OOM rule, which commits
+    # the whole GPU, is left out). Note [accessible() probes unmapped addresses] in drivers/cuda.py: API errors are
+    # deliberate there, so only memory errors count.
+    sanitizer=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --print-limit 10000 \
+      --error-exitcode 99 python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit \
+      --driver "$driver" --hypothesis-profile=meta -k "not past_the_device_memory" "${common[@]}" "$@" \
+      > "$out/memcheck-$driver.txt" 2>&1
+    rc=$?
+    grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck-$driver.txt" | tail -n 3
+    exit $rc ;;
   bench)
     python3 -m pytest bench --bench-driver "$driver" --benchmark-enable "--benchmark-json=$out/bench-$driver.json" \
       "${common[@]}" "$@" ;;
