@@ -235,6 +235,9 @@ def test_memory_segments_follow_the_documented_formulas(full):
     row = md_row(md, "case file", EXT, needs="over budget at peak")
     assert row["over budget at peak"] == f"{e['over_budget_at_peak'] / MIB:+,.2f}", row
     assert row["activation peak still to come"] == f"{headroom / MIB:,.2f}", row
+    glance = ("Memory beyond gpu_memory_utilization with the activation peak to come, extensible and entry-point "
+              f"runs: {e['over_budget_at_peak'] / MIB:+,.2f} MiB (1 of 2 run(s) recorded it).")
+    assert glance in md, f"at a glance: expected {glance!r}"
 
 
 def test_kv_blocks_pair_legacy_and_extensible_across_subfolders(full):

@@ -119,7 +119,8 @@ def metrics(s: dict) -> list[Metric]:
                 Metric(g, "non-KV after warmup", "MiB", _scaled(case["non_kv_after_warmup"], 1 / fmt.MIB)),
                 Metric(g, "vLLM non-KV estimate", "MiB", _scaled(case["non_kv_estimate"], 1 / fmt.MIB)),
                 Metric(g, "free after warmup", "MiB", _scaled(case["free_after_warmup"], 1 / fmt.MIB)),
-                Metric(g, "over budget", "MiB", _scaled(case["over_budget"], 1 / fmt.MIB))]
+                Metric(g, "over budget", "MiB", _scaled(case["over_budget"], 1 / fmt.MIB)),
+                Metric(g, "over budget at peak", "MiB", _scaled(case.get("over_budget_at_peak"), 1 / fmt.MIB))]
     return out
 
 

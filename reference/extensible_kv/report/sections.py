@@ -94,12 +94,16 @@ def glance_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: list[
             items.append(f"KV committed, extensible - legacy: {fmt.signed_mib(min(deltas))} to "
                          f"{fmt.signed_mib(max(deltas))} MiB over {len(deltas)} pair(s).")
         for mode, label in (("legacy", "legacy runs"), ("other", "extensible and entry-point runs")):
-            over = [b.over_budget for b in breakdowns if (b.case.mode == "legacy") == (mode == "legacy")
-                    and b.over_budget is not None]
-            if over:
-                span = fmt.signed_mib(min(over)) + ("" if min(over) == max(over) else
-                                                    f" to {fmt.signed_mib(max(over))}")
-                items.append(f"Memory beyond gpu_memory_utilization after warmup, {label}: {span} MiB.")
+            runs = [b for b in breakdowns if (b.case.mode == "legacy") == (mode == "legacy")]
+            for when, values in (("after warmup", [b.over_budget for b in runs]),
+                                 ("with the activation peak to come", [b.over_budget_at_peak for b in runs])):
+                over = [v for v in values if v is not None]
+                if over:
+                    span = fmt.signed_mib(min(over)) + ("" if min(over) == max(over) else
+                                                        f" to {fmt.signed_mib(max(over))}")
+                    items.append(f"Memory beyond gpu_memory_utilization {when}, {label}: {span} MiB"
+                                 + (f" ({len(over)} of {len(runs)} run(s) recorded it)." if len(over) < len(runs)
+                                    else "."))
     else:
         items.append(f"vLLM integration: {NM}.")
     if run.backend_checks:
