@@ -161,3 +161,33 @@ def test_margin_from_environment_must_be_a_non_negative_integer(monkeypatch):
         patches._margin()
     monkeypatch.setenv(patches.MARGIN_ENV, "1024")
     assert patches._margin() == 1024
+
+
+def test_measure_reads_free_memory_the_kv_mapping_and_the_default_pool_cache(monkeypatch):
+    # The worker-side wiring of the sizing: every MemoryState field comes from the named source, on this device.
+    kv = worker_kv.start(Ledger(HostDriver(granularity=4096)))
+    kv.segments = [1, 2]
+    config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[
+        SimpleNamespace(size=100 * 8192, shared_by=["layer0"]), SimpleNamespace(size=100 * 16384, shared_by=["layer1"])])
+    kv.allocate(config)
+    kv.ensure_blocks(3, reason="warmup")
+    mib = 1 << 20
+    segments = [{"device": 1, "segment_pool_id": (0, 0), "total_size": 40 * mib, "active_size": 10 * mib},
+                {"device": 1, "segment_pool_id": (7, 0), "total_size": 200 * mib, "active_size": 0},
+                {"device": 0, "segment_pool_id": (0, 0), "total_size": 90 * mib, "active_size": 0}]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (5 * GIB, 8 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    worker = SimpleNamespace(init_snapshot=SimpleNamespace(free_memory=7 * GIB), requested_memory=6 * GIB,
+                             model_runner=SimpleNamespace(model_memory_usage=1 * GIB), peak_activation_memory=512 * mib)
+    try:
+        s = kv.measure(worker, margin=mib)
+        stats = kv.buffers.stats()
+        got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.torch_reusable_now,
+               s.bytes_per_block, s.rounding_bound, s.capacity_blocks, s.committed_blocks, s.margin)
+        expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 30 * mib, 8192 + 16384,
+                    (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
+        assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
+    finally:
+        kv.buffers.close()
