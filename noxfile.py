@@ -42,18 +42,20 @@ def _gpu_extra(driver: str | None) -> str:
     return ""
 
 
-def _python(session: nox.Session) -> str:
-    """The session's interpreter; with --no-venv, the one running nox (a bare "python" may be absent from PATH or a
-    different interpreter than the one the packages are importable from)."""
-    return "python" if session.venv_backend != "none" else sys.executable
+def _run_python(session: nox.Session, *args: str, **kwargs):
+    """Run the session's interpreter with the project (and anything already on PYTHONPATH) importable. With
+    --no-venv that is the interpreter running nox: a bare "python" may be absent from PATH, or a different interpreter
+    than the one the packages are importable from."""
+    python = "python" if session.venv_backend != "none" else sys.executable
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
+                                                         os.environ.get("PYTHONPATH")]))}
+    return session.run(python, *args, env=env, **kwargs)
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
     """Run pytest; a run that collected no tests (exit 5) is an error with its own message, never a pass."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
-                                                         os.environ.get("PYTHONPATH")]))}
     try:
-        session.run(_python(session), "-m", "pytest", *args, env=env)
+        _run_python(session, "-m", "pytest", *args)
     except CommandFailed as exc:
         if getattr(exc, "return_code", None) == PYTEST_NO_TESTS:
             session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
@@ -81,8 +83,8 @@ def conformance(session: nox.Session) -> None:
     if session.venv_backend != "none":
         session.install("-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
     if driver is None:
-        driver = session.run(_python(session), "-c", "from extensible_kv.drivers import best_available as b; print(b())",
-                             silent=True, env={"PYTHONPATH": str(ROOT / "reference")}).strip()
+        driver = _run_python(session, "-c", "from extensible_kv.drivers import best_available as b; print(b())",
+                             silent=True).strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
             "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", *args)
@@ -103,8 +105,7 @@ def bench(session: nox.Session) -> None:
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     out = "reports/out/bench.json"
     _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)
-    session.run(_python(session), "-m", "bench.summary", out, env={"PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                                                        str(ROOT / "reference")])})
+    _run_python(session, "-m", "bench.summary", out)
 
 
 @nox.session(tags=["cuda", "rocm"])
@@ -123,8 +124,5 @@ def report(session: nox.Session) -> None:
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     if not runs:
         session.error("no run folders under reports/runs/")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
-                                                         os.environ.get("PYTHONPATH")]))}
     for run in runs:
-        session.run(_python(session), "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs,
-                    env=env)
+        _run_python(session, "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs)

@@ -24,19 +24,19 @@ export PYTHONPATH="$(dirname "$ep"):$PYTHONPATH"
 
 driver=${EXTENSIBLE_KV_DRIVER:-cuda}
 common=(-p no:cacheprovider -q "--junitxml=$out/junit-$stage.xml")
+rules=(conformance --ignore conformance/meta --ignore conformance/unit --driver "$driver")  # the conformance rules
 case $stage in
   conformance)
-    python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit --driver "$driver" \
-      "--summary-json=$out/conformance-$driver.json" --commit-probe-bytes=34359738368 "${common[@]}" "$@" ;;
+    python3 -m pytest "${rules[@]}" "--summary-json=$out/conformance-$driver.json" --commit-probe-bytes=34359738368 \
+      "${common[@]}" "$@" ;;
   memcheck)
     # The conformance rules under compute-sanitizer memcheck (fewer Hypothesis examples; the OOM rule, which commits
     # the whole GPU, is left out). Note [accessible() probes unmapped addresses] in drivers/cuda.py: API errors are
     # deliberate there, so only memory errors count.
     sanitizer=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --print-limit 10000 \
-      --error-exitcode 99 python3 -m pytest conformance --ignore conformance/meta --ignore conformance/unit \
-      --driver "$driver" --hypothesis-profile=meta -k "not past_the_device_memory" "${common[@]}" "$@" \
-      > "$out/memcheck-$driver.txt" 2>&1
+      --error-exitcode 99 python3 -m pytest "${rules[@]}" --hypothesis-profile=meta -k "not past_the_device_memory" \
+      "${common[@]}" "$@" > "$out/memcheck-$driver.txt" 2>&1
     rc=$?
     grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck-$driver.txt" | tail -n 3
     exit $rc ;;

@@ -107,7 +107,7 @@ def memory_figures(worker) -> dict:
     """vLLM's own profiling figures and a post-warmup measurement, for legacy and extensible runs alike."""
     import torch
 
-    from extensible_kv.vllm.sizing import reusable_cache
+    from extensible_kv.vllm.worker_kv import torch_reusable_now
 
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
@@ -120,7 +120,7 @@ def memory_figures(worker) -> dict:
         "cudagraph_estimate": int(getattr(worker, "cudagraph_memory_estimate", 0)),
         "available_kv_cache_memory": int(getattr(worker, "available_kv_cache_memory_bytes", 0)),
         "torch_reserved": int(torch.cuda.memory_reserved()),
-        "torch_reusable": reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device()),
+        "torch_reusable": torch_reusable_now(),
         "num_gpu_blocks": int(worker.cache_config.num_gpu_blocks),
         "cudagraph_memory": _GRAPH_MEMORY[-1] if _GRAPH_MEMORY else None,
         "runner": "v2" if type(worker.model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1",

@@ -9,19 +9,17 @@ from integration.test_greedy_parity import BUDGET_TOLERANCE, check_memory_budget
 
 MIB = 1 << 20
 BLOCK = 2 * MIB
+INIT_FREE, REQUESTED = 140 << 30, 126 << 30
+UNREQUESTED = INIT_FREE - REQUESTED  # what must stay free
 
 
 def _memory(blocks: int, free_after_warmup: int, peak: int = 1800 * MIB, reusable: int = 100 * MIB) -> dict:
-    # 140 GiB free at start, 126 GiB requested: 14 GiB must stay free.
-    return {"init_free": 140 << 30, "requested": 126 << 30, "free_after_warmup": free_after_warmup,
+    return {"init_free": INIT_FREE, "requested": REQUESTED, "free_after_warmup": free_after_warmup,
             "profiled_peak_activation": peak, "torch_reusable": reusable, "num_gpu_blocks": blocks}
 
 
 def _extensible(memory: dict) -> dict:
     return {"memory": memory, "extensible": {"measured": {"bytes_per_block": BLOCK, "rounding_bound": 64 * MIB}}}
-
-
-UNREQUESTED = 14 << 30
 
 
 def test_over_budget_counts_the_activation_peak_still_to_come():

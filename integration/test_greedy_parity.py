@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from extensible_kv.vllm.sizing import activation_to_come
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("EXTENSIBLE_KV_REPORT_DIR", ROOT / "reports" / "out" / "integration"))
 
@@ -87,8 +89,8 @@ def over_budget(memory: dict) -> int:
     plus the profiled activation peak less the cache torch can serve it from (Note [Graph pools are not activation
     cache] in ``extensible_kv.vllm.sizing``). Negative: that much stays unused."""
     unrequested = memory["init_free"] - memory["requested"]  # memory this instance must leave free
-    headroom = max(0, memory["profiled_peak_activation"] - memory["torch_reusable"])
-    return unrequested - memory["free_after_warmup"] + headroom
+    to_come = activation_to_come(memory["profiled_peak_activation"], memory["torch_reusable"])
+    return unrequested - memory["free_after_warmup"] + to_come
 
 
 def check_memory_budget(name: str, legacy: dict, ext: dict) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..vllm.sizing import activation_to_come
 from .loading import Case
 
 BEFORE = "in use before engine start"
@@ -104,8 +105,9 @@ class MemoryBreakdown:
 
     @property
     def activation_headroom(self) -> int | None:
-        d = _sub(self.activation_peak, self.activation_reusable)
-        return None if d is None else max(0, d)
+        if self.activation_peak is None or self.activation_reusable is None:
+            return None
+        return activation_to_come(self.activation_peak, self.activation_reusable)
 
     @property
     def over_budget(self) -> int | None:

@@ -38,6 +38,12 @@ def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
                if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL)
 
 
+def activation_to_come(profiled_peak: int, reusable: int) -> int:
+    """Bytes the next batch as large as the profiling one takes beyond torch's reusable cache (Note [Graph pools
+    are not activation cache])."""
+    return max(0, profiled_peak - reusable)
+
+
 @dataclass(frozen=True)
 class MemoryState:
     """What a worker measured; every field in bytes (blocks where named)."""
@@ -61,7 +67,7 @@ class MemoryState:
 
     @property
     def torch_growth(self) -> int:
-        return max(0, self.profiled_peak - self.torch_reusable_now)
+        return activation_to_come(self.profiled_peak, self.torch_reusable_now)
 
     @property
     def budget(self) -> int:

@@ -135,7 +135,7 @@ class WorkerKV:
             kv_backed=stats.backed_bytes,
             weights=int(worker.model_runner.model_memory_usage),
             profiled_peak=int(getattr(worker, "peak_activation_memory", 0)),
-            torch_reusable_now=reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device()),
+            torch_reusable_now=torch_reusable_now(),
             bytes_per_block=sum(b.page_size_bytes for b in stats.buffers),
             rounding_bound=sum(b.num_segments * g for b in stats.buffers),
             capacity_blocks=stats.max_num_blocks,
@@ -174,6 +174,11 @@ _ACTIVE: WorkerKV | None = None
 def active() -> WorkerKV | None:
     """This process's WorkerKV, once a model runner built one."""
     return _ACTIVE
+
+
+def torch_reusable_now() -> int:
+    """Bytes of torch's default pool on the current device held unused now (``sizing.reusable_cache``)."""
+    return reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device())
 
 
 def start(driver: object) -> WorkerKV:
