@@ -62,8 +62,9 @@ def _pytest(session: nox.Session, *args: str) -> None:
         raise
 
 
-# `tests` uses pip (virtualenv): pip honours the machine's own configuration (local wheel folders, constraints),
-# which is where a CPU build of torch comes from on GPU-less machines; uv does not read it.
+# `tests` uses pip (virtualenv): pip honours the machine's own configuration and PIP_* variables (local wheel folders,
+# extra indexes, constraints), which is how a CPU build of torch is chosen on GPU-less machines (README, "Set up and
+# run"); uv reads none of it.
 @nox.session(venv_backend="virtualenv", tags=["cpu"])
 def tests(session: nox.Session) -> None:
     """Unit, meta and conformance tests and the benchmark smoke run on the host driver (no GPU needed)."""
@@ -71,7 +72,7 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", *session.posargs)
 
 
-# On a machine without a GPU the main job runs the host driver: pip then takes the machine's CPU build of torch.
+# On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
 GPU_MACHINE = bool(shutil.which("nvidia-smi") or shutil.which("rocminfo") or shutil.which("amd-smi"))
 
 
