@@ -101,12 +101,11 @@ def layouts(session: nox.Session) -> None:
 
 @nox.session(tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
-    """Commit-path benchmarks on the best available driver; JSON in reports/out/, then the summary table."""
+    """Commit-path benchmarks on the best available driver; JSON in reports/out/, the summary table at the end."""
     _install(session, "-e", f".{_gpu_extra(None)}", *TEST_DEPS)
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     out = "reports/out/bench.json"
     _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)
-    _run_python(session, "-m", "bench.summary", out)
 
 
 @nox.session(tags=["cuda", "rocm"])

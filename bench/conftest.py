@@ -15,7 +15,7 @@ Options:
   H200 runs saw 15 ms vs 95-190 ms for the same KV growth), so "fresh" rounds wait and ``after_release`` rounds do not.
 
 Sizes are always multiples of ``driver.granularity()``. Every benchmark records what it measured in
-``benchmark.extra_info`` under a stable ``key`` that ``bench/summary.py`` reads; at the end of a run with benchmarks
+``benchmark.extra_info`` under a stable ``key`` that ``extensible_kv.report.benchmarks`` reads; at the end of a run with benchmarks
 enabled the summary table is printed.
 """
 
@@ -264,7 +264,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     benchmarks = getattr(session, "benchmarks", None) if session is not None else None
     if not benchmarks:
         return
-    from .summary import format_table, summarize_data  # noqa: PLC0415
+    from extensible_kv.report.benchmarks import format_table, summarize_data  # noqa: PLC0415
 
     try:
         data = {"benchmarks": [b.as_dict(include_data=False) for b in benchmarks if not b.has_error]}

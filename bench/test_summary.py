@@ -1,4 +1,4 @@
-"""Tests of ``bench/summary.py`` on a small hand-made pytest-benchmark JSON (no benchmark runs here).
+"""Tests of ``extensible_kv.report.benchmarks`` on a small hand-made pytest-benchmark JSON (no benchmark runs here).
 
 The fixture's times are powers of two, so every ratio the summary computes has an exact expected value; each
 assertion names a number that a wrong formula (an inverted ratio, a stats median where the subprocess median
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bench import summary as S
+from extensible_kv.report import benchmarks as S
 
 GIB = 1 << 30
 B = 32 * GIB  # 2**35
@@ -169,9 +169,24 @@ def test_empty_run_gives_no_figures():
     assert "target" in S.format_table(s)
 
 
-def test_main_prints_the_table_and_json(fixture_path, capsys):
-    assert S.main([str(fixture_path)]) == 0
+def test_bench_summary_command_prints_the_table_and_json(fixture_path, capsys):
+    from extensible_kv.__main__ import main  # noqa: PLC0415
+
+    assert main(["bench-summary", str(fixture_path)]) == 0
     out = capsys.readouterr().out
     assert "commit speedup vs per-granule" in out and "256" in out and "NO" in out
-    assert S.main([str(fixture_path), "--json"]) == 0
+    assert main(["bench-summary", str(fixture_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(S.summarize(fixture_path)))
+
+
+@pytest.mark.parametrize("content", [None, "{not json"], ids=["missing", "not-json"])
+def test_bench_summary_command_names_an_unreadable_file(tmp_path, capsys, content):
+    from extensible_kv.__main__ import main  # noqa: PLC0415
+
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench-summary", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot read benchmark JSON {str(path)!r}" in captured.err, captured.err
+    assert captured.out == ""

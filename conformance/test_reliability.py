@@ -11,7 +11,6 @@ import weakref
 import pytest
 import torch
 
-from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import CommitError, DriverError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 

@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
@@ -422,18 +421,14 @@ def test_rerendering_removes_stale_pngs(tmp_path):
 
 
 # -- plumbing ------------------------------------------------------------------------------------------------------
-def test_bench_summary_is_reused_and_raw_reading_is_the_fallback(monkeypatch):
-    from bench import summary as bench_summary
+def test_report_takes_the_benchmark_figures_of_the_bench_summary():
+    from extensible_kv.report import benchmarks
 
-    run = loading.load_run(FULL)
-    assert run.bench[0].summarized_by == "bench.summary"
-    assert run.bench[0].summary == bench_summary.summarize(FULL / "bench-cuda.json")
-    monkeypatch.setitem(sys.modules, "bench.summary", None)  # import fails: the reduced raw reading takes over
-    raw = loading.load_run(FULL).bench[0]
-    assert raw.summarized_by.startswith("raw JSON")
+    bench = loading.load_run(FULL).bench[0]
+    assert bench.summary == benchmarks.summarize(FULL / "bench-cuda.json")
     ext = bench_entry("commit/extensible")
-    assert raw.summary["commit"]["paths"]["extensible"]["seconds"] == ext["stats"]["median"]
-    assert raw.summary["targets"] == []
+    assert bench.seconds_of("commit/extensible") == ext["stats"]["median"]
+    assert bench.summary["targets"], "the report lost the targets"
 
 
 def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():

@@ -1,4 +1,4 @@
-"""Command line: ``python -m extensible_kv drivers`` and ``python -m extensible_kv validate-backend ...``."""
+"""Command line: ``python -m extensible_kv drivers | validate-backend | report | bench-summary``."""
 
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
     vb.set_defaults(run=_validate_backend)
     from .report import register as register_report  # noqa: PLC0415 - matplotlib loads only when it draws
+    from .report.benchmarks import register as register_bench_summary  # noqa: PLC0415
 
     register_report(sub)
+    register_bench_summary(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -5,12 +5,12 @@
 
 writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into
 ``reports/<run-name>/`` (``reports/<run-name>-vs-<baseline-name>/`` when comparing), relative to the current
-folder. Numbers come only from the run's files; what a run lacks reads "not measured". Run it from the repository
-root so that ``bench.summary`` is importable (it computes the benchmark figures).
+folder. Numbers come only from the run's files; what a run lacks reads "not measured".
 
-Modules: ``loading`` (run folder -> dataclasses), ``accounting`` (memory of the vLLM cases), ``matrix``
-(conformance driver x rule), ``figures`` (matplotlib PNGs), ``document`` and ``rendering`` (Markdown, HTML,
-summary.json), ``sections`` (one run's report), ``comparison`` (two runs with deltas).
+Modules: ``loading`` (run folder -> dataclasses), ``benchmarks`` (benchmark figures, ratios and targets),
+``accounting`` (memory of the vLLM cases), ``matrix`` (conformance driver x rule), ``figures`` (matplotlib PNGs),
+``document`` and ``rendering`` (Markdown, HTML, summary.json), ``sections`` (one run's report), ``comparison`` (two
+runs with deltas).
 """
 
 from __future__ import annotations

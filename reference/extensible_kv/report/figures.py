@@ -1,7 +1,7 @@
 """The report's plots as PNG bytes (matplotlib, Agg canvas, no pyplot state). Every axis names its unit.
 
 Sizes are binary (GiB = 2**30 bytes, MiB = 2**20 bytes); rates are decimal (GB/s = 1e9 bytes per second), as in
-``bench.summary``.
+``benchmarks``.
 """
 
 from __future__ import annotations

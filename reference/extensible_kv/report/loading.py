@@ -3,7 +3,7 @@
 A run folder (``reports/runs/<run-name>/``) holds what the GPU stages wrote:
 
 - ``conformance-*.json``: the conformance summary (``conformance/conftest.py``, ``--summary-json``);
-- ``bench-*.json``: pytest-benchmark JSON of ``bench/``, summarised by ``bench.summary`` when it is importable;
+- ``bench-*.json``: pytest-benchmark JSON of ``bench/``, summarised by ``benchmarks``;
 - ``integration/**/*.json``: one vLLM case each (``integration/run_case.py``);
 - ``validate-backend*.txt``: the output of ``python -m extensible_kv validate-backend``;
 - ``README.md`` (versions the JSON does not record) and, in later runs, ``environment.json``.
@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .benchmarks import entries, summarize_data
 
 # Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory`` and
 # ``torch_reusable``).
@@ -71,14 +73,13 @@ class Conformance:
 
 @dataclass(frozen=True)
 class Bench:
-    """One ``bench-*.json`` file: ``summary`` is ``bench.summary.summarize``'s dict (or the reduced raw reading when
-    ``bench`` is not importable), ``raw`` the entries by ``extra_info['key']``."""
+    """One ``bench-*.json`` file: ``summary`` is ``benchmarks.summarize_data``'s dict, ``raw`` the entries by
+    ``extra_info['key']`` (``benchmarks.entries``)."""
 
     source: str
     summary: dict
     raw: dict[str, dict]
     datetime: str | None
-    summarized_by: str  # "bench.summary" or "raw JSON (bench.summary not importable)"
     machine_info: dict = field(default_factory=dict)
 
     def bytes_of(self, key: str) -> int | None:
@@ -227,74 +228,10 @@ def _conformance(path: Path) -> Conformance:
                        drivers=drivers, tests=tests)
 
 
-def _bench_entries(data: dict) -> dict[str, dict]:
-    """Benchmarks by ``extra_info['key']`` with the same figure ``bench.summary`` takes as their time."""
-    out: dict[str, dict] = {}
-    for b in data.get("benchmarks", []):
-        extra = b.get("extra_info") or {}
-        key = extra.get("key")
-        if not key:
-            continue
-        stats = b.get("stats") or {}
-        seconds = extra.get("subprocess_median_s", stats.get("median"))
-        out[key] = {"seconds": float(seconds) if seconds is not None else None, "extra": extra}
-    return out
-
-
 def _bench(path: Path) -> Bench:
     data = _read_json(path)
-    raw = _bench_entries(data)
-    try:
-        from bench.summary import summarize_data  # noqa: PLC0415  (the repository root must be on sys.path)
-    except ImportError:
-        return Bench(source=path.name, summary=_reduced_summary(raw), raw=raw, datetime=data.get("datetime"),
-                     summarized_by="raw JSON (bench.summary not importable: run from the repository root)",
-                     machine_info=data.get("machine_info") or {})
-    return Bench(source=path.name, summary=summarize_data(data), raw=raw, datetime=data.get("datetime"),
-                 summarized_by="bench.summary", machine_info=data.get("machine_info") or {})
-
-
-def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
-    return nbytes / seconds / 1e9 if nbytes and seconds else None
-
-
-def _reduced_summary(e: dict[str, dict]) -> dict:
-    """What this report draws, read straight from the entries, for when ``bench.summary`` cannot be imported:
-    commit paths, peers, KV growth and scaling rows. No ratios and no targets."""
-    first = next(iter(e.values()), None)
-    extra0 = first["extra"] if first else {}
-    paths = {}
-    for p in ("per_granule", "single_handle", "extensible"):
-        k = f"commit/{p}"
-        if k in e:
-            b, s = e[k]["extra"].get("bytes"), e[k]["seconds"]
-            paths[p] = {"seconds": s, "bytes": b, "gbps": _gbps(b, s), "handles": e[k]["extra"].get("handles")}
-    kv = {}
-    for k in sorted(x for x in e if x.startswith("kv/")):
-        x, s = e[k]["extra"], e[k]["seconds"]
-        kv[k[3:]] = {"ms": s * 1e3 if s is not None else None, "bytes": x.get("bytes"), "buffers": x.get("buffers"),
-                     "segments": x.get("segments"), "state": x.get("state"), "handles": x.get("handles"),
-                     "set_access": x.get("set_access")}
-    rows = []
-    for k in (x for x in e if x.startswith("scale/")):
-        x, s = e[k]["extra"], e[k]["seconds"]
-        rows.append({"nominal_gib": x.get("nominal_gib"), "segments": x.get("segments"), "bytes": x.get("bytes"),
-                     "handles": x.get("handles"), "set_access": x.get("set_access"), "runs": x.get("runs"),
-                     "granules": x.get("granules"), "seconds": s, "gbps": _gbps(x.get("bytes"), s),
-                     "us_per_handle": s * 1e6 / x["handles"] if s is not None and x.get("handles") else None})
-    rows.sort(key=lambda r: (r["nominal_gib"] or 0, r["segments"] or 0))
-    return {
-        "keys": sorted(e), "driver": extra0.get("driver"), "device_type": extra0.get("device_type"),
-        "granularity": extra0.get("granularity"), "scale": extra0.get("scale"), "claims": False,
-        "commit": {"paths": paths, "speedup_vs_per_granule": None, "time_vs_single_handle": None},
-        "peers": {"torch_default_s": e.get("peer/torch_default", {}).get("seconds"),
-                  "expandable_segments_s": e.get("peer/expandable_segments", {}).get("seconds"),
-                  "time_vs_torch_default": None, "time_vs_expandable_segments": None},
-        "zero": {}, "kv": kv, "access": {}, "graph": {},
-        "scaling": {"rows": rows, "handles_track_runs": None, "handles_independent_of_bytes": None,
-                    "worst_growth_vs_handles": None},
-        "targets": [],
-    }
+    return Bench(source=path.name, summary=summarize_data(data), raw=entries(data), datetime=data.get("datetime"),
+                 machine_info=data.get("machine_info") or {})
 
 
 def _case(path: Path, root: Path) -> Case:

@@ -181,7 +181,7 @@ def _skip_reasons(run: Run, rule: str) -> str:
 
 # -- benchmarks ------------------------------------------------------------------------------------------------------
 def peer_rows(bench: Bench) -> list[dict]:
-    """Peers with their bytes from the raw JSON and their rate as bench.summary defines rates (bytes / s / 1e9)."""
+    """Peers with their bytes from the raw JSON and their rate as `benchmarks` defines rates (bytes / s / 1e9)."""
     p = bench.summary.get("peers") or {}
     out = []
     for key, name, ratio in (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_default"),
@@ -202,7 +202,7 @@ def _bench_section(b: Bench, plot: Plotter, several: bool) -> Section:
     s = b.summary
     title = f"Commit benchmarks ({b.source})" if several else "Commit benchmarks"
     sec = Section(title).add(Paragraph(
-        f"`{b.source}`, summarised by {b.summarized_by}: driver {fmt.text(s.get('driver'))} "
+        f"`{b.source}`: driver {fmt.text(s.get('driver'))} "
         f"({fmt.text(s.get('device_type'))}), granularity {fmt.count(s.get('granularity'))} bytes, scale "
         f"{fmt.text(s.get('scale'))}, taken {fmt.text(b.datetime)}. Time = median of the rounds; "
         "GB/s = bytes / s / 1e9."
@@ -264,7 +264,7 @@ def _bench_section(b: Bench, plot: Plotter, several: bool) -> Section:
                         fmt.ratio(r.get("us_per_handle"))] for r in rows]))
     targets = s.get("targets") or []
     if targets:
-        sec.add(Paragraph("**Targets** (from `bench.summary`):"),
+        sec.add(Paragraph("**Targets** (as `python -m extensible_kv bench-summary` judges them):"),
                 Table(["target", "value", "goal", "met"],
                       [[t["name"], fmt.ratio(t.get("value")), f"{t['op']} {fmt.ratio(t['target'])}",
                         "n/a" if t.get("met") is None else ("yes" if t["met"] else "NO")] for t in targets]))
@@ -464,7 +464,7 @@ def summary(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: list[acc.Blo
         "conformance_matrix": {"columns": columns,
                                "rules": {r: {col: dict(cells[(r, col)]) for col in columns if (r, col) in cells}
                                          for r in rules}},
-        "bench": [{"source": b.source, "summarized_by": b.summarized_by, "datetime": b.datetime,
+        "bench": [{"source": b.source, "datetime": b.datetime,
                    "summary": b.summary, "peers": peer_rows(b)} for b in run.bench],
         "integration": {
             "cases": [_case_summary(b) for b in breakdowns],

@@ -1,8 +1,9 @@
-"""Turn a pytest-benchmark JSON file from ``bench/`` into the figures and ratios the commit-path targets ask for.
+"""The figures and ratios the commit-path targets ask for, from a pytest-benchmark JSON file of ``bench/``.
 
-``python -m bench.summary reports/out/bench-cuda.json [--json]`` prints a table (or the dict as JSON). Every
-benchmark in ``bench/`` stores a stable ``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and
-its byte counts; this module needs nothing else, imports neither pytest nor torch, and never runs anything.
+``python -m extensible_kv bench-summary reports/out/bench-cuda.json [--json]`` prints a table (or the dict as JSON);
+the report draws from the same dict. Every benchmark in ``bench/`` stores a stable ``extra_info['key']``
+(``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts; this module needs nothing else and never runs
+anything.
 
 Time of a benchmark = the median of its rounds (``stats.median``), except where the benchmark measured the figure
 itself in a subprocess (``extra_info['subprocess_median_s']``, the expandable-segments peer). Rates are decimal:
@@ -21,7 +22,7 @@ CLAIM_DEVICE_TYPES = ("cuda",)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
-def _entries(data: dict) -> dict[str, dict]:
+def entries(data: dict) -> dict[str, dict]:
     """Benchmarks by ``extra_info['key']``: ``seconds`` (the figure), ``extra`` (extra_info), ``stats``."""
     out: dict[str, dict] = {}
     for bench in data.get("benchmarks", []):
@@ -70,7 +71,7 @@ def summarize(benchmark_json_path: str | Path) -> dict:
 
 def summarize_data(data: dict) -> dict:
     """The target figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
-    e = _entries(data)
+    e = entries(data)
     first = next(iter(e.values()), None)
     device_type = first["extra"].get("device_type") if first else None
     summary = {
@@ -307,15 +308,20 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.summary", description=__doc__.splitlines()[0])
-    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    args = parser.parse_args(argv)
-    summary = summarize(args.benchmark_json)
+def _command(args: argparse.Namespace) -> int:
+    try:
+        summary = summarize(args.benchmark_json)
+    except (OSError, ValueError) as exc:  # missing or unreadable file, or not JSON
+        print(f"error: cannot read benchmark JSON {args.benchmark_json!r}: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2) if args.json else format_table(summary))
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bench-summary`` command to ``python -m extensible_kv``'s subparsers."""
+    parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
+                                                         "pytest-benchmark JSON file of bench/")
+    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    parser.set_defaults(run=_command)
