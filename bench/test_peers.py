@@ -144,4 +144,4 @@ def test_peer_expandable_segments(bench_env, keeper, benchmark):
                                          subprocess_torch=result.get("torch"),
                                          note="the pytest-benchmark stats time the whole subprocess; "
                                               "subprocess_median_s is the figure"))
-    benchmark.extra_info["gbps_median"] = n / median / 1e9
+    record_rate(benchmark, n, median)

@@ -17,8 +17,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .loading import Bench
 
 CLAIM_DEVICE_TYPES = ("cuda",)
+
+# The peers: (benchmark key, name in the report, ratio field of ``summary["peers"]``).
+PEERS = (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_default"),
+         ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments"))
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -36,12 +44,14 @@ def entries(data: dict) -> dict[str, dict]:
     return out
 
 
-def _seconds(entries: dict, key: str) -> float | None:
+def seconds_of(entries: dict, key: str) -> float | None:
+    """The figure (seconds) of benchmark ``key``; ``None`` when it is missing."""
     entry = entries.get(key)
     return entry["seconds"] if entry else None
 
 
-def _bytes(entries: dict, key: str, field: str = "bytes") -> int | None:
+def bytes_of(entries: dict, key: str, field: str = "bytes") -> int | None:
+    """``extra_info[field]`` of benchmark ``key``; ``None`` when it is missing."""
     entry = entries.get(key)
     return entry["extra"].get(field) if entry else None
 
@@ -59,7 +69,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def _per_byte(entries: dict, key: str) -> float | None:
-    return _div(_seconds(entries, key), _bytes(entries, key))
+    return _div(seconds_of(entries, key), bytes_of(entries, key))
 
 
 # -- the figures ------------------------------------------------------------------------------------------------
@@ -71,7 +81,11 @@ def summarize(benchmark_json_path: str | Path) -> dict:
 
 def summarize_data(data: dict) -> dict:
     """The target figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
-    e = entries(data)
+    return summarize_entries(entries(data))
+
+
+def summarize_entries(e: dict[str, dict]) -> dict:
+    """``summarize_data`` on what ``entries`` returned."""
     first = next(iter(e.values()), None)
     device_type = first["extra"].get("device_type") if first else None
     summary = {
@@ -99,8 +113,8 @@ def _commit(e: dict) -> dict:
     for path in ("per_granule", "single_handle", "extensible"):
         key = f"commit/{path}"
         if key in e:
-            paths[path] = {"seconds": _seconds(e, key), "bytes": _bytes(e, key),
-                           "gbps": _gbps(_bytes(e, key), _seconds(e, key)),
+            paths[path] = {"seconds": seconds_of(e, key), "bytes": bytes_of(e, key),
+                           "gbps": _gbps(bytes_of(e, key), seconds_of(e, key)),
                            "handles": e[key]["extra"].get("handles")}
     ours = _per_byte(e, "commit/extensible")
     return {
@@ -112,20 +126,29 @@ def _commit(e: dict) -> dict:
 
 def _peers(e: dict) -> dict:
     ours = _per_byte(e, "commit/extensible")
-    return {
-        "torch_default_s": _seconds(e, "peer/torch_default"),
-        "expandable_segments_s": _seconds(e, "peer/expandable_segments"),
-        "time_vs_torch_default": _div(ours, _per_byte(e, "peer/torch_default")),
-        "time_vs_expandable_segments": _div(ours, _per_byte(e, "peer/expandable_segments")),
-    }
+    out: dict = {key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS}
+    out.update({ratio: _div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS})
+    return out
+
+
+def peer_rows(bench: Bench) -> list[dict]:
+    """The peers of ``PEERS`` with their bytes and rate (as every rate here: bytes / s / 1e9) and the ratio of
+    ``summary["peers"]``."""
+    p = bench.summary.get("peers") or {}
+    out = []
+    for key, name, ratio in PEERS:
+        nbytes, seconds = bytes_of(bench.raw, key), seconds_of(bench.raw, key)
+        out.append({"key": key, "name": name, "bytes": nbytes, "seconds": seconds, "gbps": _gbps(nbytes, seconds),
+                    "ours_vs_peer": p.get(ratio)})
+    return out
 
 
 def _zero(e: dict) -> dict:
-    nbytes = _bytes(e, "zero/grow_zero")
-    with_zero, without = _seconds(e, "zero/grow_zero"), _seconds(e, "zero/grow_nozero")
+    nbytes = bytes_of(e, "zero/grow_zero")
+    with_zero, without = seconds_of(e, "zero/grow_zero"), seconds_of(e, "zero/grow_nozero")
     implied = with_zero - without if with_zero is not None and without is not None else None
     zero_gbps = _gbps(nbytes, implied) if implied and implied > 0 else None
-    memset_gbps = _gbps(_bytes(e, "zero/memset"), _seconds(e, "zero/memset"))
+    memset_gbps = _gbps(bytes_of(e, "zero/memset"), seconds_of(e, "zero/memset"))
     return {
         "bytes": nbytes,
         "grow_zero_s": with_zero,
@@ -135,7 +158,7 @@ def _zero(e: dict) -> dict:
         "memset_gbps": memset_gbps,
         "zero_vs_memset": _div(zero_gbps, memset_gbps),
         "end_to_end_gbps": _gbps(nbytes, with_zero),
-        "torch_zero_gbps": _gbps(_bytes(e, "zero/torch_zero_"), _seconds(e, "zero/torch_zero_")),
+        "torch_zero_gbps": _gbps(bytes_of(e, "zero/torch_zero_"), seconds_of(e, "zero/torch_zero_")),
         "zero_calls": e["zero/grow_zero"]["extra"].get("zero_calls") if "zero/grow_zero" in e else None,
     }
 
@@ -157,14 +180,14 @@ def _access(e: dict) -> dict:
         vmm, native = f"access/{op}/vmm", f"access/{op}/native"
         if vmm not in e and native not in e:
             continue
-        vmm_gbps = _gbps(_bytes(e, vmm, "moved_bytes"), _seconds(e, vmm))
-        native_gbps = _gbps(_bytes(e, native, "moved_bytes"), _seconds(e, native))
+        vmm_gbps = _gbps(bytes_of(e, vmm, "moved_bytes"), seconds_of(e, vmm))
+        native_gbps = _gbps(bytes_of(e, native, "moved_bytes"), seconds_of(e, native))
         out[op] = {"vmm_gbps": vmm_gbps, "native_gbps": native_gbps, "ratio": _div(vmm_gbps, native_gbps)}
     return out
 
 
 def _graph(e: dict) -> dict:
-    before, after = _seconds(e, "graph/before_growth"), _seconds(e, "graph/after_growth")
+    before, after = seconds_of(e, "graph/before_growth"), seconds_of(e, "graph/after_growth")
     return {"before_s": before, "after_s": after, "ratio": _div(after, before)}
 
 
@@ -235,6 +258,12 @@ def _targets(s: dict) -> list[dict]:
 
 
 # -- printing ---------------------------------------------------------------------------------------------------
+def verdict(target: dict) -> str:
+    """A target's ``met`` in words: ``yes``, ``NO`` or ``n/a`` (no data, or no claims)."""
+    met = target.get("met")
+    return "n/a" if met is None else ("yes" if met else "NO")
+
+
 def _t(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -303,8 +332,7 @@ def format_table(s: dict) -> str:
     lines.append(f"{'target':<48}{'value':>12}{'goal':>12}{'met':>6}")
     for t in s["targets"]:
         goal = f"{t['op']} {_n(t['target'])}"
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "NO")
-        lines.append(f"  {t['name']:<46}{_n(t['value']):>12}{goal:>12}{met:>6}")
+        lines.append(f"  {t['name']:<46}{_n(t['value']):>12}{goal:>12}{verdict(t):>6}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from . import accounting as acc
 from .accounting import BlockPair, MemoryBreakdown
+from .benchmarks import peer_rows
 from .loading import Bench, Conformance
 from .matrix import cell_state, cell_text, matrix_cells
 
@@ -28,6 +29,7 @@ SEGMENT_COLORS = {
     acc.PADDING: "#98df8a", acc.FREE: "#f2f2f2",
 }
 PEAK_COLOR = "#ff7f0e"
+PEER_STYLES = {"peer/torch_default": ("s", "#ff7f0e"), "peer/expandable_segments": ("P", "#9467bd")}  # marker, color
 ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
                    "CUDA graph estimate": "#e377c2"}
 
@@ -299,11 +301,10 @@ def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, st
         if p.get("gbps") and p.get("bytes"):
             label, marker, color = styles.get(path, (path, "o", "grey"))
             out.append((label, float(p["bytes"]), float(p["gbps"]), p.get("handles"), marker, color))
-    for key, label, marker, color in (("peer/torch_default", "peer: torch default (cudaMalloc)", "s", "#ff7f0e"),
-                                      ("peer/expandable_segments", "peer: torch expandable segments", "P", "#9467bd")):
-        nbytes, seconds = bench.bytes_of(key), bench.seconds_of(key)
-        if nbytes and seconds:
-            out.append((label, float(nbytes), nbytes / seconds / 1e9, None, marker, color))
+    for p in peer_rows(bench):
+        if p["gbps"] is not None:  # bytes and seconds both recorded
+            marker, color = PEER_STYLES.get(p["key"], ("o", "grey"))
+            out.append((f"peer: {p['name']}", float(p["bytes"]), p["gbps"], None, marker, color))
     return out
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchmarks import entries, summarize_data
+from .benchmarks import bytes_of, entries, seconds_of, summarize_entries
 
 # Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory`` and
 # ``torch_reusable``).
@@ -73,7 +73,7 @@ class Conformance:
 
 @dataclass(frozen=True)
 class Bench:
-    """One ``bench-*.json`` file: ``summary`` is ``benchmarks.summarize_data``'s dict, ``raw`` the entries by
+    """One ``bench-*.json`` file: ``summary`` is ``benchmarks.summarize_entries``'s dict, ``raw`` the entries by
     ``extra_info['key']`` (``benchmarks.entries``)."""
 
     source: str
@@ -83,12 +83,10 @@ class Bench:
     machine_info: dict = field(default_factory=dict)
 
     def bytes_of(self, key: str) -> int | None:
-        entry = self.raw.get(key)
-        return entry["extra"].get("bytes") if entry else None
+        return bytes_of(self.raw, key)
 
     def seconds_of(self, key: str) -> float | None:
-        entry = self.raw.get(key)
-        return entry["seconds"] if entry else None
+        return seconds_of(self.raw, key)
 
 
 @dataclass(frozen=True)
@@ -230,7 +228,8 @@ def _conformance(path: Path) -> Conformance:
 
 def _bench(path: Path) -> Bench:
     data = _read_json(path)
-    return Bench(source=path.name, summary=summarize_data(data), raw=entries(data), datetime=data.get("datetime"),
+    raw = entries(data)
+    return Bench(source=path.name, summary=summarize_entries(raw), raw=raw, datetime=data.get("datetime"),
                  machine_info=data.get("machine_info") or {})
 
 
@@ -304,8 +303,11 @@ def _int_or_none(text: str | None) -> int | None:
 
 
 # -- environment -----------------------------------------------------------------------------------------------------
-ENVIRONMENT_KEYS = ("gpu", "gpu_memory", "nvidia_driver", "torch", "cuda_bindings", "vllm", "granularity", "date",
-                    "python", "cpu")
+# The environment items in report order, each with its name in the report.
+ENVIRONMENT_NAMES = {"gpu": "GPU", "gpu_memory": "GPU memory (memory.total)", "nvidia_driver": "GPU driver",
+                     "torch": "torch", "cuda_bindings": "cuda-bindings", "vllm": "vllm",
+                     "granularity": "VMM granularity", "date": "date", "python": "python", "cpu": "CPU"}
+ENVIRONMENT_KEYS = tuple(ENVIRONMENT_NAMES)
 
 _README_PATTERNS = {
     "gpu": re.compile(r"\b((?:NVIDIA|AMD)\s+[A-Za-z0-9][\w-]*)"),

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from . import accounting as acc
 from . import document as fmt
+from .benchmarks import peer_rows, verdict
 from .document import Bullets, Document, Figure, Paragraph, Section, Table
-from .loading import Bench, Run
+from .loading import ENVIRONMENT_NAMES, Bench, Run
 from .matrix import cell_text, matrix_cells
 
 NM = fmt.NOT_MEASURED
@@ -38,11 +39,6 @@ def plotter() -> Plotter:
     except ImportError as exc:
         return Plotter(None, f"matplotlib is not importable ({exc}); install the 'report' extra")
     return Plotter(figures, None)
-
-
-ENVIRONMENT_NAMES = {"gpu": "GPU", "gpu_memory": "GPU memory (memory.total)", "nvidia_driver": "GPU driver",
-                     "torch": "torch", "cuda_bindings": "cuda-bindings", "vllm": "vllm",
-                     "granularity": "VMM granularity", "date": "date", "python": "python", "cpu": "CPU"}
 
 
 def slug(text: str) -> str:
@@ -72,7 +68,7 @@ def glance_section(run: Run, breakdowns: list[acc.MemoryBreakdown], pairs: list[
     if not run.conformance:
         items.append(f"Conformance: {NM}.")
     for b in run.bench:
-        ext = ((b.summary.get("commit") or {}).get("paths") or {}).get("extensible") or {}
+        ext = _extensible_commit(b)
         targets = [t for t in b.summary.get("targets", []) if t.get("met") is not None]
         items.append(f"Commit ({b.source}): ExtensibleTensor commits {fmt.gib(ext.get('bytes'))} GiB in "
                      f"{fmt.ms(ext.get('seconds'))} ms = {fmt.rate(ext.get('gbps'))} GB/s; targets met: "
@@ -180,16 +176,9 @@ def _skip_reasons(run: Run, rule: str) -> str:
 
 
 # -- benchmarks ------------------------------------------------------------------------------------------------------
-def peer_rows(bench: Bench) -> list[dict]:
-    """Peers with their bytes from the raw JSON and their rate as `benchmarks` defines rates (bytes / s / 1e9)."""
-    p = bench.summary.get("peers") or {}
-    out = []
-    for key, name, ratio in (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_default"),
-                             ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments")):
-        nbytes, seconds = bench.bytes_of(key), bench.seconds_of(key)
-        out.append({"key": key, "name": name, "bytes": nbytes, "seconds": seconds,
-                    "gbps": nbytes / seconds / 1e9 if nbytes and seconds else None, "ours_vs_peer": p.get(ratio)})
-    return out
+def _extensible_commit(b: Bench) -> dict:
+    """The ``commit/extensible`` path of the summary (``{}`` when missing)."""
+    return ((b.summary.get("commit") or {}).get("paths") or {}).get("extensible") or {}
 
 
 def bench_sections(run: Run, plot: Plotter) -> list[Section]:
@@ -267,7 +256,7 @@ def _bench_section(b: Bench, plot: Plotter, several: bool) -> Section:
         sec.add(Paragraph("**Targets** (as `python -m extensible_kv bench-summary` judges them):"),
                 Table(["target", "value", "goal", "met"],
                       [[t["name"], fmt.ratio(t.get("value")), f"{t['op']} {fmt.ratio(t['target'])}",
-                        "n/a" if t.get("met") is None else ("yes" if t["met"] else "NO")] for t in targets]))
+                        verdict(t)] for t in targets]))
     return sec
 
 
@@ -405,7 +394,7 @@ def consistency_rows(run: Run, breakdowns: list[acc.MemoryBreakdown]) -> list[tu
             blocks = {m.case.path: m.blocks for m in members}
             rows.append(("a repeated case gives the same blocks", len(set(blocks.values())) == 1,
                          f"{key}: " + ", ".join(f"{p} {fmt.count(v)}" for p, v in blocks.items())))
-    bench_rate = next(((_extensible_rate(b), b.source) for b in run.bench), None)
+    bench_rate = next(((_extensible_commit(b).get("gbps"), b.source) for b in run.bench), None)
     for c in run.conformance:
         for d in c.drivers:
             if bench_rate and bench_rate[0] and d.commit_gb_per_s:
@@ -415,10 +404,6 @@ def consistency_rows(run: Run, breakdowns: list[acc.MemoryBreakdown]) -> list[tu
                              f"{fmt.gib(d.commit_bytes)} GiB) vs {bench_rate[1]} commit/extensible "
                              f"{fmt.rate(bench_rate[0])} GB/s: {r:.2f}x"))
     return rows
-
-
-def _extensible_rate(b: Bench) -> float | None:
-    return (((b.summary.get("commit") or {}).get("paths") or {}).get("extensible") or {}).get("gbps")
 
 
 def consistency_section(run: Run, breakdowns: list[acc.MemoryBreakdown]) -> Section:
