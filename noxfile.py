@@ -73,7 +73,7 @@ def tests(session: nox.Session) -> None:
 
 
 # On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
-GPU_MACHINE = bool(shutil.which("nvidia-smi") or shutil.which("rocminfo") or shutil.which("amd-smi"))
+GPU_MACHINE = bool(_gpu_extra(None))
 
 
 @nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
@@ -81,8 +81,7 @@ def conformance(session: nox.Session) -> None:
     """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one)."""
     args = list(session.posargs)
     driver = args.pop(0) if args and not args[0].startswith("-") else None
-    if session.venv_backend != "none":
-        session.install("-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
+    _install(session, "-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
     if driver is None:
         driver = _run_python(session, "-c", "from extensible_kv.drivers import best_available as b; print(b())",
                              silent=True).strip()

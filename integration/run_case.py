@@ -107,7 +107,7 @@ def memory_figures(worker) -> dict:
     """vLLM's own profiling figures and a post-warmup measurement, for legacy and extensible runs alike."""
     import torch
 
-    from extensible_kv.vllm.worker_kv import torch_reusable_now
+    from extensible_kv.vllm.worker_kv import runner_kind, torch_reusable_now
 
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
@@ -123,7 +123,7 @@ def memory_figures(worker) -> dict:
         "torch_reusable": torch_reusable_now(),
         "num_gpu_blocks": int(worker.cache_config.num_gpu_blocks),
         "cudagraph_memory": _GRAPH_MEMORY[-1] if _GRAPH_MEMORY else None,
-        "runner": "v2" if type(worker.model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1",
+        "runner": runner_kind(worker.model_runner),
     }
 
 
@@ -154,10 +154,11 @@ def run(args: argparse.Namespace) -> dict:
     with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
         llm = LLM(**kwargs)
         engine_seconds = time.perf_counter() - start
-        extensible = llm.collective_rpc("extensible_kv_report")[0] if args.mode != "legacy" else None
+        reports = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" else None
+    extensible = reports[0] if reports else None
+    ranks = reports if args.tp > 1 else None
     all_figures = llm.collective_rpc(memory_figures)
     figures = all_figures[0]
-    ranks = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" and args.tp > 1 else None
     reinit = llm.apply_model(reinit_weights)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)

@@ -73,7 +73,8 @@ def test_backend_layout_gives_the_expected_segment_count(name, kv_layout):
 
 
 def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
-    """Run vLLM 0.26.0's own V2 allocation and reshape on CPU; return (kv_cache_config, raw, views, specs)."""
+    """Run vLLM 0.26.0's own V2 allocation and reshape on CPU; return (kv_cache_config, raw, views, mamba spec,
+    backend class, attention groups)."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
@@ -101,15 +102,15 @@ def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
             attn_groups.append(AttentionGroup(MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1],
                                               groups[1].kv_cache_spec, 1))
         views = attn_utils._reshape_kv_cache(attn_groups, raw, "auto", [BLOCK] * len(grouped), {}, config)
-    _vllm_views.last_groups = attn_groups
-    return config, raw, views, mamba, backend
+    return config, raw, views, mamba, backend, attn_groups
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid_mamba"])
 @pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN"])
 def test_our_views_and_segments_match_vllms_own_reshape(backend_name, hybrid, kv_layout):
-    config, raw, views, mamba, backend = _vllm_views(backend_name, hybrid)
+    config, raw, views, mamba, backend, _ = _vllm_views(backend_name, hybrid)
     n = config.num_blocks
+    want = 2 if backend_name == "ROCM_ATTN" and not hybrid else 1
     for tensor in config.kv_cache_tensors:
         page = tensor.size // n
         ours_layers = []
@@ -119,6 +120,10 @@ def test_our_views_and_segments_match_vllms_own_reshape(backend_name, hybrid, kv
             else:
                 ours_layers.append(MambaLayer(layer_name, mamba.shapes, mamba.dtypes, mamba.page_size_padded))
         meta = torch.empty(tensor.size, dtype=torch.int8, device="meta")
+        ours_segments = buffer_segments(ours_layers, page, n)
+        assert ours_segments.count == want, (
+            f"{backend_name} hybrid={hybrid} buffer {tensor.shared_by}: expected {want} segment(s), got "
+            f"{ours_segments.count}")
         for ours in ours_layers:
             theirs = views[ours.name] if isinstance(views[ours.name], list) else [views[ours.name]]
             mine = ours.views(meta, n)
@@ -131,13 +136,9 @@ def test_our_views_and_segments_match_vllms_own_reshape(backend_name, hybrid, kv
                     f"{(tuple(a.shape), a.stride(), a.storage_offset() * a.element_size())}")
                 dim = ours.block_dims()[k]
                 theirs_segments = segments_of(b, dim, tensor.size)
-                ours_segments = buffer_segments(ours_layers, page, n)
                 assert ours_segments == theirs_segments, (
                     f"{backend_name} ({kv_layout}, hybrid={hybrid}) buffer {tensor.shared_by}: segments from vLLM's "
                     f"view {theirs_segments}, ours {ours_segments}")
-    want = 2 if backend_name == "ROCM_ATTN" and not hybrid else 1
-    assert buffer_segments(ours_layers, page, n).count == want, (
-        f"{backend_name} hybrid={hybrid}: expected {want} segment(s)")
 
 
 def test_mamba2_state_layout_is_one_block_major_segment():
@@ -197,8 +198,7 @@ def test_meta_dry_run_of_vllms_v2_reshape_gives_the_segments(backend_name, hybri
 
     from extensible_kv.vllm.worker_kv import derive_segments
 
-    config, raw, views, mamba, backend = _vllm_views(backend_name, hybrid)
-    attn_groups = _vllm_views.last_groups
+    config, raw, views, mamba, backend, attn_groups = _vllm_views(backend_name, hybrid)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         got = derive_segments(config, lambda meta: attn_utils._reshape_kv_cache(
             attn_groups=attn_groups, kv_cache_raw_tensors=meta, kernel_block_sizes=[BLOCK] * len(attn_groups),

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import drivers
+from ..errors import DriverUnavailable
 from . import agreement, worker_kv
 from .worker_kv import ExtensibleKVUnsupported
 
@@ -85,16 +85,19 @@ def _worker_kv() -> worker_kv.WorkerKV:
 
 
 def _platform_driver() -> object:
-    """The driver for this worker's device: hip on ROCm, cuda otherwise, on torch's current device."""
+    """The driver for this worker's device: hip on ROCm, cuda otherwise, on torch's current device (the driver
+    probes that device itself when it is built)."""
     import torch
     from vllm.platforms import current_platform
 
-    name = "hip" if current_platform.is_rocm() else "cuda"
-    reason = drivers.probe(name)
-    if reason:
-        raise ExtensibleKVUnsupported(f"the {name} driver cannot run in this worker: {reason}")
-    factory = drivers._hip.HipDriver if name == "hip" else drivers._cuda.CudaDriver
-    return factory(torch.cuda.current_device())
+    from ..drivers.cuda import CudaDriver
+    from ..drivers.hip import HipDriver
+
+    name, factory = ("hip", HipDriver) if current_platform.is_rocm() else ("cuda", CudaDriver)
+    try:
+        return factory(torch.cuda.current_device())
+    except DriverUnavailable as exc:
+        raise ExtensibleKVUnsupported(f"the {name} driver cannot run in this worker: {exc}") from exc
 
 
 # -- worker side ---------------------------------------------------------------------------------------------------
@@ -179,7 +182,11 @@ def _determine_available_memory(original: Callable) -> Callable:
 
 
 def extensible_kv_measure(self) -> int:
-    """RPC: measure memory after warmup; return the blocks every rank can commit (the minimum over ranks)."""
+    """RPC: measure memory after warmup; return the blocks every rank can commit (the minimum over ranks).
+
+    The ranks agree among themselves as well as through the engine's minimum over the replies: with the external
+    launcher every rank has its own engine, which sees only its own worker's reply (vLLM agrees on the profiled KV
+    memory the same way there)."""
     fits = _worker_kv().measure(self, margin=_margin()).blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits
@@ -199,7 +206,7 @@ def extensible_kv_report(self) -> dict:
     state = worker_kv.active()
     report = state.report() if state is not None else {}
     report["profile"] = getattr(self, "_extensible_kv_profile", None)
-    report["runner"] = "v2" if type(self.model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+    report["runner"] = worker_kv.runner_kind(self.model_runner)
     return report
 
 

@@ -176,6 +176,11 @@ def active() -> WorkerKV | None:
     return _ACTIVE
 
 
+def runner_kind(model_runner: object) -> str:
+    """"v2" for vLLM's V2 model runner (``vllm.v1.worker.gpu.*``), "v1" for the V1 one."""
+    return "v2" if type(model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+
+
 def torch_reusable_now() -> int:
     """Bytes of torch's default pool on the current device held unused now (``sizing.reusable_cache``)."""
     return reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device())
