@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drivers import Driver, Ledger, best_available, get_driver
+from .drivers import Driver, Ledger, resolve
 from .errors import ExtensibleKVError
 from .kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from .layout import LayoutError, attention_layer, footprint
@@ -114,7 +114,7 @@ def _block_values(view: torch.Tensor, block_dim: int, n: int) -> torch.Tensor:
     shape = [1] * view.dim()
     shape[block_dim] = n
     vals = (torch.arange(n) % 16 + 1).reshape(shape).expand(*view.shape[:block_dim], n, *view.shape[block_dim + 1:])
-    return vals.to(view.dtype if view.dtype.is_floating_point else torch.int64).to(view.dtype)
+    return vals.to(view.dtype)
 
 
 def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_layout: str | None = None,
@@ -125,8 +125,7 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
     name = getattr(backend, "__name__", str(backend))
     report = BackendReport(name, kv_layout)
     try:
-        if isinstance(driver, str) or driver is None:
-            driver = get_driver(driver or best_available())
+        driver = resolve(driver)
     except ExtensibleKVError as exc:
         report.add("driver", False, str(exc))
         return report
@@ -135,7 +134,7 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
             layer = attention_layer("layer", backend, block_size=block_size, num_kv_heads=num_kv_heads,
                                     head_size=head_size, dtype=dtype, cache_dtype_str=cache_dtype_str)
             report.shape, report.stride_order = layer.shape_of(1), layer.stride_order
-            report.block_dim = layer.block_dim
+            report.block_dim = block_dim = layer.block_dim  # each read asks the backend for its shape again
         except (LayoutError, AttributeError, TypeError, ValueError, AssertionError, NotImplementedError) as exc:
             report.add("layout", False, f"{type(exc).__name__}: {exc}")
             return report
@@ -152,7 +151,7 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
         report.add("segments", False, str(exc))
         return report
     try:
-        _exercise(report, cache, layer.block_dim, page, max_blocks, ledger)
+        _exercise(report, cache, block_dim, page, max_blocks, ledger)
     finally:
         cache.close()
     left = ledger.outstanding()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .drivers import Driver, best_available, get_driver
+from .drivers import Driver, resolve
 from .errors import CommitError, InvalidSizeError
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, _check_int
@@ -103,10 +103,7 @@ class ExtensibleKVCacheBuffers:
             if b.page_size_bytes % seg.count:
                 raise LayoutError(f"buffer {b.name}: {seg.count} segments do not divide its {b.page_size_bytes}-byte "
                                   f"page")
-        if driver is None:
-            driver = best_available()
-        if isinstance(driver, str):
-            driver = get_driver(driver)
+        driver = resolve(driver)
         self._driver = driver
         self._buffers = tuple(buffers)
         self._max_num_blocks = max_num_blocks

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import granules
-from .drivers import Driver, best_available, get_driver
+from .drivers import Driver, resolve
 from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
     InvalidSizeError
 
@@ -120,10 +120,7 @@ class ExtensibleTensor:
         if segment_bytes % alignment:
             raise InvalidSizeError(f"segment size {segment_bytes} (max_num_bytes={max_num_bytes} / "
                                    f"num_segments={num_segments}) is not a multiple of alignment={alignment}")
-        if driver is None:
-            driver = best_available()
-        if isinstance(driver, str):
-            driver = get_driver(driver)
+        driver = resolve(driver)
         self._driver = driver
         self._granularity = g = driver.granularity()
         self._max_num_bytes = max_num_bytes

@@ -3,7 +3,8 @@
 A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``, ``hip``) or by ``module:factory``, where
 ``factory`` is a zero-argument callable in an importable module that returns a driver. ``get_driver`` resolves
 both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the GPU driver when one
-works and the host driver otherwise.
+works and the host driver otherwise; ``resolve`` turns a ``driver=`` argument (a driver, a spec or ``None``) into a
+driver.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ._protocol import Driver, Handle
 from .ledger import Ledger
 
 __all__ = ["Driver", "Handle", "Ledger", "register", "registered", "probe", "get_driver", "best_available",
-           "DRIVER_METHODS"]
+           "resolve", "DRIVER_METHODS"]
 
 DRIVER_METHODS = ("granularity", "reserve", "free", "create", "release", "map", "unmap", "set_access", "zero",
                   "tensor", "accessible", "synchronize", "mem_info")
@@ -87,6 +88,16 @@ def get_driver(spec: str) -> Driver:
     if factory is None or not callable(factory):
         raise DriverLoadError(f"driver spec {spec!r}: {module_name} has no callable {attr!r}")
     return _check_driver(spec, factory())
+
+
+def resolve(driver: Driver | str | None) -> Driver:
+    """The driver a ``driver=`` argument names: ``None`` is ``best_available()``, a string is built by
+    ``get_driver``, anything else is returned as it is (a driver object)."""
+    if driver is None:
+        driver = best_available()
+    if isinstance(driver, str):
+        driver = get_driver(driver)
+    return driver
 
 
 def _check_driver(spec: str, driver: object) -> Driver:

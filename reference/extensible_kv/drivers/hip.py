@@ -103,6 +103,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ._device_array import DeviceArray
+from ._records import check_free, check_no_overlap
 
 HANDLE_CHUNK_BYTES = 256 << 20
 """Largest physical handle asked of HIP before rounding to the granularity; see Note [Chunked handles]."""
@@ -130,14 +131,12 @@ def _torch_reason(ordinal: int) -> str | None:
 
 def probe(ordinal: int = 0) -> str | None:
     """Return why the HIP driver cannot run here, or ``None`` when it can."""
-    try:
-        hip = _bindings()
-    except ImportError as exc:
-        return f"hip-python is not installed ({exc}); install the 'rocm' extra (pip install -e .[rocm])"
-    except (OSError, RuntimeError) as exc:  # libamdhip64.so missing: hip-python cannot load the runtime
-        return f"the HIP runtime library (libamdhip64.so) could not be loaded ({exc})"
-    ok = hip.hipError_t.hipSuccess
-    try:
+    try:  # libamdhip64.so missing: hip-python cannot load the runtime, on import or on the first call
+        try:
+            hip = _bindings()
+        except ImportError as exc:
+            return f"hip-python is not installed ({exc}); install the 'rocm' extra (pip install -e .[rocm])"
+        ok = hip.hipError_t.hipSuccess
         (err,) = hip.hipInit(0)
     except (OSError, RuntimeError) as exc:
         return f"the HIP runtime library (libamdhip64.so) could not be loaded ({exc})"
@@ -222,11 +221,7 @@ class HipDriver:
     def free(self, va: int, size: int) -> None:
         with self._lock:
             entry = self._reservations.get(va)
-            if entry is None or entry[0] != size:
-                raise DriverError("free", f"[{va:#x}, +{size}) is not a reservation of this driver")
-            live = [m for m in self._mappings if va <= m < va + size]
-            if live:
-                raise DriverError("free", f"reservation {va:#x} still has {len(live)} mapping(s)")
+            check_free(va, size, entry is not None and entry[0] == size, self._mappings)
         _, raw, raw_size = entry
         self._call("free", "hipMemAddressFree", raw, raw_size)
         with self._lock:
@@ -243,9 +238,7 @@ class HipDriver:
             raise DriverError("map", f"hipMemMap offset must be 0 on ROCm, got offset={offset} for "
                                      f"[{va:#x}, +{size}); map whole handles (Note [hipMemMap offset])")
         with self._lock:
-            for m_va, m_size in self._mappings.items():
-                if m_va < va + size and va < m_va + m_size:
-                    raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
+            check_no_overlap(va, size, self._mappings.items())
         self._call("map", "hipMemMap", va, size, 0, handle, 0)
         with self._lock:
             self._mappings[va] = size

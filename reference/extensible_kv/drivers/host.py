@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ._records import check_free, check_no_overlap
 
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -146,11 +147,7 @@ class HostDriver:
 
     def free(self, va: int, size: int) -> None:
         with self._lock:
-            if self._reservations.get(va) != size:
-                raise DriverError("free", f"[{va:#x}, +{size}) is not a reservation of this driver")
-            live = [m for m in self._mappings if va <= m < va + size]
-            if live:
-                raise DriverError("free", f"reservation {va:#x} still has {len(live)} mapping(s)")
+            check_free(va, size, self._reservations.get(va) == size, self._mappings)
             del self._reservations[va]
         if _lib().munmap(va, size) != 0:
             self._fail("free", f"munmap({va:#x}, {size})")
@@ -176,9 +173,8 @@ class HostDriver:
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         with self._lock:
             self._check_in_reservation("map", va, size)
-            for m_va, (m_size, _) in self._mappings.items():
-                if m_va < va + size and va < m_va + m_size:  # Note [MAP_FIXED replaces silently]
-                    raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
+            # Note [MAP_FIXED replaces silently]
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
             if offset + size > handle.size:
                 raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
             got = _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
