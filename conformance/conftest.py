@@ -58,7 +58,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config._ekv = _Selection(specs, explicit=True)
     else:
         config._ekv = _Selection(drivers.registered(), explicit=False)
-    config._ekv_outcomes = {}
 
 
 def _selection(config: pytest.Config) -> _Selection:

@@ -6,6 +6,9 @@ driver's granularity so the same rule exercises 4 KiB, 2 MiB or any other granul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from extensible_kv import ExtensibleTensor
@@ -66,3 +69,42 @@ def expected_granules(t: ExtensibleTensor) -> list[bool]:
             for k in range(lo // g, -(-(lo + t.bytes_per_segment) // g)):
                 want[k] = True
     return want
+
+
+def device_free(driver: Ledger) -> int | None:
+    """Free device bytes per cuMemGetInfo on a CUDA driver; ``None`` elsewhere."""
+    return driver.mem_info()[0] if driver.device.type == "cuda" else None
+
+
+class GrowthState(NamedTuple):
+    """What a failed growth step of a tensor must leave as it found it."""
+
+    mappings: dict[int, int]  # the driver's live mappings
+    granules: list[bool]  # granule_states over the tensor's reservation
+    free: int | None  # device_free
+
+
+def growth_state(driver: Ledger, t: ExtensibleTensor) -> GrowthState:
+    return GrowthState(driver.outstanding().mappings, granule_states(driver, t.base_address, t.max_num_bytes),
+                       device_free(driver))
+
+
+def expect_rolled_back(driver: Ledger, t: ExtensibleTensor, where: str, before: GrowthState, size: int,
+                       data: list[torch.Tensor], retry: Callable[[ExtensibleTensor], object]) -> None:
+    """After ``where`` (a failed growth step of ``t``): ``t`` still holds ``size`` bytes per segment, the driver's
+    mappings, accessible granules and free device memory are as in ``before``, no handle is held, segment ``i``
+    still reads ``data[i]``; then ``retry(t)`` succeeds and backs exactly the granules of the new size."""
+    expect(t.bytes_per_segment == size, driver, f"bytes_per_segment after a {where}", size, t.bytes_per_segment)
+    held = driver.outstanding()
+    expect(held.mappings == before.mappings, driver, f"mappings after a {where}", before.mappings, held.mappings)
+    expect(held.handles == 0, driver, f"handles held after a {where}", 0, held.handles)
+    states = granule_states(driver, t.base_address, t.max_num_bytes)
+    expect(states == before.granules, driver, f"accessible granules after a {where}", before.granules, states)
+    if before.free is not None:
+        free = device_free(driver)
+        expect(free == before.free, driver, f"cuMemGetInfo free bytes after a {where}", before.free, free)
+    for i, d in enumerate(data):
+        expect_bytes(driver, f"segment {i} after a {where}", t.segment_view(i), d)
+    retry(t)
+    states, want = granule_states(driver, t.base_address, t.max_num_bytes), expected_granules(t)
+    expect(states == want, driver, f"accessible granules after retrying a {where}", want, states)

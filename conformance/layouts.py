@@ -3,15 +3,19 @@ block prefix occupies."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from extensible_kv.layout import AttentionLayer, MambaLayer, footprint, merge  # noqa: F401 - re-exported for the rules
+from extensible_kv.granules import merge  # noqa: F401 - re-exported for the rules
+from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+from extensible_kv.layout import AttentionLayer, MambaLayer, footprint  # noqa: F401 - re-exported for the rules
 
 HEADS, BLOCK, HEAD = 2, 16, 64
 DTYPE = torch.bfloat16
 PAGE = 2 * HEADS * BLOCK * HEAD * 2  # bytes of one block of K and V: 8 KiB
+MAX_BLOCKS = 600  # 600 pages of 8 KiB: several 2 MiB granules per segment
 
 
 def flash_nhd(name: str) -> AttentionLayer:
@@ -49,6 +53,17 @@ LAYOUTS = {
     "hybrid_kv_first_and_mamba": (lambda: (kv_first("l0", block_major=True), mamba("m0")), 1),
     "hybrid_flash_and_mamba": (lambda: (flash_nhd("l0"), mamba("m0")), 1),
 }
+
+
+def kv_cache(driver, layout: str, buffers: int = 2, **kwargs) -> ExtensibleKVCacheBuffers:
+    """``buffers`` KV buffers of ``MAX_BLOCKS`` pages, each with the layers of ``LAYOUTS[layout]`` (named
+    ``b<i>.<layer>``), on ``driver``; ``kwargs`` go to ``ExtensibleKVCacheBuffers``."""
+    make, _ = LAYOUTS[layout]
+    specs = []
+    for i in range(buffers):
+        layers = tuple(dataclasses.replace(layer, name=f"b{i}.{layer.name}") for layer in make())
+        specs.append(KVBuffer(f"b{i}", PAGE, layers))
+    return ExtensibleKVCacheBuffers(specs, MAX_BLOCKS, driver=driver, **kwargs)
 
 
 def granules_of(ranges: list[tuple[int, int]], granularity: int) -> set[int]:

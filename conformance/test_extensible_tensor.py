@@ -11,7 +11,8 @@ import torch
 from extensible_kv import ExtensibleTensor, granules
 from extensible_kv.errors import BusyError, ClosedError, CommitError, InvalidSizeError
 
-from .helpers import expect, expect_bytes, expected_granules, granule_states, odd_tensor, pattern
+from .helpers import (expect, expect_bytes, expect_rolled_back, expected_granules, granule_states, growth_state,
+                      odd_tensor, pattern)
 
 
 def _steps(t: ExtensibleTensor) -> list[int]:
@@ -222,11 +223,6 @@ def _segment_index_out_of_range(t):
     t.segment_view(t.num_segments)
 
 
-def _dtype_that_does_not_divide(t):
-    t.segment_view(0, torch.float64) if t.bytes_per_segment % 8 else t.segment_view(0, torch.complex128).view(-1)
-    raise InvalidSizeError("unreachable")  # noqa: the call above must raise
-
-
 INVALID_USES = [_shrink, _past_reservation, _zero_size, _negative_size, _misaligned_size, _float_size,
                 _segment_index_out_of_range]
 
@@ -293,8 +289,7 @@ def test_failed_growth_rolls_back_completely(driver, op, nth):
     t = odd_tensor(driver, num_segments=3, granules_per_segment=2.5)
     t.resize_per_segment_(1024)
     data = _fill_committed(t, seed=11)
-    before_state = granule_states(driver, t.base_address, t.max_num_bytes)
-    before_maps = driver.outstanding().mappings
+    before = growth_state(driver, t)
     driver.fail(op, nth)
     with pytest.raises(CommitError) as info:
         t.resize_per_segment_(t.segment_bytes)
@@ -302,21 +297,8 @@ def test_failed_growth_rolls_back_completely(driver, op, nth):
     expect((info.value.requested, info.value.committed) == (t.segment_bytes, 1024), driver,
            "CommitError sizes (requested, committed)", (t.segment_bytes, 1024),
            (info.value.requested, info.value.committed))
-    expect(t.bytes_per_segment == 1024, driver, f"bytes_per_segment after a failed {op} #{nth}", 1024,
-           t.bytes_per_segment)
-    expect(driver.outstanding().mappings == before_maps, driver, f"mappings after a failed {op} #{nth}",
-           before_maps, driver.outstanding().mappings)
-    expect(driver.outstanding().handles == 0, driver, f"handles held after a failed {op} #{nth}", 0,
-           driver.outstanding().handles)
-    after_state = granule_states(driver, t.base_address, t.max_num_bytes)
-    expect(after_state == before_state, driver, f"accessible granules after a failed {op} #{nth}", before_state,
-           after_state)
-    for i in range(t.num_segments):
-        expect_bytes(driver, f"segment {i} after a failed {op} #{nth}", t.segment_view(i), data[i])
-    t.resize_per_segment_(t.segment_bytes)  # the tensor is still usable
-    expect(granule_states(driver, t.base_address, t.max_num_bytes) == expected_granules(t), driver,
-           "accessible granules after the retried growth", expected_granules(t),
-           granule_states(driver, t.base_address, t.max_num_bytes))
+    expect_rolled_back(driver, t, f"failed {op} #{nth}", before, 1024, data,
+                       retry=lambda u: u.resize_per_segment_(u.segment_bytes))  # the tensor is still usable
     t.close()
 
 

@@ -11,17 +11,7 @@ from extensible_kv.layout import LayoutError
 
 from . import layouts
 from .helpers import expect, expect_bytes
-
-MAX_BLOCKS = 600  # 600 pages of 8 KiB: several 2 MiB granules per segment
-
-
-def _cache(driver, layout: str, buffers: int = 2, **kwargs) -> ExtensibleKVCacheBuffers:
-    make, _ = layouts.LAYOUTS[layout]
-    specs = []
-    for i in range(buffers):
-        layers = tuple(type(layer)(**{**layer.__dict__, "name": f"b{i}.{layer.name}"}) for layer in make())
-        specs.append(KVBuffer(f"b{i}", layouts.PAGE, layers))
-    return ExtensibleKVCacheBuffers(specs, MAX_BLOCKS, driver=driver, **kwargs)
+from .layouts import MAX_BLOCKS
 
 
 def _mapped_granules(driver, cache, buffer: str) -> set[int]:
@@ -37,7 +27,7 @@ def _mapped_granules(driver, cache, buffer: str) -> set[int]:
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS, ids=list(layouts.LAYOUTS))
 def test_ensure_blocks_maps_the_granules_of_the_block_prefix_and_no_more(driver, layout):
-    cache = _cache(driver, layout)
+    cache = layouts.kv_cache(driver, layout)
     _, want_segments = layouts.LAYOUTS[layout]
     g = driver.granularity()
     for n in (1, 37, MAX_BLOCKS // 2 + 3, MAX_BLOCKS):
@@ -64,7 +54,7 @@ def test_ensure_blocks_maps_the_granules_of_the_block_prefix_and_no_more(driver,
 @pytest.mark.parametrize("layout", layouts.LAYOUTS, ids=list(layouts.LAYOUTS))
 def test_committed_blocks_written_through_layer_views_survive_growth(driver, layout):
     # Layers sharing a buffer share its block pool, as in vLLM: layer j of a buffer owns blocks b with b % L == j.
-    cache = _cache(driver, layout)
+    cache = layouts.kv_cache(driver, layout)
     old_n = 40
     cache.ensure_blocks(old_n)
     written = []
@@ -95,7 +85,7 @@ def test_committed_blocks_written_through_layer_views_survive_growth(driver, lay
 
 
 def test_ensure_blocks_is_idempotent_and_grow_only(driver):
-    cache = _cache(driver, "kv_first")
+    cache = layouts.kv_cache(driver, "kv_first")
     expect(cache.ensure_blocks(50) == 50, driver, "ensure_blocks(50)", 50, cache.num_blocks)
     before = len(driver.calls)
     for n in (10, 50, 0):
@@ -110,7 +100,7 @@ def test_ensure_blocks_is_idempotent_and_grow_only(driver):
 
 
 def test_legacy_mode_commits_every_block_at_construction(driver):
-    cache = _cache(driver, "kv_first", legacy=True)
+    cache = layouts.kv_cache(driver, "kv_first", legacy=True)
     expect(cache.num_blocks == MAX_BLOCKS, driver, "num_blocks in legacy mode", MAX_BLOCKS, cache.num_blocks)
     stats = cache.stats()
     expect(stats.committed_bytes == 2 * MAX_BLOCKS * layouts.PAGE, driver, "committed bytes in legacy mode",
@@ -120,10 +110,10 @@ def test_legacy_mode_commits_every_block_at_construction(driver):
 
 @pytest.mark.parametrize("op", ["create", "map", "set_access", "zero"])
 def test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count(driver, op):
-    cache = _cache(driver, "kv_first", buffers=3)
+    cache = layouts.kv_cache(driver, "kv_first", buffers=3)
     cache.ensure_blocks(20)
     before = driver.outstanding().mappings
-    driver.fail(op, driver.count(op) and 3)  # the third call of the step: inside the second buffer
+    driver.fail(op, 3)  # the third call of the step: inside the second buffer
     with pytest.raises(CommitError):
         cache.ensure_blocks(MAX_BLOCKS)
     expect(cache.num_blocks == 20, driver, f"num_blocks after a failed {op}", 20, cache.num_blocks)
@@ -144,7 +134,7 @@ def test_layers_sharing_a_buffer_must_agree_on_segments(driver):
 
 
 def test_stats_account_reserved_committed_backed_and_waste(driver):
-    cache = _cache(driver, "kv_first", buffers=2)
+    cache = layouts.kv_cache(driver, "kv_first", buffers=2)
     cache.ensure_blocks(33)
     g = driver.granularity()
     stats = cache.stats()

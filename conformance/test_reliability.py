@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from extensible_kv.errors import CommitError, DriverError
-from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 
 from . import layouts
-from .helpers import expect, expect_bytes, expected_granules, granule_states, odd_tensor
+from .helpers import expect, expect_rolled_back, expected_granules, granule_states, growth_state, odd_tensor
+from .layouts import MAX_BLOCKS
 
 STEP_OPS = ("create", "map", "release", "set_access", "zero")
 
@@ -28,10 +28,6 @@ def _calls_of_a_step(driver, make, grow) -> dict[str, int]:
     counts = {op: driver.count(op, since=before) for op in STEP_OPS}
     obj.close()
     return counts
-
-
-def _device_free(driver) -> int | None:
-    return driver.mem_info()[0] if driver.device.type == "cuda" else None
 
 
 def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
@@ -54,27 +50,11 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
             for i, d in enumerate(data):
                 t.segment_view(i).copy_(d)
             driver.synchronize()
-            maps, states, free = driver.outstanding().mappings, granule_states(driver, t.base_address,
-                                                                                 t.max_num_bytes), _device_free(driver)
+            before = growth_state(driver, t)
             driver.fail(op, k)
             with pytest.raises(CommitError):
                 grow(t)
-            where = f"failed {op} #{k} of {total}"
-            expect(t.bytes_per_segment == 1024, driver, f"size after a {where}", 1024, t.bytes_per_segment)
-            expect(driver.outstanding().mappings == maps and driver.outstanding().handles == 0, driver,
-                   f"mappings and handles after a {where}", (len(maps), 0),
-                   (len(driver.outstanding().mappings), driver.outstanding().handles))
-            now = granule_states(driver, t.base_address, t.max_num_bytes)
-            expect(now == states, driver, f"accessible granules after a {where}", states, now)
-            if free is not None:
-                expect(_device_free(driver) == free, driver, f"cuMemGetInfo free bytes after a {where}", free,
-                       _device_free(driver))
-            for i, d in enumerate(data):
-                expect_bytes(driver, f"segment {i} after a {where}", t.segment_view(i), d)
-            grow(t)  # the next growth succeeds
-            expect(granule_states(driver, t.base_address, t.max_num_bytes) == expected_granules(t), driver,
-                   f"accessible granules after retrying a {where}", expected_granules(t),
-                   granule_states(driver, t.base_address, t.max_num_bytes))
+            expect_rolled_back(driver, t, f"failed {op} #{k} of {total}", before, 1024, data, retry=grow)
             t.close()
             swept += 1
     expect(swept == sum(counts.values()), driver, "fault points swept", sum(counts.values()), swept)
@@ -82,13 +62,12 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
 
 def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(driver):
     def make():
-        specs = [KVBuffer(f"b{i}", layouts.PAGE, (layouts.kv_first(f"b{i}.l"),)) for i in range(3)]
-        cache = ExtensibleKVCacheBuffers(specs, 600, driver=driver)
+        cache = layouts.kv_cache(driver, "kv_first", buffers=3)
         cache.ensure_blocks(17)
         return cache
 
     def grow(cache):
-        cache.ensure_blocks(600)
+        cache.ensure_blocks(MAX_BLOCKS)
 
     counts = _calls_of_a_step(driver, make, grow)
     for op, total in counts.items():
@@ -107,7 +86,7 @@ def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(drive
                    f"mappings and handles after a {where}", (len(maps), 0),
                    (len(driver.outstanding().mappings), driver.outstanding().handles))
             grow(cache)
-            expect(cache.num_blocks == 600, driver, f"KV block count after retrying a {where}", 600,
+            expect(cache.num_blocks == MAX_BLOCKS, driver, f"KV block count after retrying a {where}", MAX_BLOCKS,
                    cache.num_blocks)
             cache.close()
 
@@ -121,7 +100,13 @@ def test_failed_reservation_leaves_nothing_behind(driver):
 
 def _run_together(worker, args: list[int]) -> None:
     """Run ``worker(a)`` for every ``a`` on its own thread, all released at once by a barrier."""
-    threads = [threading.Thread(target=worker, args=(a,)) for a in args]
+    barrier = threading.Barrier(len(args))
+
+    def released(a):
+        barrier.wait()
+        worker(a)
+
+    threads = [threading.Thread(target=released, args=(a,)) for a in args]
     for th in threads:
         th.start()
     for th in threads:
@@ -131,11 +116,9 @@ def _run_together(worker, args: list[int]) -> None:
 def test_concurrent_growth_serializes_to_the_largest_size(driver):
     t = odd_tensor(driver, num_segments=2, granules_per_segment=4.5)
     sizes = [random.Random(i).randrange(256, t.segment_bytes, 256) for i in range(16)]
-    barrier = threading.Barrier(len(sizes))
     errors = []
 
     def worker(n):
-        barrier.wait()
         try:
             t.resize_per_segment_(n)
         except Exception as exc:  # a smaller size after a larger one is a shrink: the only allowed error
@@ -153,16 +136,9 @@ def test_concurrent_growth_serializes_to_the_largest_size(driver):
 
 
 def test_concurrent_ensure_blocks_serializes_to_the_largest_count(driver):
-    specs = [KVBuffer(f"b{i}", layouts.PAGE, (layouts.kv_first(f"b{i}.l"),)) for i in range(2)]
-    cache = ExtensibleKVCacheBuffers(specs, 600, driver=driver)
-    counts = [random.Random(i).randrange(1, 600) for i in range(12)]
-    barrier = threading.Barrier(len(counts))
-
-    def worker(n):
-        barrier.wait()
-        cache.ensure_blocks(n)
-
-    _run_together(worker, counts)
+    cache = layouts.kv_cache(driver, "kv_first", buffers=2)
+    counts = [random.Random(i).randrange(1, MAX_BLOCKS) for i in range(12)]
+    _run_together(cache.ensure_blocks, counts)
     expect(cache.num_blocks == max(counts), driver, "blocks after concurrent ensure_blocks", max(counts),
            cache.num_blocks)
     cache.close()

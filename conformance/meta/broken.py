@@ -57,15 +57,13 @@ class DoubleMap(_Broken):
 
 
 class NoRollback(_Broken):
-    """unmap() forgets the mapping but leaves the pages mapped and accessible."""
+    """unmap() forgets the mapping but leaves the pages mapped and accessible (free()'s munmap drops them with the
+    reservation)."""
 
     def unmap(self, va: int, size: int) -> None:
         if self._mappings.get(va, (None,))[0] != size:
             super().unmap(va, size)  # keeps the sub-range refusal
         del self._mappings[va]
-
-    def free(self, va: int, size: int) -> None:
-        super().free(va, size)  # munmap drops the stale pages with the reservation
 
 
 def no_zero() -> NoZero:

@@ -172,9 +172,9 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_default_pool_cache(mon
     kv.allocate(config)
     kv.ensure_blocks(3, reason="warmup")
     mib = 1 << 20
-    segments = [{"device": 1, "segment_pool_id": (0, 0), "total_size": 40 * mib, "active_size": 10 * mib},
-                {"device": 1, "segment_pool_id": (7, 0), "total_size": 200 * mib, "active_size": 0},
-                {"device": 0, "segment_pool_id": (0, 0), "total_size": 90 * mib, "active_size": 0}]
+    segments = [_segment((0, 0), 40 * mib, 10 * mib, device=1),
+                _segment((7, 0), 200 * mib, 0, device=1),
+                _segment((0, 0), 90 * mib, 0)]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (5 * GIB, 8 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)

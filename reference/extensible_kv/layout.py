@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ExtensibleKVError
-from .granules import merge  # noqa: F401 - re-exported next to footprint
 
 BLOCK_SENTINEL = 1234567
 """Block count passed to ``get_kv_cache_shape`` to find the block dimension (vLLM's own trick)."""
