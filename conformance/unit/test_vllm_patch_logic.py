@@ -191,3 +191,51 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_default_pool_cache(mon
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
+
+
+# -- the worker's driver ---------------------------------------------------------------------------------------------
+class _RecordingDriver:
+    def __init__(self, ordinal: int = 0) -> None:
+        self.ordinal = ordinal
+
+
+class _UnavailableDriver:
+    def __init__(self, ordinal: int = 0) -> None:
+        from extensible_kv.errors import DriverUnavailable
+
+        raise DriverUnavailable(f"no usable device {ordinal}")
+
+
+def _worker_platform(monkeypatch, *, rocm: bool, cuda_driver: type, hip_driver: type, device: int) -> None:
+    import sys
+
+    from extensible_kv.drivers import cuda, hip
+
+    platform = SimpleNamespace(is_rocm=lambda: rocm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=platform))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(cuda, "CudaDriver", cuda_driver)
+    monkeypatch.setattr(hip, "HipDriver", hip_driver)
+
+
+@pytest.mark.parametrize("rocm", [False, True], ids=["cuda", "rocm"])
+def test_worker_driver_is_built_on_the_workers_own_device(monkeypatch, rocm):
+    class Cuda(_RecordingDriver):
+        pass
+
+    class Hip(_RecordingDriver):
+        pass
+
+    _worker_platform(monkeypatch, rocm=rocm, cuda_driver=Cuda, hip_driver=Hip, device=3)
+    got = patches._platform_driver()
+    want = Hip if rocm else Cuda
+    assert type(got) is want and got.ordinal == 3, \
+        f"worker driver (rocm={rocm}): expected {want.__name__} on device 3, got {type(got).__name__} on " \
+        f"{getattr(got, 'ordinal', None)}"
+
+
+def test_worker_driver_that_cannot_run_is_unsupported_naming_the_driver_and_the_reason(monkeypatch):
+    _worker_platform(monkeypatch, rocm=False, cuda_driver=_UnavailableDriver, hip_driver=_RecordingDriver, device=3)
+    with pytest.raises(ExtensibleKVUnsupported, match=r"the cuda driver cannot run in this worker: "
+                                                      r"no usable device 3"):
+        patches._platform_driver()
