@@ -10,7 +10,7 @@ import torch
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.layout import attention_view
+from extensible_kv.layout import LayoutError, attention_view
 from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
 from extensible_kv.vllm.sizing import MemoryState, reusable_cache
 
@@ -112,6 +112,26 @@ def _kv_first_reshape(raw: dict) -> dict:
 
 def test_derive_segments_reads_the_runners_own_views():
     assert worker_kv.derive_segments(_kv_config(100, 8192), _kv_first_reshape) == [2, 2]
+
+
+def _disagreeing_reshape(raw: dict) -> dict:
+    # layer0: K/V-first (2 segments); layer1 and the Mamba-like list of layer2: block-major (1) and K/V-first (2).
+    out = {}
+    for name, t in raw.items():
+        kv_first = _kv_first_reshape({name: t})[name]
+        block_major = attention_view(t, kv_first.shape, (1, 0, 2, 3, 4), torch.bfloat16)
+        out[name] = {"layer0": kv_first, "layer1": block_major,
+                     "layer2": [block_major.transpose(0, 1), kv_first.transpose(0, 1)]}[name]
+    return out
+
+
+@pytest.mark.parametrize("shared_by", [["layer0", "layer1"], ["layer2"]], ids=["two-layers", "one-layer-states"])
+def test_derive_segments_refuses_views_of_one_tensor_that_disagree(shared_by):
+    config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[
+        SimpleNamespace(size=100 * 8192, shared_by=shared_by, block_stride=0)])
+    with pytest.raises(LayoutError, match="disagree on segments"):
+        segments = worker_kv.derive_segments(config, _disagreeing_reshape)
+        pytest.fail(f"derive_segments over {shared_by}: expected LayoutError, got segments {segments}")
 
 
 def test_packed_layouts_are_refused():

@@ -16,7 +16,7 @@ run on the ``meta`` device before any memory exists.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +198,20 @@ class MambaLayer:
 Layer = AttentionLayer | MambaLayer
 
 
+def agreed_segments(views: Iterable[tuple[str, torch.Tensor, int]], buffer_bytes: int) -> Segments | None:
+    """The segments every ``(layer name, view, block dim)`` of one buffer of ``buffer_bytes`` gives (each view of a
+    layer counts: Mamba layers have several); they must all agree. ``None`` when there is no view."""
+    first: tuple[str, Segments] | None = None
+    for name, view, block_dim in views:
+        seg = segments_of(view, block_dim, buffer_bytes)
+        if first is None:
+            first = (name, seg)
+        elif seg != first[1]:
+            raise LayoutError(f"layers sharing one buffer disagree on segments: {first[0]} has {first[1].count}, "
+                              f"{name} has {seg.count}")
+    return first[1] if first else None
+
+
 def buffer_segments(layers: Sequence[Layer], page_size_bytes: int, num_blocks: int) -> Segments:
     """The segments of a buffer of ``num_blocks`` pages shared by ``layers``; they must all agree.
 
@@ -207,19 +221,16 @@ def buffer_segments(layers: Sequence[Layer], page_size_bytes: int, num_blocks: i
         raise LayoutError("a KV cache buffer needs at least one layer")
     nbytes = page_size_bytes * num_blocks
     raw = torch.empty(nbytes, dtype=torch.int8, device="meta")
-    found: dict[str, Segments] = {}
-    for layer in layers:
-        if layer.page_size_bytes() > page_size_bytes:
-            raise LayoutError(f"layer {layer.name} needs {layer.page_size_bytes()} bytes per block, the buffer's "
-                              f"page is {page_size_bytes}")
-        for view, block_dim in zip(layer.views(raw, num_blocks), layer.block_dims()):
-            seg = segments_of(view, block_dim, nbytes)
-            if found and seg != next(iter(found.values())):
-                other, first = next(iter(found.items()))
-                raise LayoutError(f"layers sharing one buffer disagree on segments: {other} has {first.count}, "
-                                  f"{layer.name} has {seg.count}")
-            found[layer.name] = seg
-    return next(iter(found.values()))
+
+    def views() -> Iterator[tuple[str, torch.Tensor, int]]:
+        for layer in layers:
+            if layer.page_size_bytes() > page_size_bytes:
+                raise LayoutError(f"layer {layer.name} needs {layer.page_size_bytes()} bytes per block, the "
+                                  f"buffer's page is {page_size_bytes}")
+            for view, block_dim in zip(layer.views(raw, num_blocks), layer.block_dims()):
+                yield layer.name, view, block_dim
+
+    return agreed_segments(views(), nbytes)
 
 
 # -- vLLM backends ----------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ExtensibleKVError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
-from ..layout import LayoutError, segments_of
+from ..layout import agreed_segments
 from .sizing import MemoryState, reusable_cache
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -70,15 +70,9 @@ def derive_segments(kv_cache_config: object, reshape: Callable[[dict[str, torch.
     views = reshape(raw)
     counts = []
     for tensor, page in zip(kv_cache_config.kv_cache_tensors, pages):
-        found = {}
-        for name in tensor.shared_by:
-            if name not in views:
-                continue
-            for view, dim in _views(views[name]):
-                found[name] = segments_of(view, dim, page * SENTINEL_BLOCKS).count
-        if len(set(found.values())) > 1:
-            raise LayoutError(f"layers sharing a KV cache tensor disagree on segments: {found}")
-        counts.append(next(iter(found.values()), 1))
+        seg = agreed_segments(((name, view, dim) for name in tensor.shared_by if name in views
+                               for view, dim in _views(views[name])), page * SENTINEL_BLOCKS)
+        counts.append(seg.count if seg else 1)
     return counts
 
 
