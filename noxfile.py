@@ -98,6 +98,15 @@ def layouts(session: nox.Session) -> None:
     _pytest(session, "integration/test_backend_layouts.py", *session.posargs)
 
 
+@nox.session(venv_backend="virtualenv")
+def stress(session: nox.Session) -> None:
+    """The stateful hostile-use rule at 10,000 examples per driver (default: host,host-4k; `-- --driver cuda`)."""
+    _install(session, "-e", ".", *TEST_DEPS)
+    session.env["EXTENSIBLE_KV_STATEFUL_EXAMPLES"] = "10000"
+    _pytest(session, "conformance/test_stateful_use.py", "--driver", "host,host-4k", "-p", "no:cacheprovider",
+            *session.posargs)
+
+
 @nox.session(tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
     """Commit-path benchmarks on the best available driver; JSON in reports/out/, the summary table at the end."""

@@ -65,13 +65,16 @@ def _selection(config: pytest.Config) -> _Selection:
 
 
 def _build(config: pytest.Config, spec: str) -> object:
-    """The driver for ``spec`` (built once per session), or the reason it cannot be built."""
+    """The driver for ``spec`` (built once per session), or the reason it cannot be built: unavailable here, a
+    spec that does not load, or a factory that raised or returned something that is not a driver."""
     sel = _selection(config)
     if spec not in sel.built:
         try:
             sel.built[spec] = drivers.get_driver(spec)
-        except DriverUnavailable as exc:
+        except (DriverUnavailable, DriverLoadError) as exc:
             sel.built[spec] = str(exc)
+        except Exception as exc:  # the factory itself failed
+            sel.built[spec] = f"driver {spec!r}: its factory raised {type(exc).__name__}: {exc}"
     return sel.built[spec]
 
 
@@ -91,12 +94,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     sel = _selection(config)
     lines = [f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
     for spec in sel.specs:
-        try:
-            reason = drivers.probe(spec) if ":" not in spec else None
-        except DriverLoadError as exc:
-            reason = str(exc)
-        lines.append(f"driver {spec}: {'available' if reason is None else 'unavailable: ' + reason}"
-                     f"{' (named explicitly)' if sel.explicit else ''}")
+        if sel.explicit:  # built now, so a spec that does not load is named once, here
+            built = _build(config, spec)
+            reason = built if isinstance(built, str) else None
+        else:
+            reason = drivers.probe(spec)
+        lines.append(f"driver {spec}: {'available' if reason is None else 'cannot run: ' + reason}"
+                     f"{' (named explicitly: every rule errors)' if sel.explicit and reason else ''}")
     env = {k: v for k, v in os.environ.items() if k.startswith("EXTENSIBLE_KV_")}
     if env:
         lines.append("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))

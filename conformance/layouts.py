@@ -66,5 +66,10 @@ def kv_cache(driver, layout: str, buffers: int = 2, **kwargs) -> ExtensibleKVCac
     return ExtensibleKVCacheBuffers(specs, MAX_BLOCKS, driver=driver, **kwargs)
 
 
+def kv_cache_blocks(driver, max_num_blocks: int) -> ExtensibleKVCacheBuffers:
+    """One ``flash_nhd`` buffer of ``max_num_blocks`` pages on ``driver``."""
+    return ExtensibleKVCacheBuffers([KVBuffer("b0", PAGE, (flash_nhd("b0.l0"),))], max_num_blocks, driver=driver)
+
+
 def granules_of(ranges: list[tuple[int, int]], granularity: int) -> set[int]:
     return {k for lo, hi in ranges for k in range(lo // granularity, math.ceil(hi / granularity))}

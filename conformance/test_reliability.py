@@ -17,7 +17,16 @@ from . import layouts
 from .helpers import expect, expect_rolled_back, expected_granules, granule_states, growth_state, odd_tensor
 from .layouts import MAX_BLOCKS
 
-STEP_OPS = ("create", "map", "release", "set_access", "zero")
+STEP_OPS = ("create", "map", "release", "set_access", "zero", "synchronize")
+
+
+class Interrupt(KeyboardInterrupt):
+    """A KeyboardInterrupt raised on purpose (so a real Ctrl-C is never mistaken for it)."""
+
+
+# What fails at a driver call of a growth step, and what the step must raise: a driver error becomes CommitError; an
+# interrupt (any BaseException) is re-raised as it is, after the same rollback.
+FAULTS = {"driver_error": (lambda op: None, CommitError), "keyboard_interrupt": (lambda op: Interrupt(), Interrupt)}
 
 
 def _calls_of_a_step(driver, make, grow) -> dict[str, int]:
@@ -30,7 +39,8 @@ def _calls_of_a_step(driver, make, grow) -> dict[str, int]:
     return counts
 
 
-def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
+@pytest.mark.parametrize("fault", FAULTS)
+def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver, fault):
     def make():
         t = odd_tensor(driver, num_segments=3, granules_per_segment=3.5)
         t.resize_per_segment_(1024)
@@ -51,8 +61,9 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
                 t.segment_view(i).copy_(d)
             driver.synchronize()
             before = growth_state(driver, t)
-            driver.fail(op, k)
-            with pytest.raises(CommitError):
+            error, raised = FAULTS[fault]
+            driver.fail(op, k, error(op))
+            with pytest.raises(raised):
                 grow(t)
             expect_rolled_back(driver, t, f"failed {op} #{k} of {total}", before, 1024, data, retry=grow)
             t.close()
@@ -60,7 +71,8 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver):
     expect(swept == sum(counts.values()), driver, "fault points swept", sum(counts.values()), swept)
 
 
-def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(driver):
+@pytest.mark.parametrize("fault", FAULTS)
+def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(driver, fault):
     def make():
         cache = layouts.kv_cache(driver, "kv_first", buffers=3)
         cache.ensure_blocks(17)
@@ -74,8 +86,9 @@ def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(drive
         for k in range(1, total + 1):
             cache = make()
             maps = driver.outstanding().mappings
-            driver.fail(op, k)
-            with pytest.raises(CommitError):
+            error, raised = FAULTS[fault]
+            driver.fail(op, k, error(op))
+            with pytest.raises(raised):
                 grow(cache)
             where = f"failed {op} #{k} of {total}"
             sizes = {b.name: cache.tensor(b.name).bytes_per_segment for b in cache.buffers}

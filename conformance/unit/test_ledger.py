@@ -128,6 +128,7 @@ VALID_CALLS = {
     "unmap": lambda w: w.ledger.unmap(w.va, 2 * G),
     "set_access": lambda w: w.ledger.set_access(w.va, 2 * G),
     "zero": lambda w: w.ledger.zero(w.va, G),
+    "synchronize": lambda w: w.ledger.synchronize(),
 }
 
 

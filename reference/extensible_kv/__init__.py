@@ -2,13 +2,14 @@
 
 from .drivers import Driver, Ledger, best_available, get_driver, probe, register, registered
 from .errors import (BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverLoadError,
-                     DriverOutOfMemory, DriverUnavailable, ExtensibleKVError, InvalidSizeError, ProtocolViolation)
+                     DriverOutOfMemory, DriverUnavailable, ExtensibleKVError, InvalidArgumentError, InvalidSizeError,
+                     ProtocolViolation)
 from .tensor import ExtensibleTensor, TensorStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BusyError", "ClosedError", "CommitError", "CommitOutOfMemory", "Driver", "DriverError", "DriverLoadError",
-    "DriverOutOfMemory", "DriverUnavailable", "ExtensibleKVError", "ExtensibleTensor", "InvalidSizeError", "Ledger",
+    "DriverOutOfMemory", "DriverUnavailable", "ExtensibleKVError", "ExtensibleTensor", "InvalidArgumentError", "InvalidSizeError", "Ledger",
     "ProtocolViolation", "TensorStats", "best_available", "get_driver", "probe", "register", "registered",
 ]

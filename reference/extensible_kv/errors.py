@@ -16,6 +16,10 @@ class InvalidSizeError(ExtensibleKVError, ValueError):
     """A size, count or index is out of range, misaligned, or would shrink a grow-only object."""
 
 
+class InvalidArgumentError(ExtensibleKVError, TypeError):
+    """An argument has the wrong type (a dtype that is not a ``torch.dtype``, say); the message names it."""
+
+
 class ClosedError(ExtensibleKVError, RuntimeError):
     """The object was closed; its memory is gone and it can no longer be used."""
 

@@ -8,6 +8,7 @@ step: if any buffer fails, the buffers grown in that step are retracted and the 
 Per-layer views come in two kinds: ``layer_views`` at the full upper-bound shape, whose addresses never change
 (what captured CUDA graphs and vLLM's forward context hold), and ``committed_layer_views`` over exactly the
 committed blocks. Legacy mode commits everything at construction: the path when the feature is off.
+After ``close()`` every method but ``close`` raises ``ClosedError``; the buffers cannot be copied or pickled.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .drivers import Driver, resolve
-from .errors import CommitError, InvalidSizeError
+from .drivers._records import MAX_BYTES
+from .errors import ClosedError, InvalidSizeError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, _check_int
+from .tensor import ExtensibleTensor, _check_int, _refuse_copy
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,10 @@ class ExtensibleKVCacheBuffers:
             _check_int(f"page_size_bytes of buffer {b.name}", b.page_size_bytes)
             if b.page_size_bytes <= 0:
                 raise InvalidSizeError(f"buffer {b.name}: page_size_bytes must be positive, got {b.page_size_bytes}")
+            if b.page_size_bytes * max_num_blocks >= MAX_BYTES:
+                raise InvalidSizeError(f"buffer {b.name}: max_num_blocks={max_num_blocks} pages of "
+                                       f"{b.page_size_bytes} bytes do not fit a 64-bit address space (at most "
+                                       f"{MAX_BYTES - 1} bytes)")
         segments = [b.segments(max_num_blocks) for b in buffers]
         for b, seg in zip(buffers, segments):
             if b.page_size_bytes % seg.count:
@@ -108,6 +114,7 @@ class ExtensibleKVCacheBuffers:
         self._buffers = tuple(buffers)
         self._max_num_blocks = max_num_blocks
         self._num_blocks = 0
+        self._closed = False
         self._lock = threading.Lock()
         self._tensors: dict[str, ExtensibleTensor] = {}
         try:
@@ -139,11 +146,16 @@ class ExtensibleKVCacheBuffers:
     def buffers(self) -> tuple[KVBuffer, ...]:
         return self._buffers
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def raw(self, buffer: str) -> torch.Tensor:
         """The whole buffer as a 1-D int8 tensor at its upper-bound size (what vLLM's runners reshape)."""
         return self.tensor(buffer).full_view(torch.int8)
 
     def tensor(self, buffer: str) -> ExtensibleTensor:
+        self._check_open("tensor")
         if buffer not in self._tensors:
             raise InvalidSizeError(f"unknown buffer {buffer!r}; buffers: {sorted(self._tensors)}")
         return self._tensors[buffer]
@@ -152,7 +164,8 @@ class ExtensibleKVCacheBuffers:
     def ensure_blocks(self, num_blocks: int, zero_new: bool = True) -> int:
         """Commit blocks ``[0, num_blocks)`` in every segment of every buffer; return the committed block count.
 
-        Idempotent and grow-only: a count at or below the committed one does nothing. All buffers grow as one step.
+        Idempotent and grow-only: a count at or below the committed one does nothing. All buffers grow as one step:
+        on any exception (a failed commit, a closed buffer, KeyboardInterrupt) the buffers grown in it are retracted.
         """
         num_blocks = _check_int("num_blocks", num_blocks)
         if num_blocks < 0:
@@ -161,6 +174,7 @@ class ExtensibleKVCacheBuffers:
             raise InvalidSizeError(f"num_blocks={num_blocks} exceeds the reserved upper bound "
                                    f"max_num_blocks={self._max_num_blocks}")
         with self._lock:
+            self._check_open("ensure_blocks")
             if num_blocks <= self._num_blocks:
                 return self._num_blocks
             marks = []
@@ -169,9 +183,10 @@ class ExtensibleKVCacheBuffers:
                     t = self._tensors[b.name]
                     marks.append((t, t._mark()))
                     t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments), zero_new=zero_new)
-            except CommitError:
-                for t, mark in reversed(marks[:-1]):
-                    t._retract(mark)
+            except BaseException:
+                for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
+                    if not t.closed:
+                        t._retract(mark)
                 raise
             self._num_blocks = num_blocks
             return num_blocks
@@ -189,12 +204,14 @@ class ExtensibleKVCacheBuffers:
         return [v.narrow(d, 0, self._num_blocks) for v, d in self._layer(layer)]
 
     def _layer(self, layer: str) -> list[tuple[torch.Tensor, int]]:
+        self._check_open("layer views")
         if layer not in self._views:
             raise InvalidSizeError(f"unknown layer {layer!r}; layers: {sorted(self._views)[:8]}")
         return self._views[layer]
 
     # -- accounting and lifetime -------------------------------------------------------------------------------
     def stats(self) -> KVCacheStats:
+        self._check_open("stats")
         rows = []
         for b in self._buffers:
             s = self._tensors[b.name].stats()
@@ -209,6 +226,22 @@ class ExtensibleKVCacheBuffers:
 
     def close(self) -> None:
         """Drop the views this object holds and close every buffer (forcing: callers promise not to use views)."""
-        self._views = {}
-        for t in self._tensors.values():
-            t.close(force=True)
+        with self._lock:
+            self._closed = True
+            self._views = {}
+            for t in self._tensors.values():
+                t.close(force=True)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                              f"max_num_blocks={self._max_num_blocks})")
+
+    def __copy__(self) -> ExtensibleKVCacheBuffers:
+        _refuse_copy(self)
+
+    def __deepcopy__(self, memo: dict) -> ExtensibleKVCacheBuffers:
+        _refuse_copy(self)
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        _refuse_copy(self)

@@ -13,6 +13,18 @@ Lifetimes: every tensor this object hands out (``segment_view``, ``full_view``) 
 outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or by
 garbage collection, through a ``weakref.finalize`` that holds the memory record, not the object, so no callback
 ever drops the last reference to the object that is running it. ``close()`` refuses while views are alive.
+A tensor cannot be copied or pickled (``TypeError``): a copy would be a second owner of the same memory.
+
+Note [Nothing is unmapped at interpreter exit]
+    At exit the interpreter runs finalizers while daemon threads may still write through views; unmapping there
+    would pull memory from under them (a fault, not an error). A tensor still open at exit is therefore left
+    mapped, and the process's exit returns its memory.
+
+Note [Forked children]
+    A forked child inherits the parent's mappings, but not ownership of them: the child's tensor finalizers and
+    ``close()`` return nothing to the driver (the parent still uses the memory), and the host driver refuses every
+    call from a child with ``DriverError`` (CUDA forbids using a context after fork). Views the child inherited
+    still see the parent's committed bytes (host memfds are shared mappings): a child must not write them.
 
 Note [CUDA graphs do not keep memory alive]
     A captured CUDA graph holds raw addresses, not Python references. Growth never moves the base, so graphs
@@ -24,6 +36,7 @@ Note [CUDA graphs do not keep memory alive]
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -32,8 +45,10 @@ import torch
 
 from . import granules
 from .drivers import Driver, resolve
+from .drivers._records import MAX_BYTES
 from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
-    InvalidSizeError
+    InvalidArgumentError, InvalidSizeError
+from .reaper import busy, reap
 
 
 def _check_int(name: str, value: object) -> int:
@@ -42,14 +57,27 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
+def _itemsize(dtype: object) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _refuse_copy(obj: object) -> None:
+    raise TypeError(f"{type(obj).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
+                    f"would free it under the first one's views; share the object, or copy a view's bytes")
+
+
 @dataclass
 class _Memory:
-    """What must be returned to the driver: the reservation and the live mappings (va, size)."""
+    """What must be returned to the driver: the reservation and the live mappings (va, size), made in process
+    ``pid`` (a forked child does not own it)."""
 
     driver: Driver
     base: int
     reserved: int
     mappings: list[tuple[int, int]] = field(default_factory=list)
+    pid: int = field(default_factory=os.getpid)
 
 
 def _unmap_down_to(memory: _Memory, count: int) -> None:
@@ -62,8 +90,16 @@ def _unmap_down_to(memory: _Memory, count: int) -> None:
 
 
 def _teardown(memory: _Memory) -> None:
-    _unmap_down_to(memory, 0)
-    memory.driver.free(memory.base, memory.reserved)
+    if memory.pid != os.getpid():  # Note [Forked children]
+        return
+    with busy():
+        _unmap_down_to(memory, 0)
+        memory.driver.free(memory.base, memory.reserved)
+
+
+def _collected(memory: _Memory) -> None:
+    """The finalizer: see Note [Finalizers never wait on a driver lock] in ``reaper``."""
+    reap(_teardown, memory)
 
 
 @dataclass(frozen=True)
@@ -116,6 +152,9 @@ class ExtensibleTensor:
                                    f"(remainder {max_num_bytes % num_segments})")
         if alignment <= 0:
             raise InvalidSizeError(f"alignment must be positive, got {alignment}")
+        if max_num_bytes >= MAX_BYTES:
+            raise InvalidSizeError(f"max_num_bytes={max_num_bytes} does not fit a 64-bit address space (at most "
+                                   f"{MAX_BYTES - 1} bytes)")
         segment_bytes = max_num_bytes // num_segments
         if segment_bytes % alignment:
             raise InvalidSizeError(f"segment size {segment_bytes} (max_num_bytes={max_num_bytes} / "
@@ -123,6 +162,10 @@ class ExtensibleTensor:
         driver = resolve(driver)
         self._driver = driver
         self._granularity = g = driver.granularity()
+        reserved = -(-max_num_bytes // g) * g
+        if reserved >= MAX_BYTES:
+            raise InvalidSizeError(f"max_num_bytes={max_num_bytes} rounded up to the {driver.name} granularity {g} "
+                                   f"does not fit a 64-bit address space (at most {MAX_BYTES - 1} bytes)")
         self._max_num_bytes = max_num_bytes
         self._num_segments = num_segments
         self._segment_bytes = segment_bytes
@@ -130,10 +173,11 @@ class ExtensibleTensor:
         self._per_segment = 0
         self._lock = threading.Lock()
         self._views: weakref.WeakSet[_ViewKeeper] = weakref.WeakSet()
-        reserved = -(-max_num_bytes // g) * g
-        base = driver.reserve(reserved, g)
+        with busy():
+            base = driver.reserve(reserved, g)
         self._memory = _Memory(driver, base, reserved)
-        self._finalizer = weakref.finalize(self, _teardown, self._memory)
+        self._finalizer = weakref.finalize(self, _collected, self._memory)
+        self._finalizer.atexit = False  # Note [Nothing is unmapped at interpreter exit]
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -226,33 +270,36 @@ class ExtensibleTensor:
         return self
 
     def _grow(self, old: int, new: int, zero_new: bool) -> None:
-        driver, g, base = self._driver, self._granularity, self._memory.base
+        """One all-or-nothing growth step. Each mapping is on record (``_memory.mappings``) the moment it exists, so
+        an exception of any kind, KeyboardInterrupt included, at any point rolls back exactly what was made."""
+        driver, g, memory = self._driver, self._granularity, self._memory
         runs = granules.new_granule_runs(self._segment_bytes, self._num_segments, old, new, g)
         cap = driver.max_handle_bytes
         max_granules = max(cap // g, 1) if cap else None
-        mapped: list[tuple[int, int]] = []
+        mark = len(memory.mappings)
         pending = None  # a handle created and not yet released
         op = "create"
         try:
-            for lo, hi in runs:
-                for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
-                    va, size = base + c_lo * g, (c_hi - c_lo) * g
-                    op = "create"
-                    pending = driver.create(size)
-                    op = "map"
-                    driver.map(va, size, pending, 0)
-                    mapped.append((va, size))
-                    op = "release"
-                    driver.release(pending)  # the mapping keeps the memory alive
-                    pending = None
-                op = "set_access"
-                driver.set_access(base + lo * g, (hi - lo) * g)
-            if zero_new:
-                op = "zero"
-                for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
-                    driver.zero(base + lo, hi - lo)
-        except Exception as exc:
-            problems = self._rollback(mapped, pending)
+            with busy():
+                for lo, hi in runs:
+                    for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
+                        va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
+                        op = "create"
+                        pending = driver.create(size)
+                        op = "map"
+                        driver.map(va, size, pending, 0)
+                        memory.mappings.append((va, size))
+                        op = "release"
+                        driver.release(pending)  # the mapping keeps the memory alive
+                        pending = None
+                    op = "set_access"
+                    driver.set_access(memory.base + lo * g, (hi - lo) * g)
+                if zero_new:
+                    op = "zero"
+                    for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
+                        driver.zero(memory.base + lo, hi - lo)
+        except BaseException as exc:
+            problems = self._rollback(mark, pending)
             if not isinstance(exc, DriverError):
                 raise
             kind = CommitOutOfMemory if isinstance(exc, DriverOutOfMemory) else CommitError
@@ -261,24 +308,30 @@ class ExtensibleTensor:
                        f"({self._num_segments} segment(s), {new * self._num_segments} bytes in all) failed at "
                        f"{op}: {exc}; kept {old} bytes per segment{detail}",
                        operation=op, requested=new, committed=old) from exc
-        self._memory.mappings.extend(mapped)
 
-    def _rollback(self, mapped: list[tuple[int, int]], pending: object) -> list[str]:
+    def _rollback(self, mark: int, pending: object) -> list[str]:
+        """Unmap the mappings made since ``mark`` (newest first) and release ``pending``; a mapping whose unmap
+        fails stays on record so ``close()`` retries it. Returns what could not be undone."""
         problems = []
-        driver = self._driver
-        if mapped:
-            driver.synchronize()
-        for va, size in reversed(mapped):
-            try:
-                driver.unmap(va, size)
-            except Exception as exc:  # keep it on record so close() retries
-                self._memory.mappings.append((va, size))
-                problems.append(f"unmap({va:#x}, {size}): {exc}")
-        if pending is not None:
-            try:
-                driver.release(pending)
-            except Exception as exc:
-                problems.append(f"release: {exc}")
+        driver, mappings = self._driver, self._memory.mappings
+        with busy():
+            if len(mappings) > mark:
+                driver.synchronize()
+            kept = []
+            while len(mappings) > mark:
+                va, size = mappings[-1]
+                try:
+                    driver.unmap(va, size)
+                except Exception as exc:
+                    kept.append((va, size))
+                    problems.append(f"unmap({va:#x}, {size}): {exc}")
+                mappings.pop()
+            mappings.extend(reversed(kept))
+            if pending is not None:
+                try:
+                    driver.release(pending)
+                except Exception as exc:
+                    problems.append(f"release: {exc}")
         return problems
 
     def _mark(self) -> tuple[int, int]:
@@ -288,7 +341,7 @@ class ExtensibleTensor:
     def _retract(self, mark: tuple[int, int]) -> None:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step)."""
         per_segment, count = mark
-        with self._lock:
+        with self._lock, busy():
             _unmap_down_to(self._memory, count)
             self._per_segment = per_segment
 
@@ -296,15 +349,16 @@ class ExtensibleTensor:
     def segment_view(self, index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over exactly the committed bytes of segment ``index``, as ``dtype``."""
         index = _check_int("index", index)
-        self._check_open("segment_view")
+        itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
             raise InvalidSizeError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         start = index * self._segment_bytes
-        if start % itemsize or self._per_segment % itemsize:
-            raise InvalidSizeError(f"segment {index} (offset {start}, {self._per_segment} committed bytes) is not "
-                                   f"a whole number of {dtype} elements of {itemsize} bytes")
-        return self._view(start, self._per_segment, dtype)
+        with self._lock:
+            self._check_open("segment_view")
+            if start % itemsize or self._per_segment % itemsize:
+                raise InvalidSizeError(f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
+                                       f"not a whole number of {dtype} elements of {itemsize} bytes")
+            return self._view(start, self._per_segment, dtype)
 
     def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not.
@@ -312,19 +366,22 @@ class ExtensibleTensor:
         Its address is stable for the tensor's lifetime, so it can be captured (e.g. in CUDA graphs) before the
         bytes are committed. Touching bytes outside the committed prefixes is undefined (a fault on most drivers).
         """
-        self._check_open("full_view")
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = _itemsize(dtype)
         if self._max_num_bytes % itemsize:
             raise InvalidSizeError(f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} "
                                    f"elements of {itemsize} bytes")
-        return self._view(0, self._max_num_bytes, dtype)
+        with self._lock:
+            self._check_open("full_view")
+            return self._view(0, self._max_num_bytes, dtype)
 
     def _view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``[offset, offset+nbytes)``; called with the lock held, so ``close()`` cannot run meanwhile."""
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self._driver.device)
         keeper = _ViewKeeper(self)
+        with busy():
+            raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)
         self._views.add(keeper)
-        raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)
         return raw.view(dtype)
 
     # -- lifetime ----------------------------------------------------------------------------------------------
@@ -346,7 +403,23 @@ class ExtensibleTensor:
             if self._views and not force:
                 raise BusyError(f"cannot close {self!r}: {len(self._views)} view(s) of its memory are alive; drop "
                                 f"them first or pass force=True")
-            self._finalizer()
+            if not self._finalizer.detach():
+                return
+            try:  # always now, never deferred: the caller waits for the memory to go
+                _teardown(self._memory)
+            except BaseException:  # what was returned is off the record; close() again retries the rest
+                self._finalizer = weakref.finalize(self, _collected, self._memory)
+                self._finalizer.atexit = False
+                raise
+
+    def __copy__(self) -> ExtensibleTensor:
+        _refuse_copy(self)
+
+    def __deepcopy__(self, memo: dict) -> ExtensibleTensor:
+        _refuse_copy(self)
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        _refuse_copy(self)
 
     def _check_open(self, op: str) -> None:
         if self.closed:

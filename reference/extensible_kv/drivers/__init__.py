@@ -76,7 +76,8 @@ def get_driver(spec: str) -> Driver:
         reason = probe(spec)
         if reason:
             raise DriverUnavailable(f"driver {spec!r} is unavailable: {reason}")
-        return _check_driver(spec, _REGISTRY[spec].factory())
+        driver = _REGISTRY[spec].factory()
+        return _check_driver(f"driver {spec!r} built {type(driver).__name__}", driver)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise DriverLoadError(f"driver spec {spec!r} must look like 'package.module:factory'")
@@ -87,25 +88,26 @@ def get_driver(spec: str) -> Driver:
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise DriverLoadError(f"driver spec {spec!r}: {module_name} has no callable {attr!r}")
-    return _check_driver(spec, factory())
+    driver = factory()
+    return _check_driver(f"driver spec {spec!r} built {type(driver).__name__}", driver)
 
 
 def resolve(driver: Driver | str | None) -> Driver:
     """The driver a ``driver=`` argument names: ``None`` is ``best_available()``, a string is built by
-    ``get_driver``, anything else is returned as it is (a driver object)."""
+    ``get_driver``, anything else must be a driver object (``DriverLoadError`` names what it lacks)."""
     if driver is None:
         driver = best_available()
     if isinstance(driver, str):
-        driver = get_driver(driver)
-    return driver
+        return get_driver(driver)
+    return _check_driver(f"driver={driver!r} is a {type(driver).__name__}", driver)
 
 
-def _check_driver(spec: str, driver: object) -> Driver:
+def _check_driver(what: str, driver: object) -> Driver:
+    """``driver`` if it has every protocol method and attribute; ``what`` says where it came from."""
     missing = [m for m in DRIVER_METHODS if not callable(getattr(driver, m, None))]
     missing += [a for a in ("name", "device", "max_handle_bytes") if not hasattr(driver, a)]
     if missing:
-        raise DriverLoadError(f"driver spec {spec!r} built {type(driver).__name__}, which lacks the protocol's "
-                              f"{', '.join(missing)}")
+        raise DriverLoadError(f"{what}, which lacks the protocol's {', '.join(missing)}")
     return driver  # type: ignore[return-value]
 
 

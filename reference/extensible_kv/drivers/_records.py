@@ -11,6 +11,22 @@ from collections.abc import Iterable
 
 from ..errors import DriverError
 
+MAX_BYTES = 1 << 63
+"""Sizes and addresses are below this: a 64-bit address space, and what every native API takes without truncation
+(a ``size_t`` past it wraps, and a wrapped size maps over unrelated memory)."""
+
+
+def check_range(op: str, **values: int) -> None:
+    """Refuse ``op`` when a size, address or offset is not an int in ``[0, MAX_BYTES)`` (sizes: ``[1, ...)``), or
+    when ``va + size`` runs past the address space; before any native call, so nothing is truncated."""
+    for name, value in values.items():
+        low = 1 if name == "size" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < MAX_BYTES:
+            raise DriverError(op, f"{name}={value!r} is outside [{low}, 2**63)")
+    if values.get("va", 0) + values.get("size", 0) + values.get("offset", 0) >= MAX_BYTES:
+        raise DriverError(op, f"{', '.join(f'{k}={v}' for k, v in values.items())} runs past the 64-bit address "
+                              f"space")
+
 
 def check_free(va: int, size: int, is_reservation: bool, mapped: Iterable[int]) -> None:
     """Refuse ``free(va, size)`` unless it is one reservation of the driver (``is_reservation``, as its records

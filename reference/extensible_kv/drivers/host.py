@@ -16,8 +16,16 @@ protocol operation          Linux call
 ``free``                    ``munmap``
 ==========================  =========================================================================
 
-What it does not emulate: device memory pressure (``mem_info`` reports host memory), peer access, IPC handles,
-asynchronous streams (``zero`` and ``synchronize`` are synchronous).
+What it does not emulate: peer access, IPC handles, asynchronous streams (``zero`` and ``synchronize`` are
+synchronous).
+
+Note [Host memory accounting]
+    The driver counts the physical memory it holds, as a GPU does: a handle's bytes are held from ``create`` until
+    it is both released and unmapped everywhere. ``mem_info()`` is ``(total - held, total)`` with ``total`` the
+    ``budget_bytes`` given (default: the machine's physical memory), and ``create`` past the budget raises
+    ``DriverOutOfMemory`` before any memfd exists, so running out of memory, its rollback and "memory is returned"
+    are rules on the host too. The kernel's own count (memfds open or mapped) is what the conformance suite checks
+    this against.
 
 Note [Host granularity]
     The default granularity is 2 MiB, the CUDA granularity on current NVIDIA GPUs, so the rounding, straddling and
@@ -34,6 +42,21 @@ Note [MAP_FIXED replaces silently]
     that is already mapped. The driver keeps a table of its live mappings and refuses overlaps itself, so a caller
     that maps a granule twice gets the same error here as on a GPU, instead of silently losing the first mapping's
     data.
+
+Note [Sizes are checked before ctypes]
+    ctypes converts a Python int to ``size_t`` by truncation: ``mmap(2**64 + 4096)`` reserves 4 KiB. Every size,
+    address and offset is range-checked (``check_range``) before it reaches libc.
+
+Note [No use after fork]
+    Handles are ``MAP_SHARED`` memfds, so a forked child that wrote through an inherited mapping would change the
+    parent's data, and one that mapped or unmapped would desynchronize this driver's records from the parent's.
+    A driver refuses every call from a process other than the one that built it, with ``DriverError`` (as CUDA
+    refuses a context after fork).
+
+Note [The driver lock and the garbage collector]
+    The driver's lock is not reentrant; a garbage collection inside a locked section may run a tensor finalizer
+    that calls this driver. Locked sections run inside ``reaper.busy()``, so such a finalizer defers its teardown
+    until the section ends (see ``extensible_kv.reaper``).
 """
 
 from __future__ import annotations
@@ -49,7 +72,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
-from ._records import check_free, check_no_overlap
+from ..reaper import busy
+from ._records import check_free, check_no_overlap, check_range
 
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -93,10 +117,13 @@ def probe() -> str | None:
 
 @dataclass(eq=False)
 class HostHandle:
-    """A physical allocation: one memfd of ``size`` bytes. Compared by identity."""
+    """A physical allocation: one memfd of ``size`` bytes, ``maps`` live mappings of it, and whether the creation
+    reference was released. Compared by identity."""
 
     fd: int
     size: int
+    maps: int = 0
+    released: bool = False
 
     def __repr__(self) -> str:
         return f"HostHandle(fd={self.fd}, size={self.size})"
@@ -108,17 +135,23 @@ class HostDriver:
     device = torch.device("cpu")
     max_handle_bytes: int | None = None
 
-    def __init__(self, granularity: int = 2 * MIB, *, fill_byte: int | None = 0xA5, name: str = "host") -> None:
+    def __init__(self, granularity: int = 2 * MIB, *, fill_byte: int | None = 0xA5, name: str = "host",
+                 budget_bytes: int | None = None) -> None:
         reason = probe()
         if reason:
             raise DriverUnavailable(reason)
         if not isinstance(granularity, int) or granularity <= 0 or granularity % PAGE_BYTES:
             raise ValueError(f"host granularity must be a positive multiple of the page size {PAGE_BYTES}, "
                              f"got {granularity!r}")
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+            raise ValueError(f"host budget_bytes must be a positive int or None, got {budget_bytes!r}")
         self.name = name
         self._granularity = granularity
+        self._total = budget_bytes or os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES  # Note [Host memory accounting]
+        self._held = 0
         self._fill_byte = fill_byte
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._reservations: dict[int, int] = {}  # va -> size
         self._mappings: dict[int, tuple[int, HostHandle]] = {}  # va -> (size, handle); see Note [MAP_FIXED ...]
 
@@ -130,6 +163,7 @@ class HostDriver:
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
+        self._check("reserve", size=size, alignment=alignment)
         alignment = max(alignment, PAGE_BYTES)
         span = size + alignment
         raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
@@ -141,18 +175,33 @@ class HostDriver:
             _lib().munmap(raw, va - raw)
         if raw + span > va + size:
             _lib().munmap(va + size, raw + span - (va + size))
-        with self._lock:
+        with busy(), self._lock:
             self._reservations[va] = size
         return va
 
     def free(self, va: int, size: int) -> None:
-        with self._lock:
+        self._check("free", va=va, size=size)
+        with busy(), self._lock:
             check_free(va, size, self._reservations.get(va) == size, self._mappings)
             del self._reservations[va]
         if _lib().munmap(va, size) != 0:
             self._fail("free", f"munmap({va:#x}, {size})")
 
     def create(self, size: int) -> HostHandle:
+        self._check("create", size=size)
+        with busy(), self._lock:
+            if self._held + size > self._total:  # Note [Host memory accounting]
+                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of "
+                                                  f"{self._total} bytes free", errno.ENOMEM)
+            self._held += size
+        try:
+            return self._create(size)
+        except BaseException:
+            with busy(), self._lock:
+                self._held -= size
+            raise
+
+    def _create(self, size: int) -> HostHandle:
         try:
             fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
         except OSError as exc:
@@ -168,22 +217,33 @@ class HostDriver:
         return HostHandle(fd, size)
 
     def release(self, handle: HostHandle) -> None:
-        os.close(handle.fd)
+        self._check("release")
+        with busy(), self._lock:
+            if handle.released:
+                raise DriverError("release", f"{handle!r} was already released")
+            os.close(handle.fd)
+            handle.released = True
+            self._drop_if_unused(handle)
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        with self._lock:
+        self._check("map", va=va, size=size, offset=offset)
+        with busy(), self._lock:
             self._check_in_reservation("map", va, size)
             # Note [MAP_FIXED replaces silently]
             check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            if handle.released:
+                raise DriverError("map", f"{handle!r} was released; map a live handle")
             if offset + size > handle.size:
                 raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
             got = _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
             if got != va:
                 self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
             self._mappings[va] = (size, handle)
+            handle.maps += 1
 
     def unmap(self, va: int, size: int) -> None:
-        with self._lock:
+        self._check("unmap", va=va, size=size)
+        with busy(), self._lock:
             live = self._mappings.get(va)
             if live is None or live[0] != size:
                 raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping")
@@ -191,9 +251,12 @@ class HostDriver:
             if got != va:
                 self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
             del self._mappings[va]
+            live[1].maps -= 1
+            self._drop_if_unused(live[1])
 
     def set_access(self, va: int, size: int) -> None:
-        with self._lock:
+        self._check("set_access", va=va, size=size)
+        with busy(), self._lock:
             covered = sum(s for m, (s, _) in self._mappings.items() if va <= m and m + s <= va + size)
         if covered != size:
             raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
@@ -201,14 +264,17 @@ class HostDriver:
             self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
     def zero(self, va: int, size: int) -> None:
+        self._check("zero", va=va, size=size)
         ctypes.memset(va, 0, size)
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        self._check("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va)
         buffer.keeper = keeper  # the storage holds `buffer`, which holds the keeper
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def accessible(self, va: int) -> bool:
+        self._check("accessible", va=va)
         # Mapped means: the kernel maps one of our memfds here (not anonymous memory), readable and writable.
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -222,11 +288,21 @@ class HostDriver:
         pass
 
     def mem_info(self) -> tuple[int, int]:
-        total = os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES
-        free = os.sysconf("SC_AVPHYS_PAGES") * PAGE_BYTES
-        return free, total
+        """``(total - held, total)``: see Note [Host memory accounting]."""
+        with busy(), self._lock:
+            return self._total - self._held, self._total
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    def _drop_if_unused(self, handle: HostHandle) -> None:
+        """Stop counting a handle's bytes once it is released and mapped nowhere (called with the lock held)."""
+        if handle.released and handle.maps == 0:
+            self._held -= handle.size
+    def _check(self, op: str, **values: int) -> None:
+        if os.getpid() != self._pid:  # Note [No use after fork]
+            raise DriverError(op, f"{self.name} driver built in process {self._pid} used from forked process "
+                                  f"{os.getpid()}; build a new driver in the child")
+        check_range(op, **values)  # Note [Sizes are checked before ctypes]
+
     def _check_in_reservation(self, op: str, va: int, size: int) -> None:
         for r_va, r_size in self._reservations.items():
             if r_va <= va and va + size <= r_va + r_size:

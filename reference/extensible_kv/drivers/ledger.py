@@ -23,7 +23,7 @@ import torch
 from ..errors import DriverError, ProtocolViolation
 from ._protocol import Driver, Handle
 
-OPERATIONS = ("reserve", "free", "create", "release", "map", "unmap", "set_access", "zero")
+OPERATIONS = ("reserve", "free", "create", "release", "map", "unmap", "set_access", "zero", "synchronize")
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class Outstanding:
 class Ledger:
     """A recording, checking, fault-injecting wrapper around a driver (see the module docstring)."""
 
-    def __init__(self, inner: Driver) -> None:
+    def __init__(self, inner: Driver | str) -> None:
+        from . import resolve  # noqa: PLC0415 - the registry imports this module
+
+        inner = resolve(inner)
         self.inner = inner
         self.name = inner.name
         self.device = inner.device
@@ -59,7 +62,7 @@ class Ledger:
         self.handles: dict[int, tuple[Handle, int]] = {}  # id(handle) -> (handle, size)
         self.mappings: dict[int, tuple[int, int]] = {}  # va -> (size, id(handle))
         self._faults: dict[str, int] = {}
-        self._fault_errors: dict[str, DriverError | None] = {}
+        self._fault_errors: dict[str, BaseException | None] = {}
 
     def __repr__(self) -> str:
         return f"Ledger({self.inner!r})"
@@ -74,8 +77,9 @@ class Ledger:
         """Number of ``op`` calls recorded from index ``since`` of ``calls`` on."""
         return sum(1 for c in self.calls[since:] if c.op == op)
 
-    def fail(self, op: str, nth: int = 1, error: DriverError | None = None) -> None:
-        """Make the ``nth`` next call of ``op`` fail with ``error`` (a DriverError by default)."""
+    def fail(self, op: str, nth: int = 1, error: BaseException | None = None) -> None:
+        """Make the ``nth`` next call of ``op`` fail with ``error`` (a DriverError by default; any exception, e.g.
+        ``KeyboardInterrupt()``, to stand for an interrupt arriving during the call)."""
         if op not in OPERATIONS:
             raise ValueError(f"cannot inject a failure into {op!r}; operations are {OPERATIONS}")
         if nth < 1:
@@ -182,6 +186,7 @@ class Ledger:
         return self.inner.accessible(va)
 
     def synchronize(self) -> None:
+        self._record("synchronize")
         self.inner.synchronize()
 
     def mem_info(self) -> tuple[int, int]:

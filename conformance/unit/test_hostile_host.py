@@ -1,0 +1,161 @@
+"""Hostile use of the reference package on the host driver, each case in a child Python so a hang, a fault or a
+fork cannot take the test run with it: a collection inside a driver call, interpreter exit under a writing thread,
+use after fork, sizes ctypes would truncate, and small mistakes that must get typed errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from extensible_kv import ExtensibleTensor, Ledger
+from extensible_kv.drivers.host import HostDriver
+from extensible_kv.errors import DriverError, DriverLoadError, InvalidArgumentError
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the package importable; a hang is killed after ``TIMEOUT_S``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "reference"), str(ROOT)])}
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              env=env, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"child process hung for {TIMEOUT_S} s (a deadlock): stdout {exc.stdout!r}", pytrace=False)
+
+
+def _expect_child(proc: subprocess.CompletedProcess, what: str, expected_out: str) -> None:
+    got = (proc.returncode, proc.stdout.strip())
+    assert got == (0, expected_out), (f"host driver: {what}: expected exit 0 printing {expected_out!r}, got exit "
+                                      f"{proc.returncode} printing {proc.stdout.strip()!r}; stderr: "
+                                      f"{proc.stderr[-2000:]}")
+
+
+def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock():
+    proc = _child("""
+        import gc
+        from extensible_kv import ExtensibleTensor
+        from extensible_kv.drivers.host import HostDriver
+
+        class CollectingUnderTheLock(HostDriver):
+            armed = False
+
+            def _check_in_reservation(self, op, va, size):  # called with the driver's lock held
+                if self.armed:
+                    self.armed = False
+                    gc.collect()
+                return super()._check_in_reservation(op, va, size)
+
+        driver = CollectingUnderTheLock(granularity=4096)
+        gc.disable()
+        dead = ExtensibleTensor(8192, driver=driver)
+        dead.resize_per_segment_(4096)
+        dead.cycle = dead  # only the cyclic collector can free it
+        del dead
+        live = ExtensibleTensor(8192, driver=driver)
+        driver.armed = True
+        live.resize_per_segment_(4096)  # its map collects `dead`, whose finalizer unmaps on the same driver
+        print(len(driver._reservations), len(driver._mappings))
+    """)
+    _expect_child(proc, "a tensor collected inside map() of its own driver", "1 1")
+
+
+def test_interpreter_exit_leaves_memory_mapped_under_a_writing_daemon_thread():
+    code = """
+        import ctypes, threading
+        from extensible_kv import ExtensibleTensor
+        t = ExtensibleTensor(8 << 20, driver="host-4k")
+        t.resize_per_segment_(8 << 20)
+        view = t.segment_view(0)
+        started = threading.Event()
+
+        def write():  # through ctypes, not torch: a daemon thread stopped inside C++ at exit aborts on its own
+            started.set()
+            while True:
+                ctypes.memset(view.data_ptr(), 7, view.numel())
+
+        threading.Thread(target=write, daemon=True).start()
+        started.wait()
+        del t
+        print("exiting")
+    """
+    for attempt in range(8):  # the fault, where there is one, is a race with the writer: try several exits
+        _expect_child(_child(code), f"exit with a daemon thread writing a view (attempt {attempt + 1})", "exiting")
+
+
+def test_a_forked_child_is_refused_with_a_typed_error_and_the_parent_keeps_its_memory():
+    proc = _child("""
+        import os
+        from extensible_kv import ExtensibleTensor
+        from extensible_kv.errors import CommitError
+        t = ExtensibleTensor(4 * 4096, driver="host-4k")
+        t.resize_per_segment_(4096)
+        t.segment_view(0).fill_(9)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                t.resize_per_segment_(8192)
+                msg = "grew"
+            except CommitError as exc:
+                msg = "refused" if "forked" in str(exc) else f"other: {exc}"
+            except BaseException as exc:
+                msg = f"{type(exc).__name__}: {exc}"
+            t.close(force=True)  # the child does not own the memory: nothing is returned
+            os.write(w, msg.encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = os.read(r, 1000).decode()
+        data = int(t.segment_view(0).sum())
+        t.resize_per_segment_(8192)
+        print(child, data == 9 * 4096, t.bytes_per_segment)
+    """)
+    _expect_child(proc, "growth from a forked child", "refused True 8192")
+
+
+SIZES_CTYPES_WOULD_TRUNCATE = {
+    "reserve 2**64 + 4096": lambda d: d.reserve(2**64 + 4096, 4096),
+    "reserve -4096": lambda d: d.reserve(-4096, 4096),
+    "create 2**64 + 4096": lambda d: d.create(2**64 + 4096),
+    "zero past the address space": lambda d: d.zero(2**63 - 4096, 8192),
+    "map at va 2**64": lambda d: d.map(2**64, 4096, None, 0),
+    "unmap size 2**64": lambda d: d.unmap(4096, 2**64),
+}
+
+
+@pytest.mark.parametrize("call", SIZES_CTYPES_WOULD_TRUNCATE.values(), ids=SIZES_CTYPES_WOULD_TRUNCATE.keys())
+def test_the_host_driver_refuses_sizes_outside_the_address_space_before_calling_libc(call):
+    driver = HostDriver(granularity=4096)
+    with pytest.raises(DriverError, match=r"outside \[|runs past the 64-bit"):
+        call(driver)
+    assert not driver._reservations and not driver._mappings, \
+        f"host driver: after a refused size: expected no records, got {driver._reservations}, {driver._mappings}"
+
+
+SMALL_MISTAKES = {
+    "driver=42": (lambda: ExtensibleTensor(4096, driver=42), DriverLoadError, "driver=42 is a int"),
+    "driver=object()": (lambda: ExtensibleTensor(4096, driver=object()), DriverLoadError, "lacks the protocol"),
+    "segment_view dtype 'float32'": (lambda: ExtensibleTensor(4096, driver="host-4k").segment_view(0, "float32"),
+                                     InvalidArgumentError, "dtype must be a torch.dtype"),
+    "full_view dtype None": (lambda: ExtensibleTensor(4096, driver="host-4k").full_view(None),
+                             InvalidArgumentError, "dtype must be a torch.dtype"),
+    "Ledger(42)": (lambda: Ledger(42), DriverLoadError, "driver=42 is a int"),
+}
+
+
+@pytest.mark.parametrize("call,error,needle", SMALL_MISTAKES.values(), ids=SMALL_MISTAKES.keys())
+def test_small_mistakes_get_typed_errors(call, error, needle):
+    with pytest.raises(error, match=needle):
+        call()
+
+
+def test_a_ledger_accepts_a_driver_spec():
+    ledger = Ledger("host-4k")
+    got = (ledger.name, ledger.granularity())
+    assert got == ("host-4k", 4096), f"Ledger('host-4k'): expected ('host-4k', 4096), got {got}"
