@@ -78,7 +78,8 @@ GPU_MACHINE = bool(_gpu_extra(None))
 
 @nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def conformance(session: nox.Session) -> None:
-    """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one)."""
+    """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one), in a
+    pytest-xdist worker so a driver that faults fails that rule and the run goes on."""
     args = list(session.posargs)
     driver = args.pop(0) if args and not args[0].startswith("-") else None
     _install(session, "-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
@@ -87,7 +88,7 @@ def conformance(session: nox.Session) -> None:
                              silent=True).strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
-            "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", *args)
+            "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", "-n", "1", *args)
 
 
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])

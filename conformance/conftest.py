@@ -58,6 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config._ekv = _Selection(specs, explicit=True)
     else:
         config._ekv = _Selection(drivers.registered(), explicit=False)
+    _configured_specs[:] = sorted(config._ekv.specs, key=len, reverse=True)
 
 
 def _selection(config: pytest.Config) -> _Selection:
@@ -130,6 +131,9 @@ def driver(request: pytest.FixtureRequest, driver_spec: str):
 
 
 # -- summary -----------------------------------------------------------------------------------------------------
+# Each rule's report carries its driver spec (a user property), so the summary also works where the tests ran in
+# pytest-xdist workers (crash isolation: a driver that faults kills a worker, fails that rule, and the run goes on).
+_DRIVER_PROPERTY = "extensible_kv_driver"
 _spec_by_nodeid: dict[str, str] = {}
 _outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
 
@@ -139,10 +143,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "driver_spec" in params:
             _spec_by_nodeid[item.nodeid] = params["driver_spec"]
+            item.user_properties.append((_DRIVER_PROPERTY, params["driver_spec"]))
+
+
+def _spec_of(report: pytest.TestReport) -> str | None:
+    for key, value in getattr(report, "user_properties", ()):
+        if key == _DRIVER_PROPERTY:
+            return value
+    if report.failed and "[" in report.nodeid:  # a crashed xdist worker's report carries no properties
+        params = report.nodeid.rpartition("[")[2].rstrip("]")
+        return next((s for s in _configured_specs if params == s or params.startswith(s + "-")), None)
+    return None
+
+
+_configured_specs: list[str] = []  # longest first, so 'host-4k' is matched before 'host'
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    spec = _spec_by_nodeid.get(report.nodeid)
+    spec = _spec_of(report)
     if spec is None:
         return
     key = (spec, report.nodeid)
@@ -176,7 +194,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for (s, _), outcome in _outcomes.items():
             if s == spec:
                 counts[outcome] = counts.get(outcome, 0) + 1
-        built = sel.built.get(spec)
+        built = _build(config, spec) if sum(counts.values()) else sel.built.get(spec)
         row = {"driver": spec, **counts, "granularity": None, "commit_gb_per_s": None, "commit_bytes": None,
                "unavailable": built if isinstance(built, str) else None}
         if built is not None and not isinstance(built, str) and sum(counts.values()):
