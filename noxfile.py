@@ -108,6 +108,14 @@ def stress(session: nox.Session) -> None:
             *session.posargs)
 
 
+@nox.session(venv_backend="virtualenv")
+def mutation(session: nox.Session) -> None:
+    """Mutation testing of the reference core (mutmut) against the rules and unit tests; score and survivors in
+    reports/mutation.json (`-- --files tensor.py,granules.py` for a subset). Not part of `tests`: it takes long."""
+    _install(session, "-e", ".", *TEST_DEPS, "mutmut>=3.3")
+    _run_python(session, "ci/mutation.py", *session.posargs)
+
+
 @nox.session(tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
     """Commit-path benchmarks on the best available driver; JSON in reports/out/, the summary table at the end."""

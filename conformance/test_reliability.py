@@ -104,6 +104,30 @@ def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(drive
             cache.close()
 
 
+def test_a_rollback_that_fails_too_is_reported_and_close_returns_what_it_kept(driver):
+    t = odd_tensor(driver, num_segments=2, granules_per_segment=3.5)
+    t.resize_per_segment_(1024)
+    before = len(driver.calls)
+    driver.fail("zero", 1)  # the step fails after every map ...
+    driver.fail("unmap", 1)  # ... and the rollback's first unmap fails as well
+    with pytest.raises(CommitError) as info:
+        t.resize_per_segment_(t.segment_bytes)
+    message = str(info.value)
+    expect("rollback also failed" in message and "unmap(" in message, driver,
+           "CommitError when the rollback's unmap fails too", "names the failed rollback unmap", message)
+    ops = [c.op for c in driver.calls[before:]]
+    first_unmap = ops.index("unmap") if "unmap" in ops else len(ops)
+    expect("synchronize" in ops[ops.index("zero"):first_unmap], driver,
+           "driver calls between the failed zero and the rollback's first unmap", "a synchronize", ops)
+    kept = t.stats().mappings
+    expect(kept == len(driver.outstanding().mappings) and kept > 1, driver,
+           "mappings on the tensor's record after the failed rollback (the initial one and the one that would not "
+           "unmap)", f"{len(driver.outstanding().mappings)} (> 1)", kept)
+    t.close()
+    expect(not driver.outstanding(), driver, "driver state after close() of a tensor whose rollback failed",
+           "nothing", driver.outstanding())
+
+
 def test_failed_reservation_leaves_nothing_behind(driver):
     driver.fail("reserve", 1)
     with pytest.raises(DriverError):

@@ -1,0 +1,111 @@
+"""Mutation testing of the reference core against the conformance suite (``nox -s mutation``).
+
+mutmut mutates a package under ``./``, ``src/`` or ``source/``; the reference lives under ``reference/``, so the run
+happens in a work folder that holds ``src/extensible_kv`` (a copy) and the suite. Each mutant runs the tests that
+cover the mutated function (rules and unit tests on the ``host-4k`` driver, meta-tests excluded: they re-run the suite
+in child processes, as do the tests in ``NOT_UNDER_MUTMUT``). The score per file is killed / (mutants - equivalent); ``ci/mutation-equivalent.json`` lists the
+mutants that cannot change behaviour, each with a one-line reason. Writes ``reports/mutation.json``.
+
+Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("tensor.py", "granules.py", "layout.py", "kv_cache.py", "drivers/host.py", "drivers/ledger.py")
+EQUIVALENT = ROOT / "ci" / "mutation-equivalent.json"
+WORK = ROOT / "reports" / "out" / "mutation-work"
+RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
+KILLED = {"killed", "timeout", "segfault"}
+# Tests that run the package in child processes (which import the unmutated copy), or whose hypothesis machine
+# faults the interpreter under mutmut's trampolines.
+NOT_UNDER_MUTMUT = ("test_stateful_use.py", "unit/test_hostile_host.py", "unit/test_check_driver.py",
+                    "unit/test_cli_bad_input.py", "unit/test_bad_input.py", "unit/test_agreement.py",
+                    "unit/test_report.py")  # a mutant whose tests fault or hang is detected too
+
+CONFIG = """
+[tool.mutmut]
+source_paths = ["src/extensible_kv"]
+only_mutate = {only}
+also_copy = ["conformance"]
+pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x"]
+pytest_add_cli_args_test_selection = ["conformance", "--ignore", "conformance/meta", {ignored}]
+"""
+
+
+def _module_file(mutant: str) -> str:
+    """``extensible_kv.granules.x_merge__mutmut_3`` or ``extensible_kv.drivers.host.xǁHostDriverǁmap__mutmut_3``
+    -> ``granules.py`` or ``drivers/host.py``."""
+    return "/".join(mutant.split(".")[1:-1]) + ".py"
+
+
+def _prepare(files: list[str]) -> None:
+    if WORK.exists():
+        shutil.rmtree(WORK)
+    (WORK / "src").mkdir(parents=True)
+    shutil.copytree(ROOT / "reference" / "extensible_kv", WORK / "src" / "extensible_kv",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "conformance", WORK / "conformance", ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = (ROOT / "pyproject.toml").read_text().replace('where = ["reference"]', 'where = ["src"]')
+    only = json.dumps([f"src/extensible_kv/{f}" for f in files])
+    ignored = ", ".join(f'"--ignore", "conformance/{path}"' for path in NOT_UNDER_MUTMUT)
+    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored))
+
+
+def _results() -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=WORK,
+                         capture_output=True, text=True, check=True).stdout
+    return {m.group(1): m.group(2).strip() for m in map(RESULT.match, out.splitlines()) if m}
+
+
+def score(results: dict[str, str], equivalent: dict[str, str], files: list[str]) -> dict:
+    """Per-file counts and score, and every surviving mutant not listed as equivalent."""
+    rows, survivors = {}, []
+    for f in files:
+        mine = {m: s for m, s in results.items() if _module_file(m) == f}
+        counts = Counter("killed" if s in KILLED else s for s in mine.values())
+        eq = sorted(m for m in mine if m in equivalent and mine[m] not in KILLED)
+        considered = len(mine) - len(eq)
+        rows[f] = {"mutants": len(mine), "killed": counts["killed"], "equivalent": len(eq),
+                   "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq),
+                   "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq),
+                   "score": round(counts["killed"] / considered, 4) if considered else None}
+        survivors += [{"mutant": m, "status": s} for m, s in sorted(mine.items())
+                      if s not in KILLED and m not in equivalent]
+    return {"files": rows, "survivors": survivors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ci/mutation.py")
+    parser.add_argument("--files", default=",".join(FILES), help="files under reference/extensible_kv to mutate")
+    parser.add_argument("--max-children", default="2")
+    parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
+    args = parser.parse_args(argv)
+    files = [f.strip() for f in args.files.split(",") if f.strip()]
+    unknown = [f for f in files if not (ROOT / "reference" / "extensible_kv" / f).is_file()]
+    if unknown:
+        parser.error(f"no such file under reference/extensible_kv: {', '.join(unknown)}")
+    _prepare(files)
+    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children], cwd=WORK,
+                   check=False, stdout=subprocess.DEVNULL)
+    equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
+    report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for f, row in report["files"].items():
+        print(f"{f:<20} {row['mutants']:>5} mutants {row['killed']:>5} killed {row['equivalent']:>4} equivalent "
+              f"score {row['score']}")
+    print(f"{len(report['survivors'])} survivor(s) not listed as equivalent; written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
