@@ -188,5 +188,5 @@ def test_bench_summary_command_names_an_unreadable_file(tmp_path, capsys, conten
         path.write_text(content)
     assert main(["bench-summary", str(path)]) == 2
     captured = capsys.readouterr()
-    assert f"cannot read benchmark JSON {str(path)!r}" in captured.err, captured.err
+    assert captured.err.startswith(f"error: {path}: ") and captured.err.count("\n") == 1, captured.err
     assert captured.out == ""

@@ -306,14 +306,18 @@ def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     assert "not measured" in html
 
 
-def test_an_empty_run_folder_reports_everything_as_not_measured(tmp_path, capsys):
+def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp_path, capsys):
     run = tmp_path / "empty-run"
     run.mkdir()
-    md, summary, _ = render(run, tmp_path / "out")
+    assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"no measurement files in {run}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    doc, summary = sections.build(loading.load_run(run))
+    md = rendering.markdown(doc)
     assert len(summary["not_measured"]) == 4, summary["not_measured"]
     for title in ("Conformance", "Commit benchmarks", "vLLM integration: memory accounting", "Backend validation"):
         assert "not measured" in section(md, title), title
-    assert summary["run"] == "empty-run" and summary["figures"] == []
+    assert summary["run"] == "empty-run" and not [f for f in doc.figures() if f.png is not None]
     assert not re.search(r"\d\.\d", section(md, "At a glance")), "numbers in a report of an empty run"
 
 

@@ -10,6 +10,32 @@ import torch
 from . import drivers
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are answered with one line on stderr (the error, without the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _backend_spec(text: str) -> str:
+    from .backend_check import BackendLoadError, check_spec  # noqa: PLC0415
+
+    try:
+        return check_spec(text)
+    except BackendLoadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _drivers(_: argparse.Namespace) -> int:
     for name in drivers.registered():
         reason = drivers.probe(name)
@@ -31,25 +57,32 @@ def _validate_backend(args: argparse.Namespace) -> int:
                             cache_dtype_str=args.cache_dtype)
     for report in reports:
         print("\n".join(report.lines()))
-    failed = [f"{r.backend}/{r.kv_layout}" for r in reports if not r.ok]
-    print(f"{len(reports) - len(failed)} of {len(reports)} passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    failed = [r for r in reports if not r.ok]
+    names = ", ".join(f"{r.backend}/{r.kv_layout}" for r in failed)
+    print(f"{len(reports) - len(failed)} of {len(reports)} passed" + (f"; failed: {names}" if failed else ""))
+    if not failed:
+        return 0
+    sys.stdout.flush()
+    reasons = "; ".join(f"{r.backend}/{r.kv_layout} ({r.failure})" for r in failed)
+    print(" ".join(f"error: {len(failed)} of {len(reports)} failed: {reasons}".split()), file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extensible_kv")
+    parser = _Parser(prog="python -m extensible_kv")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(
         run=_drivers)
     vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
                                                  "commits")
-    vb.add_argument("backend", nargs="+", help="vLLM AttentionBackendEnum name (e.g. FLASH_ATTN) or module:Class")
+    vb.add_argument("backend", nargs="+", type=_backend_spec,
+                    help="vLLM AttentionBackendEnum name (e.g. FLASH_ATTN) or module:Class")
     vb.add_argument("--layout", choices=["NHD", "HND", "both"], default="NHD",
                     help="vLLM KV cache layout (VLLM_KV_CACHE_LAYOUT) to check under; 'both' runs NHD and HND")
     vb.add_argument("--driver", default=None, help="driver name or module:factory (default: best available)")
-    vb.add_argument("--num-kv-heads", type=int, default=4)
-    vb.add_argument("--head-size", type=int, default=64)
-    vb.add_argument("--block-size", type=int, default=16)
+    vb.add_argument("--num-kv-heads", type=_positive_int, default=4)
+    vb.add_argument("--head-size", type=_positive_int, default=64)
+    vb.add_argument("--block-size", type=_positive_int, default=16)
     vb.add_argument("--dtype", default="bfloat16")
     vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
     vb.set_defaults(run=_validate_backend)

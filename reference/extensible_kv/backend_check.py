@@ -54,6 +54,12 @@ class BackendReport:
     def ok(self) -> bool:
         return bool(self.checks) and all(c.ok for c in self.checks)
 
+    @property
+    def failure(self) -> str:
+        """The first check that failed, in words."""
+        bad = next((c for c in self.checks if not c.ok), None)
+        return f"{bad.name}: {bad.detail}" if bad else "no check ran"
+
     def add(self, name: str, ok: bool, detail: str) -> bool:
         self.checks.append(Check(name, ok, detail))
         return ok
@@ -67,13 +73,21 @@ class BackendReport:
         return [head, *rows, f"  {'result':<{width}}  {'PASS' if self.ok else 'FAIL'}"]
 
 
+def check_spec(spec: str) -> str:
+    """``spec`` if it is a backend name or a ``module:Class`` with both parts, else ``BackendLoadError``."""
+    module_name, colon, attr = spec.partition(":")
+    if not spec or (colon and not (module_name and attr)):
+        raise BackendLoadError(f"backend {spec!r} is neither a vLLM backend name nor module:Class")
+    return spec
+
+
 def resolve_backend(spec: str) -> type:
     """A vLLM ``AttentionBackendEnum`` name (needs vllm) or ``module:Class``."""
-    if ":" in spec:
+    if ":" in check_spec(spec):
         module_name, _, attr = spec.partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:  # the module's own import may fail in any way
             raise BackendLoadError(f"backend {spec!r} could not be loaded: {exc}") from exc
         return cls
     try:
@@ -117,6 +131,11 @@ def _block_values(view: torch.Tensor, block_dim: int, n: int) -> torch.Tensor:
     return vals.to(view.dtype)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes on the CPU: compares every KV dtype, fp8 included, exactly."""
+    return t.cpu().contiguous().view(torch.uint8)
+
+
 def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_layout: str | None = None,
                      num_kv_heads: int = 4, head_size: int = 64, block_size: int = 16,
                      dtype: torch.dtype = torch.bfloat16, cache_dtype_str: str = "auto",
@@ -135,14 +154,16 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
                                     head_size=head_size, dtype=dtype, cache_dtype_str=cache_dtype_str)
             report.shape, report.stride_order = layer.shape_of(1), layer.stride_order
             report.block_dim = block_dim = layer.block_dim  # each read asks the backend for its shape again
-        except (LayoutError, AttributeError, TypeError, ValueError, AssertionError, NotImplementedError) as exc:
+            report.page_size_bytes = page = layer.page_size_bytes()
+        except Exception as exc:  # the backend's own code: whatever it raises is its failure
             report.add("layout", False, f"{type(exc).__name__}: {exc}")
             return report
+    if page <= 0:
+        report.add("layout", False, f"shape(num_blocks=1) {report.shape} holds {page} bytes per block")
+        return report
     report.add("layout", True, f"shape(num_blocks=1) {report.shape}, stride order {report.stride_order}")
     ledger = Ledger(driver)
     report.driver = driver.name
-    page = layer.page_size_bytes()
-    report.page_size_bytes = page
     g = driver.granularity()
     max_blocks = max_blocks or max(64, math.ceil(4 * g / page) * 2)
     try:
@@ -193,14 +214,14 @@ def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim:
     report.add("uncommitted untouched", touched == 0,
                f"{touched} of {sum(hi - lo for lo, hi in sentinels)} sentinel bytes after the committed prefixes "
                f"changed")
-    same = bool(torch.equal(view.cpu(), values.cpu()))
+    same = bool(torch.equal(_bytes(view), _bytes(values)))
     report.add("blocks read back", same, f"{n1} blocks written through view shape {tuple(full.shape)}")
     ptr = full.data_ptr()
     cache.ensure_blocks(n2)
     driver.synchronize()
     grown = cache.committed_layer_views("layer")[0]
-    kept = bool(torch.equal(grown.narrow(block_dim, 0, n1).cpu(), values.cpu()))
-    new_zero = int(grown.narrow(block_dim, n1, n2 - n1).count_nonzero()) == 0
+    kept = bool(torch.equal(_bytes(grown.narrow(block_dim, 0, n1)), _bytes(values)))
+    new_zero = not bool(_bytes(grown.narrow(block_dim, n1, n2 - n1)).any())
     moved = cache.layer_views("layer")[0].data_ptr() != ptr
     report.add("survives growth", kept and new_zero and not moved,
                f"grown {n1}->{n2} blocks: old data {'kept' if kept else 'CHANGED'}, new blocks "

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .files import BadFile
 from .loading import RunFolderError, load_run
 
 __all__ = ["add_arguments", "main", "register", "run_command"]
@@ -35,13 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """The ``report`` command on parsed arguments; 2 when a run folder is missing."""
+    """The ``report`` command on parsed arguments; 2 when a run folder is missing, holds no measurement file or a
+    file that cannot be read, or when the output folder cannot be written."""
     try:
         run = load_run(args.run_dir, name=args.name)
         baseline = load_run(args.compare) if args.compare else None
-    except RunFolderError as exc:
+    except (RunFolderError, BadFile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for r in (run, baseline):
+        if r is not None and not r.measured:
+            print(f"error: no measurement files in {r.path}", file=sys.stderr)
+            return 2
     if baseline is None:
         from .rendering import write  # noqa: PLC0415
         from .sections import build  # noqa: PLC0415
@@ -54,7 +60,11 @@ def run_command(args: argparse.Namespace) -> int:
 
         doc, summary = build_comparison(run, baseline)
         out = Path(args.out) if args.out else Path("reports") / f"{run.name}-vs-{baseline.name}"
-    write(doc, summary, out)
+    try:
+        write(doc, summary, out)
+    except OSError as exc:
+        print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     drawn = [f for f in doc.figures() if f.png is not None]
     undrawn = [f for f in doc.figures() if f.png is None]
     print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {len(drawn)} PNG"

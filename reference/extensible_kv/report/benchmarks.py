@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .files import COUNT, NUMBER, TEXT, BadFile, Values, read_json
+
 if TYPE_CHECKING:
     from .loading import Bench
 
@@ -29,11 +31,34 @@ PEERS = (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_def
          ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments"))
 
 
+# The fields of a pytest-benchmark JSON file that are read here and in the report.
+_EXTRA = {"key": TEXT, "subprocess_median_s": NUMBER, "subprocess_torch": TEXT, "calls": Values(NUMBER),
+          "nominal_gib": NUMBER}
+_EXTRA |= dict.fromkeys(("granularity", "bytes", "moved_bytes", "handles", "set_access", "granules", "zero_calls",
+                         "segments", "runs", "buffers"), COUNT)
+SHAPE = {"benchmarks": [{"extra_info": _EXTRA, "stats": {"median": NUMBER}}], "datetime": TEXT,
+         "machine_info": {"python_version": TEXT, "cpu": {"brand_raw": TEXT}}}
+
+
 # -- reading ----------------------------------------------------------------------------------------------------
+def load(path: str | Path) -> dict:
+    """The pytest-benchmark JSON of ``bench/`` in ``path``; ``BadFile`` naming the file and field where it is not."""
+    data = read_json(path, SHAPE)
+    if "benchmarks" not in data:
+        raise BadFile(f"{path}: no 'benchmarks' list (not pytest-benchmark JSON)")
+    found = entries(data)
+    if not found:
+        raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")
+    for key, entry in found.items():
+        if key.startswith("scale/") and None in (entry["extra"].get("nominal_gib"), entry["extra"].get("segments")):
+            raise BadFile(f"{path}: benchmark {key!r} needs extra_info.nominal_gib and extra_info.segments")
+    return data
+
+
 def entries(data: dict) -> dict[str, dict]:
     """Benchmarks by ``extra_info['key']``: ``seconds`` (the figure), ``extra`` (extra_info), ``stats``."""
     out: dict[str, dict] = {}
-    for bench in data.get("benchmarks", []):
+    for bench in data.get("benchmarks") or []:
         extra = bench.get("extra_info") or {}
         key = extra.get("key")
         if not key:
@@ -75,8 +100,7 @@ def _per_byte(entries: dict, key: str) -> float | None:
 # -- the figures ------------------------------------------------------------------------------------------------
 def summarize(benchmark_json_path: str | Path) -> dict:
     """Read a pytest-benchmark JSON file and compute the target figures and ratios (see ``summarize_data``)."""
-    with open(benchmark_json_path) as fh:
-        return summarize_data(json.load(fh))
+    return summarize_data(load(benchmark_json_path))
 
 
 def summarize_data(data: dict) -> dict:
@@ -97,7 +121,8 @@ def summarize_entries(e: dict[str, dict]) -> dict:
         "claims": device_type in CLAIM_DEVICE_TYPES,
         "commit": _commit(e),
         "peers": _peers(e),
-        "calls": {key.split("/", 1)[1]: e[key]["extra"]["calls"] for key in sorted(e) if key.startswith("calls/")},
+        "calls": {key.split("/", 1)[1]: e[key]["extra"]["calls"] for key in sorted(e)
+                  if key.startswith("calls/") and e[key]["extra"].get("calls")},
         "zero": _zero(e),
         "kv": _kv(e),
         "access": _access(e),
@@ -215,7 +240,7 @@ def _scaling(e: dict) -> dict:
         same = [r for r in rows if r["nominal_gib"] == gib]
         base = min(same, key=lambda r: r["segments"])
         for r in same:
-            if r is base or not base["handles"] or not base["seconds"] or r["seconds"] is None:
+            if r is base or not base["handles"] or not base["seconds"] or r["seconds"] is None or not r["handles"]:
                 continue
             growth = (r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"])
             worst = growth if worst is None else max(worst, growth)
@@ -339,8 +364,8 @@ def format_table(s: dict) -> str:
 def _command(args: argparse.Namespace) -> int:
     try:
         summary = summarize(args.benchmark_json)
-    except (OSError, ValueError) as exc:  # missing or unreadable file, or not JSON
-        print(f"error: cannot read benchmark JSON {args.benchmark_json!r}: {exc}", file=sys.stderr)
+    except BadFile as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2) if args.json else format_table(summary))
     return 0

@@ -245,9 +245,9 @@ def kv_blocks(pairs: list[BlockPair]) -> bytes:
     for i, p in enumerate(pairs):
         y = len(pairs) - 1 - i
         for dy, b, color, name in ((h / 2, p.legacy, "#7f7f7f", "legacy"), (-h / 2, p.other, "#2ca02c", "other")):
-            if b.blocks is None:
-                left.text(0.01, y + dy, "not measured", va="center", fontsize=7.5,
-                          transform=left.get_yaxis_transform())
+            if not b.blocks:  # not measured, or 0, which the log scale cannot draw
+                left.text(0.01, y + dy, "not measured" if b.blocks is None else "0 blocks", va="center",
+                          fontsize=7.5, transform=left.get_yaxis_transform())
                 continue
             left.barh(y + dy, b.blocks, height=h, color=color)
             left.text(b.blocks, y + dy, f" {b.blocks:,}", va="center", fontsize=7.5)
@@ -259,7 +259,8 @@ def kv_blocks(pairs: list[BlockPair]) -> bytes:
             right.text(0, y, f" {d:+,} blocks (bytes per block not measured)", va="center", fontsize=7.5)
             continue
         right.barh(y, db / MIB, height=h * 1.6, color="#d62728" if d < 0 else "#2ca02c")
-        right.text(max(db / MIB, 0), y, f" {db / MIB:+.1f} MiB\n {d:+,} blocks, {p.delta_percent:+.3f} %",
+        share = "" if p.delta_percent is None else f", {p.delta_percent:+.3f} %"
+        right.text(max(db / MIB, 0), y, f" {db / MIB:+.1f} MiB\n {d:+,} blocks{share}",
                    va="center", ha="left", fontsize=7.5)
     labels = [f"{p.other.case.label}\nvs legacy ({p.legacy.case.folder})" if p.legacy.case.folder
               else f"{p.other.case.label}\nvs legacy" for p in pairs]

@@ -8,24 +8,42 @@ A run folder (``reports/runs/<run-name>/``) holds what the GPU stages wrote:
 - ``validate-backend*.txt``: the output of ``python -m extensible_kv validate-backend``;
 - ``README.md`` (versions the JSON does not record) and, in later runs, ``environment.json``.
 
-Every file is optional. What is missing is listed in ``Run.missing`` and shows up as "not measured".
+Every file is optional. What is missing is listed in ``Run.missing`` and shows up as "not measured". A file that
+is there but cannot be read, or is not in its format, is a ``files.BadFile`` naming the file and the field.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import benchmarks
 from .benchmarks import bytes_of, entries, seconds_of, summarize_entries
+from .files import COUNT, NUMBER, TEXT, read_json, read_text
 
 # Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory`` and
 # ``torch_reusable``).
 MEMORY_KEYS = ("total", "free_after_warmup", "init_free", "requested", "weights", "profiled_peak_activation",
                "profiled_non_torch", "cudagraph_estimate", "available_kv_cache_memory", "torch_reserved",
                "torch_reusable", "num_gpu_blocks", "cudagraph_memory")
+
+# The fields of each file that the report reads, with their types (``files``).
+CONFORMANCE_SHAPE = {
+    "exitstatus": NUMBER, "torch": TEXT,
+    "drivers": [{"driver": TEXT, "passed": COUNT, "failed": COUNT, "skipped": COUNT, "granularity": COUNT,
+                 "commit_gb_per_s": NUMBER, "commit_bytes": COUNT, "unavailable": TEXT}],
+    "tests": [{"driver": TEXT, "test": TEXT, "outcome": TEXT, "reason": TEXT}]}
+CASE_SHAPE = {
+    "case": {"model": TEXT, "runner": TEXT, "backend": TEXT, "mode": TEXT, "gpu_memory_utilization": NUMBER,
+             "max_model_len": COUNT},
+    "token_ids": list, "num_cached_tokens": list, "corrupted_elements": COUNT, "engine_seconds": NUMBER,
+    "memory": dict.fromkeys(MEMORY_KEYS, COUNT) | {"runner": TEXT},
+    "extensible": {"kv": dict.fromkeys(("reserved_bytes", "committed_bytes", "backed_bytes", "waste_bytes",
+                                        "max_num_blocks", "num_blocks"), COUNT),
+                   "measured": {"blocks": COUNT, "bytes_per_block": COUNT, "non_kv": NUMBER},
+                   "events": [dict], "commit_seconds": NUMBER}}
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,11 @@ class Run:
     backend_files: list[str]
     missing: list[str]  # what is not measured in this run, in words
 
+    @property
+    def measured(self) -> bool:
+        """Whether the folder holds any measurement file."""
+        return bool(self.conformance or self.bench or self.cases or self.backend_files)
+
 
 class RunFolderError(Exception):
     """The run folder does not exist or is not a folder."""
@@ -198,11 +221,6 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     return run
 
 
-def _read_json(path: Path) -> Any:
-    with open(path) as fh:
-        return json.load(fh)
-
-
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -212,29 +230,29 @@ def _float(value: Any) -> float | None:
 
 
 def _conformance(path: Path) -> Conformance:
-    data = _read_json(path)
+    data = read_json(path, CONFORMANCE_SHAPE)
     drivers = [ConformanceDriver(source=path.name, driver=str(d.get("driver")), passed=_int(d.get("passed")),
                                  failed=_int(d.get("failed")), skipped=_int(d.get("skipped")),
                                  granularity=_int(d.get("granularity")),
                                  commit_gb_per_s=_float(d.get("commit_gb_per_s")),
                                  commit_bytes=_int(d.get("commit_bytes")), unavailable=d.get("unavailable"))
-               for d in data.get("drivers", [])]
+               for d in data.get("drivers") or []]
     tests = [ConformanceTest(source=path.name, driver=str(t.get("driver")), test=str(t.get("test")),
                              outcome=str(t.get("outcome")), reason=t.get("reason") or None)
-             for t in data.get("tests", [])]
+             for t in data.get("tests") or []]
     return Conformance(source=path.name, exitstatus=_int(data.get("exitstatus")), torch=data.get("torch"),
                        drivers=drivers, tests=tests)
 
 
 def _bench(path: Path) -> Bench:
-    data = _read_json(path)
+    data = benchmarks.load(path)
     raw = entries(data)
     return Bench(source=path.name, summary=summarize_entries(raw), raw=raw, datetime=data.get("datetime"),
                  machine_info=data.get("machine_info") or {})
 
 
 def _case(path: Path, root: Path) -> Case:
-    data = _read_json(path)
+    data = read_json(path, CASE_SHAPE)
     c = data.get("case") or {}
     memory = data.get("memory") or {}
     return Case(path=path.relative_to(root).as_posix(), model=str(c.get("model")), runner=str(c.get("runner")),
@@ -262,7 +280,7 @@ def _backend_checks(path: Path) -> tuple[list[BackendCheck], list[str]]:
     totals: list[str] = []
     head: dict | None = None
     items: list[tuple[str, str, str]] = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_text(path).splitlines():
         m = _BACKEND.match(line)
         if m:
             if head is not None:  # a stanza without a result line
@@ -330,7 +348,7 @@ def _environment(run: Run) -> dict[str, EnvironmentItem]:
 
     explicit = run.path / "environment.json"
     if explicit.is_file():
-        data = _read_json(explicit)
+        data = read_json(explicit, dict)
         for key in ENVIRONMENT_KEYS:
             put(key, data.get(key), explicit.name)
     for c in run.conformance:
@@ -350,7 +368,7 @@ def _environment(run: Run) -> dict[str, EnvironmentItem]:
             put("gpu_memory", f"{total} bytes ({total / 2**30:.1f} GiB)", f"integration/{case.path}")
     readme = run.path / "README.md"
     if readme.is_file():
-        text = readme.read_text(errors="replace")
+        text = read_text(readme)
         for key, pattern in _README_PATTERNS.items():
             m = pattern.search(text)
             if m:

@@ -1,0 +1,119 @@
+"""Bad input to ``python -m extensible_kv``: one line on stderr naming the problem, a non-zero exit, no traceback.
+
+Each row is run in a subprocess, so a crash shows as it is. ``files`` are written into a fresh folder first
+(``{tmp}`` in the arguments); a row with exit 0 is a correct input that must pass, its words are looked for on
+stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = "conformance.unit._factories:KVFirstBackend"
+RAISING = "conformance.unit.test_cli_bad_input:RaisingBackend"
+EMPTY = "conformance.unit.test_cli_bad_input:EmptyBackend"
+
+
+class RaisingBackend:
+    """A backend whose shape function fails, as a vLLM backend does where its kernels are missing."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        raise RuntimeError("no kernels for this head size")
+
+
+class EmptyBackend:
+    """A backend whose blocks hold no bytes."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (2, num_blocks, 0, num_kv_heads, head_size)
+
+
+def _bench(extra: dict, stats: dict | None = None) -> str:
+    return json.dumps({"benchmarks": [{"name": "b", "extra_info": extra, "stats": stats or {"median": 0.5}}]})
+
+
+CASE = '{"case": {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": "legacy"}, "memory": %s}'
+
+ROWS = {
+    # report: a run folder with one bad file is refused, naming the file
+    "report_truncated_json": ({"run/conformance-cuda.json": '{"exitstatus": 0, "drivers": [{"driver": "cu'},
+                              ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                              ("conformance-cuda.json", "not valid JSON")),
+    "report_empty_json": ({"run/bench-cuda.json": ""}, ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                          ("bench-cuda.json", "empty")),
+    "report_json_list": ({"run/integration/call1/case.json": "[1, 2]"},
+                         ("report", "{tmp}/run", "--out", "{tmp}/out"), 2, ("case.json", "object", "list")),
+    "report_wrong_field": ({"run/conformance-host.json": '{"drivers": 5}'},
+                           ("report", "{tmp}/run", "--out", "{tmp}/out"), 2, ("conformance-host.json", "drivers")),
+    "report_wrong_nested_field": ({"run/integration/case.json": CASE % '{"total": "80 GB"}'},
+                                  ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                                  ("case.json", "memory.total", "integer", '"80 GB"')),
+    "report_bench_wrong_field": ({"run/bench-cuda.json": _bench({"key": "commit/extensible", "bytes": "1 GiB"})},
+                                 ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                                 ("bench-cuda.json", "extra_info.bytes", "integer", '"1 GiB"')),
+    "report_baseline_bad": ({"run/validate-backend.txt": "1 of 1 passed\n", "base/conformance-cuda.json": "{"},
+                            ("report", "{tmp}/run", "--compare", "{tmp}/base", "--out", "{tmp}/out"), 2,
+                            ("conformance-cuda.json", "not valid JSON")),
+    "report_out_is_a_file": ({"run/validate-backend.txt": "1 of 1 passed\n", "taken": ""},
+                             ("report", "{tmp}/run", "--out", "{tmp}/taken"), 2, ("cannot write", "taken")),
+    "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
+    # validate-backend: sizes are positive ints, backend specs well formed, a failing backend does not stop the rest
+    "block_size_zero": ({}, ("validate-backend", GOOD, "--block-size", "0"), 2, ("--block-size", "'0'", "positive")),
+    "num_kv_heads_negative": ({}, ("validate-backend", GOOD, "--num-kv-heads", "-1"), 2,
+                              ("--num-kv-heads", "'-1'", "positive")),
+    "head_size_zero": ({}, ("validate-backend", GOOD, "--head-size", "0"), 2, ("--head-size", "'0'", "positive")),
+    "spec_without_module": ({}, ("validate-backend", ":Flash"), 2, ("':Flash'", "module:Class")),
+    "spec_without_class": ({}, ("validate-backend", "conformance.unit._factories:"), 2,
+                           ("'conformance.unit._factories:'", "module:Class")),
+    "backend_shape_raises": ({}, ("validate-backend", RAISING, GOOD, "--driver", "host-4k"), 1,
+                             ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size")),
+    "backend_shape_empty": ({}, ("validate-backend", EMPTY, GOOD, "--driver", "host-4k"), 1,
+                            ("1 of 2 failed", "EmptyBackend/NHD", "0 bytes per block")),
+    # fp8 KV caches are a normal setting: a correct backend passes
+    "fp8_e4m3": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e4m3fn"), 0,
+                 ("1 of 1 passed",)),
+    "fp8_e5m2": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e5m2"), 0,
+                 ("1 of 1 passed",)),
+    "fp8_cache_dtype": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--cache-dtype", "fp8", "--dtype",
+                             "float8_e4m3fn", "--layout", "both"), 0, ("2 of 2 passed",)),
+    # bench-summary: valid JSON of the wrong shape is refused, naming the file and the field
+    "bench_json_list": ({"bench.json": "[]"}, ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "object")),
+    "bench_no_benchmarks": ({"bench.json": '{"machine_info": {}}'}, ("bench-summary", "{tmp}/bench.json"), 2,
+                            ("bench.json", "benchmarks")),
+    "bench_no_keys": ({"bench.json": _bench({"driver": "cuda"})}, ("bench-summary", "{tmp}/bench.json"), 2,
+                      ("bench.json", "extra_info.key")),
+    "bench_extra_info_list": ({"bench.json": '{"benchmarks": [{"extra_info": [1]}]}'},
+                              ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "benchmarks[0].extra_info")),
+    "bench_median_text": ({"bench.json": _bench({"key": "commit/extensible"}, {"median": "fast"})},
+                          ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "stats.median", "number")),
+}
+
+
+@pytest.mark.parametrize("files,args,code,words", ROWS.values(), ids=ROWS.keys())
+def test_cli_answers_bad_input_with_one_line(tmp_path, files, args, code, words):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    argv = [a.format(tmp=tmp_path) for a in args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "extensible_kv", *argv], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    shown = (f"python -m extensible_kv {' '.join(argv)}: exit {proc.returncode}\n{proc.stdout[-2000:]}"
+             f"{proc.stderr[-3000:]}")
+    assert "Traceback" not in proc.stdout + proc.stderr, shown
+    assert proc.returncode == code, shown
+    if code == 0:
+        assert not proc.stderr and all(w in proc.stdout for w in words), shown
+        return
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), shown
+    assert not (tmp_path / "out").exists(), f"{shown}\na refused report wrote {tmp_path / 'out'}"
