@@ -69,7 +69,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Unit, meta and conformance tests and the benchmark smoke run on the host driver (no GPU needed)."""
     _install(session, "-e", ".[report]", *TEST_DEPS)
-    _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", *session.posargs)
+    _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", "-n", "2", *session.posargs)
 
 
 # On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.

@@ -6,6 +6,12 @@ driver's granularity so the same rule exercises 4 KiB, 2 MiB or any other granul
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
+import functools
+import os
+import signal
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,6 +34,12 @@ def pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
     return ((idx * 131 + seed * 71 + (idx >> 9) * 17) % 251 + 1).to(torch.uint8).to(device)
 
 
+@functools.lru_cache(maxsize=16)
+def shared_pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``pattern(nbytes, seed, device)``, computed once: read it, never write it."""
+    return pattern(nbytes, seed, device)
+
+
 def first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
     actual, expected = actual.cpu().reshape(-1), expected.cpu().reshape(-1)
     diff = (actual != expected).nonzero().flatten()
@@ -39,8 +51,9 @@ def first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
 
 def expect_bytes(driver: Ledger, op: str, actual: torch.Tensor, expected: torch.Tensor, **context: object) -> None:
     same = actual.shape == expected.shape and bool(torch.equal(actual.cpu(), expected.cpu()))
-    expect(same, driver, op, f"{expected.numel()} bytes as written", f"first mismatch at "
-           f"{first_mismatch(actual, expected) if actual.shape == expected.shape else actual.shape}", **context)
+    if not same:
+        expect(same, driver, op, f"{expected.numel()} bytes as written", f"first mismatch at "
+               f"{first_mismatch(actual, expected) if actual.shape == expected.shape else actual.shape}", **context)
 
 
 def odd_tensor(driver: Ledger, num_segments: int = 3, granules_per_segment: float = 2.5,
@@ -108,3 +121,205 @@ def expect_rolled_back(driver: Ledger, t: ExtensibleTensor, where: str, before: 
     retry(t)
     states, want = granule_states(driver, t.base_address, t.max_num_bytes), expected_granules(t)
     expect(states == want, driver, f"accessible granules after retrying a {where}", want, states)
+
+
+# -- the raw driver ------------------------------------------------------------------------------------------------
+class RawDriver:
+    """The driver under the fixture's Ledger, called directly (so the driver's own refusals are reached), keeping
+    what a rule made through it so that ``close()`` returns all of it and the Ledger's leak check still holds."""
+
+    def __init__(self, driver: Ledger) -> None:
+        self.ledger = driver
+        self.inner = driver.inner
+        self.g = driver.granularity()
+        self.reservations: dict[int, int] = {}  # va -> size
+        self.handles: list[object] = []  # created and not yet released
+        self.mappings: dict[int, int] = {}  # va -> size
+        self.accessed: set[int] = set()  # granule addresses granted access
+
+    def reserve(self, granules: int, alignment: int | None = None) -> int:
+        va = self.inner.reserve(granules * self.g, alignment or self.g)
+        self.reservations[va] = granules * self.g
+        return va
+
+    def create(self, size: int) -> object:
+        handle = self.inner.create(size)
+        self.handles.append(handle)
+        return handle
+
+    def release(self, handle: object) -> None:
+        self.inner.release(handle)
+        self.handles.remove(handle)
+
+    def map(self, va: int, size: int, handle: object, offset: int = 0, access: bool = True) -> None:
+        self.inner.map(va, size, handle, offset)
+        self.mappings[va] = size
+        if access:
+            self.set_access(va, size)
+
+    def set_access(self, va: int, size: int) -> None:
+        self.inner.set_access(va, size)
+        self.accessed.update(range(va, va + size, self.g))
+
+    def unmap(self, va: int, size: int) -> None:
+        self.inner.synchronize()
+        self.inner.unmap(va, size)
+        del self.mappings[va]
+        self.accessed.difference_update(range(va, va + size, self.g))
+
+    def free(self, va: int) -> None:
+        self.inner.free(va, self.reservations[va])
+        del self.reservations[va]
+
+    def commit(self, va: int, size: int, seed: int | None = None) -> object:
+        """Back ``[va, va+size)`` with a new handle (released at once: the mapping keeps it), grant access, and
+        write ``pattern(size, seed)`` unless ``seed`` is None."""
+        handle = self.create(size)
+        self.map(va, size, handle)
+        self.release(handle)
+        if seed is not None:
+            self.view(va, size).copy_(shared_pattern(size, seed, self.ledger.device))
+            self.inner.synchronize()
+        return handle
+
+    def view(self, va: int, nbytes: int) -> torch.Tensor:
+        return self.inner.tensor(va, nbytes, None)
+
+    def close(self) -> None:
+        """Unmap, release and free what is left, every step tried; the first error is raised at the end."""
+        errors = []
+        steps = [(self.unmap, (va, size)) for va, size in sorted(self.mappings.items())]
+        steps += [(self.release, (h,)) for h in list(self.handles)]
+        steps += [(self.free, (va,)) for va in sorted(self.reservations)]
+        for step, args in steps:
+            try:
+                step(*args)
+            except Exception as exc:  # noqa: BLE001 - every step is tried; the first failure is reported
+                errors.append(exc)
+        self.mappings.clear()
+        self.handles.clear()
+        self.reservations.clear()
+        if errors:
+            raise AssertionError(f"driver {self.ledger.name}: returning what a rule made: expected every unmap, "
+                                 f"release and free to succeed, got {errors[0]!r}") from errors[0]
+
+
+def free_bytes(driver: Ledger) -> int:
+    """Free memory per the driver's ``mem_info()`` (device memory on GPUs, the budget left on the host)."""
+    return driver.mem_info()[0]
+
+
+CPU_OOM_LIMIT = 4 << 30
+
+
+def oom_step(driver: Ledger) -> int:
+    """The step in which the rules that run out of memory take it: an eighth of ``mem_info()``'s total, in whole
+    granules and at most ``max_handle_bytes``. A CPU driver whose total is over 4 GiB (the machine's memory, not a
+    budget) is skipped: running it out would take the machine's memory; build it with a budget instead
+    (``HostDriver(budget_bytes=...)``, as the registered host drivers are)."""
+    import pytest  # noqa: PLC0415
+
+    g, total = driver.granularity(), driver.mem_info()[1]
+    if driver.device.type == "cpu" and total > CPU_OOM_LIMIT:
+        pytest.skip(f"driver {driver.name}: mem_info total is {total} bytes, over {CPU_OOM_LIMIT} on a CPU: give it "
+                    f"a memory budget to check running out of memory")
+    step = max(total // 8 // g * g, g)
+    if driver.max_handle_bytes:
+        step = min(step, max(driver.max_handle_bytes // g * g, g))
+    return step
+
+
+# -- the kernel's view of the host driver ----------------------------------------------------------------------------
+MEMFD_NAME = "extensible-kv"
+
+
+def host_kernel(driver: Ledger) -> bool:
+    """Whether the kernel's own records say what ``driver`` did: a CPU driver built on the host driver (mmap and
+    memfd), whose mappings ``/proc/self/maps`` shows and whose untouchable granules fault."""
+    from extensible_kv.drivers.host import HostDriver  # noqa: PLC0415
+
+    return driver.device.type == "cpu" and isinstance(getattr(driver, "inner", driver), HostDriver)
+
+
+def _maps() -> list[tuple[int, int, str, int, int, str]]:
+    """``/proc/self/maps`` as (lo, hi, permissions, file offset, inode, name)."""
+    rows = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            rows.append((lo, hi, fields[1], int(fields[2], 16), int(fields[4]),
+                         fields[5].strip() if len(fields) == 6 else ""))
+    return rows
+
+
+def kernel_granules(base: int, nbytes: int, granularity: int) -> list[str]:
+    """What the kernel maps at each granule of ``[base, base+nbytes)``: ``accessible`` (one of the host driver's
+    memfds, shared and read-write), ``mapped`` (a memfd, shared, no access), ``reserved`` (anonymous, no access),
+    ``nothing``, or the permissions and name the kernel shows for anything else (a private copy, anonymous rw)."""
+    rows = _maps()
+    states = []
+    for va in range(base, base + nbytes, granularity):
+        row = next((r for r in rows if r[0] <= va < r[1]), None)
+        if row is None:
+            states.append("nothing")
+            continue
+        perms, name = row[2], row[5]
+        if MEMFD_NAME in name and perms in ("rw-s", "---s"):
+            states.append("accessible" if perms == "rw-s" else "mapped")
+        elif not name and row[4] == 0 and perms == "---p":
+            states.append("reserved")
+        else:
+            states.append(f"{perms} {name or 'anonymous'}")
+    return states
+
+
+def kernel_backing(va: int) -> tuple[int, int] | None:
+    """(memfd inode, byte offset in it) of what the kernel maps at ``va``, or None when it is no memfd of ours."""
+    for lo, hi, _, offset, inode, name in _maps():
+        if lo <= va < hi:
+            return (inode, offset + va - lo) if MEMFD_NAME in name else None
+    return None
+
+
+def kernel_memfds() -> dict[int, int]:
+    """inode -> size of each memfd of the host driver that this process holds open (``/proc/self/fd``) or mapped
+    (``/proc/self/maps``): the physical memory the kernel keeps for it, whatever the driver's records say."""
+    found: dict[int, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
+                st = os.stat(f"/proc/self/fd/{fd}")
+                found[st.st_ino] = st.st_size
+        except OSError:  # closed meanwhile (the fd listing itself, another thread's file)
+            pass
+    for lo, hi, _, offset, inode, name in _maps():
+        if MEMFD_NAME in name and inode not in found:
+            try:
+                found[inode] = os.stat(f"/proc/self/map_files/{lo:x}-{hi:x}").st_size
+            except OSError:  # map_files unreadable here: the mapped extent is a lower bound
+                found[inode] = max(found.get(inode, 0), offset + hi - lo)
+    return found
+
+
+def touch(va: int, write: bool = False) -> str:
+    """Read the byte at ``va`` (and write it back when ``write``) in a forked child: ``ok``, or the name of the
+    signal that killed the child (``SIGSEGV``, ``SIGBUS``) when the kernel has nothing accessible there."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a multi-threaded process: the child only reads
+        pid = os.fork()
+    if pid == 0:
+        try:
+            faulthandler.disable()
+            byte = ctypes.c_uint8.from_address(va)
+            if write:
+                byte.value = byte.value
+            else:
+                _ = byte.value
+        except BaseException:  # noqa: BLE001 - the child reports by exit status only
+            os._exit(3)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return "ok" if os.WEXITSTATUS(status) == 0 else f"exit {os.WEXITSTATUS(status)}"

@@ -1,4 +1,5 @@
-"""Rules that need real device memory: running out of it for real, and what CUDA graphs may assume."""
+"""Rules of running out of device memory (on every driver: the host driver's is its budget) and of what CUDA graphs
+may assume."""
 
 from __future__ import annotations
 
@@ -11,37 +12,48 @@ import torch
 from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import CommitOutOfMemory
 
-from .helpers import expect, expect_bytes
-
-pytestmark = pytest.mark.drivers("cuda")
-
-GIB = 1 << 30
+from .helpers import expect, expect_bytes, free_bytes, host_kernel, kernel_memfds, oom_step, shared_pattern
 
 
 def test_committing_past_the_device_memory_raises_commit_out_of_memory(driver):
     free, total = driver.mem_info()
-    step = 8 * GIB
+    step = oom_step(driver)
+    kernel0 = kernel_memfds() if host_kernel(driver) else None
     t = ExtensibleTensor(2 * total // step * step, driver=driver)
     committed = 0
     with pytest.raises(CommitOutOfMemory) as info:
-        while True:
+        for _ in range(2 * total // step):
+            before = (driver.outstanding(), free_bytes(driver), kernel_memfds() if kernel0 is not None else None)
             t.resize_per_segment_(committed + step, zero_new=False)
             committed += step
+            t.segment_view(0)[committed - 4096:committed].copy_(shared_pattern(4096, committed // step, driver.device))
     err = info.value
     expect(err.committed == committed and err.requested == committed + step, driver,
            "CommitOutOfMemory (committed, requested)", (committed, committed + step), (err.committed, err.requested))
     expect(str(committed + step) in str(err) and str(committed) in str(err), driver, "CommitOutOfMemory message",
            "names the sizes asked and kept", str(err))
-    expect(committed >= free - 2 * step, driver, "bytes committed before the refusal", f">= {free - 2 * step}",
-           committed)
-    # Still usable: the committed prefix reads and writes, and a smaller growth succeeds.
+    expect(free - 2 * step <= committed <= free, driver, "bytes committed before the refusal",
+           f"between {free - 2 * step} and {free}", committed)
+    expect(t.bytes_per_segment == committed, driver, "bytes_per_segment after the refused growth", committed,
+           t.bytes_per_segment)
+    after = (driver.outstanding(), free_bytes(driver), kernel_memfds() if kernel0 is not None else None)
+    for what, was, now in zip(("reservations, handles and mappings", "mem_info free bytes", "memfds the kernel holds"),
+                              before, after):
+        expect(now == was, driver, f"{what} after the refused growth", was, now)
+    for k in range(1, committed // step + 1):
+        expect_bytes(driver, f"the last 4 KiB of growth step {k} after the refused growth",
+                     t.segment_view(0)[k * step - 4096:k * step], shared_pattern(4096, k, driver.device))
     view = t.segment_view(0)
     view[:4096].fill_(5)
     expect(int(view[:4096].sum()) == 5 * 4096, driver, "a write after the refusal", 5 * 4096, int(view[:4096].sum()))
     del view
     t.close()
+    expect(free_bytes(driver) == free, driver, "mem_info free bytes after close()", free, free_bytes(driver))
+    if kernel0 is not None:
+        expect(kernel_memfds() == kernel0, driver, "memfds the kernel holds after close()", kernel0, kernel_memfds())
 
 
+@pytest.mark.drivers("cuda")
 def test_a_view_keeps_captured_graphs_valid_after_the_tensor_is_dropped(driver):
     # Note [CUDA graphs do not keep memory alive]: the graph holds addresses only; a view keeps the memory.
     t = ExtensibleTensor(4 * driver.granularity(), driver=driver)

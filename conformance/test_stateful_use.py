@@ -15,6 +15,7 @@ import copy
 import faulthandler
 import gc
 import os
+from contextlib import contextmanager
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -33,6 +34,20 @@ EXAMPLES_ENV = "EXTENSIBLE_KV_STATEFUL_EXAMPLES"
 FAULT_OPS = ("create", "map", "release", "set_access", "zero", "synchronize")
 FAULTS = {"DriverError": lambda op: DriverError(op, "injected"), "KeyboardInterrupt": lambda op: KeyboardInterrupt(),
           "SystemExit": lambda op: SystemExit(3)}
+
+
+@contextmanager
+def _injected(driver, op: str, nth: int, error: BaseException):
+    """A fault armed for the calls of one step only: garbage is collected first and the collector is paused, so the
+    fault cannot fire in an unrelated collected tensor's teardown instead of in the step."""
+    gc.collect()
+    gc.disable()
+    driver.fail(op, nth, error)
+    try:
+        yield
+    finally:
+        driver.clear_faults()
+        gc.enable()
 
 
 class _Tracked:
@@ -88,14 +103,12 @@ class HostileUse(RuleBasedStateMachine):
         if t.closed:
             return
         old, new = t.bytes_per_segment, max(self._target_size(tracked, frac), t.bytes_per_segment)
-        self.driver.fail(op, nth, FAULTS[fault](op))
-        try:
-            t.resize_per_segment_(new)
-            raised = None
-        except (CommitError, KeyboardInterrupt, SystemExit) as exc:
-            raised = exc
-        finally:
-            self.driver.clear_faults()
+        with _injected(self.driver, op, nth, FAULTS[fault](op)):
+            try:
+                t.resize_per_segment_(new)
+                raised = None
+            except (CommitError, KeyboardInterrupt, SystemExit) as exc:
+                raised = exc
         if raised is None:
             self._grown(tracked, new)
         else:
@@ -140,13 +153,11 @@ class HostileUse(RuleBasedStateMachine):
     @rule(tracked=tensors, op=st.sampled_from(("unmap", "free", "synchronize")), fault=st.sampled_from(sorted(FAULTS)))
     def close_with_a_fault(self, tracked, op, fault):
         t = tracked.t
-        self.driver.fail(op, 1, FAULTS[fault](op))
-        try:
-            t.close()
-        except (DriverError, KeyboardInterrupt, SystemExit):
-            pass
-        finally:
-            self.driver.clear_faults()
+        with _injected(self.driver, op, 1, FAULTS[fault](op)):
+            try:
+                t.close()
+            except (DriverError, KeyboardInterrupt, SystemExit):
+                pass
         t.close()
         self._closed(tracked)
 
@@ -211,16 +222,14 @@ class HostileUse(RuleBasedStateMachine):
             return
         before = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers]
         old = cache.num_blocks
-        self.driver.fail(op, nth, FAULTS[fault](op))
-        try:
-            cache.ensure_blocks(blocks)
-        except (CommitError, KeyboardInterrupt, SystemExit):
-            after = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers]
-            expect((cache.num_blocks, after) == (old, before), self.driver,
-                   f"KV buffers after {fault} at {op} #{nth} of ensure_blocks({blocks})", (old, before),
-                   (cache.num_blocks, after))
-        finally:
-            self.driver.clear_faults()
+        with _injected(self.driver, op, nth, FAULTS[fault](op)):
+            try:
+                cache.ensure_blocks(blocks)
+            except (CommitError, KeyboardInterrupt, SystemExit):
+                after = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers]
+                expect((cache.num_blocks, after) == (old, before), self.driver,
+                       f"KV buffers after {fault} at {op} #{nth} of ensure_blocks({blocks})", (old, before),
+                       (cache.num_blocks, after))
 
     @rule(cache=consumes(caches))
     def close_cache(self, cache):

@@ -1,7 +1,8 @@
 """The conformance suite catches broken drivers and broken tensors: each must fail the rules it breaks.
 
 Each case runs, in a fresh process (a broken implementation may fault its own process), the rules that must catch
-the breakage, and reads the failed tests from a JUnit XML report; the intact host driver runs every rule.
+the breakage, and reads the failed tests from a JUnit XML report; the intact host drivers (host, host-4k) run every
+rule.
 """
 
 from __future__ import annotations
@@ -17,12 +18,47 @@ import pytest
 SUITE = Path(__file__).resolve().parents[1]
 ROOT = SUITE.parent
 
+MAP_REFUSED = "test_map_outside_one_reservation_or_over_a_mapping_is_refused_and_changes_nothing"
+UNMAP_REFUSED = "test_unmap_of_anything_but_one_whole_mapping_is_refused_and_changes_nothing"
+SET_ACCESS_REFUSED = "test_set_access_on_a_range_not_fully_mapped_is_refused_and_changes_nothing"
+FREE_REFUSED = "test_free_of_anything_but_one_empty_reservation_is_refused_and_changes_nothing"
+MEMORY_RETURNED = "test_memory_is_returned_once_unmapped_and_released"
+OUT_OF_MEMORY = "test_create_past_free_memory_raises_driver_out_of_memory_and_leaks_nothing"
+KERNEL_MAPS = "test_the_kernel_maps_what_accessible_reports"
+FAULTS = "test_touching_a_granule_without_access_faults"
+SHARED = "test_a_handle_mapped_at_two_addresses_shows_the_same_bytes_through_both"
+
 BROKEN_DRIVERS = {
     "no_zero": {"test_zero_sets_exactly_the_range", "test_zero_new_zeroes_exactly_the_new_range"},
     "moving_base": {"test_base_address_is_stable_across_growth", "test_tensor_aliases_memory_without_copy"},
     "non_lockstep": {"test_segments_grow_in_lockstep"},
     "double_map": {"test_map_over_mapped_granule_is_refused"},
     "no_rollback": {"test_failed_growth_rolls_back_completely", "test_unmap_returns_range_to_reserved"},
+    "zero_in_lines": {"test_zero_sets_exactly_the_bytes_of_any_range"},
+    "zero_stops_at_16_mib": {"test_zero_of_64_mib_sets_every_byte"},
+    "tensor_copies_large": {"test_tensor_of_64_mib_aliases_memory_without_copy"},
+    "tensor_drops_keeper": {"test_tensor_keeps_its_keeper_alive"},
+    "map_ignores_offset": {"test_map_backs_the_range_with_the_handle_bytes_at_the_offset"},
+    "map_private": {SHARED, KERNEL_MAPS},
+    "map_grants_access": {"test_mapping_alone_grants_no_access", FAULTS},
+    "map_clamps_to_reservation": {MAP_REFUSED},
+    "map_refuses_after_mapping": {MAP_REFUSED},
+    "overlap_from_below": {MAP_REFUSED},
+    "records_only": {KERNEL_MAPS, SHARED},
+    "unmap_accepts_a_prefix": {"test_unmap_of_a_subrange_is_refused", UNMAP_REFUSED},
+    "unmap_refuses_after_unmapping": {UNMAP_REFUSED},
+    "set_access_on_partly_mapped": {SET_ACCESS_REFUSED},
+    "set_access_refuses_after_opening": {SET_ACCESS_REFUSED},
+    "free_with_mappings": {FREE_REFUSED},
+    "free_of_a_subrange": {FREE_REFUSED},
+    "free_keeps_the_range": {"test_free_returns_the_range_to_the_kernel"},
+    "reserve_ignores_alignment": {"test_reserve_returns_a_range_aligned_to_the_alignment_asked"},
+    "reserve_accessible": {FAULTS, KERNEL_MAPS},
+    "release_keeps_memory": {MEMORY_RETURNED},
+    "unmap_keeps_memory": {MEMORY_RETURNED, "test_closing_a_tensor_returns_its_memory"},
+    "release_keeps_the_memfd": {MEMORY_RETURNED, "test_closing_a_tensor_returns_its_memory"},
+    "budget_ignored": {OUT_OF_MEMORY, "test_committing_past_the_device_memory_raises_commit_out_of_memory"},
+    "create_leaks_when_refused": {OUT_OF_MEMORY},
 }
 
 SABOTAGED_TENSORS = {
@@ -79,7 +115,8 @@ def test_suite_fails_a_sabotaged_tensor(tmp_path, sabotage):
         f"{sorted(SABOTAGED_TENSORS[sabotage])}; got exit {rc}, failed {sorted(failed)}\n{tail}")
 
 
-def test_suite_passes_the_intact_host_driver(tmp_path):
-    rc, failed, tail = run_rules(tmp_path, "host")
-    assert rc == 0 and not failed, f"intact host driver: expected exit 0 and no failures; got exit {rc}, " \
+@pytest.mark.parametrize("spec", ["host", "host-4k"])
+def test_suite_passes_the_intact_host_driver(tmp_path, spec):
+    rc, failed, tail = run_rules(tmp_path, spec)
+    assert rc == 0 and not failed, f"intact host driver {spec}: expected exit 0 and no failures; got exit {rc}, " \
                                    f"failed {sorted(failed)}\n{tail}"

@@ -111,8 +111,9 @@ def _check_driver(what: str, driver: object) -> Driver:
     return driver  # type: ignore[return-value]
 
 
-register("host", _host.HostDriver, _host.probe, gpu=False)
-register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k"), _host.probe, gpu=False)
+register("host", lambda: _host.HostDriver(budget_bytes=1 << 30), _host.probe, gpu=False)
+register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k", budget_bytes=1 << 30),
+         _host.probe, gpu=False)
 register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True)
 register("hip", _hip.HipDriver, _hip.probe, gpu=True)
 
