@@ -134,7 +134,6 @@ def driver(request: pytest.FixtureRequest, driver_spec: str):
 # Each rule's report carries its driver spec (a user property), so the summary also works where the tests ran in
 # pytest-xdist workers (crash isolation: a driver that faults kills a worker, fails that rule, and the run goes on).
 _DRIVER_PROPERTY = "extensible_kv_driver"
-_spec_by_nodeid: dict[str, str] = {}
 _outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
 
 
@@ -142,7 +141,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "driver_spec" in params:
-            _spec_by_nodeid[item.nodeid] = params["driver_spec"]
             item.user_properties.append((_DRIVER_PROPERTY, params["driver_spec"]))
 
 

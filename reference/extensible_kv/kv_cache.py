@@ -23,7 +23,7 @@ from .drivers import Driver, resolve
 from .drivers._records import MAX_BYTES
 from .errors import ClosedError, InvalidSizeError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, _check_int, _refuse_copy
+from .tensor import ExtensibleTensor, Unshareable, _check_int
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class KVCacheStats:
         return asdict(self)
 
 
-class ExtensibleKVCacheBuffers:
+class ExtensibleKVCacheBuffers(Unshareable):
     """The KV cache buffers of a model (see the module docstring)."""
 
     def __init__(self, buffers: Sequence[KVBuffer], max_num_blocks: int, *, driver: Driver | str | None = None,
@@ -236,12 +236,3 @@ class ExtensibleKVCacheBuffers:
         if self._closed:
             raise ClosedError(f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
                               f"max_num_blocks={self._max_num_blocks})")
-
-    def __copy__(self) -> ExtensibleKVCacheBuffers:
-        _refuse_copy(self)
-
-    def __deepcopy__(self, memo: dict) -> ExtensibleKVCacheBuffers:
-        _refuse_copy(self)
-
-    def __reduce_ex__(self, protocol: object) -> object:
-        _refuse_copy(self)

@@ -48,11 +48,6 @@ def reap(teardown: Callable[..., None], *args: object) -> None:
     teardown(*args)
 
 
-def pending() -> int:
-    """Teardowns queued on this thread and not yet run."""
-    return len(getattr(_local, "pending", ()))
-
-
 def _drain() -> None:
     queue = getattr(_local, "pending", None)
     while queue:

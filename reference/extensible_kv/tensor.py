@@ -63,9 +63,22 @@ def _itemsize(dtype: object) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def _refuse_copy(obj: object) -> None:
-    raise TypeError(f"{type(obj).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
-                    f"would free it under the first one's views; share the object, or copy a view's bytes")
+class Unshareable:
+    """Base of the objects that own virtual memory: copy, deepcopy and pickle raise ``TypeError``, since a copy
+    would be a second owner that frees the memory under the first one's views."""
+
+    def _refuse(self) -> None:
+        raise TypeError(f"{type(self).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
+                        f"would free it under the first one's views; share the object, or copy a view's bytes")
+
+    def __copy__(self) -> None:
+        self._refuse()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        self._refuse()
+
+    def __reduce_ex__(self, protocol: object) -> None:
+        self._refuse()
 
 
 @dataclass
@@ -130,7 +143,7 @@ class _ViewKeeper:
         self.owner = owner
 
 
-class ExtensibleTensor:
+class ExtensibleTensor(Unshareable):
     """A growable byte buffer with a stable base address (see the module docstring).
 
     ``max_num_bytes`` is the upper bound, reserved now; ``num_segments`` equal segments must divide it;
@@ -152,9 +165,6 @@ class ExtensibleTensor:
                                    f"(remainder {max_num_bytes % num_segments})")
         if alignment <= 0:
             raise InvalidSizeError(f"alignment must be positive, got {alignment}")
-        if max_num_bytes >= MAX_BYTES:
-            raise InvalidSizeError(f"max_num_bytes={max_num_bytes} does not fit a 64-bit address space (at most "
-                                   f"{MAX_BYTES - 1} bytes)")
         segment_bytes = max_num_bytes // num_segments
         if segment_bytes % alignment:
             raise InvalidSizeError(f"segment size {segment_bytes} (max_num_bytes={max_num_bytes} / "
@@ -411,15 +421,6 @@ class ExtensibleTensor:
                 self._finalizer = weakref.finalize(self, _collected, self._memory)
                 self._finalizer.atexit = False
                 raise
-
-    def __copy__(self) -> ExtensibleTensor:
-        _refuse_copy(self)
-
-    def __deepcopy__(self, memo: dict) -> ExtensibleTensor:
-        _refuse_copy(self)
-
-    def __reduce_ex__(self, protocol: object) -> object:
-        _refuse_copy(self)
 
     def _check_open(self, op: str) -> None:
         if self.closed:

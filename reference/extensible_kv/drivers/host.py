@@ -67,6 +67,8 @@ import errno
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -175,13 +177,13 @@ class HostDriver:
             _lib().munmap(raw, va - raw)
         if raw + span > va + size:
             _lib().munmap(va + size, raw + span - (va + size))
-        with busy(), self._lock:
+        with self._locked():
             self._reservations[va] = size
         return va
 
     def free(self, va: int, size: int) -> None:
         self._check("free", va=va, size=size)
-        with busy(), self._lock:
+        with self._locked():
             check_free(va, size, self._reservations.get(va) == size, self._mappings)
             del self._reservations[va]
         if _lib().munmap(va, size) != 0:
@@ -189,7 +191,7 @@ class HostDriver:
 
     def create(self, size: int) -> HostHandle:
         self._check("create", size=size)
-        with busy(), self._lock:
+        with self._locked():
             if self._held + size > self._total:  # Note [Host memory accounting]
                 raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of "
                                                   f"{self._total} bytes free", errno.ENOMEM)
@@ -197,7 +199,7 @@ class HostDriver:
         try:
             return self._create(size)
         except BaseException:
-            with busy(), self._lock:
+            with self._locked():
                 self._held -= size
             raise
 
@@ -218,7 +220,7 @@ class HostDriver:
 
     def release(self, handle: HostHandle) -> None:
         self._check("release")
-        with busy(), self._lock:
+        with self._locked():
             if handle.released:
                 raise DriverError("release", f"{handle!r} was already released")
             os.close(handle.fd)
@@ -227,7 +229,7 @@ class HostDriver:
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._lock:
+        with self._locked():
             self._check_in_reservation("map", va, size)
             # Note [MAP_FIXED replaces silently]
             check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
@@ -243,7 +245,7 @@ class HostDriver:
 
     def unmap(self, va: int, size: int) -> None:
         self._check("unmap", va=va, size=size)
-        with busy(), self._lock:
+        with self._locked():
             live = self._mappings.get(va)
             if live is None or live[0] != size:
                 raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping")
@@ -256,7 +258,7 @@ class HostDriver:
 
     def set_access(self, va: int, size: int) -> None:
         self._check("set_access", va=va, size=size)
-        with busy(), self._lock:
+        with self._locked():
             covered = sum(s for m, (s, _) in self._mappings.items() if va <= m and m + s <= va + size)
         if covered != size:
             raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
@@ -289,10 +291,16 @@ class HostDriver:
 
     def mem_info(self) -> tuple[int, int]:
         """``(total - held, total)``: see Note [Host memory accounting]."""
-        with busy(), self._lock:
+        with self._locked():
             return self._total - self._held, self._total
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The driver's lock, inside ``reaper.busy()``: Note [The driver lock and the garbage collector]."""
+        with busy(), self._lock:
+            yield
+
     def _drop_if_unused(self, handle: HostHandle) -> None:
         """Stop counting a handle's bytes once it is released and mapped nowhere (called with the lock held)."""
         if handle.released and handle.maps == 0:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import benchmarks
 from .benchmarks import bytes_of, entries, seconds_of, summarize_entries
+from .benchmarks import load as load_benchmarks
 from .files import COUNT, NUMBER, TEXT, read_json, read_text
 
 # Keys of ``memory`` in an integration case; any of them may be absent (older runs lack ``cudagraph_memory`` and
@@ -245,7 +245,7 @@ def _conformance(path: Path) -> Conformance:
 
 
 def _bench(path: Path) -> Bench:
-    data = benchmarks.load(path)
+    data = load_benchmarks(path)
     raw = entries(data)
     return Bench(source=path.name, summary=summarize_entries(raw), raw=raw, datetime=data.get("datetime"),
                  machine_info=data.get("machine_info") or {})
