@@ -1,7 +1,9 @@
 """Checks a driver makes against its own records of reservations and mappings before a native call.
 
-The host and HIP drivers keep such records (the host driver because ``mmap(MAP_FIXED)`` replaces silently, the HIP
-driver for its Notes on per-mapping calls) and refuse the same misuse with the same ``DriverError``. ``Ledger``
+The host, CUDA and HIP drivers keep such records (the host driver because ``mmap(MAP_FIXED)`` replaces silently, the
+HIP driver for its Notes on per-mapping calls, the CUDA driver because ``cuMem*`` accepts some misuse the protocol
+refuses: Note [cuMem accepts what the protocol refuses] in ``cuda.py``) and refuse the same misuse with the same
+``DriverError``. ``Ledger``
 checks callers on its own, independently of any driver, and does not use these.
 """
 
@@ -44,3 +46,29 @@ def check_no_overlap(va: int, size: int, mappings: Iterable[tuple[int, int]]) ->
     for m_va, m_size in mappings:
         if m_va < va + size and va < m_va + m_size:
             raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
+
+
+def check_inside(op: str, va: int, size: int, reservations: Iterable[tuple[int, int]]) -> None:
+    """Refuse ``op`` on ``[va, va+size)`` unless it lies inside one reservation (``reservations``: ``(va, size)``)."""
+    for r_va, r_size in reservations:
+        if r_va <= va and va + size <= r_va + r_size:
+            return
+    raise DriverError(op, f"[{va:#x}, +{size}) does not lie inside one reservation of this driver")
+
+
+def check_one_mapping(va: int, size: int, mapped_size: int | None) -> None:
+    """Refuse ``unmap(va, size)`` unless exactly one live mapping starts at ``va`` with ``size`` bytes
+    (``mapped_size``: the size of the mapping starting at ``va``, ``None`` if none does)."""
+    if mapped_size != size:
+        raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping of this driver")
+
+
+def mapped_parts(va: int, size: int, mappings: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pieces ``(lo, hi)`` of ``[va, va+size)`` that live mappings (``(va, size)`` pairs) cover, in address order;
+    refuse ``set_access`` when they do not cover the whole range."""
+    end = va + size
+    parts = sorted((max(m, va), min(m + s, end)) for m, s in mappings if m < end and va < m + s)
+    covered = sum(hi - lo for lo, hi in parts)
+    if covered != size:
+        raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
+    return parts

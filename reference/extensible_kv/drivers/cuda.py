@@ -36,6 +36,13 @@ Note [accessible() probes unmapped addresses]
     reports every such call as an API error (on the H200, 2026-12-02: 364 in a memcheck run of the conformance
     rules; the 200 it printed were these probes and two deliberately refused double ``cuMemMap`` calls), so memcheck
     runs use ``--report-api-errors no``; memory errors are still reported (0 for the same rules).
+
+Note [cuMem accepts what the protocol refuses]
+    On the H200 (driver 570, 2026-12-02) ``cuMemMap`` maps a range that runs past its reservation's end into the
+    next reservation, and ``cuMemUnmap``/``cuMemSetAccess`` take ranges that span several mappings, a mapping and the
+    next granule, or a gap; the protocol refuses all of these (a tensor that did them would unmap or expose its
+    neighbour's memory). The driver keeps records of its reservations and mappings and refuses such calls itself,
+    with the checks the host and HIP drivers use (``_records.py``), before any native call.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ._device_array import DeviceArray
+from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
 _OOM_NAMES = ("CUDA_ERROR_OUT_OF_MEMORY",)
 
@@ -97,6 +105,9 @@ class CudaDriver:
         self._cu = cu = _bindings()
         torch.cuda.init()
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._reservations: dict[int, int] = {}  # va -> size; Note [cuMem accepts what the protocol refuses]
+        self._mappings: dict[int, int] = {}  # va -> size
         self._dev = self._check("cuDeviceGet", cu.cuDeviceGet(ordinal))
         self._ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._dev))
         prop = cu.CUmemAllocationProp()
@@ -120,27 +131,49 @@ class CudaDriver:
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
-        return int(self._call("reserve", "cuMemAddressReserve", size, alignment, 0, 0))
+        check_range("reserve", size=size, alignment=alignment)
+        va = int(self._call("reserve", "cuMemAddressReserve", size, alignment, 0, 0))
+        with self._lock:
+            self._reservations[va] = size
+        return va
 
     def free(self, va: int, size: int) -> None:
-        self._call("free", "cuMemAddressFree", va, size)
+        check_range("free", va=va, size=size)
+        with self._lock:
+            check_free(va, size, self._reservations.get(va) == size, self._mappings)
+            self._call("free", "cuMemAddressFree", va, size)
+            del self._reservations[va]
 
     def create(self, size: int) -> int:
+        check_range("create", size=size)
         return int(self._call("create", "cuMemCreate", size, self._prop, 0))
 
     def release(self, handle: int) -> None:
         self._call("release", "cuMemRelease", handle)
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
-        self._call("map", "cuMemMap", va, size, offset, handle, 0)
+        check_range("map", va=va, size=size, offset=offset)
+        with self._lock:
+            check_inside("map", va, size, self._reservations.items())
+            check_no_overlap(va, size, self._mappings.items())
+            self._call("map", "cuMemMap", va, size, offset, handle, 0)
+            self._mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:
-        self._call("unmap", "cuMemUnmap", va, size)
+        check_range("unmap", va=va, size=size)
+        with self._lock:
+            check_one_mapping(va, size, self._mappings.get(va))
+            self._call("unmap", "cuMemUnmap", va, size)
+            del self._mappings[va]
 
     def set_access(self, va: int, size: int) -> None:
+        check_range("set_access", va=va, size=size)
+        with self._lock:
+            mapped_parts(va, size, self._mappings.items())
         self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
+        check_range("zero", va=va, size=size)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._call("zero", "cuMemsetD8Async", va, 0, size, stream)
 

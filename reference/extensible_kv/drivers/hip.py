@@ -103,7 +103,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ._device_array import DeviceArray
-from ._records import check_free, check_no_overlap
+from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
 HANDLE_CHUNK_BYTES = 256 << 20
 """Largest physical handle asked of HIP before rounding to the granularity; see Note [Chunked handles]."""
@@ -207,6 +207,7 @@ class HipDriver:
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:  # Note [Reserve alignment]
+        check_range("reserve", size=size, alignment=alignment)
         va = int(self._call("reserve", "hipMemAddressReserve", size, alignment, 0, 0))
         raw, raw_size = va, size
         if alignment > 1 and va % alignment:
@@ -219,6 +220,7 @@ class HipDriver:
         return va
 
     def free(self, va: int, size: int) -> None:
+        check_range("free", va=va, size=size)
         with self._lock:
             entry = self._reservations.get(va)
             check_free(va, size, entry is not None and entry[0] == size, self._mappings)
@@ -228,41 +230,42 @@ class HipDriver:
             del self._reservations[va]
 
     def create(self, size: int) -> Any:
+        check_range("create", size=size)
         return self._call("create", "hipMemCreate", size, self._prop, 0)
 
     def release(self, handle: Any) -> None:
         self._call("release", "hipMemRelease", handle)
 
     def map(self, va: int, size: int, handle: Any, offset: int = 0) -> None:
+        check_range("map", va=va, size=size, offset=offset)
         if offset != 0:  # Note [hipMemMap offset]
             raise DriverError("map", f"hipMemMap offset must be 0 on ROCm, got offset={offset} for "
                                      f"[{va:#x}, +{size}); map whole handles (Note [hipMemMap offset])")
         with self._lock:
+            check_inside("map", va, size, ((r, entry[0]) for r, entry in self._reservations.items()))
             check_no_overlap(va, size, self._mappings.items())
         self._call("map", "hipMemMap", va, size, 0, handle, 0)
         with self._lock:
             self._mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:  # Note [Unmap per mapping]
+        check_range("unmap", va=va, size=size)
         with self._lock:
-            if self._mappings.get(va) != size:
-                raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping of this driver")
+            check_one_mapping(va, size, self._mappings.get(va))
         self._call("unmap", "hipMemUnmap", va, size)
         with self._lock:
             del self._mappings[va]
 
     def set_access(self, va: int, size: int) -> None:  # Note [Access per mapping]
-        end = va + size
+        check_range("set_access", va=va, size=size)
         with self._lock:
-            parts = sorted((max(m, va), min(m + s, end)) for m, s in self._mappings.items() if m < end and va < m + s)
-        covered = sum(hi - lo for lo, hi in parts)
-        if covered != size:
-            raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
+            parts = mapped_parts(va, size, self._mappings.items())
         address = ctypes.addressof(self._access)
         for lo, hi in parts:
             self._call("set_access", "hipMemSetAccess", lo, hi - lo, address, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
+        check_range("zero", va=va, size=size)
         self._call("zero", "hipMemsetD8Async", va, 0, size, self._current_stream())
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:

@@ -75,7 +75,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
-from ._records import check_free, check_no_overlap, check_range
+from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -230,7 +230,7 @@ class HostDriver:
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         self._check("map", va=va, size=size, offset=offset)
         with self._locked():
-            self._check_in_reservation("map", va, size)
+            check_inside("map", va, size, self._reservations.items())
             # Note [MAP_FIXED replaces silently]
             check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
             if handle.released:
@@ -247,8 +247,7 @@ class HostDriver:
         self._check("unmap", va=va, size=size)
         with self._locked():
             live = self._mappings.get(va)
-            if live is None or live[0] != size:
-                raise DriverError("unmap", f"[{va:#x}, +{size}) is not exactly one live mapping")
+            check_one_mapping(va, size, live and live[0])
             got = _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
             if got != va:
                 self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
@@ -259,9 +258,7 @@ class HostDriver:
     def set_access(self, va: int, size: int) -> None:
         self._check("set_access", va=va, size=size)
         with self._locked():
-            covered = sum(s for m, (s, _) in self._mappings.items() if va <= m and m + s <= va + size)
-        if covered != size:
-            raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({covered} bytes mapped)")
+            mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
         if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
             self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
@@ -305,17 +302,12 @@ class HostDriver:
         """Stop counting a handle's bytes once it is released and mapped nowhere (called with the lock held)."""
         if handle.released and handle.maps == 0:
             self._held -= handle.size
+
     def _check(self, op: str, **values: int) -> None:
         if os.getpid() != self._pid:  # Note [No use after fork]
             raise DriverError(op, f"{self.name} driver built in process {self._pid} used from forked process "
                                   f"{os.getpid()}; build a new driver in the child")
         check_range(op, **values)  # Note [Sizes are checked before ctypes]
-
-    def _check_in_reservation(self, op: str, va: int, size: int) -> None:
-        for r_va, r_size in self._reservations.items():
-            if r_va <= va and va + size <= r_va + r_size:
-                return
-        raise DriverError(op, f"[{va:#x}, +{size}) does not lie inside one reservation of this driver")
 
     @staticmethod
     def _fill(fd: int, size: int, byte: int) -> None:
