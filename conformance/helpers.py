@@ -204,6 +204,30 @@ class RawDriver:
                                  f"release and free to succeed, got {errors[0]!r}") from errors[0]
 
 
+def settle_device(driver: Ledger) -> None:
+    """Run once, on an ordinary tensor of the device, the torch operations a rule's checks use (copy, compare, fill,
+    sum), then return torch's cached blocks: Note [Lazy kernel loading takes device memory]."""
+    if driver.device.type != "cuda":
+        return
+    scratch = torch.zeros(8192, dtype=torch.uint8, device=driver.device)
+    scratch[:4096].copy_(shared_pattern(4096, 1, driver.device))
+    expect_bytes(driver, "a warm-up copy on an ordinary device tensor", scratch[:4096],
+                 shared_pattern(4096, 1, driver.device))
+    scratch[:4096].fill_(5)
+    int(scratch[:4096].sum())
+    del scratch
+    torch.cuda.synchronize(driver.device)
+    torch.cuda.empty_cache()
+
+
+# Note [Lazy kernel loading takes device memory]
+#     CUDA loads a kernel's module on its first launch (lazy loading, the default since CUDA 11.7), and the module's
+#     code and data take device memory that ``mem_info`` then reports as used: on the H200 (2026-12-03) about 94 MiB
+#     appeared between a rule's first ``mem_info`` and its last, with every handle of the driver released, because
+#     the rule's own checks (a fill and a sum) ran their first kernels in between. Rules that compare ``mem_info``
+#     before and after call ``settle_device`` first.
+
+
 def free_bytes(driver: Ledger) -> int:
     """Free memory per the driver's ``mem_info()`` (device memory on GPUs, the budget left on the host)."""
     return driver.mem_info()[0]

@@ -12,10 +12,12 @@ import torch
 from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import CommitOutOfMemory
 
-from .helpers import expect, expect_bytes, free_bytes, host_kernel, kernel_memfds, oom_step, shared_pattern
+from .helpers import (expect, expect_bytes, free_bytes, host_kernel, kernel_memfds, oom_step, settle_device,
+                      shared_pattern)
 
 
 def test_committing_past_the_device_memory_raises_commit_out_of_memory(driver):
+    settle_device(driver)
     free, total = driver.mem_info()
     step = oom_step(driver)
     kernel0 = kernel_memfds() if host_kernel(driver) else None
