@@ -77,6 +77,14 @@ def max_num_batched_tokens(args: argparse.Namespace) -> int | None:
     return min(LLM_CLASS_BATCHED_TOKENS, args.max_num_seqs * (args.max_model_len - 1))
 
 
+def prompt_len(args: argparse.Namespace) -> int:
+    """Prompt length of the measured pass: two full KV blocks and a partial one, so the measured pass reads two cached
+    blocks per prompt (40 tokens up to 16-token blocks)."""
+    if args.prompt_len:
+        return args.prompt_len
+    return PROMPT_LEN if not args.block_size or args.block_size <= 16 else 2 * args.block_size + 8
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The ``LLM(...)`` arguments of this case (no vLLM needed)."""
     kwargs = dict(model=str(MODELS / args.model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -104,7 +112,8 @@ def case_of(args: argparse.Namespace) -> dict:
             "max_num_batched_tokens": max_num_batched_tokens(args), "capture_sizes": args.capture_sizes or None,
             "tensor_parallel_size": args.tp, "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size,
             "num_gpu_blocks_override": args.num_gpu_blocks_override, "batch_invariant": args.batch_invariant,
-            "peak": args.peak, "sensitivity": args.sensitivity, "throughput": args.throughput}
+            "peak": args.peak, "sensitivity": args.sensitivity, "throughput": args.throughput,
+            "prompt_len": prompt_len(args)}
 
 
 def prompts(vocab: int, count: int = NUM_PROMPTS, length: int | list[int] = PROMPT_LEN, seed: int = 1234
@@ -150,10 +159,10 @@ def corrupt_kv(worker) -> int:
         if not isinstance(t, torch.Tensor):
             continue  # Mamba state lists
         part = t.narrow(block_dim(t), 0, n)
-        if part.is_floating_point():
+        if part.element_size() == 1:  # fp8 caches (uint8 or float8 views): random bytes
+            part.view(torch.uint8).random_(0, 256, generator=gen)
+        else:
             part.normal_(0.0, 10.0, generator=gen)
-        else:  # fp8 caches may come as uint8 views: random bytes
-            part.random_(0, 256, generator=gen)
         written += part.numel()
     torch.cuda.synchronize()
     return written
@@ -380,7 +389,7 @@ def run(args: argparse.Namespace) -> dict:
     reinit = llm.apply_model(reinit_weights)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts(vocab)]
+    batch = [{"prompt_token_ids": p} for p in prompts(vocab, length=prompt_len(args))]
     llm.generate(batch, warm, use_tqdm=False)
     corrupted = llm.collective_rpc(corrupt_kv)[0] if args.corrupt else 0
     outputs = llm.generate(batch, params, use_tqdm=False)
@@ -433,6 +442,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--throughput-steps", type=int, default=100, help="engine steps per timed window")
     p.add_argument("--throughput-windows", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="measured prompts' length (default 40, or 2 blocks + 8 tokens for blocks over 16 tokens)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: min(16384, max_num_seqs x (max_model_len - 1)), so the peak batch fills it")

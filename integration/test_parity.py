@@ -160,7 +160,7 @@ def test_row_and_table_report_every_column():
     r = parity.row(CASE, runs)
     assert r["sensitivity_proven"] is False and len(r["budget_problems"]) == 2, r["budget_problems"]
     assert "identical (budget!)" in parity.table([r])
-    assert "must read cached KV blocks, got [0, 0]" in parity.table([r])
+    assert "must read 2 cached KV blocks per prompt (32 tokens), got [0, 0]" in parity.table([r])
 
 
 def test_throughput_json_is_pytest_benchmark_shaped_with_the_ratio():
@@ -381,3 +381,10 @@ def test_run_throughput_times_decode_steps_only(monkeypatch):
     assert [w["tokens"] for w in tp["windows"]] == [20, 20], tp["windows"]
     assert not llm.llm_engine.requests, "every request runs to its end"
     assert tp["tokens_per_s"] > 0 and tp["num_seqs"] == 4
+
+
+@pytest.mark.parametrize("block,expected", [(None, 40), (16, 40), (32, 72), (64, 136)])
+def test_measured_prompts_hold_two_full_blocks_to_read_from_the_prefix_cache(block, expected):
+    argv = ["--runner", "v1", "--mode", "legacy", "--out", "x"] + (["--block-size", str(block)] if block else [])
+    length = run_case.prompt_len(run_case.parser().parse_args(argv))
+    assert length == expected and (length // (block or 16)) == 2, (block, length)
