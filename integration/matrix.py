@@ -105,7 +105,7 @@ class Clock:
 
 def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     """Table rows from the JSONs present (nothing runs); the throughput pairs by case id."""
-    def read(name: str, _args, _timeout) -> dict | None:
+    def read(name: str, _args, _timeout, _cut) -> dict | None:
         path = cases_dir / f"{name}.json"
         err = cases_dir / f"{name}.error.txt"
         if path.exists():
@@ -115,7 +115,7 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     rows, pairs = [], {}
     for case in cases:
         if isinstance(case, Throughput):
-            pairs[case.id] = {m: read(case.run_name(m), None, None) for m in ("legacy", "extensible")}
+            pairs[case.id] = {m: read(case.run_name(m), None, None, False) for m in ("legacy", "extensible")}
         else:
             rows.append(row(case, run_parity(case, read)))
     return rows, pairs
@@ -166,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table_only:
         clock = Clock(args.budget_seconds)
 
-        def runner(name: str, run_args: list[str], timeout: int) -> dict:
+        def runner(name: str, run_args: list[str], timeout: int, budget_cut: bool) -> dict | None:
             print(f"[{time.strftime('%H:%M:%S')}] {name} (timeout {timeout} s)", flush=True)
-            return run_subprocess(cases_dir, name, run_args, timeout, retry_failed=args.retry_failed)
+            return run_subprocess(cases_dir, name, run_args, timeout, budget_cut=budget_cut,
+                                  retry_failed=args.retry_failed)
 
         for case in selected:
             if isinstance(case, Throughput):

@@ -256,13 +256,16 @@ class Case:
         return f"{self.id}-{mode}" + ("-bi" if batch_invariant else "") + (f"-r{repeat + 1}" if repeat else "")
 
 
-# A run: (name, run_case arguments, timeout) -> the case JSON, or {"error": ...}.
-Runner = Callable[[str, list[str], int], dict]
+# A run: (name, run_case arguments, timeout, whether the time budget cut the timeout below the case's own) -> the
+# case JSON, {"error": ...}, or None (not run).
+Runner = Callable[[str, list[str], int, bool], "dict | None"]
 
 
-def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, retry_failed: bool = False) -> dict:
+def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, budget_cut: bool = False,
+                   retry_failed: bool = False) -> dict | None:
     """One ``run_case`` process writing ``out_dir/name.json`` (its output in ``name.log``). Resumable: an existing
-    JSON is read, not rerun; a run that failed before (``name.error.txt``) is not rerun unless ``retry_failed``."""
+    JSON is read, not rerun; a run that failed before (``name.error.txt``) is not rerun unless ``retry_failed``. A
+    run stopped by a timeout the time budget cut short (``budget_cut``) did not fail: it returns ``None`` (not run)."""
     out, log, err = out_dir / f"{name}.json", out_dir / f"{name}.log", out_dir / f"{name}.error.txt"
     if out.exists():
         try:
@@ -288,6 +291,8 @@ def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, r
     seconds = time.monotonic() - start
     if rc == 0 and out.exists():
         return json.loads(out.read_text())
+    if rc is None and budget_cut:
+        return None
     tail = log.read_text()[-1500:].strip().splitlines()
     reason = (f"timed out after {timeout} s" if rc is None else f"exit {rc} after {seconds:.0f} s") + \
              (f": {tail[-1]}" if tail else "")
@@ -305,7 +310,8 @@ def run_parity(case: Case, runner: Runner, *, budget: Callable[[int], int | None
         timeout = budget(case.seconds)
         if timeout is None:
             return None
-        return runner(case.run_name(mode, repeat, bi), case.args(mode, batch_invariant=bi), min(timeout, case.timeout))
+        return runner(case.run_name(mode, repeat, bi), case.args(mode, batch_invariant=bi),
+                      min(timeout, case.timeout), timeout < case.timeout)
 
     for repeat in range(case.baseline_runs):
         runs["legacy"].append(one("legacy", repeat))
@@ -461,5 +467,5 @@ def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], 
     for mode in ("legacy", "extensible"):
         timeout = budget(case.seconds)
         runs[mode] = None if timeout is None else runner(case.run_name(mode), case.args(mode),
-                                                         min(timeout, case.timeout))
+                                                         min(timeout, case.timeout), timeout < case.timeout)
     return runs

@@ -76,8 +76,8 @@ class FakeRunner:
         self.answers = answers
         self.calls: list[tuple[str, list[str], int]] = []
 
-    def __call__(self, name, args, timeout):
-        self.calls.append((name, args, timeout))
+    def __call__(self, name, args, timeout, budget_cut):
+        self.calls.append((name, args, timeout, budget_cut))
         key = args[args.index("--mode") + 1] + ("_bi" if "--batch-invariant" in args else "")
         answer = self.answers[key]
         return answer.pop(0) if isinstance(answer, list) else answer
@@ -120,7 +120,8 @@ def test_no_run_starts_once_the_time_budget_is_spent():
     fake = FakeRunner(legacy=_run(A), extensible=_run(A))
     left = iter([400, 200, None])
     runs = parity.run_parity(CASE, fake, budget=lambda expected: next(left))
-    assert [c[2] for c in fake.calls] == [300, 200], "timeouts: the case's own, then what the budget leaves"
+    assert [c[2:] for c in fake.calls] == [(300, False), (200, True)], \
+        "timeouts: the case's own, then what the budget leaves"
     assert runs["extensible"] is None and classify_with_fallback(runs).outcome == NOT_RUN
 
 
@@ -199,8 +200,19 @@ def test_run_subprocess_resumes_from_the_json_and_does_not_rerun_a_failure(tmp_p
     assert parity.run_subprocess(tmp_path, "bad", ["--fail"], 10) == bad and len(calls) == 2
     parity.run_subprocess(tmp_path, "bad", ["--fail"], 10, retry_failed=True)
     assert len(calls) == 3
+    def slow(cmd, **kwargs):
+        calls.append(cmd)
+        raise subprocess.TimeoutExpired(cmd, 5)
+
+    monkeypatch.setattr(parity.subprocess, "run", slow)
+    assert parity.run_subprocess(tmp_path, "late", ["--x"], 5, budget_cut=True) is None, "budget: not run"
+    assert not (tmp_path / "late.error.txt").exists()
+    assert parity.run_subprocess(tmp_path, "hung", ["--x"], 5)["error"] == "timed out after 5 s: " + \
+        (tmp_path / "hung.log").read_text().strip().splitlines()[-1]
+    assert (tmp_path / "hung.error.txt").exists() and len(calls) == 5
+    monkeypatch.setattr(parity.subprocess, "run", fake_run)
     (tmp_path / "cut.json").write_text('{"token_ids": [')  # a call killed mid-write
-    assert parity.run_subprocess(tmp_path, "cut", ["--x"], 10) == {"token_ids": A} and len(calls) == 4
+    assert parity.run_subprocess(tmp_path, "cut", ["--x"], 10) == {"token_ids": A} and len(calls) == 6
 
 
 def test_matrix_selects_by_group_pattern_and_part():
