@@ -366,7 +366,7 @@ def _yes(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
 
-TABLE_HEADER = ("case", "runner", "backend", "KV dtype", "block", "legacy blocks", "ext blocks",
+TABLE_HEADER = ("model", "runner", "backend", "KV dtype", "block", "legacy blocks", "ext blocks",
                 "baseline deterministic?", "tokens identical?", "over budget MiB legacy / ext", "sensitivity proven?",
                 "outcome")
 
