@@ -4,7 +4,7 @@
 #
 #   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
 #
-# STAGE: conformance | memcheck | bench | layouts | integration. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
+# STAGE: conformance | memcheck | bench | layouts | integration | matrix. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
 # ROCm). Logs, JSON and a junit XML per stage land in OUTDIR; the
 # integration stage also packs its per-case JSON and logs into OUTDIR/integration.tgz.
 set -uo pipefail
@@ -60,5 +60,9 @@ case $stage in
     rc=$?
     tar -czf "$out/integration.tgz" -C "$work" .
     exit $rc ;;
+  matrix)
+    # The vLLM parity matrix (integration/matrix.py): one process per engine, resumable from OUTDIR/matrix/cases;
+    # the rest of the arguments go to it (--only GROUP|PATTERN, --part N/M, --budget-seconds S, --list).
+    python3 -m integration.matrix "$out/matrix" "$@" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
