@@ -258,7 +258,19 @@ def keeper(bench_env: BenchEnv):
     bench_env.release_cached()
 
 
-# -- end of run: the summary table ------------------------------------------------------------------------------------
+# -- end of run: where it ran, and the summary table ----------------------------------------------------------------
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    """The GPU, its driver and the torch/CUDA versions go into the JSON's ``machine_info.environment``, and into
+    ``environment.json`` beside ``--benchmark-json`` (``extensible_kv.measurements.Environment``)."""
+    from extensible_kv.measurements import Environment, write  # noqa: PLC0415
+
+    env = Environment.collect()
+    machine_info["environment"] = env.model_dump(mode="json")
+    out = config.getoption("benchmark_json", default=None)
+    if out:
+        write(Path(str(out)).resolve().parent / "environment.json", env)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     session = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session (no public accessor)
     benchmarks = getattr(session, "benchmarks", None) if session is not None else None

@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    from extensible_kv.measurements import Environment, IntegrationCase, write  # noqa: PLC0415 (after run(): path)
+
+    out = write(args.out, IntegrationCase.model_validate_json(json.dumps(result)))
+    write(out.parent / "environment.json", Environment.collect())
     print(json.dumps({k: result[k] for k in ("case", "engine_seconds")} | {"blocks": result["memory"]["num_gpu_blocks"]}))
     return 0
 

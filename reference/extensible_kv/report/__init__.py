@@ -1,16 +1,18 @@
-"""Memory-accounting reports from the JSON the conformance, integration and benchmark runs write.
+"""Memory-accounting reports from the measurement files the conformance, integration and benchmark runs write.
 
     python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME]
+    python -m extensible_kv report reports/out --name latest          # the run CI or a GPU job just made
     python -m extensible_kv report reports/runs/<run-name> --compare reports/runs/<baseline-name>
 
 writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into
 ``reports/<run-name>/`` (``reports/<run-name>-vs-<baseline-name>/`` when comparing), relative to the current
-folder. Numbers come only from the run's files; what a run lacks reads "not measured".
+folder. Numbers come only from the run's files, read through ``extensible_kv.measurements``; what a run lacks reads
+"not measured".
 
-Modules: ``loading`` (run folder -> dataclasses), ``benchmarks`` (benchmark figures, ratios and targets),
-``accounting`` (memory of the vLLM cases), ``matrix`` (conformance driver x rule), ``figures`` (matplotlib PNGs),
-``document`` and ``rendering`` (Markdown, HTML, summary.json), ``sections`` (one run's report), ``comparison`` (two
-runs with deltas).
+Modules: ``run`` (a run folder), ``benchmarks`` (benchmark figures, ratios, targets; ``bench-summary``),
+``accounting`` (memory of the vLLM cases), ``matrix`` (conformance driver x rule), ``glance``, ``consistency``,
+``summary`` (summary.json), ``document`` (one run's report), ``comparison`` (two runs with deltas), ``figures``
+(matplotlib PNGs), ``numbers`` (the number format) and ``rendering`` (templates/, Markdown, HTML).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import BadFile
-from .loading import RunFolderError, load_run
+from ..measurements import BadFile
+from .run import RunFolderError, load_run
 
 __all__ = ["add_arguments", "main", "register", "run_command"]
 
@@ -39,36 +41,35 @@ def run_command(args: argparse.Namespace) -> int:
     """The ``report`` command on parsed arguments; 2 when a run folder is missing, holds no measurement file or a
     file that cannot be read, or when the output folder cannot be written."""
     try:
-        run = load_run(args.run_dir, name=args.name)
-        baseline = load_run(args.compare) if args.compare else None
+        runs = [load_run(args.run_dir, name=args.name)] + ([load_run(args.compare)] if args.compare else [])
     except (RunFolderError, BadFile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for r in (run, baseline):
-        if r is not None and not r.measured:
+    for r in runs:
+        if not r.measured:
             print(f"error: no measurement files in {r.path}", file=sys.stderr)
             return 2
-    if baseline is None:
-        from .rendering import write  # noqa: PLC0415
-        from .sections import build  # noqa: PLC0415
+    from .rendering import write  # noqa: PLC0415 - matplotlib and the templates load only when a report is made
 
-        doc, summary = build(run)
-        out = Path(args.out) if args.out else Path("reports") / run.name
+    if len(runs) == 1:
+        from .document import run_document  # noqa: PLC0415
+
+        doc = run_document(runs[0])
     else:
-        from .comparison import build as build_comparison  # noqa: PLC0415
-        from .rendering import write  # noqa: PLC0415
+        from .comparison import comparison_document  # noqa: PLC0415
 
-        doc, summary = build_comparison(run, baseline)
-        out = Path(args.out) if args.out else Path("reports") / f"{run.name}-vs-{baseline.name}"
+        doc = comparison_document(*runs)
+    out = Path(args.out) if args.out else Path("reports") / "-vs-".join(r.name for r in runs)
     try:
-        write(doc, summary, out)
+        write(out, doc.markdown, doc.html, doc.summary, doc.figures)
     except OSError as exc:
         print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    drawn = [f for f in doc.figures() if f.png is not None]
-    undrawn = [f for f in doc.figures() if f.png is None]
-    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {len(drawn)} PNG"
-          + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""))
+    figures = list(doc.figures.drawn.values())
+    undrawn = [f for f in figures if f.png is None]
+    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
+          f"{len(figures) - len(undrawn)} PNG" + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})"
+                                                   if undrawn else ""))
     return 0
 
 

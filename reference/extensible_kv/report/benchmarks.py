@@ -1,9 +1,9 @@
 """The figures and ratios the commit-path targets ask for, from a pytest-benchmark JSON file of ``bench/``.
 
-``python -m extensible_kv bench-summary reports/out/bench-cuda.json [--json]`` prints a table (or the dict as JSON);
-the report draws from the same dict. Every benchmark in ``bench/`` stores a stable ``extra_info['key']``
-(``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts; this module needs nothing else and never runs
-anything.
+``python -m extensible_kv bench-summary reports/out/bench-cuda.json [--json]`` prints them (the report's benchmark
+tables, or the dict as JSON); the report shows the same dict. Every benchmark in ``bench/`` stores a stable
+``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts
+(``extensible_kv.measurements.BenchExtra``); this module needs nothing else and never runs anything.
 
 Time of a benchmark = the median of its rounds (``stats.median``), except where the benchmark measured the figure
 itself in a subprocess (``extra_info['subprocess_median_s']``, the expandable-segments peer). Rates are decimal:
@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .files import COUNT, NUMBER, TEXT, BadFile, Values, read_json
-
-if TYPE_CHECKING:
-    from .loading import Bench
+from ..measurements import BadFile, BenchmarkFile, read
 
 CLAIM_DEVICE_TYPES = ("cuda",)
 
@@ -31,54 +28,74 @@ PEERS = (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_def
          ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments"))
 
 
-# The fields of a pytest-benchmark JSON file that are read here and in the report.
-_EXTRA = {"key": TEXT, "subprocess_median_s": NUMBER, "subprocess_torch": TEXT, "calls": Values(NUMBER),
-          "nominal_gib": NUMBER}
-_EXTRA |= dict.fromkeys(("granularity", "bytes", "moved_bytes", "handles", "set_access", "granules", "zero_calls",
-                         "segments", "runs", "buffers"), COUNT)
-SHAPE = {"benchmarks": [{"extra_info": _EXTRA, "stats": {"median": NUMBER}}], "datetime": TEXT,
-         "machine_info": {"python_version": TEXT, "cpu": {"brand_raw": TEXT}}}
+@dataclass(frozen=True)
+class Bench:
+    """One ``bench-*.json`` file and its ``summarize``d figures."""
+
+    source: str
+    data: BenchmarkFile
+    summary: dict
+
+    @classmethod
+    def load(cls, path: Path) -> Bench:
+        data = read(path, BenchmarkFile)
+        found = entries(data)
+        if not found:
+            raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")
+        for key, entry in found.items():
+            if key.startswith("scale/") and None in (entry["extra"].get("nominal_gib"), entry["extra"].get("segments")):
+                raise BadFile(f"{path}: benchmark {key!r} needs extra_info.nominal_gib and extra_info.segments")
+        return cls(Path(path).name, data, summarize_entries(found))
 
 
-# -- reading ----------------------------------------------------------------------------------------------------
-def load(path: str | Path) -> dict:
-    """The pytest-benchmark JSON of ``bench/`` in ``path``; ``BadFile`` naming the file and field where it is not."""
-    data = read_json(path, SHAPE)
-    if "benchmarks" not in data:
-        raise BadFile(f"{path}: no 'benchmarks' list (not pytest-benchmark JSON)")
-    found = entries(data)
-    if not found:
-        raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")
-    for key, entry in found.items():
-        if key.startswith("scale/") and None in (entry["extra"].get("nominal_gib"), entry["extra"].get("segments")):
-            raise BadFile(f"{path}: benchmark {key!r} needs extra_info.nominal_gib and extra_info.segments")
-    return data
+def summarize(path: str | Path) -> dict:
+    """The figures of the pytest-benchmark JSON file at ``path`` (``BadFile`` where it is not one of bench/)."""
+    return Bench.load(Path(path)).summary
 
 
-def entries(data: dict) -> dict[str, dict]:
-    """Benchmarks by ``extra_info['key']``: ``seconds`` (the figure), ``extra`` (extra_info), ``stats``."""
-    out: dict[str, dict] = {}
-    for bench in data.get("benchmarks") or []:
-        extra = bench.get("extra_info") or {}
-        key = extra.get("key")
-        if not key:
-            continue
-        stats = bench.get("stats") or {}
-        seconds = extra.get("subprocess_median_s", stats.get("median"))
-        out[key] = {"seconds": float(seconds) if seconds is not None else None, "extra": extra, "stats": stats}
+def summarize_data(data: dict | BenchmarkFile) -> dict:
+    """The figures of loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
+    return summarize_entries(entries(data if isinstance(data, BenchmarkFile) else BenchmarkFile.model_validate(data)))
+
+
+def entries(data: BenchmarkFile) -> dict[str, dict]:
+    """Benchmarks by ``extra_info.key``: ``seconds`` (the figure) and ``extra`` (extra_info, ``None`` where absent)."""
+    out = {}
+    for b in data.benchmarks:
+        x = b.extra_info
+        if x.key:
+            seconds = x.subprocess_median_s if x.subprocess_median_s is not None else b.stats.median
+            out[x.key] = {"seconds": seconds, "extra": x.model_dump()}
     return out
 
 
-def seconds_of(entries: dict, key: str) -> float | None:
-    """The figure (seconds) of benchmark ``key``; ``None`` when it is missing."""
-    entry = entries.get(key)
-    return entry["seconds"] if entry else None
+def seconds_of(e: dict, key: str) -> float | None:
+    return e[key]["seconds"] if key in e else None
 
 
-def bytes_of(entries: dict, key: str, field: str = "bytes") -> int | None:
-    """``extra_info[field]`` of benchmark ``key``; ``None`` when it is missing."""
-    entry = entries.get(key)
-    return entry["extra"].get(field) if entry else None
+def bytes_of(e: dict, key: str, field: str = "bytes") -> int | None:
+    return e[key]["extra"].get(field) if key in e else None
+
+
+def peer_rows(e: dict, summary: dict) -> list[dict]:
+    """The peers of ``PEERS``: bytes, seconds, rate and ExtensibleTensor time / peer time (per byte)."""
+    return [{"key": key, "name": name, "bytes": bytes_of(e, key), "seconds": seconds_of(e, key),
+             "gbps": _gbps(bytes_of(e, key), seconds_of(e, key)), "ours_vs_peer": summary["peers"][ratio]}
+            for key, name, ratio in PEERS]
+
+
+def summarize_entries(e: dict[str, dict]) -> dict:
+    """The figures, ratios and targets of ``entries``."""
+    first = next(iter(e.values()), {"extra": {}})["extra"]
+    summary = {"keys": sorted(e), "driver": first.get("driver"), "device_type": first.get("device_type"),
+               "granularity": first.get("granularity"), "scale": first.get("scale"),
+               "claims": first.get("device_type") in CLAIM_DEVICE_TYPES, "commit": _commit(e), "peers": _peers(e),
+               "calls": {k.split("/", 1)[1]: e[k]["extra"]["calls"] for k in sorted(e)
+                         if k.startswith("calls/") and e[k]["extra"].get("calls")},
+               "zero": _zero(e), "kv": _kv(e), "access": _access(e), "graph": _graph(e), "scaling": _scaling(e)}
+    summary["targets"] = _targets(summary)
+    summary["peer_rows"] = peer_rows(e, summary)
+    return summary
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
@@ -95,42 +112,6 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def _per_byte(entries: dict, key: str) -> float | None:
     return _div(seconds_of(entries, key), bytes_of(entries, key))
-
-
-# -- the figures ------------------------------------------------------------------------------------------------
-def summarize(benchmark_json_path: str | Path) -> dict:
-    """Read a pytest-benchmark JSON file and compute the target figures and ratios (see ``summarize_data``)."""
-    return summarize_data(load(benchmark_json_path))
-
-
-def summarize_data(data: dict) -> dict:
-    """The target figures and ratios from loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
-    return summarize_entries(entries(data))
-
-
-def summarize_entries(e: dict[str, dict]) -> dict:
-    """``summarize_data`` on what ``entries`` returned."""
-    first = next(iter(e.values()), None)
-    device_type = first["extra"].get("device_type") if first else None
-    summary = {
-        "keys": sorted(e),
-        "driver": first["extra"].get("driver") if first else None,
-        "device_type": device_type,
-        "granularity": first["extra"].get("granularity") if first else None,
-        "scale": first["extra"].get("scale") if first else None,
-        "claims": device_type in CLAIM_DEVICE_TYPES,
-        "commit": _commit(e),
-        "peers": _peers(e),
-        "calls": {key.split("/", 1)[1]: e[key]["extra"]["calls"] for key in sorted(e)
-                  if key.startswith("calls/") and e[key]["extra"].get("calls")},
-        "zero": _zero(e),
-        "kv": _kv(e),
-        "access": _access(e),
-        "graph": _graph(e),
-        "scaling": _scaling(e),
-    }
-    summary["targets"] = _targets(summary)
-    return summary
 
 
 def _commit(e: dict) -> dict:
@@ -153,18 +134,6 @@ def _peers(e: dict) -> dict:
     ours = _per_byte(e, "commit/extensible")
     out: dict = {key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS}
     out.update({ratio: _div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS})
-    return out
-
-
-def peer_rows(bench: Bench) -> list[dict]:
-    """The peers of ``PEERS`` with their bytes and rate (as every rate here: bytes / s / 1e9) and the ratio of
-    ``summary["peers"]``."""
-    p = bench.summary.get("peers") or {}
-    out = []
-    for key, name, ratio in PEERS:
-        nbytes, seconds = bytes_of(bench.raw, key), seconds_of(bench.raw, key)
-        out.append({"key": key, "name": name, "bytes": nbytes, "seconds": seconds, "gbps": _gbps(nbytes, seconds),
-                    "ours_vs_peer": p.get(ratio)})
     return out
 
 
@@ -282,83 +251,10 @@ def _targets(s: dict) -> list[dict]:
     return out
 
 
-# -- printing ---------------------------------------------------------------------------------------------------
 def verdict(target: dict) -> str:
     """A target's ``met`` in words: ``yes``, ``NO`` or ``n/a`` (no data, or no claims)."""
     met = target.get("met")
     return "n/a" if met is None else ("yes" if met else "NO")
-
-
-def _t(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} us"
-
-
-def _b(nbytes: int | None) -> str:
-    if not nbytes:
-        return "-"
-    if nbytes >= 1 << 30:
-        return f"{nbytes / (1 << 30):.4g} GiB"
-    return f"{nbytes / (1 << 20):.4g} MiB"
-
-
-def _n(value: float | None, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return f"{value:.{digits}g}"
-
-
-def format_table(s: dict) -> str:
-    """The summary as a plain-text table."""
-    lines = [f"extensible-kv benchmarks: driver {s['driver']} ({s['device_type']}), granularity {_b(s['granularity'])}"
-             f", scale {s['scale']}" + ("" if s["claims"] else "  [no claims: not a GPU run]")]
-    if s["commit"]["paths"]:
-        lines.append(f"{'commit (zero_new=False)':<34}{'bytes':>12}{'median':>12}{'GB/s':>10}{'handles':>9}")
-        for path, p in s["commit"]["paths"].items():
-            lines.append(f"  {path:<32}{_b(p['bytes']):>12}{_t(p['seconds']):>12}{_n(p['gbps']):>10}"
-                         f"{_n(p['handles'], 9):>9}")
-    if s["kv"]:
-        lines.append(f"{'KV growth (lockstep, set-access)':<34}{'bytes':>12}{'median':>12}{'buffers':>10}"
-                     f"{'handles':>9}")
-        for label, kv in s["kv"].items():
-            lines.append(f"  {label:<32}{_b(kv['bytes']):>12}{_t(kv['ms'] / 1e3 if kv['ms'] is not None else None):>12}"
-                         f"{_n(kv['buffers']):>10}{_n(kv['handles'], 9):>9}")
-    z = s["zero"]
-    if z["bytes"]:
-        lines.append(f"zeroing {_b(z['bytes'])}: implied zero_new {_t(z['implied_zero_s'])} = {_n(z['zero_gbps'])} "
-                     f"GB/s, memset {_n(z['memset_gbps'])} GB/s, torch zero_ {_n(z['torch_zero_gbps'])} GB/s, "
-                     f"end-to-end grow+zero {_n(z['end_to_end_gbps'])} GB/s, {_n(z['zero_calls'])} memset call(s)")
-    p = s["peers"]
-    if p["torch_default_s"] is not None or p["expandable_segments_s"] is not None:
-        lines.append(f"peers (32 GiB usable): torch default {_t(p['torch_default_s'])}, expandable segments "
-                     f"{_t(p['expandable_segments_s'])}")
-    for state, calls in s.get("calls", {}).items():
-        lines.append(f"commit calls [{state}]: " + ", ".join(f"{c} {_t(v)}" for c, v in calls.items())
-                     + f"; dominant: {max(calls, key=calls.get)}")
-    for op, a in s["access"].items():
-        lines.append(f"access {op}: vmm {_n(a['vmm_gbps'])} GB/s, native {_n(a['native_gbps'])} GB/s")
-    g = s["graph"]
-    if g["before_s"] is not None or g["after_s"] is not None:
-        lines.append(f"graph replay: before growth {_t(g['before_s'])}, after growth {_t(g['after_s'])}")
-    if s["scaling"]["rows"]:
-        lines.append(f"{'scaling: nominal':<18}{'segments':>9}{'bytes':>12}{'median':>12}{'GB/s':>10}{'handles':>9}"
-                     f"{'us/handle':>11}")
-        for r in s["scaling"]["rows"]:
-            lines.append(f"  {str(r['nominal_gib']) + ' GiB':<16}{r['segments']:>9}{_b(r['bytes']):>12}"
-                         f"{_t(r['seconds']):>12}{_n(r['gbps']):>10}{_n(r['handles'], 9):>9}"
-                         f"{_n(r['us_per_handle']):>11}")
-    lines.append(f"{'target':<48}{'value':>12}{'goal':>12}{'met':>6}")
-    for t in s["targets"]:
-        goal = f"{t['op']} {_n(t['target'])}"
-        lines.append(f"  {t['name']:<46}{_n(t['value']):>12}{goal:>12}{verdict(t):>6}")
-    return "\n".join(lines)
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -367,7 +263,12 @@ def _command(args: argparse.Namespace) -> int:
     except BadFile as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2) if args.json else format_table(summary))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        from .rendering import bench_tables  # noqa: PLC0415
+
+        print(bench_tables(summary, Path(args.benchmark_json).name))
     return 0
 
 
@@ -376,5 +277,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
                                                          "pytest-benchmark JSON file of bench/")
     parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
     parser.set_defaults(run=_command)

@@ -16,9 +16,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from . import accounting as acc
 from .accounting import BlockPair, MemoryBreakdown
-from .benchmarks import peer_rows
-from .loading import Bench, Conformance
 from .matrix import cell_state, cell_text, matrix_cells
+from .run import Conformance
 
 DPI = 110
 GIB, MIB = float(1 << 30), float(1 << 20)
@@ -47,7 +46,7 @@ def _png(fig: Figure) -> bytes:
 
 
 def _case_tick(b: MemoryBreakdown) -> str:
-    mode = b.case.mode + ("\n+corrupt" if b.case.corrupt else "")
+    mode = b.case.variant.replace("+", "\n+")
     return f"{mode}\n({b.case.folder})" if b.case.folder else mode
 
 
@@ -142,9 +141,9 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
             _draw_peak(right, x, bottom, peak / MIB)
             top += peak / MIB
             right.text(x, top, f"+{peak / MIB:.1f}", ha="center", va="bottom", fontsize=7.5)
-        if b.estimate is not None:
-            right.hlines(b.estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted", linewidth=1.5)
-        highest = max(highest, top, b.estimate / MIB if b.estimate is not None else 0.0)
+        if b.non_kv_estimate is not None:
+            right.hlines(b.non_kv_estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted", linewidth=1.5)
+        highest = max(highest, top, b.non_kv_estimate / MIB if b.non_kv_estimate is not None else 0.0)
     _ticks(right, xs, breakdowns)
     right.set_ylabel("non-KV memory (MiB)")
     right.set_title("non-KV part magnified: resident after warmup, hatched:\nactivation peak to come; dotted: vLLM's "
@@ -191,22 +190,22 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
 
 # -- vLLM's non-KV estimate against the measurement -------------------------------------------------------------------
 def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
-    rows = [b for b in breakdowns if b.estimate is not None or b.non_kv_after_warmup is not None]
+    rows = [b for b in breakdowns if b.non_kv_estimate is not None or b.non_kv_after_warmup is not None]
     fig = _new(11, 1.0 + 0.55 * max(len(rows), 1))
     ax = fig.subplots()
     h = 0.38
     for i, b in enumerate(rows):
         y = len(rows) - 1 - i
-        if b.estimate is not None:
+        if b.non_kv_estimate is not None:
             left = 0.0
             for name, color in ESTIMATE_COLORS.items():
-                v = (b.estimate_parts.get(name) or 0) / MIB
+                v = (b.non_kv_estimate_parts.get(name) or 0) / MIB
                 ax.barh(y + h / 2, v, left=left, height=h, color=color, hatch="//", edgecolor="white", linewidth=0)
                 left += v
-            other = b.estimate / MIB - left  # anything in the estimate that its recorded parts do not cover
+            other = b.non_kv_estimate / MIB - left  # anything in the estimate that its recorded parts do not cover
             if abs(other) > 1e-6:
                 ax.barh(y + h / 2, other, left=left, height=h, color="#cccccc", hatch="//", edgecolor="white")
-            ax.text(b.estimate / MIB, y + h / 2, f" {b.estimate / MIB:.1f}", va="center", fontsize=7.5)
+            ax.text(b.non_kv_estimate / MIB, y + h / 2, f" {b.non_kv_estimate / MIB:.1f}", va="center", fontsize=7.5)
         else:
             ax.text(0, y + h / 2, " estimate not measured", va="center", fontsize=7.5)
         segs = {s.label: s.bytes for s in (b.segments() or [])}
@@ -238,48 +237,56 @@ def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
 
 
 # -- KV blocks -------------------------------------------------------------------------------------------------------
-def kv_blocks(pairs: list[BlockPair]) -> bytes:
-    fig = _new(11.5, 1.2 + 0.6 * max(len(pairs), 1))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]}, sharey=True)
+LEGACY_COLOR, EXTENSIBLE_COLOR = "#7f7f7f", "#2ca02c"
+
+
+def _blocks_tick(v: float, _pos: object) -> str:
+    return f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v:,.0f}"
+
+
+def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
+    """Left: the blocks of each pair on a linear axis from zero, counts written inside the bars. Right: the
+    difference in MiB, its text on the other side of zero. The legend sits below both."""
+    fig = _new(12, 1.8 + 0.8 * max(len(pairs), 1))
+    left, right = fig.subplots(1, 2, sharey=True)
     h = 0.38
     for i, p in enumerate(pairs):
         y = len(pairs) - 1 - i
-        for dy, b, color, name in ((h / 2, p.legacy, "#7f7f7f", "legacy"), (-h / 2, p.other, "#2ca02c", "other")):
-            if not b.blocks:  # not measured, or 0, which the log scale cannot draw
-                left.text(0.01, y + dy, "not measured" if b.blocks is None else "0 blocks", va="center",
-                          fontsize=7.5, transform=left.get_yaxis_transform())
+        for dy, b, color in ((h / 2, p.legacy, LEGACY_COLOR), (-h / 2, p.other, EXTENSIBLE_COLOR)):
+            if b.blocks is None:
+                left.text(0.01, y + dy, "not measured", va="center", fontsize=7.5, transform=left.get_yaxis_transform())
                 continue
             left.barh(y + dy, b.blocks, height=h, color=color)
-            left.text(b.blocks, y + dy, f" {b.blocks:,}", va="center", fontsize=7.5)
+            left.text(b.blocks, y + dy, f"{b.blocks:,} ", va="center", ha="right", fontsize=7.5, color="white")
         d, db = p.delta_blocks, p.delta_bytes
-        if d is None:
-            right.text(0, y, " not measured", va="center", fontsize=7.5)
-            continue
-        if db is None:
-            right.text(0, y, f" {d:+,} blocks (bytes per block not measured)", va="center", fontsize=7.5)
-            continue
-        right.barh(y, db / MIB, height=h * 1.6, color="#d62728" if d < 0 else "#2ca02c")
-        share = "" if p.delta_percent is None else f", {p.delta_percent:+.3f} %"
-        right.text(max(db / MIB, 0), y, f" {db / MIB:+.1f} MiB\n {d:+,} blocks{share}",
-                   va="center", ha="left", fontsize=7.5)
-    labels = [f"{p.other.case.label}\nvs legacy ({p.legacy.case.folder})" if p.legacy.case.folder
-              else f"{p.other.case.label}\nvs legacy" for p in pairs]
+        text = ("not measured" if d is None else f"{d:+,} blocks (bytes per block not measured)" if db is None else
+                f"{db / MIB:+,.1f} MiB\n{d:+,} blocks" + ("" if p.delta_percent is None else
+                                                           f", {p.delta_percent:+.3f} %"))
+        if db is not None:
+            right.barh(y, db / MIB, height=h * 1.6, color="#d62728" if db < 0 else EXTENSIBLE_COLOR)
+        right.text(0, y, f" {text} ", va="center", fontsize=7.5, ha="left" if db is None or db < 0 else "right")
+    labels = [f"{p.other.case.label}\nvs legacy" + (f" ({p.legacy.case.folder})" if p.legacy.case.folder else "")
+              for p in pairs]
     left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=7.5)
-    left.set_xscale("log")
-    left.set_xlabel("KV cache blocks (log scale)")
-    left.set_title("blocks: legacy (grey) vs extensible (green)", fontsize=10)
-    left.margins(x=0.35)
+    left.xaxis.set_major_locator(MaxNLocator(4))
+    left.xaxis.set_major_formatter(FuncFormatter(_blocks_tick))
+    left.set_xlabel("KV cache blocks")
+    left.set_title("blocks per run", fontsize=10)
     right.axvline(0, color="black", linewidth=0.8)
+    lim = max([abs(p.delta_bytes) / MIB for p in pairs if p.delta_bytes is not None] or [1.0]) or 1.0
+    right.set_xlim(-lim * 2.6, lim * 2.6)
+    right.xaxis.set_major_locator(MaxNLocator(5, symmetric=True))
     right.set_xlabel("extensible - legacy KV committed (MiB)")
     right.set_title("difference (MiB; blocks and % of legacy)", fontsize=10)
-    lim = max([abs(p.delta_bytes) / MIB for p in pairs if p.delta_bytes is not None] or [1])
-    right.set_xlim(-lim * 1.15, lim * 2.6)
-    right.xaxis.set_major_locator(MaxNLocator(6))
-    left.legend(handles=[Patch(color="#7f7f7f", label="legacy"), Patch(color="#2ca02c", label="extensible")],
-                fontsize=8, loc="lower right")
+    fig.legend(handles=[Patch(color=LEGACY_COLOR, label="legacy"), Patch(color=EXTENSIBLE_COLOR, label="extensible")],
+               loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle("KV cache blocks, legacy vs extensible (same model, runner and backend)", fontsize=11)
-    fig.tight_layout()
-    return _png(fig)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def kv_blocks(pairs: list[BlockPair]) -> bytes:
+    return _png(kv_blocks_figure(pairs))
 
 
 # -- commit throughput -----------------------------------------------------------------------------------------------
@@ -291,9 +298,8 @@ def _gib_formatter(v: float, _pos: object) -> str:
     return f"{v / 1024:g} KiB"
 
 
-def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, str, str]]:
-    """(label, bytes, GB/s, handles, marker, color) of the commit paths and the peers."""
-    s = bench.summary
+def _commit_points(s: dict) -> list[tuple[str, float, float, int | None, str, str]]:
+    """(label, bytes, GB/s, handles, marker, color) of the commit paths and the peers of summary ``s``."""
     out = []
     styles = {"per_granule": ("per-granule handles (baseline)", "v", "#d62728"),
               "single_handle": ("one handle (the driver's limit)", "D", "black"),
@@ -302,7 +308,7 @@ def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, st
         if p.get("gbps") and p.get("bytes"):
             label, marker, color = styles.get(path, (path, "o", "grey"))
             out.append((label, float(p["bytes"]), float(p["gbps"]), p.get("handles"), marker, color))
-    for p in peer_rows(bench):
+    for p in s["peer_rows"]:
         if p["gbps"] is not None:  # bytes and seconds both recorded
             marker, color = PEER_STYLES.get(p["key"], ("o", "grey"))
             out.append((f"peer: {p['name']}", float(p["bytes"]), p["gbps"], None, marker, color))
@@ -312,9 +318,8 @@ def _commit_points(bench: Bench) -> list[tuple[str, float, float, int | None, st
 SERIES_COLORS = ["#1f77b4", "#17becf", "#7f7f7f", "#bcbd22", "#8c564b", "#e377c2"]
 
 
-def commit_throughput(bench: Bench) -> bytes:
+def commit_throughput(source: str, s: dict) -> bytes:
     """Left: GB/s against bytes per handle. Right: GB/s against bytes committed, with the peers and the target."""
-    s = bench.summary
     rows = [r for r in (s.get("scaling") or {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
     fig = _new(12, 6.4)
     by_handle, by_bytes = fig.subplots(1, 2, sharey=True)
@@ -328,7 +333,7 @@ def commit_throughput(bench: Bench) -> bytes:
         pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
         by_bytes.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=5, linestyle="-",
                       color=SERIES_COLORS[i % len(SERIES_COLORS)], label=f"scaling: {n} segment(s) = {n} handle(s)")
-    for label, nbytes, gbps, handles, marker, color in _commit_points(bench):
+    for label, nbytes, gbps, handles, marker, color in _commit_points(s):
         style = dict(marker=marker, color=color, markersize=11, markeredgecolor="black", linestyle="none",
                      label=label)
         by_bytes.plot([nbytes], [gbps], **style)
@@ -351,7 +356,7 @@ def commit_throughput(bench: Bench) -> bytes:
     by_bytes.set_xlabel("bytes committed in one growth step (log scale)")
     by_bytes.set_title("commit rate vs bytes, with peers (torch) and limits (one handle)", fontsize=10)
     gran = _gib_formatter(s["granularity"], None) if s.get("granularity") else "not recorded"
-    fig.suptitle(f"Commit throughput (zero_new=False), {bench.source}: driver {s.get('driver')}, granularity {gran}",
+    fig.suptitle(f"Commit throughput (zero_new=False), {source}: driver {s.get('driver')}, granularity {gran}",
                  fontsize=11)
     fig.tight_layout()
     return _png(fig)
@@ -401,17 +406,17 @@ def _rect(x: float, y: float, color: str):
 
 
 # -- comparison ------------------------------------------------------------------------------------------------------
-def compare_commit(a_name: str, a: Bench | None, b_name: str, b: Bench | None) -> bytes:
+def compare_commit(a_name: str, a: dict | None, b_name: str, b: dict | None) -> bytes:
     """Commit rate against bytes for both runs: the run solid and filled, the baseline dashed and hollow."""
     fig = _new(10, 5.2)
     ax = fig.subplots()
     segs = sorted({r["segments"] for bench in (a, b) if bench is not None
-                   for r in bench.summary.get("scaling", {}).get("rows", [])})
+                   for r in bench["scaling"]["rows"]})
     colors = {n: SERIES_COLORS[i % len(SERIES_COLORS)] for i, n in enumerate(segs)}
     for name, bench, style in ((a_name, a, "-"), (b_name, b, "--")):
         if bench is None:
             continue
-        rows = [r for r in bench.summary.get("scaling", {}).get("rows", []) if r.get("gbps") and r.get("bytes")]
+        rows = [r for r in bench["scaling"]["rows"] if r.get("gbps") and r.get("bytes")]
         for n in sorted({r["segments"] for r in rows}):
             pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=5, linestyle=style,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .loading import Conformance
+from .run import Conformance, rule
 
 
 def matrix_cells(conformance: list[Conformance]) -> tuple[list[str], list[str], dict]:
@@ -12,7 +12,7 @@ def matrix_cells(conformance: list[Conformance]) -> tuple[list[str], list[str], 
     ``cells[(rule, column)] = Counter(outcome)``."""
     files_of: dict[str, set[str]] = {}
     for c in conformance:
-        for name in {d.driver for d in c.drivers} | {t.driver for t in c.tests}:
+        for name in {d.driver for d in c.data.drivers} | {t.driver for t in c.data.tests}:
             files_of.setdefault(name, set()).add(c.source)
 
     def column(driver: str, source: str) -> str:
@@ -22,18 +22,13 @@ def matrix_cells(conformance: list[Conformance]) -> tuple[list[str], list[str], 
     columns: list[str] = []
     cells: dict[tuple[str, str], Counter] = {}
     for c in conformance:
-        for d in c.drivers:
-            col = column(d.driver, c.source)
-            if col not in columns:
-                columns.append(col)
-        for t in c.tests:
-            col = column(t.driver, t.source)
-            if col not in columns:
-                columns.append(col)
-            if t.rule not in rules:
-                rules.append(t.rule)
-            cells.setdefault((t.rule, col), Counter())[t.outcome] += 1
-    return sorted(rules), columns, cells
+        for driver in [d.driver for d in c.data.drivers] + [t.driver for t in c.data.tests]:
+            if column(driver, c.source) not in columns:
+                columns.append(column(driver, c.source))
+        for t in c.data.tests:
+            rules.append(rule(t))
+            cells.setdefault((rule(t), column(t.driver, c.source)), Counter())[t.outcome] += 1
+    return sorted(set(rules)), columns, cells
 
 
 def cell_state(counts: Counter | None) -> str:
@@ -56,3 +51,13 @@ def cell_text(counts: Counter | None) -> str:
                                                          ("skipped", "skip")) if counts.get(k)]
     parts += [f"{n}/{total} {k}" for k, n in counts.items() if k not in ("passed", "failed", "skipped")]
     return ", ".join(parts)
+
+
+def skip_reasons(conformance: list[Conformance]) -> dict[str, str]:
+    """Rule -> "driver: reason; ..." of its skipped tests, where the files record reasons."""
+    found: dict[str, dict[str, None]] = {}
+    for c in conformance:
+        for t in c.data.tests:
+            if t.outcome == "skipped" and t.reason:
+                found.setdefault(rule(t), {})[f"{t.driver}: {t.reason}"] = None
+    return {r: "; ".join(reasons) for r, reasons in found.items()}
