@@ -276,12 +276,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     benchmarks = getattr(session, "benchmarks", None) if session is not None else None
     if not benchmarks:
         return
-    from extensible_kv.report.benchmarks import format_table, summarize_data  # noqa: PLC0415
+    from extensible_kv.report.benchmarks import summarize_data  # noqa: PLC0415
+    from extensible_kv.report.rendering import bench_tables  # noqa: PLC0415
 
     try:
         data = {"benchmarks": [b.as_dict(include_data=False) for b in benchmarks if not b.has_error]}
         summary = summarize_data(data)
-        table = format_table(summary) if summary["keys"] else None
+        table = bench_tables(summary, "this run") if summary["keys"] else None
     except Exception as exc:  # the summary must never turn a finished benchmark run into an internal error
         terminalreporter.write_line(f"extensible-kv benchmark summary failed: {type(exc).__name__}: {exc}")
         return

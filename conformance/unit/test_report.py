@@ -1,8 +1,10 @@
 """The memory-accounting report renders fixture runs (report_fixtures/) and every number in it equals the input.
 
-The fixtures are small hand-written files in the formats the real stages write: ``full`` has every input,
+The fixtures are small hand-written files in the formats of ``extensible_kv.measurements``: ``full`` has every input,
 ``partial`` lacks the benchmarks, the backend validation and the extensible partner of its one legacy case.
-Expected values are computed here from the fixture JSON, never copied from the report.
+Expected values are computed here from the fixture JSON, never copied from the report. The writers (the conformance
+and bench conftests, ``validate-backend --json``, ``environment``) are run here too, and their files read back
+through the schema and rendered.
 """
 
 from __future__ import annotations
@@ -10,17 +12,25 @@ from __future__ import annotations
 import ast
 import base64
 import dataclasses
+import fnmatch
 import json
+import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from extensible_kv import report
-from extensible_kv.report import accounting, comparison, loading, rendering, sections
+from extensible_kv.measurements import (BackendValidation, BenchmarkFile, ConformanceSummary, Environment, read)
+from extensible_kv.report import accounting, benchmarks, comparison, document, numbers, rendering
+from extensible_kv.report.run import load_run
 
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "report_fixtures"
 FULL, PARTIAL = FIXTURES / "full", FIXTURES / "partial"
 MIB, GIB = 1 << 20, 1 << 30
@@ -256,31 +266,40 @@ def test_kv_blocks_pair_legacy_and_extensible_across_subfolders(full):
         assert row["difference (% of legacy)"] == f"{(blocks - legacy_blocks) / legacy_blocks * 100:+.3f} %", row
 
 
-def test_backend_validation_lines_are_parsed(full):
+def test_backend_validation_comes_from_the_json(full):
     _, md, summary, _ = full
-    checks = summary["backend_validation"]["checks"]
-    assert [(c["backend"], c["layout"], c["result"]) for c in checks] == [("FLASH_ATTN", "NHD", "PASS"),
-                                                                           ("ROCM_ATTN", "NHD", "FAIL")]
-    assert checks[1]["checks_not_ok"] == ["blocks inside commit"] and checks[1]["segments"] == 2
-    row = md_row(md, "backend", "ROCM_ATTN", needs="result")
-    assert row["result"] == "FAIL" and row["checks not ok"] == "blocks inside commit", row
-    assert summary["backend_validation"]["totals"] == ["1 of 2 passed; failed: ROCM_ATTN/NHD"]
+    data = read_json(FULL / "validate-backend-cuda.json")["results"]
+    rows = summary["backend_validation"]
+    assert [(r["backend"], r["kv_layout"], r["ok"]) for r in rows] == [(r["backend"], r["kv_layout"], r["ok"])
+                                                                       for r in data]
+    failed = next(r for r in data if not r["ok"])
+    not_ok = [c["name"] for c in failed["checks"] if not c["ok"]]
+    assert rows[1]["checks_not_ok"] == not_ok and rows[1]["segments"] == failed["segments"], rows[1]
+    row = md_row(md, "backend", failed["backend"], needs="result")
+    assert row["result"] == "FAIL" and row["checks not ok"] == ", ".join(not_ok), row
+    assert row["shape"] == ", ".join(map(str, failed["shape"])), row
+    passed = sum(r["ok"] for r in data)
+    line = f"- `validate-backend-cuda.json`: {passed} of {len(data)} passed; failed: {failed['backend']}/NHD"
+    assert line in md, f"expected the line {line!r} in the backend validation section"
 
 
 def test_environment_names_its_sources(full):
     _, md, summary, _ = full
-    env = summary["environment"]
-    assert env["gpu"] == {"value": "NVIDIA H100", "source": "README.md"}
-    assert env["torch"] == {"value": "2.9.0+cu128", "source": "conformance-cuda.json"}
-    assert env["cuda_bindings"]["value"] == "12.9.0" and env["vllm"]["value"] == "0.26.0"
+    env, declared = summary["environment"], read_json(FULL / "environment.json")
+    machine = read_json(FULL / "bench-cuda.json")["machine_info"]
+    # environment.json first, then the benchmark JSON's machine_info.environment, then the measurement files
+    assert env["gpu"] == {"value": declared["gpu"], "source": "environment.json"}, env["gpu"]
+    assert env["cuda"] == {"value": machine["environment"]["cuda"], "source": "bench-cuda.json"}, env["cuda"]
+    assert env["cuda-bindings"]["value"] == declared["packages"]["cuda-bindings"], env["cuda-bindings"]
     assert env["date"] == {"value": read_json(FULL / "bench-cuda.json")["datetime"], "source": "bench-cuda.json"}
-    assert md_row(md, "item", "GPU driver")["value"] == "570.86.10"
+    assert env["granularity"]["source"] == "conformance-cuda.json", env["granularity"]
+    assert md_row(md, "item", "GPU driver")["value"] == declared["gpu_driver"]
 
 
 # -- missing inputs ------------------------------------------------------------------------------------------------
 def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     _, md, summary, html = partial
-    assert summary["bench"] == [] and summary["backend_validation"]["checks"] == []
+    assert summary["bench"] == [] and summary["backend_validation"] == []
     assert any(m.startswith("benchmarks:") for m in summary["not_measured"])
     assert any(m.startswith("backend validation:") for m in summary["not_measured"])
     assert "not measured" in section(md, "Commit benchmarks")
@@ -312,12 +331,12 @@ def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp
     assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2
     assert f"no measurement files in {run}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    doc, summary = sections.build(loading.load_run(run))
-    md = rendering.markdown(doc)
+    doc = document.run_document(load_run(run))
+    md, summary = doc.markdown, doc.summary
     assert len(summary["not_measured"]) == 4, summary["not_measured"]
     for title in ("Conformance", "Commit benchmarks", "vLLM integration: memory accounting", "Backend validation"):
         assert "not measured" in section(md, title), title
-    assert summary["run"] == "empty-run" and not [f for f in doc.figures() if f.png is not None]
+    assert summary["run"] == "empty-run" and not [f for f in doc.figures.drawn.values() if f.png is not None]
     assert not re.search(r"\d\.\d", section(md, "At a glance")), "numbers in a report of an empty run"
 
 
@@ -374,7 +393,7 @@ def test_comparison_computes_exact_deltas(tmp_path):
 
 
 def test_deltas_of_identical_runs_are_zero():
-    s = sections.summary_of(loading.load_run(FULL))
+    s = comparison.summary_of(load_run(FULL))
     ds = comparison.deltas(s, s)
     assert ds and all(d.delta == 0 for d in ds if d.run is not None), [d for d in ds if d.delta]
 
@@ -406,11 +425,9 @@ def test_png_files_exist_are_referenced_and_non_trivial(full):
 
 
 def test_figures_not_drawn_say_why():
-    run = loading.load_run(FULL)
-    doc, _ = sections.build(run, sections.Plotter(None, "matplotlib is not importable (test)"))
-    md = rendering.markdown(doc)
-    assert "not drawn: matplotlib is not importable (test)" in md
-    assert "![" not in md
+    doc = document.run_document(load_run(FULL), rendering.Figures(None, "matplotlib is not importable (test)"))
+    assert "not drawn: matplotlib is not importable (test)" in doc.markdown
+    assert "![" not in doc.markdown and "<img" not in doc.html
 
 
 def test_rerendering_removes_stale_pngs(tmp_path):
@@ -426,17 +443,15 @@ def test_rerendering_removes_stale_pngs(tmp_path):
 
 # -- plumbing ------------------------------------------------------------------------------------------------------
 def test_report_takes_the_benchmark_figures_of_the_bench_summary():
-    from extensible_kv.report import benchmarks
-
-    bench = loading.load_run(FULL).bench[0]
+    bench = load_run(FULL).bench[0]
     assert bench.summary == benchmarks.summarize(FULL / "bench-cuda.json")
     ext = bench_entry("commit/extensible")
-    assert bench.seconds_of("commit/extensible") == ext["stats"]["median"]
+    assert benchmarks.seconds_of(benchmarks.entries(bench.data), "commit/extensible") == ext["stats"]["median"]
     assert bench.summary["targets"], "the report lost the targets"
 
 
 def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():
-    cases = loading.load_run(FULL).cases
+    cases = load_run(FULL).cases
     plugin = next(c for c in cases if c.path == PLUGIN)
     pool = cases + [dataclasses.replace(plugin, path="call1/plugin-copy.json")]
     legacy = next(b for b in accounting.account(pool) if b.case.path == LEGACY)
@@ -444,7 +459,7 @@ def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():
     without_ext = [c for c in cases if c.path != EXT]
     legacy = next(b for b in accounting.account(without_ext) if b.case.path == LEGACY)
     assert legacy.kv_partner.path == PLUGIN  # another subfolder when the same one has none
-    assert legacy.kv_committed == legacy.blocks * plugin.extensible["measured"]["bytes_per_block"]
+    assert legacy.kv_committed == legacy.blocks * plugin.data.extensible.measured.bytes_per_block
 
 
 def test_the_report_package_never_imports_pytest():

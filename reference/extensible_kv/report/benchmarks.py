@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,84 +100,60 @@ def summarize_entries(e: dict[str, dict]) -> dict:
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
-    if not nbytes or not seconds:
-        return None
-    return nbytes / seconds / 1e9
+    return nbytes / seconds / 1e9 if nbytes and seconds else None
 
 
 def _div(a: float | None, b: float | None) -> float | None:
-    if a is None or not b:
-        return None
-    return a / b
+    return a / b if a is not None and b else None
 
 
-def _per_byte(entries: dict, key: str) -> float | None:
-    return _div(seconds_of(entries, key), bytes_of(entries, key))
+def _per_byte(e: dict, key: str) -> float | None:
+    return _div(seconds_of(e, key), bytes_of(e, key))
+
+
+def _rate(e: dict, key: str, field: str = "bytes") -> float | None:
+    return _gbps(bytes_of(e, key, field), seconds_of(e, key))
 
 
 def _commit(e: dict) -> dict:
-    paths = {}
-    for path in ("per_granule", "single_handle", "extensible"):
-        key = f"commit/{path}"
-        if key in e:
-            paths[path] = {"seconds": seconds_of(e, key), "bytes": bytes_of(e, key),
-                           "gbps": _gbps(bytes_of(e, key), seconds_of(e, key)),
-                           "handles": e[key]["extra"].get("handles")}
     ours = _per_byte(e, "commit/extensible")
-    return {
-        "paths": paths,
-        "speedup_vs_per_granule": _div(_per_byte(e, "commit/per_granule"), ours),
-        "time_vs_single_handle": _div(ours, _per_byte(e, "commit/single_handle")),
-    }
+    return {"paths": {path: {"seconds": seconds_of(e, key), "bytes": bytes_of(e, key), "gbps": _rate(e, key),
+                             "handles": bytes_of(e, key, "handles")}
+                      for path in ("per_granule", "single_handle", "extensible") if (key := f"commit/{path}") in e},
+            "speedup_vs_per_granule": _div(_per_byte(e, "commit/per_granule"), ours),
+            "time_vs_single_handle": _div(ours, _per_byte(e, "commit/single_handle"))}
 
 
 def _peers(e: dict) -> dict:
     ours = _per_byte(e, "commit/extensible")
-    out: dict = {key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS}
-    out.update({ratio: _div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS})
-    return out
+    return {**{key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS},
+            **{ratio: _div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS}}
 
 
 def _zero(e: dict) -> dict:
-    nbytes = bytes_of(e, "zero/grow_zero")
     with_zero, without = seconds_of(e, "zero/grow_zero"), seconds_of(e, "zero/grow_nozero")
     implied = with_zero - without if with_zero is not None and without is not None else None
-    zero_gbps = _gbps(nbytes, implied) if implied and implied > 0 else None
-    memset_gbps = _gbps(bytes_of(e, "zero/memset"), seconds_of(e, "zero/memset"))
-    return {
-        "bytes": nbytes,
-        "grow_zero_s": with_zero,
-        "grow_nozero_s": without,
-        "implied_zero_s": implied,
-        "zero_gbps": zero_gbps,
-        "memset_gbps": memset_gbps,
-        "zero_vs_memset": _div(zero_gbps, memset_gbps),
-        "end_to_end_gbps": _gbps(nbytes, with_zero),
-        "torch_zero_gbps": _gbps(bytes_of(e, "zero/torch_zero_"), seconds_of(e, "zero/torch_zero_")),
-        "zero_calls": e["zero/grow_zero"]["extra"].get("zero_calls") if "zero/grow_zero" in e else None,
-    }
+    zero_gbps = _gbps(bytes_of(e, "zero/grow_zero"), implied) if implied and implied > 0 else None
+    return {"bytes": bytes_of(e, "zero/grow_zero"), "grow_zero_s": with_zero, "grow_nozero_s": without,
+            "implied_zero_s": implied, "zero_gbps": zero_gbps, "memset_gbps": _rate(e, "zero/memset"),
+            "zero_vs_memset": _div(zero_gbps, _rate(e, "zero/memset")), "end_to_end_gbps": _rate(e, "zero/grow_zero"),
+            "torch_zero_gbps": _rate(e, "zero/torch_zero_"), "zero_calls": bytes_of(e, "zero/grow_zero", "zero_calls")}
 
 
 def _kv(e: dict) -> dict:
-    out = {}
-    for key in sorted(k for k in e if k.startswith("kv/")):
-        x = e[key]["extra"]
-        out[key[len("kv/"):]] = {"ms": e[key]["seconds"] * 1e3 if e[key]["seconds"] is not None else None,
-                                 "bytes": x.get("bytes"), "buffers": x.get("buffers"), "segments": x.get("segments"),
-                                 "state": x.get("state"), "handles": x.get("handles"),
-                                 "set_access": x.get("set_access")}
-    return out
+    fields = ("bytes", "buffers", "segments", "state", "handles", "set_access")
+    return {key.removeprefix("kv/"): {"ms": e[key]["seconds"] * 1e3 if e[key]["seconds"] is not None else None,
+                                      **{f: e[key]["extra"].get(f) for f in fields}}
+            for key in sorted(k for k in e if k.startswith("kv/"))}
 
 
 def _access(e: dict) -> dict:
     out = {}
     for op in ("copy", "kernel"):
         vmm, native = f"access/{op}/vmm", f"access/{op}/native"
-        if vmm not in e and native not in e:
-            continue
-        vmm_gbps = _gbps(bytes_of(e, vmm, "moved_bytes"), seconds_of(e, vmm))
-        native_gbps = _gbps(bytes_of(e, native, "moved_bytes"), seconds_of(e, native))
-        out[op] = {"vmm_gbps": vmm_gbps, "native_gbps": native_gbps, "ratio": _div(vmm_gbps, native_gbps)}
+        if vmm in e or native in e:
+            out[op] = {"vmm_gbps": _rate(e, vmm, "moved_bytes"), "native_gbps": _rate(e, native, "moved_bytes")}
+            out[op]["ratio"] = _div(out[op]["vmm_gbps"], out[op]["native_gbps"])
     return out
 
 
@@ -186,75 +163,45 @@ def _graph(e: dict) -> dict:
 
 
 def _scaling(e: dict) -> dict:
-    rows = []
-    for key, entry in e.items():
-        if not key.startswith("scale/"):
-            continue
-        x = entry["extra"]
-        rows.append({"nominal_gib": x.get("nominal_gib"), "segments": x.get("segments"), "bytes": x.get("bytes"),
-                     "handles": x.get("handles"), "set_access": x.get("set_access"), "runs": x.get("runs"),
-                     "granules": x.get("granules"), "seconds": entry["seconds"],
-                     "gbps": _gbps(x.get("bytes"), entry["seconds"]),
-                     "us_per_handle": _div(entry["seconds"] * 1e6 if entry["seconds"] is not None else None,
-                                           x.get("handles"))})
-    rows.sort(key=lambda r: (r["nominal_gib"], r["segments"]))
-    if not rows:
-        return {"rows": [], "handles_track_runs": None, "handles_independent_of_bytes": None,
-                "worst_growth_vs_handles": None}
-    by_segments: dict[int, set] = {}
-    for r in rows:
-        by_segments.setdefault(r["segments"], set()).add(r["handles"])
-    worst = None
-    for gib in sorted({r["nominal_gib"] for r in rows}):
-        same = [r for r in rows if r["nominal_gib"] == gib]
-        base = min(same, key=lambda r: r["segments"])
-        for r in same:
-            if r is base or not base["handles"] or not base["seconds"] or r["seconds"] is None or not r["handles"]:
-                continue
-            growth = (r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"])
-            worst = growth if worst is None else max(worst, growth)
-    return {
-        "rows": rows,
-        "handles_track_runs": all(r["handles"] == r["runs"] for r in rows),
-        "handles_independent_of_bytes": all(len(h) == 1 for h in by_segments.values()),
-        "worst_growth_vs_handles": worst,
-    }
+    fields = ("nominal_gib", "segments", "bytes", "handles", "set_access", "runs", "granules")
+    rows = sorted(({**{f: x["extra"].get(f) for f in fields}, "seconds": x["seconds"],
+                    "gbps": _gbps(x["extra"].get("bytes"), x["seconds"]),
+                    "us_per_handle": _div(x["seconds"] and x["seconds"] * 1e6, x["extra"].get("handles"))}
+                   for key, x in e.items() if key.startswith("scale/")),
+                  key=lambda r: (r["nominal_gib"], r["segments"]))
+    growth = []  # per size: time growth over handle growth, against the fewest segments
+    for gib in {r["nominal_gib"] for r in rows}:
+        base = min((r for r in rows if r["nominal_gib"] == gib), key=lambda r: r["segments"])
+        growth += [(r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"]) for r in rows
+                   if r["nominal_gib"] == gib and r is not base and base["handles"] and base["seconds"]
+                   and r["seconds"] is not None and r["handles"]]
+    handles = {n: {r["handles"] for r in rows if r["segments"] == n} for n in {r["segments"] for r in rows}}
+    return {"rows": rows, "handles_track_runs": all(r["handles"] == r["runs"] for r in rows) if rows else None,
+            "handles_independent_of_bytes": all(len(h) == 1 for h in handles.values()) if rows else None,
+            "worst_growth_vs_handles": max(growth, default=None)}
+
+
+# The targets: (name, the summary figure, comparison, goal); judged only where the run makes claims (CUDA).
+_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
 
 
 def _targets(s: dict) -> list[dict]:
-    """The targets, each with its value and whether it is met (``None``: no data, or no claims here)."""
-    commit_gbps = s["commit"]["paths"].get("extensible", {}).get("gbps")
-    rows = [
-        ("commit 32 GiB, GB/s (ExtensibleTensor)", commit_gbps, ">=", 5000.0),
-        ("commit speedup vs per-granule", s["commit"]["speedup_vs_per_granule"], ">=", 100.0),
-        ("commit time / torch default (cudaMalloc)", s["peers"]["time_vs_torch_default"], "<=", 1.0),
-        ("commit time / expandable segments", s["peers"]["time_vs_expandable_segments"], "<=", 1.0),
-    ]
-    rows += [(f"KV growth ms [{label}]", kv["ms"], "<=", 50.0) for label, kv in s["kv"].items()]
-    rows.append(("zero_new bandwidth / memset", s["zero"]["zero_vs_memset"], ">=", 0.8))
-    rows += [(f"{op} bandwidth vmm / native", a["ratio"], ">=", 0.98) for op, a in s["access"].items()]
-    rows.append(("graph replay after / before growth", s["graph"]["ratio"], "<=", 1.02))
-    rows.append(("scaling: time growth / handle growth (worst)", s["scaling"]["worst_growth_vs_handles"], "<=", 1.0))
-    rows.append(("scaling: handles == runs", s["scaling"]["handles_track_runs"], "==", True))
-    rows.append(("scaling: handles independent of bytes", s["scaling"]["handles_independent_of_bytes"], "==", True))
-    out = []
-    for name, value, op, goal in rows:
-        if value is None or not s["claims"]:
-            met = None
-        elif op == ">=":
-            met = value >= goal
-        elif op == "<=":
-            met = value <= goal
-        else:
-            met = value == goal
-        out.append({"name": name, "value": value, "op": op, "target": goal, "met": met})
-    return out
-
-
-def verdict(target: dict) -> str:
-    """A target's ``met`` in words: ``yes``, ``NO`` or ``n/a`` (no data, or no claims)."""
-    met = target.get("met")
-    return "n/a" if met is None else ("yes" if met else "NO")
+    sc = s["scaling"]
+    rows = [("commit 32 GiB, GB/s (ExtensibleTensor)", s["commit"]["paths"].get("extensible", {}).get("gbps"),
+             ">=", 5000.0),
+            ("commit speedup vs per-granule", s["commit"]["speedup_vs_per_granule"], ">=", 100.0),
+            ("commit time / torch default (cudaMalloc)", s["peers"]["time_vs_torch_default"], "<=", 1.0),
+            ("commit time / expandable segments", s["peers"]["time_vs_expandable_segments"], "<=", 1.0),
+            *[(f"KV growth ms [{label}]", kv["ms"], "<=", 50.0) for label, kv in s["kv"].items()],
+            ("zero_new bandwidth / memset", s["zero"]["zero_vs_memset"], ">=", 0.8),
+            *[(f"{op} bandwidth vmm / native", a["ratio"], ">=", 0.98) for op, a in s["access"].items()],
+            ("graph replay after / before growth", s["graph"]["ratio"], "<=", 1.02),
+            ("scaling: time growth / handle growth (worst)", sc["worst_growth_vs_handles"], "<=", 1.0),
+            ("scaling: handles == runs", sc["handles_track_runs"], "==", True),
+            ("scaling: handles independent of bytes", sc["handles_independent_of_bytes"], "==", True)]
+    return [{"name": name, "value": value, "op": op, "target": goal,
+             "met": None if value is None or not s["claims"] else _OPS[op](value, goal)}
+            for name, value, op, goal in rows]
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from mdit_py_plugins.anchors import anchors_plugin
 
-from .benchmarks import verdict
 from .numbers import NOT_MEASURED, number
 
 
@@ -70,7 +69,6 @@ TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("extensible_kv.report
                                trim_blocks=True, lstrip_blocks=True,
                                keep_trailing_newline=True, finalize=_cell, autoescape=False)
 TEMPLATES.filters.update(fmt=_fmt, slug=slug)
-TEMPLATES.globals.update(verdict=verdict)
 PAGE = jinja2.Environment(loader=jinja2.PackageLoader("extensible_kv.report", "templates"),
                           autoescape=True).get_template("page.html.j2")
 

@@ -1,6 +1,6 @@
 """A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
 
-Every file is optional: ``conformance-*.json``, ``bench-*.json``, ``validate-backend*.json``,
+Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmark), ``validate-backend*.json``,
 ``integration/**/*.json`` and ``environment.json`` (top level and beside the cases). What a run lacks is listed in
 ``Run.missing`` and reads "not measured"; a file that is there but not in its format is a ``BadFile``.
 """
@@ -109,12 +109,12 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     case_files = sorted(p for p in integration.rglob("*.json") if p.name != "environment.json")
     run = Run(name or folder.resolve().name, folder,
               [Conformance(p.name, read(p, ConformanceSummary)) for p in sorted(folder.glob("conformance-*.json"))],
-              [Bench.load(p) for p in sorted(folder.glob("bench-*.json"))],
+              [Bench.load(p) for p in sorted(folder.glob("bench*.json"))],
               [Case(p.relative_to(integration).as_posix(), read(p, IntegrationCase)) for p in case_files],
               [Backends(p.name, read(p, BackendValidation)) for p in sorted(folder.glob("validate-backend*.json"))],
               {}, [])
     for found, what, files in ((run.conformance, "conformance", "conformance-*.json"),
-                               (run.bench, "benchmarks", "bench-*.json"),
+                               (run.bench, "benchmarks", "bench*.json"),
                                (run.cases, "vLLM integration", "integration/**/*.json"),
                                (run.backends, "backend validation", "validate-backend*.json")):
         if not found:
