@@ -24,7 +24,7 @@ from pathlib import Path
 from ..measurements import BadFile
 from .run import RunFolderError, load_run
 
-__all__ = ["add_arguments", "main", "register", "run_command"]
+__all__ = ["add_arguments", "main", "register", "register_bench_summary", "run_command"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +79,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                   "folder, or two run folders side by side")
     add_arguments(parser)
     parser.set_defaults(run=run_command)
+
+
+def _bench_summary(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .benchmarks import summarize  # noqa: PLC0415
+    from .rendering import bench_tables  # noqa: PLC0415
+
+    try:
+        summary = summarize(args.benchmark_json)
+    except BadFile as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2) if args.json else bench_tables(summary, Path(args.benchmark_json).name))
+    return 0
+
+
+def register_bench_summary(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bench-summary`` command (``benchmarks``) to ``python -m extensible_kv``'s subparsers."""
+    parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
+                                                         "pytest-benchmark JSON file of bench/")
+    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
+    parser.set_defaults(run=_bench_summary)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The figures and ratios the commit-path targets ask for, from a pytest-benchmark JSON file of ``bench/``.
 
 ``python -m extensible_kv bench-summary reports/out/bench-cuda.json [--json]`` prints them (the report's benchmark
-tables, or the dict as JSON); the report shows the same dict. Every benchmark in ``bench/`` stores a stable
+tables, or the dict as JSON; ``report.register_bench_summary``); the report shows the same dict. Every benchmark in ``bench/`` stores a stable
 ``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts
 (``extensible_kv.measurements.BenchExtra``); this module needs nothing else and never runs anything.
 
@@ -13,10 +13,7 @@ are taken per byte. Targets are judged only for CUDA runs; on the host driver th
 
 from __future__ import annotations
 
-import argparse
-import json
 import operator
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,27 +199,3 @@ def _targets(s: dict) -> list[dict]:
     return [{"name": name, "value": value, "op": op, "target": goal,
              "met": None if value is None or not s["claims"] else _OPS[op](value, goal)}
             for name, value, op, goal in rows]
-
-
-def _command(args: argparse.Namespace) -> int:
-    try:
-        summary = summarize(args.benchmark_json)
-    except BadFile as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        from .rendering import bench_tables  # noqa: PLC0415
-
-        print(bench_tables(summary, Path(args.benchmark_json).name))
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench-summary`` command to ``python -m extensible_kv``'s subparsers."""
-    parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
-                                                         "pytest-benchmark JSON file of bench/")
-    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
-    parser.set_defaults(run=_command)
