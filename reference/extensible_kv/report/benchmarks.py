@@ -1,14 +1,10 @@
-"""The figures and ratios the commit-path targets ask for, from a pytest-benchmark JSON file of ``bench/``.
+"""The figures and ratios the commit-path targets ask for, from a pytest-benchmark JSON file of ``bench/``
+(``bench-summary`` prints them, the report shows them). Every benchmark of ``bench/`` stores a stable
+``extra_info.key`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts (``measurements.BenchExtra``).
 
-``python -m extensible_kv bench-summary reports/out/bench-cuda.json [--json]`` prints them (the report's benchmark
-tables, or the dict as JSON; ``report.register_bench_summary``); the report shows the same dict. Every benchmark in ``bench/`` stores a stable
-``extra_info['key']`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts
-(``extensible_kv.measurements.BenchExtra``); this module needs nothing else and never runs anything.
-
-Time of a benchmark = the median of its rounds (``stats.median``), except where the benchmark measured the figure
-itself in a subprocess (``extra_info['subprocess_median_s']``, the expandable-segments peer). Rates are decimal:
-GB/s = bytes / seconds / 1e9, and 5 TB/s = 5000 GB/s. Ratios of times between benchmarks of different byte counts
-are taken per byte. Targets are judged only for CUDA runs; on the host driver they read ``n/a`` (no claims).
+Time of a benchmark = the median of its rounds, or ``extra_info.subprocess_median_s`` where it measured itself in a
+subprocess. GB/s = bytes / seconds / 1e9; ratios of times between benchmarks of different sizes are per byte.
+Targets are judged only for CUDA runs; elsewhere they read ``n/a`` (no claims).
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ from pathlib import Path
 
 from ..measurements import BadFile, BenchmarkFile, read
 
-CLAIM_DEVICE_TYPES = ("cuda",)
-
 # The peers: (benchmark key, name in the report, ratio field of ``summary["peers"]``).
 PEERS = (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_default"),
          ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments"))
@@ -28,7 +22,7 @@ PEERS = (("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_def
 
 @dataclass(frozen=True)
 class Bench:
-    """One ``bench-*.json`` file and its ``summarize``d figures."""
+    """One pytest-benchmark file and its figures (``summarize_entries``)."""
 
     source: str
     data: BenchmarkFile
@@ -40,31 +34,26 @@ class Bench:
         found = entries(data)
         if not found:
             raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")
-        for key, entry in found.items():
-            if key.startswith("scale/") and None in (entry["extra"].get("nominal_gib"), entry["extra"].get("segments")):
+        for key, x in ((k, v["extra"]) for k, v in found.items() if k.startswith("scale/")):
+            if x["nominal_gib"] is None or x["segments"] is None:
                 raise BadFile(f"{path}: benchmark {key!r} needs extra_info.nominal_gib and extra_info.segments")
         return cls(Path(path).name, data, summarize_entries(found))
 
 
 def summarize(path: str | Path) -> dict:
-    """The figures of the pytest-benchmark JSON file at ``path`` (``BadFile`` where it is not one of bench/)."""
     return Bench.load(Path(path)).summary
 
 
-def summarize_data(data: dict | BenchmarkFile) -> dict:
-    """The figures of loaded pytest-benchmark JSON; missing benchmarks give ``None``."""
-    return summarize_entries(entries(data if isinstance(data, BenchmarkFile) else BenchmarkFile.model_validate(data)))
+def summarize_data(data: dict) -> dict:
+    """The figures of pytest-benchmark JSON as loaded (``bench/conftest.py``); missing benchmarks give ``None``."""
+    return summarize_entries(entries(BenchmarkFile.model_validate(data)))
 
 
 def entries(data: BenchmarkFile) -> dict[str, dict]:
     """Benchmarks by ``extra_info.key``: ``seconds`` (the figure) and ``extra`` (extra_info, ``None`` where absent)."""
-    out = {}
-    for b in data.benchmarks:
-        x = b.extra_info
-        if x.key:
-            seconds = x.subprocess_median_s if x.subprocess_median_s is not None else b.stats.median
-            out[x.key] = {"seconds": seconds, "extra": x.model_dump()}
-    return out
+    return {b.extra_info.key: {"seconds": b.stats.median if b.extra_info.subprocess_median_s is None
+                               else b.extra_info.subprocess_median_s, "extra": b.extra_info.model_dump()}
+            for b in data.benchmarks if b.extra_info.key}
 
 
 def seconds_of(e: dict, key: str) -> float | None:
@@ -75,25 +64,17 @@ def bytes_of(e: dict, key: str, field: str = "bytes") -> int | None:
     return e[key]["extra"].get(field) if key in e else None
 
 
-def peer_rows(e: dict, summary: dict) -> list[dict]:
-    """The peers of ``PEERS``: bytes, seconds, rate and ExtensibleTensor time / peer time (per byte)."""
-    return [{"key": key, "name": name, "bytes": bytes_of(e, key), "seconds": seconds_of(e, key),
-             "gbps": _gbps(bytes_of(e, key), seconds_of(e, key)), "ours_vs_peer": summary["peers"][ratio]}
-            for key, name, ratio in PEERS]
-
-
 def summarize_entries(e: dict[str, dict]) -> dict:
     """The figures, ratios and targets of ``entries``."""
     first = next(iter(e.values()), {"extra": {}})["extra"]
-    summary = {"keys": sorted(e), "driver": first.get("driver"), "device_type": first.get("device_type"),
-               "granularity": first.get("granularity"), "scale": first.get("scale"),
-               "claims": first.get("device_type") in CLAIM_DEVICE_TYPES, "commit": _commit(e), "peers": _peers(e),
-               "calls": {k.split("/", 1)[1]: e[k]["extra"]["calls"] for k in sorted(e)
-                         if k.startswith("calls/") and e[k]["extra"].get("calls")},
-               "zero": _zero(e), "kv": _kv(e), "access": _access(e), "graph": _graph(e), "scaling": _scaling(e)}
-    summary["targets"] = _targets(summary)
-    summary["peer_rows"] = peer_rows(e, summary)
-    return summary
+    s = {"keys": sorted(e), **{k: first.get(k) for k in ("driver", "device_type", "granularity", "scale")},
+         "claims": first.get("device_type") == "cuda", "commit": _commit(e), "peers": _peers(e),
+         "calls": {k.split("/", 1)[1]: e[k]["extra"]["calls"] for k in sorted(e)
+                   if k.startswith("calls/") and e[k]["extra"].get("calls")},
+         "zero": _zero(e), "kv": _kv(e), "access": _access(e), "graph": _graph(e), "scaling": _scaling(e)}
+    s["peer_rows"] = [{"key": key, "name": name, "bytes": bytes_of(e, key), "seconds": seconds_of(e, key),
+                       "gbps": _rate(e, key), "ours_vs_peer": s["peers"][ratio]} for key, name, ratio in PEERS]
+    return s | {"targets": _targets(s)}
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float | None:

@@ -2,7 +2,8 @@
 delta. The delta is run - baseline; the percentage is the delta over the baseline's magnitude.
 
 Figures are read from each run's summary (the dict written to summary.json), so both runs are described the same
-way. A figure one run lacks reads "not measured" there and has no delta.
+way. Values are in their measured unit (bytes, seconds, counts), shown in ``unit``; a figure one run lacks reads
+"not measured" there and has no delta.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from .rendering import Figures, html, markdown
 from .run import ENVIRONMENT_NAMES, Run
 from .summary import summary
 
+Metric = tuple[str, str, str, object]  # group, name, unit, value
 
-@dataclass(frozen=True)
-class Metric:
-    group: str
-    name: str
-    unit: str
-    value: float | None
+CASE_METRICS = (("KV blocks", "count", "blocks"), ("KV committed", "GiB", "kv_committed"),
+                ("final commit", "ms", "commit_seconds"), ("non-KV after warmup", "MiB", "non_kv_after_warmup"),
+                ("vLLM non-KV estimate", "MiB", "non_kv_estimate"), ("free after warmup", "MiB", "free_after_warmup"),
+                ("over budget", "MiB", "over_budget"), ("over budget at peak", "MiB", "over_budget_at_peak"))
 
 
 @dataclass(frozen=True)
@@ -43,71 +43,43 @@ class Delta:
         return d / abs(self.baseline) * 100.0 + 0.0 if d is not None and self.baseline else None
 
 
-def _num(x: object) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return x
+def _bench_metrics(g: str, s: dict) -> list[Metric]:
+    out = [m for path, p in s["commit"]["paths"].items() for m in (
+        (g, f"commit {path}: median", "ms", p["seconds"]), (g, f"commit {path}: rate", "GB/s", p["gbps"]))]
+    out += [m for p in s["peer_rows"] for m in (
+        (g, f"peer {p['name']}: median", "ms", p["seconds"]), (g, f"peer {p['name']}: rate", "GB/s", p["gbps"]))]
+    out += [(g, f"KV growth {label}: median", "ms", kv["ms"] and kv["ms"] / 1e3) for label, kv in s["kv"].items()]
+    out += [(g, "zero_new rate", "GB/s", s["zero"]["zero_gbps"]), (g, "memset rate", "GB/s", s["zero"]["memset_gbps"])]
+    out += [m for op, a in s["access"].items() for m in (
+        (g, f"access {op}: vmm", "GB/s", a["vmm_gbps"]), (g, f"access {op}: native", "GB/s", a["native_gbps"]))]
+    out += [(g, "graph replay before growth", "us", s["graph"]["before_s"]),
+            (g, "graph replay after growth", "us", s["graph"]["after_s"])]
+    out += [(g, f"scaling {r['nominal_gib']} GiB / {r['segments']} seg: rate", "GB/s", r["gbps"])
+            for r in s["scaling"]["rows"]]
+    return out + [(g, f"target: {t['name']}", "ratio", t["value"]) for t in s["targets"]]
 
 
 def metrics(s: dict) -> list[Metric]:
-    """The comparable figures of one run summary, in report order."""
-    out: list[Metric] = []
-    for c in s.get("conformance", []):
-        for d in c["drivers"]:
-            g = f"conformance ({d['driver']}, {c['source']})"
-            out += [Metric(g, "passed", "count", _num(d["passed"])), Metric(g, "failed", "count", _num(d["failed"])),
-                    Metric(g, "skipped", "count", _num(d["skipped"])),
-                    Metric(g, "commit probe", "GB/s", _num(d["commit_gb_per_s"]))]
-    for b in s.get("bench", []):
-        g = f"benchmarks ({b['source']})"
-        sm = b["summary"]
-        for path, p in (sm.get("commit") or {}).get("paths", {}).items():
-            out += [Metric(g, f"commit {path}: median", "ms", _num(p.get("seconds"))),
-                    Metric(g, f"commit {path}: rate", "GB/s", _num(p.get("gbps")))]
-        for p in sm["peer_rows"]:
-            out += [Metric(g, f"peer {p['name']}: median", "ms", _num(p.get("seconds"))),
-                    Metric(g, f"peer {p['name']}: rate", "GB/s", _num(p.get("gbps")))]
-        for label, kv in (sm.get("kv") or {}).items():
-            out.append(Metric(g, f"KV growth {label}: median", "ms", _num(kv["ms"] and kv["ms"] / 1e3)))
-        z = sm.get("zero") or {}
-        if z:
-            out += [Metric(g, "zero_new rate", "GB/s", _num(z.get("zero_gbps"))),
-                    Metric(g, "memset rate", "GB/s", _num(z.get("memset_gbps")))]
-        for op, a in (sm.get("access") or {}).items():
-            out += [Metric(g, f"access {op}: vmm", "GB/s", _num(a.get("vmm_gbps"))),
-                    Metric(g, f"access {op}: native", "GB/s", _num(a.get("native_gbps")))]
-        gr = sm.get("graph") or {}
-        if gr:
-            out += [Metric(g, "graph replay before growth", "us", _num(gr.get("before_s"))),
-                    Metric(g, "graph replay after growth", "us", _num(gr.get("after_s")))]
-        for r in (sm.get("scaling") or {}).get("rows", []):
-            out.append(Metric(g, f"scaling {r.get('nominal_gib')} GiB / {r.get('segments')} seg: rate", "GB/s",
-                              _num(r.get("gbps"))))
-        for t in sm.get("targets", []):
-            out.append(Metric(g, f"target: {t['name']}", "ratio", _num(t.get("value"))))
+    """The comparable figures of one run summary, in report order (true/false figures are not compared)."""
+    out = [(f"conformance ({d['driver']}, {c['source']})", name, unit, d[field]) for c in s["conformance"]
+           for d in c["drivers"] for name, unit, field in (("passed", "count", "passed"), ("failed", "count", "failed"),
+                                                          ("skipped", "count", "skipped"),
+                                                          ("commit probe", "GB/s", "commit_gb_per_s"))]
+    out += [m for b in s["bench"] for m in _bench_metrics(f"benchmarks ({b['source']})", b["summary"])]
     seen: dict[str, int] = {}
-    for case in (s.get("integration") or {}).get("cases", []):
+    for case in s["integration"]["cases"]:
         seen[case["key"]] = seen.get(case["key"], 0) + 1
-        key = case["key"] + (f" #{seen[case['key']]}" if seen[case["key"]] > 1 else "")
-        g = f"vLLM {key}"
-        out += [Metric(g, "KV blocks", "count", _num(case["blocks"])),
-                Metric(g, "KV committed", "GiB", _num(case["kv_committed"])),
-                Metric(g, "final commit", "ms", _num(case["commit_seconds"])),
-                Metric(g, "non-KV after warmup", "MiB", _num(case["non_kv_after_warmup"])),
-                Metric(g, "vLLM non-KV estimate", "MiB", _num(case["non_kv_estimate"])),
-                Metric(g, "free after warmup", "MiB", _num(case["free_after_warmup"])),
-                Metric(g, "over budget", "MiB", _num(case["over_budget"])),
-                Metric(g, "over budget at peak", "MiB", _num(case.get("over_budget_at_peak")))]
-    return out
+        group = f"vLLM {case['key']}" + (f" #{seen[case['key']]}" if seen[case["key"]] > 1 else "")
+        out += [(group, name, unit, case[field]) for name, unit, field in CASE_METRICS]
+    return [(g, n, u, None if isinstance(v, bool) else v) for g, n, u, v in out]
 
 
 def deltas(run_summary: dict, baseline_summary: dict) -> list[Delta]:
     """Every metric of either run, matched by group and name: run's order first, then the baseline's extras."""
-    a = {(m.group, m.name): m for m in metrics(run_summary)}
-    b = {(m.group, m.name): m for m in metrics(baseline_summary)}
-    keys = list(a) + [k for k in b if k not in a]
-    return [Delta(k[0], k[1], (a.get(k) or b.get(k)).unit, a[k].value if k in a else None,
-                  b[k].value if k in b else None) for k in keys]
+    a = {m[:2]: m for m in metrics(run_summary)}
+    b = {m[:2]: m for m in metrics(baseline_summary)}
+    return [Delta(*k, (a.get(k) or b[k])[2], a[k][3] if k in a else None, b[k][3] if k in b else None)
+            for k in list(a) + [k for k in b if k not in a]]
 
 
 def summary_of(run: Run) -> dict:
@@ -123,8 +95,7 @@ def comparison_document(run: Run, baseline: Run, figures: Figures | None = None)
                "blocks": [(d.group.removeprefix("vLLM "), d.run, d.baseline) for d in ds if d.name == "KV blocks"],
                "bench": [r.bench[0].summary if r.bench else None for r in (run, baseline)]}
     md = markdown("comparison.md.j2", context, figures)
-    page = html(markdown("comparison.md.j2", context, figures, inline=True))
-    return Document(md, page, {
+    return Document(md, html(markdown("comparison.md.j2", context, figures, inline=True)), {
         "run": run.name, "baseline": baseline.name, "run_folder": run.path.as_posix(),
         "baseline_folder": baseline.path.as_posix(),
         "not_measured": {"run": list(run.missing), "baseline": list(baseline.missing)},

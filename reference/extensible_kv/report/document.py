@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from ..measurements import ExtensibleFigures
 from . import accounting
 from .consistency import checks, table
-from .glance import glance
 from .matrix import cell_text, matrix_cells, skip_reasons
 from .numbers import number
 from .rendering import Figures, html, markdown
@@ -35,7 +34,7 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
     figures = figures or Figures.available()
     breakdowns = accounting.account(run.cases)
     pairs = accounting.block_pairs(breakdowns)
-    context = {"run": run, "glance": glance(run, breakdowns, pairs), "environment_names": ENVIRONMENT_NAMES,
+    context = {"run": run, "environment_names": ENVIRONMENT_NAMES,
                "matrix": matrix_cells(run.conformance), "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
                "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
                "breakdowns": breakdowns, "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,

@@ -4,18 +4,15 @@ binary (GiB, MiB), rates decimal (GB/s = 1e9 bytes per second)."""
 from __future__ import annotations
 
 import io
-from collections import Counter
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from . import accounting as acc
 from .accounting import BlockPair, MemoryBreakdown
-from .matrix import cell_state, cell_text, matrix_cells
 from .numbers import GIB, MIB, number
-from .run import Conformance
 
 DPI, SMALL = 110, 7.5
 COLORS = {acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.GRAPHS: "#9467bd", acc.OTHER: "#8c564b",
@@ -25,7 +22,6 @@ NON_KV = (acc.WEIGHTS, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS)
 ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
                    "CUDA graph estimate": "#e377c2"}
 SERIES = ["#1f77b4", "#17becf", "#7f7f7f", "#bcbd22", "#8c564b", "#e377c2"]
-MATRIX_COLORS = {"pass": "#a1d99b", "fail": "#fc9272", "skip": "#d9d9d9", "mixed": "#fee391", "none": "white"}
 
 
 def _new(width: float, height: float) -> Figure:
@@ -313,38 +309,6 @@ def commit_throughput(source: str, s: dict) -> bytes:
     gran = _size_tick(s["granularity"], None) if s["granularity"] else "not recorded"
     fig.suptitle(f"Commit throughput (zero_new=False), {source}: driver {s['driver']}, granularity {gran}",
                  fontsize=11)
-    fig.tight_layout()
-    return _png(fig)
-
-
-# -- conformance matrix --------------------------------------------------------------------------------------------
-def conformance_matrix(conformance: list[Conformance]) -> bytes:
-    rules, columns, cells = matrix_cells(conformance)
-    fig = _new(3.2 + 2.2 * max(len(columns), 1) + 3.5, 1.3 + 0.26 * max(len(rules), 1))
-    ax = fig.subplots()
-    for i, rule in enumerate(rules):
-        for j, col in enumerate(columns):
-            counts = cells.get((rule, col))
-            ax.add_patch(Rectangle((j, i), 1, 1, facecolor=MATRIX_COLORS[cell_state(counts)], edgecolor="white",
-                                   linewidth=1.5))
-            ax.text(j + 0.5, i + 0.5, cell_text(counts), ha="center", va="center", fontsize=SMALL)
-    ax.set_xlim(0, max(len(columns), 1))
-    ax.set_ylim(max(len(rules), 1), 0)
-    totals = [sum((cells[(r, col)] for r in rules if (r, col) in cells), Counter()) for col in columns]
-    ax.set_xticks([j + 0.5 for j in range(len(columns))],
-                  [f"{col}\n{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
-                   for col, t in zip(columns, totals)], fontsize=9)
-    ax.xaxis.tick_top()
-    ax.set_yticks([i + 0.5 for i in range(len(rules))], rules, fontsize=SMALL)
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
-    handles = [Patch(facecolor=MATRIX_COLORS[k], edgecolor="#888888", label=label) for k, label in
-               (("pass", "all passed"), ("fail", "any failed"), ("skip", "all skipped"),
-                ("mixed", "passed and skipped"), ("none", "not run"))]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
-              title="cell: tests of the rule (parametrizations)", title_fontsize=8)
-    ax.set_title("Conformance: driver x rule (counts are test parametrizations)", fontsize=11, pad=22)
     fig.tight_layout()
     return _png(fig)
 

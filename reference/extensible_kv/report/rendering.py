@@ -29,7 +29,7 @@ class Figure:
 
 @dataclass
 class Figures:
-    """Draws each figure once, with ``module`` (``figures``), or records why it cannot (matplotlib missing)."""
+    """Draws each figure once with ``module`` (``figures``), or records why it cannot (matplotlib missing)."""
 
     module: object | None = None
     reason: str | None = None
@@ -50,27 +50,22 @@ class Figures:
         return self.drawn[name]
 
 
-def _fmt(value: object, unit: str = "count", signed: bool = False) -> str:
-    return number(None if isinstance(value, jinja2.Undefined) else value, unit, signed)
-
-
-def _cell(value: object) -> object:
-    """Every expression's output: ``None`` reads "not measured"; a table cell stays one cell."""
-    if isinstance(value, jinja2.Undefined):  # an inline ``if`` that did not hold
+def _cell(value: object) -> str:
+    """Every expression's output: ``None`` reads "not measured", an inline ``if`` that did not hold nothing, and a
+    table cell stays one cell."""
+    if isinstance(value, jinja2.Undefined):
         return ""
     return NOT_MEASURED if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def slug(text: str) -> str:
+def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("extensible_kv.report", "templates"),
-                               trim_blocks=True, lstrip_blocks=True,
-                               keep_trailing_newline=True, finalize=_cell, autoescape=False)
-TEMPLATES.filters.update(fmt=_fmt, slug=slug)
-PAGE = jinja2.Environment(loader=jinja2.PackageLoader("extensible_kv.report", "templates"),
-                          autoescape=True).get_template("page.html.j2")
+LOADER = jinja2.PackageLoader("extensible_kv.report", "templates")
+TEMPLATES = jinja2.Environment(loader=LOADER, trim_blocks=True, lstrip_blocks=True, finalize=_cell, autoescape=False)
+TEMPLATES.filters.update(slug=_slug, fmt=lambda v, unit="count", signed=False: number(
+    None if isinstance(v, jinja2.Undefined) else v, unit, signed))
 
 
 def markdown(template: str, context: dict, figures: Figures, inline: bool = False) -> str:
@@ -80,22 +75,21 @@ def markdown(template: str, context: dict, figures: Figures, inline: bool = Fals
         f = figures.draw(name, title, draw, *args)
         if f.png is None:
             return f'*Figure "{f.title}" not drawn: {f.missing}*'
-        src = f"data:image/png;base64,{base64.b64encode(f.png).decode('ascii')}" if inline else f.name
-        return f"![{f.title}]({src})"
+        return f"![{f.title}]({'data:image/png;base64,' + base64.b64encode(f.png).decode() if inline else f.name})"
 
     text = TEMPLATES.get_template(template).render(context, fig=fig)
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
 def html(markdown_text: str) -> str:
-    """A self-contained page of ``markdown_text`` (raw HTML in it is shown as text), with a table of contents."""
+    """A self-contained page of ``markdown_text`` (raw HTML in it shows as text), with a table of contents."""
     md = MarkdownIt("commonmark", {"html": False}).enable("table").use(anchors_plugin, min_level=2, max_level=3)
     tokens = md.parse(markdown_text)
-    title = next((tokens[i + 1].content for i, t in enumerate(tokens) if t.tag == "h1"), "")
-    toc = [(t.attrs["id"], tokens[i + 1].content) for i, t in enumerate(tokens)
-           if t.type == "heading_open" and t.tag == "h2"]
-    body = md.renderer.render(tokens, md.options, {})
-    return PAGE.render(title=title, toc=toc, body=Markup(body))
+    heads = [(t, tokens[i + 1].content) for i, t in enumerate(tokens) if t.type == "heading_open"]
+    page = jinja2.Environment(loader=LOADER, autoescape=True).get_template("page.html.j2")
+    return page.render(title=next((text for t, text in heads if t.tag == "h1"), ""),
+                       toc=[(t.attrs["id"], text) for t, text in heads if t.tag == "h2"],
+                       body=Markup(md.renderer.render(tokens, md.options, {})))
 
 
 def bench_tables(summary: dict, source: str) -> str:
@@ -112,8 +106,7 @@ def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figur
         old = json.loads((out / "summary.json").read_text()).get("figures", [])
     except (OSError, ValueError, AttributeError):
         old = []
-    for name in set(map(str, old)) - set(drawn):
-        stale = out / name
+    for stale in (out / str(name) for name in old if name not in drawn):
         if stale.suffix == ".png" and stale.parent == out and stale.is_file():
             stale.unlink()
     for name, png in drawn.items():
