@@ -116,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("out_dir", metavar="OUT_DIR")
     env.set_defaults(run=_environment)
     from .report import register as register_report  # noqa: PLC0415 - matplotlib loads only when it draws
-    from .report import register_bench_summary  # noqa: PLC0415
 
-    register_report(sub)
-    register_bench_summary(sub)
+    register_report(sub)  # report, bench-summary
     args = parser.parse_args(argv)
     return args.run(args)
 

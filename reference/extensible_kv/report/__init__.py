@@ -18,7 +18,7 @@ from pathlib import Path
 from ..measurements import BadFile
 from .run import RunFolderError, load_run
 
-__all__ = ["add_arguments", "main", "register", "register_bench_summary", "run_command"]
+__all__ = ["add_arguments", "main", "register", "run_command"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,15 +74,10 @@ def _bench_summary(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``report`` command to ``python -m extensible_kv``'s subparsers."""
-    parser = subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run "
-                                                  "folder, or two run folders side by side")
-    add_arguments(parser)
+    """Add ``report`` and ``bench-summary`` to ``python -m extensible_kv``'s subparsers."""
+    add_arguments(parser := subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) "
+                                                               "of a run folder, or two run folders side by side"))
     parser.set_defaults(run=run_command)
-
-
-def register_bench_summary(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench-summary`` command (``benchmarks``) to ``python -m extensible_kv``'s subparsers."""
     parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
                                                          "pytest-benchmark JSON file of bench/")
     parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")

@@ -51,28 +51,17 @@ class MemoryBreakdown:
     activation_peak, activation_reusable = _memory("profiled_peak_activation"), _memory("torch_reusable")
     graph_pools = _memory("cudagraph_memory")
 
-    @property
-    def non_kv_estimate(self) -> int | None:
-        return _sub(self.requested, self.case.data.memory.available_kv_cache_memory)
-
-    @property
-    def non_kv_estimate_parts(self) -> dict[str, int | None]:
-        m = self.case.data.memory
-        return {"weights": m.weights, "activation peak": m.profiled_peak_activation,
-                "non-torch": m.profiled_non_torch, "CUDA graph estimate": m.cudagraph_estimate}
-
-    @property
-    def non_kv_sizing(self) -> int | None:  # extensible.measured.non_kv
-        ext = self.case.data.extensible
-        return ext.measured.non_kv if ext and ext.measured else None
-
-    @property
-    def commit_seconds(self) -> float | None:
-        return self.case.data.extensible.commit_seconds if self.case.data.extensible else None
-
-    @property
-    def before_engine(self) -> int | None:
-        return _sub(self.total, self.init_free)
+    non_kv_estimate = property(lambda self: _sub(self.requested, self.case.data.memory.available_kv_cache_memory))
+    non_kv_estimate_parts = property(lambda self: {
+        "weights": self.weights, "activation peak": self.activation_peak,
+        "non-torch": self.case.data.memory.profiled_non_torch,
+        "CUDA graph estimate": self.case.data.memory.cudagraph_estimate})
+    non_kv_sizing = property(lambda self: getattr(getattr(self.case.data.extensible, "measured", None), "non_kv", None))
+    commit_seconds = property(lambda self: getattr(self.case.data.extensible, "commit_seconds", None))
+    before_engine = property(lambda self: _sub(self.total, self.init_free))
+    over_budget = property(lambda self: _sub(_sub(self.init_free, self.requested), self.free_after_warmup))
+    # measured non-KV after warmup minus vLLM's estimate (positive: vLLM under-estimated)
+    measured_minus_estimate = property(lambda self: _sub(self.non_kv_after_warmup, self.non_kv_estimate))
 
     @property
     def non_kv_after_warmup(self) -> int | None:
@@ -91,18 +80,9 @@ class MemoryBreakdown:
         return activation_to_come(self.activation_peak, self.activation_reusable)
 
     @property
-    def over_budget(self) -> int | None:
-        return _sub(_sub(self.init_free, self.requested), self.free_after_warmup)
-
-    @property
     def over_budget_at_peak(self) -> int | None:
         h = self.activation_headroom
         return None if h is None or self.over_budget is None else self.over_budget + h
-
-    @property
-    def measured_minus_estimate(self) -> int | None:
-        """Measured non-KV after warmup minus vLLM's estimate (positive: vLLM under-estimated)."""
-        return _sub(self.non_kv_after_warmup, self.non_kv_estimate)
 
     @property
     def tokens_match_legacy(self) -> bool | None:

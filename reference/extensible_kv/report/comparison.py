@@ -91,9 +91,7 @@ def comparison_document(run: Run, baseline: Run, figures: Figures | None = None)
     figures = figures or Figures.available()
     ds = deltas(summary_of(run), summary_of(baseline))
     context = {"run": run, "baseline": baseline, "deltas": ds, "environment_names": ENVIRONMENT_NAMES,
-               "groups": list(dict.fromkeys(d.group for d in ds)),
-               "blocks": [(d.group.removeprefix("vLLM "), d.run, d.baseline) for d in ds if d.name == "KV blocks"],
-               "bench": [r.bench[0].summary if r.bench else None for r in (run, baseline)]}
+               "groups": list(dict.fromkeys(d.group for d in ds))}
     md = markdown("comparison.md.j2", context, figures)
     return Document(md, html(markdown("comparison.md.j2", context, figures, inline=True)), {
         "run": run.name, "baseline": baseline.name, "run_folder": run.path.as_posix(),

@@ -45,16 +45,3 @@ def checks(run: Run, breakdowns: list[MemoryBreakdown]) -> list[tuple[str, bool,
                              f"{number(d.commit_bytes, 'GiB')} GiB) vs {rate[1]} commit/extensible "
                              f"{number(rate[0], 'GB/s')} GB/s: {r:.2f}x"))
     return rows
-
-
-def table(rows: list[tuple[str, bool, str]]) -> list[tuple[str, str, str]]:
-    """One "ok" row per check (how many agree), then one "differs" row per disagreement."""
-    out = []
-    for check in dict.fromkeys(r[0] for r in rows):
-        mine = [r for r in rows if r[0] == check]
-        agree = [r for r in mine if r[1]]
-        if agree:
-            out.append((check, "ok", f"{len(agree)} of {len(mine)} agree"
-                        + (f": {agree[0][2]}" if len(mine) == 1 else "")))
-        out += [(check, "differs", r[2]) for r in mine if not r[1]]
-    return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..measurements import ExtensibleFigures
 from . import accounting
-from .consistency import checks, table
+from .consistency import checks
 from .matrix import cell_text, matrix_cells, skip_reasons
 from .numbers import number
 from .rendering import Figures, html, markdown
@@ -38,7 +38,7 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
                "matrix": matrix_cells(run.conformance), "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
                "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
                "breakdowns": breakdowns, "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
-               "segments": segments_text, "consistency": table(checks(run, breakdowns))}
+               "segments": segments_text, "consistency": checks(run, breakdowns)}
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))
     return Document(md, page, summary(run, breakdowns, pairs), figures)

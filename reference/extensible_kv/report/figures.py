@@ -58,88 +58,58 @@ def _peak(b: MemoryBreakdown) -> tuple[int | None, str]:
     return b.activation_peak, f"{acc.PEAK} (upper bound of what is still to come)"
 
 
-def _stack(ax, x: float, parts: list[tuple[str, int | None]], unit: float) -> float:
-    """Bars of ``parts`` stacked at ``x`` (negative drawn as zero); the top."""
-    bottom = 0.0
-    for label, nbytes in parts:
-        height = max(nbytes or 0, 0) / unit
-        ax.bar(x, height, bottom=bottom, width=0.6, color=COLORS[label], edgecolor="#555555", linewidth=0.5)
-        bottom += height
-    return bottom
-
-
 def _hatched(ax, x: float, bottom: float, height: float) -> None:
     ax.bar(x, height, bottom=bottom, width=0.6, facecolor="none", edgecolor=COLORS["peak"], hatch="///")
 
 
 # -- memory of one (model, runner, backend) group ------------------------------------------------------------------
 def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
-    """Left: the whole GPU per run (GiB). Middle: the non-KV part magnified (MiB). Right: memory used beyond
-    gpu_memory_utilization's budget (MiB)."""
-    fig = _new(14, 5.4)
-    whole, part, budget = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.1, 1, 0.95]})
-    present, peaks, highest = {}, {}, 0.0
+    """Left: the whole GPU per run (GiB), the activation peak to come hatched on top. Right: memory used beyond
+    gpu_memory_utilization's budget (MiB), after warmup and with that peak."""
+    fig = _new(12, 5.4)
+    whole, budget = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 1]})
+    present, peaks = {}, {}
     for x, b in enumerate(breakdowns):
         segs = b.segments()
         if segs is None:
             _note(whole, x, "not measured", rotation=90)
-        else:
-            negative = [s.label for s in segs if s.bytes is not None and s.bytes < 0]
-            if negative:  # drawn as zero; the tables give the value
-                _note(whole, x, "negative, drawn as 0:\n" + "\n".join(negative), y=0.1, color=COLORS["worse"])
-            bottom = used = 0.0
-            for s in segs:
-                present[s.label] = None
-                height = max(s.bytes or 0, 0) / GIB
-                whole.bar(x, height, bottom=bottom, width=0.6, color=COLORS[s.label], edgecolor="#555555",
-                          linewidth=0.5)
-                short = {acc.KV: "KV", acc.UNSPLIT: "KV + other", acc.FREE: "free"}.get(s.label)
-                if short and s.bytes and s.bytes > 4 * GIB:
-                    whole.text(x, bottom + height / 2, f"{short}\n{s.bytes / GIB:.2f} GiB", ha="center",
-                               va="center", fontsize=SMALL)
-                bottom += height
-                used = bottom if s.label != acc.FREE else used
-            peak, label = _peak(b)
-            if peak:
-                _hatched(whole, x, used, peak / GIB)
-                peaks[label] = None
-            if b.requested is not None:
-                whole.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed")
-        parts = [(s.label, s.bytes) for s in segs or [] if s.label in NON_KV]
-        if not any(label in (acc.OTHER, acc.OTHER_WITH_GRAPHS) for label, _ in parts):
-            _note(part, x, "not measured:\nKV bytes unknown, so\nnon-KV is not separable")
-        else:
-            top = _stack(part, x, parts, MIB)
-            part.text(x, top / 2, f"resident\n{top:.1f}", ha="center", va="center", fontsize=SMALL, color="white")
-            peak, _ = _peak(b)
-            if peak:
-                _hatched(part, x, top, peak / MIB)
-                top += peak / MIB
-                part.text(x, top, f"+{peak / MIB:.1f}", ha="center", va="bottom", fontsize=SMALL)
-            if b.non_kv_estimate is not None:
-                part.hlines(b.non_kv_estimate / MIB, x - 0.4, x + 0.4, colors="black", linestyles="dotted")
-            highest = max(highest, top * 1.1, (b.non_kv_estimate or 0) / MIB * 1.1)
+        negative = [s.label for s in segs or [] if s.bytes is not None and s.bytes < 0]
+        if negative:  # drawn as zero; the tables give the value
+            _note(whole, x, "negative, drawn as 0:\n" + "\n".join(negative), y=0.1, color=COLORS["worse"])
+        bottom = used = 0.0
+        for s in segs or []:
+            present[s.label] = None
+            height = max(s.bytes or 0, 0) / GIB
+            whole.bar(x, height, bottom=bottom, width=0.6, color=COLORS[s.label], edgecolor="#555555", linewidth=0.5)
+            short = {acc.KV: "KV", acc.UNSPLIT: "KV + other", acc.FREE: "free"}.get(s.label)
+            if short and s.bytes and s.bytes > 4 * GIB:
+                whole.text(x, bottom + height / 2, f"{short}\n{s.bytes / GIB:.2f} GiB", ha="center", va="center",
+                           fontsize=SMALL)
+            bottom += height
+            used = bottom if s.label != acc.FREE else used
+        peak, label = _peak(b)
+        if segs and peak:
+            _hatched(whole, x, used, peak / GIB)
+            peaks[label] = None
+        if segs and b.requested is not None:
+            whole.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed")
         if b.over_budget is None:
             _note(budget, x, "not measured", rotation=90)
         for dx, value, hatch in ((-0.15, b.over_budget, None), (0.15, b.over_budget_at_peak, "///")):
-            if value is None:
-                if hatch and b.over_budget is not None:
-                    _note(budget, x + dx, "at peak:\nnot measured", y=0.05)
-                continue
-            budget.bar(x + dx, value / MIB, width=0.28, color=COLORS["worse" if value > 0 else "extensible"],
-                       hatch=hatch, edgecolor="white" if hatch else None)
-            budget.text(x + dx, value / MIB, f"{value / MIB:+.1f}", ha="center", fontsize=SMALL,
-                        va="bottom" if value >= 0 else "top")
+            if value is None and hatch and b.over_budget is not None:
+                _note(budget, x + dx, "at peak:\nnot\nmeasured", y=0.9)
+            elif value is not None:
+                budget.bar(x + dx, value / MIB, width=0.28, color=COLORS["worse" if value > 0 else "extensible"],
+                           hatch=hatch, edgecolor="white" if hatch else None)
+                budget.text(x + dx, value / MIB, f"{value / MIB:+.1f}", ha="center", fontsize=SMALL,
+                            va="bottom" if value >= 0 else "top")
     values = [v / MIB for b in breakdowns for v in (b.over_budget, b.over_budget_at_peak) if v is not None] + [0.0]
     span = max(max(values) - min(values), 1.0)
     budget.set_ylim(min(values) - 0.2 * span, max(values) + 0.2 * span)
     budget.axhline(0, color="black", linewidth=0.8)
-    part.set_ylim(0, highest or 1)
     for ax, ylabel, heading in (
             (whole, "GPU memory (GiB)", "whole GPU after warmup; hatched: activation peak to come;\ndashed: "
                                         "requested (utilization x total)"),
-            (part, "non-KV memory (MiB)", "non-KV part magnified: resident after warmup, hatched:\nactivation peak "
-                                          "to come; dotted: vLLM's profiled estimate"),
             (budget, "used beyond the requested budget (MiB)", "beyond gpu_memory_utilization (> 0: over): solid "
                                                                "after\nwarmup, hatched with the activation peak to come")):
         _cases_axis(ax, breakdowns)
@@ -147,9 +117,9 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
         ax.set_title(heading, fontsize=9)
     handles = [Patch(facecolor=COLORS[k], edgecolor="#555555", label=k) for k in acc.SEGMENT_ORDER if k in present]
     handles += [Patch(facecolor="none", edgecolor=COLORS["peak"], hatch="///", label=k) for k in peaks]
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.08))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.1))
     fig.suptitle(f"GPU memory, legacy vs extensible KV cache: {title}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _png(fig)
 
 
@@ -194,10 +164,6 @@ def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
 
 
 # -- KV blocks -----------------------------------------------------------------------------------------------------
-def _blocks_tick(v: float, _pos: object) -> str:
-    return f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v:,.0f}"
-
-
 def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
     """Left: the blocks of each pair on a linear axis from zero, counts written inside the bars. Right: the
     difference in MiB, its text on the other side of zero. The legend sits below both."""
@@ -224,7 +190,7 @@ def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
               for p in pairs]
     left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=SMALL)
     left.xaxis.set_major_locator(MaxNLocator(4))
-    left.xaxis.set_major_formatter(FuncFormatter(_blocks_tick))
+    left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v:,.0f}"))
     left.set_xlabel("KV cache blocks")
     left.set_title("blocks per run", fontsize=10)
     right.axvline(0, color="black", linewidth=0.8)
@@ -261,24 +227,6 @@ def _commit_points(s: dict) -> list[tuple[str, float, float, int | None, str, st
                   for p in s["peer_rows"] if p["gbps"] is not None]
 
 
-def _log_axes(ax, xlabel: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(_size_tick))
-    ax.grid(True, alpha=0.3)
-    ax.set_xlabel(f"{xlabel} (log scale)")
-
-
-def _scaling_lines(ax, s: dict, name: str = "", dashed: bool = False) -> None:
-    """The scaling benchmarks' GB/s against bytes, one line per segment count."""
-    rows = [r for r in s["scaling"]["rows"] if r["gbps"] and r["bytes"]]
-    for i, n in enumerate(sorted({r["segments"] for r in rows})):
-        pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
-        ax.plot(*zip(*pts), marker="o", markersize=5, linestyle="--" if dashed else "-", color=SERIES[i % 6],
-                markerfacecolor="white" if dashed else SERIES[i % 6],
-                label=f"{name}scaling: {n} segment(s) = {n} handle(s)")
-
-
 def commit_throughput(source: str, s: dict) -> bytes:
     """Left: GB/s against bytes per handle. Right: GB/s against bytes committed, with the peers and the target."""
     rows = [r for r in s["scaling"]["rows"] if r["gbps"] and r["bytes"] and r["handles"]]
@@ -289,7 +237,9 @@ def commit_throughput(source: str, s: dict) -> bytes:
         pts = sorted((r["bytes"] / r["handles"], r["gbps"]) for r in rows if r["nominal_gib"] == gib)
         by_handle.plot(*zip(*pts), "o-", color=SERIES[i % 6], markersize=5,
                        label=f"scaling: {gib} GiB split over {segs[0]}-{segs[-1]} handles")
-    _scaling_lines(by_bytes, s)
+    for i, n in enumerate(segs if rows else []):
+        pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["segments"] == n)
+        by_bytes.plot(*zip(*pts), "o-", markersize=5, color=SERIES[i % 6], label=f"scaling: {n} segment(s)")
     for label, nbytes, gbps, handles, marker, color in _commit_points(s):
         style = dict(marker=marker, color=color, markersize=11, markeredgecolor="black", linestyle="none", label=label)
         by_bytes.plot([nbytes], [gbps], **style)
@@ -300,7 +250,10 @@ def commit_throughput(source: str, s: dict) -> bytes:
         if target:
             ax.axhline(target["target"], color="#d62728", linestyle="dashed", linewidth=1,
                        label=f"target {target['op']} {target['target']:g} GB/s (32 GiB commit)")
-        _log_axes(ax, xlabel)
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel=f"{xlabel} (log scale)")
+        ax.xaxis.set_major_formatter(FuncFormatter(_size_tick))
+        ax.grid(True, alpha=0.3)
         ax.tick_params(axis="x", labelsize=8, rotation=30)
         ax.legend(fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     by_handle.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
@@ -309,50 +262,5 @@ def commit_throughput(source: str, s: dict) -> bytes:
     gran = _size_tick(s["granularity"], None) if s["granularity"] else "not recorded"
     fig.suptitle(f"Commit throughput (zero_new=False), {source}: driver {s['driver']}, granularity {gran}",
                  fontsize=11)
-    fig.tight_layout()
-    return _png(fig)
-
-
-# -- comparison ----------------------------------------------------------------------------------------------------
-def compare_commit(a_name: str, a: dict | None, b_name: str, b: dict | None) -> bytes:
-    """Commit rate against bytes for both runs: the run solid and filled, the baseline dashed and hollow."""
-    fig = _new(10, 5.2)
-    ax = fig.subplots()
-    for name, s, dashed in ((a_name, a, False), (b_name, b, True)):
-        if s is None:
-            continue
-        _scaling_lines(ax, s, f"{name}: ", dashed)
-        for label, nbytes, gbps, _h, marker, color in _commit_points(s):
-            ax.plot([nbytes], [gbps], marker=marker, linestyle="none", markersize=10, color=color,
-                    markeredgecolor=color if dashed else "black", markerfacecolor="white" if dashed else color,
-                    label=f"{name}: {label}")
-    _log_axes(ax, "bytes committed in one growth step")
-    ax.set_ylabel("commit rate (GB/s = 1e9 bytes/s, log scale)")
-    ax.set_title(f"Commit throughput: {a_name} (solid, filled) vs {b_name} (dashed, hollow)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    return _png(fig)
-
-
-def compare_blocks(a_name: str, b_name: str, rows: list[tuple[str, int | None, int | None]]) -> bytes:
-    """KV blocks per case, run against baseline: the difference in % of the baseline, both counts written out.
-    ``rows`` = (case key, blocks in the run, blocks in the baseline)."""
-    fig = _new(11, 1.3 + 0.42 * max(len(rows), 1))
-    ax = fig.subplots()
-    pcts = [(va - vb) / vb * 100.0 if va is not None and vb else None for _k, va, vb in rows]
-    for i, ((_key, va, vb), pct) in enumerate(zip(rows, pcts)):
-        y = len(rows) - 1 - i
-        if pct is not None:
-            ax.barh(y, pct, height=0.6, color=COLORS["worse" if pct < 0 else "extensible"])
-        text = (f"{vb:,} -> {va:,} blocks ({va - vb:+,}, {pct:+.3f} %)" if pct is not None else
-                f"{'not measured' if vb is None else f'{vb:,}'} -> {'not measured' if va is None else f'{va:,}'} "
-                "blocks: no delta")
-        ax.text(1.01, y, text, va="center", fontsize=SMALL, transform=ax.get_yaxis_transform())
-    ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [r[0] for r in rows], fontsize=SMALL)
-    ax.axvline(0, color="black", linewidth=0.8)
-    lim = max([abs(p) for p in pcts if p is not None] or [1.0]) or 1.0
-    ax.set_xlim(-lim * 1.3, lim * 1.3)
-    ax.set_xlabel(f"KV blocks, {a_name} - {b_name} (% of {b_name})")
-    ax.set_title(f"KV cache blocks per vLLM case: {a_name} vs {b_name} (text: baseline -> run)", fontsize=10)
     fig.tight_layout()
     return _png(fig)

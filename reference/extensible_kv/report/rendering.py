@@ -18,9 +18,7 @@ from .numbers import NOT_MEASURED, number
 
 
 @dataclass
-class Figure:
-    """A PNG written beside report.md; ``png`` is ``None`` when it was not drawn, ``missing`` says why."""
-
+class Figure:  # a PNG written beside report.md; ``png`` is ``None`` when it was not drawn, ``missing`` says why
     name: str
     title: str
     png: bytes | None
