@@ -6,7 +6,6 @@ Each case runs in a fresh process (``integration/run_case.py``) and writes its J
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from extensible_kv.measurements import IntegrationCase, read
 from extensible_kv.vllm.sizing import activation_to_come
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def run_case(name: str, *args: str, timeout: int = 900) -> dict:
     (OUT / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"case {name} ({' '.join(args)}): exit {proc.returncode}\n" \
                                  f"{(proc.stdout + proc.stderr)[-4000:]}"
-    _DONE[(name, *args)] = json.loads(out.read_text())
+    _DONE[(name, *args)] = read(out, IntegrationCase).model_dump(by_alias=True)  # the writer's file, through the schema
     return _DONE[(name, *args)]
 
 

@@ -414,8 +414,7 @@ def test_html_is_self_contained(full):
 def test_png_files_exist_are_referenced_and_non_trivial(full):
     pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
     out, md, summary, _ = full
-    expected = {"commit-throughput-bench-cuda.png", "memory-tiny-llama-v1-flash-attn.png", "non-kv-estimate.png",
-                "kv-blocks.png"}
+    expected = {"commit-throughput-bench-cuda.png", "memory-tiny-llama-v1-flash-attn.png", "kv-blocks.png"}
     assert set(summary["figures"]) == expected
     for name in expected:
         data = (out / name).read_bytes()

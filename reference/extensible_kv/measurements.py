@@ -1,14 +1,12 @@
 """The schema of every measurement file a run writes: one pydantic model per file.
 
-| file                               | written by                                              | model                |
-| ---------------------------------- | ------------------------------------------------------- | -------------------- |
-| ``conformance-<driver>.json``      | ``conformance/conftest.py`` (``--summary-json``)        | ``ConformanceSummary`` |
-| ``validate-backend-<driver>.json`` | ``python -m extensible_kv validate-backend --json``     | ``BackendValidation`` |
-| ``bench-<driver>.json``            | pytest-benchmark over ``bench/`` (``bench/conftest.py`` | ``BenchmarkFile``    |
-|                                    | adds ``machine_info.environment``)                      |                      |
-| ``integration/**/<case>.json``     | ``integration/run_case.py``                             | ``IntegrationCase``  |
-| ``environment.json``               | ``python -m extensible_kv environment OUT`` and the     | ``Environment``      |
-|                                    | conformance, bench and integration runs                 |                      |
+- ``conformance-<driver>.json``: ``ConformanceSummary``, by ``conformance/conftest.py`` (``--summary-json``);
+- ``validate-backend-<driver>.json``: ``BackendValidation``, by ``python -m extensible_kv validate-backend --json``;
+- ``bench-<driver>.json``: ``BenchmarkFile``, pytest-benchmark over ``bench/`` (``bench/conftest.py`` adds
+  ``machine_info.environment``);
+- ``integration/**/<case>.json``: ``IntegrationCase``, by ``integration/run_case.py``;
+- ``environment.json``: ``Environment``, by ``python -m extensible_kv environment OUT`` and beside the files of the
+  conformance, bench and integration runs.
 
 Writers build a model and ``write`` it; readers ``read`` a file into its model, and every problem (unreadable, empty,
 not JSON, a field of the wrong type) is one ``BadFile`` naming the file and the field path. Types are strict (``"80"``

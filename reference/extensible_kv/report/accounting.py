@@ -79,10 +79,8 @@ class MemoryBreakdown:
             return None
         return activation_to_come(self.activation_peak, self.activation_reusable)
 
-    @property
-    def over_budget_at_peak(self) -> int | None:
-        h = self.activation_headroom
-        return None if h is None or self.over_budget is None else self.over_budget + h
+    over_budget_at_peak = property(lambda self: None if self.activation_headroom is None or self.over_budget is None
+                                   else self.over_budget + self.activation_headroom)
 
     @property
     def tokens_match_legacy(self) -> bool | None:
@@ -141,24 +139,16 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
 
 @dataclass(frozen=True)
 class BlockPair:
-    """KV blocks of a non-legacy run against its legacy partner."""
+    """KV blocks of a non-legacy run against its legacy partner: the difference in blocks, % of legacy and bytes."""
 
     legacy: MemoryBreakdown
     other: MemoryBreakdown
 
-    @property
-    def delta_blocks(self) -> int | None:
-        return _sub(self.other.blocks, self.legacy.blocks)
-
-    @property
-    def delta_percent(self) -> float | None:
-        d = self.delta_blocks
-        return d / self.legacy.blocks * 100.0 if d is not None and self.legacy.blocks else None
-
-    @property
-    def delta_bytes(self) -> int | None:
-        d = self.delta_blocks
-        return d * self.other.bytes_per_block if d is not None and self.other.bytes_per_block else None
+    delta_blocks = property(lambda self: _sub(self.other.blocks, self.legacy.blocks))
+    delta_percent = property(lambda self: None if self.delta_blocks is None or not self.legacy.blocks
+                             else self.delta_blocks / self.legacy.blocks * 100.0)
+    delta_bytes = property(lambda self: None if self.delta_blocks is None or not self.other.bytes_per_block
+                           else self.delta_blocks * self.other.bytes_per_block)
 
 
 def block_pairs(breakdowns: list[MemoryBreakdown]) -> list[BlockPair]:

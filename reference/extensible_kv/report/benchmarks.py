@@ -77,12 +77,12 @@ def summarize_entries(e: dict[str, dict]) -> dict:
     return s | {"targets": _targets(s)}
 
 
-def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
-    return nbytes / seconds / 1e9 if nbytes and seconds else None
-
-
 def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def _gbps(nbytes: int | None, seconds: float | None) -> float | None:  # decimal GB/s
+    return nbytes / seconds / 1e9 if nbytes and seconds else None
 
 
 def _per_byte(e: dict, key: str) -> float | None:
@@ -126,13 +126,10 @@ def _kv(e: dict) -> dict:
 
 
 def _access(e: dict) -> dict:
-    out = {}
-    for op in ("copy", "kernel"):
-        vmm, native = f"access/{op}/vmm", f"access/{op}/native"
-        if vmm in e or native in e:
-            out[op] = {"vmm_gbps": _rate(e, vmm, "moved_bytes"), "native_gbps": _rate(e, native, "moved_bytes")}
-            out[op]["ratio"] = _div(out[op]["vmm_gbps"], out[op]["native_gbps"])
-    return out
+    rates = {op: [_rate(e, f"access/{op}/{m}", "moved_bytes") for m in ("vmm", "native")] for op in ("copy", "kernel")
+             if f"access/{op}/vmm" in e or f"access/{op}/native" in e}
+    return {op: {"vmm_gbps": vmm, "native_gbps": native, "ratio": _div(vmm, native)}
+            for op, (vmm, native) in rates.items()}
 
 
 def _graph(e: dict) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..measurements import ExtensibleFigures
 from . import accounting
@@ -15,8 +15,7 @@ from .run import ENVIRONMENT_NAMES, Run
 from .summary import summary
 
 
-@dataclass
-class Document:
+class Document(NamedTuple):
     markdown: str
     html: str
     summary: dict
@@ -34,8 +33,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
     figures = figures or Figures.available()
     breakdowns = accounting.account(run.cases)
     pairs = accounting.block_pairs(breakdowns)
-    context = {"run": run, "environment_names": ENVIRONMENT_NAMES,
-               "matrix": matrix_cells(run.conformance), "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
+    context = {"run": run, "environment_names": ENVIRONMENT_NAMES, "matrix": matrix_cells(run.conformance),
+               "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
                "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
                "breakdowns": breakdowns, "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
                "segments": segments_text, "consistency": checks(run, breakdowns)}

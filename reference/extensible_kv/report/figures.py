@@ -18,9 +18,6 @@ DPI, SMALL = 110, 7.5
 COLORS = {acc.BEFORE: "#9e9e9e", acc.WEIGHTS: "#1f77b4", acc.GRAPHS: "#9467bd", acc.OTHER: "#8c564b",
           acc.OTHER_WITH_GRAPHS: "#c49c94", acc.UNSPLIT: "#bcbd22", acc.KV: "#2ca02c", acc.PADDING: "#98df8a",
           acc.FREE: "#f2f2f2", "legacy": "#7f7f7f", "extensible": "#2ca02c", "peak": "#ff7f0e", "worse": "#d62728"}
-NON_KV = (acc.WEIGHTS, acc.GRAPHS, acc.OTHER, acc.OTHER_WITH_GRAPHS)
-ESTIMATE_COLORS = {"weights": "#1f77b4", "activation peak": "#ff7f0e", "non-torch": "#17becf",
-                   "CUDA graph estimate": "#e377c2"}
 SERIES = ["#1f77b4", "#17becf", "#7f7f7f", "#bcbd22", "#8c564b", "#e377c2"]
 
 
@@ -51,17 +48,6 @@ def _cases_axis(ax, breakdowns: list[MemoryBreakdown]) -> None:
     ax.set_xlim(-0.6 - pad, len(ticks) - 0.4 + pad)
 
 
-def _peak(b: MemoryBreakdown) -> tuple[int | None, str]:
-    """The activation memory still to come: the measured headroom, or the whole profiled peak as its upper bound."""
-    if b.activation_headroom is not None:
-        return b.activation_headroom, acc.HEADROOM
-    return b.activation_peak, f"{acc.PEAK} (upper bound of what is still to come)"
-
-
-def _hatched(ax, x: float, bottom: float, height: float) -> None:
-    ax.bar(x, height, bottom=bottom, width=0.6, facecolor="none", edgecolor=COLORS["peak"], hatch="///")
-
-
 # -- memory of one (model, runner, backend) group ------------------------------------------------------------------
 def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     """Left: the whole GPU per run (GiB), the activation peak to come hatched on top. Right: memory used beyond
@@ -87,9 +73,11 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
                            fontsize=SMALL)
             bottom += height
             used = bottom if s.label != acc.FREE else used
-        peak, label = _peak(b)
+        # the activation memory still to come: the measured headroom, or the whole profiled peak as its upper bound
+        peak, label = ((b.activation_headroom, acc.HEADROOM) if b.activation_headroom is not None else
+                       (b.activation_peak, f"{acc.PEAK} (upper bound of what is still to come)"))
         if segs and peak:
-            _hatched(whole, x, used, peak / GIB)
+            whole.bar(x, peak / GIB, bottom=used, width=0.6, facecolor="none", edgecolor=COLORS["peak"], hatch="///")
             peaks[label] = None
         if segs and b.requested is not None:
             whole.hlines(b.requested / GIB, x - 0.4, x + 0.4, colors="black", linestyles="dashed")
@@ -108,10 +96,10 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     budget.set_ylim(min(values) - 0.2 * span, max(values) + 0.2 * span)
     budget.axhline(0, color="black", linewidth=0.8)
     for ax, ylabel, heading in (
-            (whole, "GPU memory (GiB)", "whole GPU after warmup; hatched: activation peak to come;\ndashed: "
-                                        "requested (utilization x total)"),
-            (budget, "used beyond the requested budget (MiB)", "beyond gpu_memory_utilization (> 0: over): solid "
-                                                               "after\nwarmup, hatched with the activation peak to come")):
+            (whole, "GPU memory (GiB)",
+             "whole GPU after warmup; hatched: activation peak to come;\ndashed: requested (utilization x total)"),
+            (budget, "used beyond the requested budget (MiB)",
+             "beyond gpu_memory_utilization (> 0: over): solid after\nwarmup, hatched with the peak to come")):
         _cases_axis(ax, breakdowns)
         ax.set_ylabel(ylabel)
         ax.set_title(heading, fontsize=9)
@@ -120,46 +108,6 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.1))
     fig.suptitle(f"GPU memory, legacy vs extensible KV cache: {title}", fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    return _png(fig)
-
-
-# -- vLLM's non-KV estimate against the measurement ----------------------------------------------------------------
-def non_kv_estimate(breakdowns: list[MemoryBreakdown]) -> bytes:
-    rows = [b for b in breakdowns if b.non_kv_estimate is not None or b.non_kv_after_warmup is not None]
-    fig = _new(11, 1.0 + 0.55 * max(len(rows), 1))
-    ax = fig.subplots()
-    h, measured = 0.38, {}
-    for i, b in enumerate(rows):
-        y = len(rows) - 1 - i
-        bars = [(y + h / 2, b.non_kv_estimate, [(k, b.non_kv_estimate_parts.get(k), c, "//")
-                                                 for k, c in ESTIMATE_COLORS.items()], "estimate not measured"),
-                (y - h / 2, b.non_kv_after_warmup, [(s.label, s.bytes, COLORS[s.label], None)
-                                                     for s in b.segments() or [] if s.label in NON_KV],
-                 "measured: not measured (KV bytes unknown)")]
-        for yy, total, parts, missing in bars:
-            if total is None:
-                ax.text(0, yy, f" {missing}", va="center", fontsize=SMALL)
-                continue
-            left = 0.0
-            for label, nbytes, color, hatch in parts + [("rest", total - sum(p[1] or 0 for p in parts), "#cccccc",
-                                                         "//")]:
-                if label == "rest" and abs(nbytes) < 1:  # the recorded parts cover the estimate
-                    continue
-                ax.barh(yy, (nbytes or 0) / MIB, left=left, height=h, color=color, hatch=hatch, edgecolor="white")
-                left += (nbytes or 0) / MIB
-                if hatch is None:
-                    measured[label] = None
-            ax.text(total / MIB, yy, f" {total / MIB:.1f}", va="center", fontsize=SMALL)
-    ax.set_yticks([len(rows) - 1 - i for i in range(len(rows))], [b.case.label for b in rows], fontsize=8)
-    ax.set_xlabel("non-KV memory (MiB)")
-    ax.set_title("vLLM's profiled non-KV estimate (upper bar of each case, hatched) vs non-KV resident after "
-                 "warmup (lower bar, solid)", fontsize=10)
-    ax.margins(x=0.12)
-    handles = [Patch(facecolor=c, hatch="//", edgecolor="white", label=f"estimate: {k}")
-               for k, c in ESTIMATE_COLORS.items()]
-    handles += [Patch(facecolor=COLORS[k], label=f"measured: {k}") for k in NON_KV if k in measured]
-    ax.legend(handles=handles, fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
     return _png(fig)
 
 

@@ -19,7 +19,8 @@ CASE_FIGURES = ("blocks", "bytes_per_block", "commit_seconds", "total", "request
 
 def _case(b: MemoryBreakdown) -> dict:
     c, segments = b.case, b.segments()
-    return {"path": c.path, "key": c.key, **c.spec.model_dump(include={"model", "runner", "backend", "mode", "corrupt"}),
+    return {"path": c.path, "key": c.key,
+            **c.spec.model_dump(include={"model", "runner", "backend", "mode", "corrupt"}),
             **{name: getattr(b, name) for name in CASE_FIGURES},
             "tokens_match_legacy": b.tokens_match_legacy if c.mode != "legacy" else None,
             "num_cached_tokens": c.data.num_cached_tokens,
