@@ -61,7 +61,8 @@ def _slug(text: str) -> str:
 
 
 LOADER = jinja2.PackageLoader("extensible_kv.report", "templates")
-TEMPLATES = jinja2.Environment(loader=LOADER, trim_blocks=True, lstrip_blocks=True, finalize=_cell, autoescape=False)
+TEMPLATES = jinja2.Environment(loader=LOADER, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                               finalize=_cell, autoescape=False)
 TEMPLATES.filters.update(slug=_slug, fmt=lambda v, unit="count", signed=False: number(
     None if isinstance(v, jinja2.Undefined) else v, unit, signed))
 
