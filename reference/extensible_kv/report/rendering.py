@@ -93,7 +93,7 @@ def html(markdown_text: str) -> str:
 
 def bench_tables(summary: dict, source: str) -> str:
     """The benchmark tables of the report, for ``bench-summary``."""
-    return markdown("bench.md.j2", {"s": summary, "source": source}, Figures())
+    return markdown("bench.md.j2", {"s": summary, "source": source, "tables_only": True}, Figures())
 
 
 def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figures) -> None:
