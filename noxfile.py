@@ -134,12 +134,19 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
 def report(session: nox.Session) -> None:
-    """Memory-accounting reports of every run folder in reports/runs/ into reports/<run-name>/ (no GPU needed).
+    """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/<run-name>/, and the
+    run CI or a GPU job just made in reports/out/ (the conformance, bench and integration sessions write there), where
+    it holds JSON, into reports/latest/.
 
     `nox -s report -- --compare reports/runs/<baseline>` passes its arguments to every run's report."""
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
-    if not runs:
-        session.error("no run folders under reports/runs/")
+    latest = ROOT / "reports" / "out"
+    latest = latest if latest.is_dir() and any(latest.rglob("*.json")) else None
+    if not runs and latest is None:
+        session.error("no run folders under reports/runs/ and no reports/out/")
     for run in runs:
         _run_python(session, "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs)
+    if latest is not None:
+        _run_python(session, "-m", "extensible_kv", "report", str(latest.relative_to(ROOT)), "--name", "latest",
+                    *session.posargs)

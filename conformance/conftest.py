@@ -9,7 +9,6 @@ test, anything the test left reserved, held or mapped fails it.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import time
@@ -135,6 +134,7 @@ def driver(request: pytest.FixtureRequest, driver_spec: str):
 # pytest-xdist workers (crash isolation: a driver that faults kills a worker, fails that rule, and the run goes on).
 _DRIVER_PROPERTY = "extensible_kv_driver"
 _outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
+_reasons: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> why it was skipped
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -166,6 +166,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _outcomes[key] = "failed"
     elif report.when == "call" or (report.when == "setup" and report.skipped):
         _outcomes.setdefault(key, report.outcome)
+        if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: reason")
+            _reasons.setdefault(key, str(report.longrepr[2]).removeprefix("Skipped: "))
 
 
 def _commit_throughput(driver: object, nbytes: int) -> float:
@@ -215,9 +217,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                       f"{rate:>12}" + (f"   ({r['unavailable']})" if r["unavailable"] else ""))
     path = config.getoption("--summary-json")
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump({"exitstatus": int(exitstatus), "torch": torch.__version__, "drivers": rows,
-                       "tests": [{"driver": s, "test": n, "outcome": o} for (s, n), o in sorted(_outcomes.items())]},
-                      fh, indent=2)
+        from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
 
+        write(path, ConformanceSummary(
+            exitstatus=int(exitstatus), torch=torch.__version__, drivers=rows,
+            tests=[{"driver": s, "test": n, "outcome": o, "reason": _reasons.get((s, n))}
+                   for (s, n), o in sorted(_outcomes.items())]))
+        write(os.path.join(os.path.dirname(os.path.abspath(path)), "environment.json"), Environment.collect())

@@ -463,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"case": case_of(args), "engine": engine_kwargs(args)}, indent=2))
         return 0
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    from extensible_kv.measurements import Environment, IntegrationCase, write  # noqa: PLC0415 (after run(): path)
+
+    out = write(args.out, IntegrationCase.model_validate_json(json.dumps(result)))
+    write(out.parent / "environment.json", Environment.collect())
     brief = {"case": result["case"], "engine_seconds": result["engine_seconds"]}
     if "refused" in result:
         brief["refused"] = result["refused"]

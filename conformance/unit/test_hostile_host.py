@@ -40,17 +40,20 @@ def _expect_child(proc: subprocess.CompletedProcess, what: str, expected_out: st
 def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock():
     proc = _child("""
         import gc
+        from contextlib import contextmanager
         from extensible_kv import ExtensibleTensor
         from extensible_kv.drivers.host import HostDriver
 
         class CollectingUnderTheLock(HostDriver):
             armed = False
 
-            def _check_in_reservation(self, op, va, size):  # called with the driver's lock held
-                if self.armed:
-                    self.armed = False
-                    gc.collect()
-                return super()._check_in_reservation(op, va, size)
+            @contextmanager
+            def _locked(self):  # a collection that runs while the driver's lock is held
+                with super()._locked():
+                    if self.armed:
+                        self.armed = False
+                        gc.collect()
+                    yield
 
         driver = CollectingUnderTheLock(granularity=4096)
         gc.disable()
