@@ -66,6 +66,11 @@ class HostileUse(RuleBasedStateMachine):
     def __init__(self, driver) -> None:
         super().__init__()
         faulthandler.dump_traceback_later(HANG_S, exit=True)  # re-armed by every example
+        # What earlier examples left (Hypothesis's own records grow with every example) is never this example's
+        # garbage: freeze it, so the collections this example forces scan only what it made. Without this, 10,000
+        # examples took quadratic time (each forced collection scanned every earlier example's records).
+        gc.collect()
+        gc.freeze()
         self.driver = driver
         self.live: list[_Tracked] = []
         self.live_caches = []
