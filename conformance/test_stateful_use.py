@@ -68,12 +68,15 @@ class HostileUse(RuleBasedStateMachine):
         faulthandler.dump_traceback_later(HANG_S, exit=True)  # re-armed by every example
         # What earlier examples left (Hypothesis's own records grow with every example) is never this example's
         # garbage: freeze it, so the collections this example forces scan only what it made. Without this, 10,000
-        # examples took quadratic time (each forced collection scanned every earlier example's records).
+        # examples took quadratic time (each forced collection scanned every earlier example's records). The
+        # previous example's machine is still alive here and is frozen with the rest: its teardown dropped what it
+        # held (``made``), so only its skeleton stays until the test unfreezes.
         gc.collect()
         gc.freeze()
         self.driver = driver
         self.live: list[_Tracked] = []
         self.live_caches = []
+        self.made: list[_Tracked] = []  # every tensor this example made, for teardown to drop
 
     # -- tensors -------------------------------------------------------------------------------------------------
     @rule(target=tensors, segments=st.integers(1, 3), quarter_granules=st.sampled_from([1, 2, 4, 5, 10]),
@@ -82,6 +85,7 @@ class HostileUse(RuleBasedStateMachine):
         seg = max(self.driver.granularity() * quarter_granules // 4 // alignment, 1) * alignment
         tracked = _Tracked(ExtensibleTensor(seg * segments, segments, driver=self.driver, alignment=alignment))
         self.live.append(tracked)
+        self.made.append(tracked)
         return tracked
 
     def _target_size(self, tracked: _Tracked, frac: float) -> int:
@@ -264,6 +268,9 @@ class HostileUse(RuleBasedStateMachine):
             cache.close()
         self.live.clear()
         self.live_caches.clear()
+        for tracked in self.made:  # Hypothesis keeps step arguments: drop the tensors and their model bytes
+            tracked.t, tracked.data = None, []
+        self.made.clear()
         gc.collect()
         left = self.driver.outstanding()
         expect(not left, self.driver, "driver state after every tensor and KV buffer was closed or collected",
