@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from integration.test_greedy_parity import BUDGET_TOLERANCE, check_memory_budget, over_budget
+from .budget import BUDGET_TOLERANCE, check_memory_budget, over_budget
 
 MIB = 1 << 20
 BLOCK = 2 * MIB

@@ -20,7 +20,7 @@ RULES = ["-q", "-k", "test_base_address_is_stable_across_growth or test_zero_set
 
 def check_driver_in_subprocess(factory: str) -> subprocess.CompletedProcess:
     code = ("import sys; from conformance import check_driver; "
-            f"from conformance.unit._factories import {factory}; "
+            f"from tests.unit._factories import {factory}; "
             f"sys.exit(check_driver({factory}, {RULES!r}))")
     path = os.pathsep.join([str(ROOT), str(ROOT / "reference"), os.environ.get("PYTHONPATH", "")])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}

@@ -1,4 +1,4 @@
-"""Driver factories for the unit tests, loaded by ``module:factory`` spec (``conformance.unit._factories:...``)."""
+"""Driver factories for the unit tests, loaded by ``module:factory`` spec (``tests.unit._factories:...``)."""
 
 from __future__ import annotations
 
