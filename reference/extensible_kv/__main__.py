@@ -64,8 +64,7 @@ def _check_driver(args: argparse.Namespace) -> int:
         print("error: the conformance rules are not importable: install the package (pip install extensible-kv) or "
               "put the checkout's root on PYTHONPATH", file=sys.stderr)
         return 2
-    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
-    return rules.check_driver(args.driver, pytest_args)
+    return rules.check_driver(args.driver, args.pytest_args)
 
 
 def _validate_backend(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance import rule_paths
+
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ["-q", "-k", "test_base_address_is_stable_across_growth or test_zero_sets_exactly_the_range",
          "-p", "no:randomly"]
@@ -39,3 +41,41 @@ def test_check_driver_returns_zero_exactly_for_a_conformant_driver(factory, expe
            "FAILED conformance/test_driver_contract.py::test_zero_sets_exactly_the_range" in output)
     assert got == expected, f"check_driver({factory}, {RULES}): expected (exit code, some passed, zero rule " \
                             f"failed) == {expected}, got {got}:\n{output}"
+
+
+def _cli(*args: str, pythonpath: list[Path], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
+    path = os.pathsep.join(str(p) for p in pythonpath)
+    return subprocess.run([sys.executable, "-m", "extensible_kv", *args], cwd=cwd, env={**env, "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("spec", "separator", "expected"), [
+    ("host-4k", [], 0),  # pytest arguments right after the driver ...
+    ("tests.unit._factories:no_zero", ["--"], 1),  # ... or after "--"
+])
+def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, expected):
+    proc = _cli("check-driver", spec, *separator, *RULES, pythonpath=[ROOT / "reference", ROOT], cwd=ROOT)
+    output = (proc.stdout + proc.stderr)[-3000:]
+    got = (proc.returncode, "extensible-kv conformance summary" in output)
+    assert got == (expected, True), f"python -m extensible_kv check-driver {spec} {' '.join(separator + RULES)}: " \
+                                    f"expected (exit {expected}, a summary), got {got}:\n{output}"
+
+
+def test_the_command_line_without_the_rules_importable_says_so_in_one_line(tmp_path):
+    proc = _cli("check-driver", "host-4k", pythonpath=[ROOT / "reference"], cwd=tmp_path)
+    lines = proc.stderr.splitlines()
+    got = (proc.returncode, len(lines), "conformance rules are not importable" in proc.stderr)
+    assert got == (2, 1, True), f"check-driver with only reference/ on the path: expected (exit 2, one line, naming " \
+                                f"the missing rules), got {got}:\n{proc.stdout[-1000:]}{proc.stderr[-2000:]}"
+
+
+def test_the_rule_paths_collect_the_rules_and_nothing_else():
+    proc = subprocess.run([sys.executable, "-m", "pytest", *rule_paths(), "--driver", "host-4k", "--collect-only", "-q",
+                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "reference"), str(ROOT)])})
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    others = sorted({i.split("::")[0] for i in ids if not re.fullmatch(r"conformance/test_\w+\.py", i.split("::")[0])})
+    got = (proc.returncode, len(ids) > 100, others)
+    assert got == (0, True, []), f"pytest {' '.join(rule_paths())} --collect-only: expected (exit 0, over 100 rules, " \
+                                 f"nothing but conformance/test_*.py), got {got}\n{proc.stdout[-2000:]}"
