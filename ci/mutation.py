@@ -1,9 +1,10 @@
 """Mutation testing of the reference core against the conformance suite (``nox -s mutation``).
 
 mutmut mutates a package under ``./``, ``src/`` or ``source/``; the reference lives under ``reference/``, so the run
-happens in a work folder that holds ``src/extensible_kv`` (a copy) and the suite. Each mutant runs the tests that
-cover the mutated function (rules and unit tests on the ``host-4k`` driver, meta-tests excluded: they re-run the suite
-in child processes, as do the tests in ``NOT_UNDER_MUTMUT``). The score per file is killed / (mutants - equivalent); ``ci/mutation-equivalent.json`` lists the
+happens in a work folder that holds ``src/extensible_kv`` (a copy), the rules (``conformance/``) and the unit tests
+(``tests/unit/``). Each mutant runs the tests that cover the mutated function (rules and unit tests on the ``host-4k``
+driver; the meta-tests in ``tests/meta/`` are left out: they re-run the suite in child processes, as do the tests in
+``NOT_UNDER_MUTMUT``). The score per file is killed / (mutants - equivalent); ``ci/mutation-equivalent.json`` lists the
 mutants that cannot change behaviour, each with a one-line reason. Writes ``reports/mutation.json``.
 
 Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH]``
@@ -26,19 +27,22 @@ EQUIVALENT = ROOT / "ci" / "mutation-equivalent.json"
 WORK = ROOT / "reports" / "out" / "mutation-work"
 RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
 KILLED = {"killed", "timeout", "segfault"}
-# Tests that run the package in child processes (which import the unmutated copy), or whose hypothesis machine
-# faults the interpreter under mutmut's trampolines.
-NOT_UNDER_MUTMUT = ("test_stateful_use.py", "unit/test_hostile_host.py", "unit/test_check_driver.py",
-                    "unit/test_cli_bad_input.py", "unit/test_bad_input.py", "unit/test_agreement.py",
-                    "unit/test_report.py")  # a mutant whose tests fault or hang is detected too
+# Tests that run the package in child processes (which import the unmutated copy), whose hypothesis machine faults
+# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile). A mutant whose tests fault or
+# hang is detected too.
+NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
+                    "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
+                    "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",
+                    "tests/unit/test_noxfile.py", "conformance/unit/test_report.py")
+COPIED = ("conformance", "tests")  # the rules and the tests, beside src/ (the selection leaves tests/meta/ out)
 
 CONFIG = """
 [tool.mutmut]
 source_paths = ["src/extensible_kv"]
 only_mutate = {only}
-also_copy = ["conformance"]
+also_copy = {copied}
 pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x"]
-pytest_add_cli_args_test_selection = ["conformance", "--ignore", "conformance/meta", {ignored}]
+pytest_add_cli_args_test_selection = ["conformance", "tests/unit", {ignored}]
 """
 
 
@@ -54,11 +58,13 @@ def _prepare(files: list[str]) -> None:
     (WORK / "src").mkdir(parents=True)
     shutil.copytree(ROOT / "reference" / "extensible_kv", WORK / "src" / "extensible_kv",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "conformance", WORK / "conformance", ignore=shutil.ignore_patterns("__pycache__"))
-    pyproject = (ROOT / "pyproject.toml").read_text().replace('where = ["reference"]', 'where = ["src"]')
+    for path in COPIED:
+        shutil.copytree(ROOT / path, WORK / path, ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = (ROOT / "pyproject.toml").read_text().replace('{"" = "reference",', '{"" = "src",')
     only = json.dumps([f"src/extensible_kv/{f}" for f in files])
-    ignored = ", ".join(f'"--ignore", "conformance/{path}"' for path in NOT_UNDER_MUTMUT)
-    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored))
+    ignored = ", ".join(f'"--ignore", "{path}"' for path in NOT_UNDER_MUTMUT)
+    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored,
+                                                                   copied=json.dumps(list(COPIED))))
 
 
 def _results() -> dict[str, str]:

@@ -158,9 +158,8 @@ def test_check_driver_from_the_installed_package_passes_the_rules_on_host_4k(ven
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY),
            "site-packages/extensible_kv_conformance/test_driver_contract.py::test_zero_sets_exactly_the_range" in out)
-    assert got == (0, True, 1, True), \
-        f"extensible-kv check-driver host-4k: expected (exit 0, 3 passed, one summary, the installed rules), got {got}" \
-        f"\n{out}"
+    assert got == (0, True, 1, True), f"extensible-kv check-driver host-4k: expected (exit 0, 3 passed, one summary, " \
+                                      f"the installed rules), got {got}\n{out}"
 
 
 def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Path, elsewhere: Path):
@@ -168,13 +167,13 @@ def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Pat
                 PYTHONPATH=str(elsewhere))
     out = _output(proc)
     got = (proc.returncode, "test_zero_sets_exactly_the_range" in out and "FAILED" in out, "2 passed" in out)
-    assert got == (1, True, True), \
-        f"extensible-kv check-driver broken_vmm:make: expected (exit 1, the zero rule failed, 2 passed), got {got}\n{out}"
+    assert got == (1, True, True), f"extensible-kv check-driver broken_vmm:make: expected (exit 1, the zero rule " \
+                                   f"failed, 2 passed), got {got}\n{out}"
 
 
 def test_the_pytest_plugin_runs_the_installed_rules_from_any_folder(venv: Path, elsewhere: Path):
-    proc = _run([venv / "bin" / "python", "-m", "pytest", "--pyargs", "extensible_kv_conformance", "--driver", "host-4k",
-                 "-k", RULES, "-p", "no:cacheprovider"], cwd=elsewhere)
+    proc = _run([venv / "bin" / "python", "-m", "pytest", "--pyargs", "extensible_kv_conformance", "--driver",
+                 "host-4k", "-k", RULES, "-p", "no:cacheprovider"], cwd=elsewhere)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY), "driver host-4k: available" in out)
     assert got == (0, True, 1, True), \
