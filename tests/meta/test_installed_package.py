@@ -36,7 +36,7 @@ TIMEOUT_S = 600
 def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """``cmd`` in ``cwd`` with nothing of this checkout or this pytest run in its environment."""
     clean = {k: v for k, v in os.environ.items()
-             if k != "PYTHONPATH" and not k.startswith(("EXTENSIBLE_KV_", "PYTEST_", "PIP_"))}
+             if k != "PYTHONPATH" and not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env={**clean, **env}, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
 
