@@ -26,10 +26,7 @@ from . import leaks
 REQUIRE_GPU_ENV = "EXTENSIBLE_KV_REQUIRE_GPU"
 RULES = Path(__file__).resolve().parents[1]  # the folder of the rules this plugin came with
 
-MARKERS = (
-    "drivers(*kinds): run only for drivers whose device type is one of kinds (e.g. 'cuda')",
-    "gpu: needs a real device (CUDA or ROCm)",
-)
+MARKER = "drivers(*kinds): run only for drivers whose device type is one of kinds (e.g. 'cuda')"
 
 
 @dataclass
@@ -50,8 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for line in MARKERS:
-        config.addinivalue_line("markers", line)
+    config.addinivalue_line("markers", MARKER)  # the rules' own, also where no ini file of this project is read
 
 
 def selection(config: pytest.Config) -> Selection:

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "faults fails the rule it faulted in, the run goes on); the exit status is "
                                     "pytest's: 0 when every rule passes.")
     cd.add_argument("driver", help="registered driver name (host, host-4k, cuda, hip) or module:factory")
-    cd.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest (e.g. -k zero, -x, -q)")
+    rest = cd.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest (e.g. -k zero, -x, -q)")
+    rest.required = False  # none is fine; argparse would name it among the missing arguments beside the driver
     cd.set_defaults(run=_check_driver)
     vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
                                                  "commits")

@@ -1,6 +1,7 @@
 """The suite as an installed product: the wheel holds the reference package and the rules, and none of the project's
 own tests; installed (not editable) into a fresh venv and run from another folder, ``extensible-kv check-driver`` and
-``pytest --pyargs extensible_kv_conformance`` pass the rules on ``host-4k`` and fail a broken driver.
+``pytest --pyargs extensible_kv_conformance`` pass the rules on ``host-4k`` and fail a broken driver; a checkout's
+rules run beside the installed plugin with its hooks once; and the build leaves no metadata on a checkout's path.
 
 The venv gets no network: the wheel is installed with ``--no-deps --no-index``, and its requirements (torch, pytest,
 hypothesis, pytest-xdist and theirs) are the ones this interpreter already has, linked into a folder the venv puts on
@@ -23,10 +24,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from conformance import rule_paths
+
 pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "reference", "conformance")
+BUILD_INPUTS = ("pyproject.toml", "setup.cfg", "README.md", "reference", "conformance")
 RULES = ("test_zero_sets_exactly_the_range or test_reserve_is_aligned_and_not_accessible or "
          "test_segments_grow_in_lockstep")
 SUMMARY = "extensible-kv conformance summary"
@@ -61,6 +64,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheels = sorted(out.glob("extensible_kv-*.whl"))
     assert proc.returncode == 0 and len(wheels) == 1, \
         f"pip wheel: expected exit 0 and one wheel, got exit {proc.returncode}, {wheels}\n{_output(proc)}"
+    # Metadata left where a checkout's runs import from would announce the pytest11 entry point there.
+    left = sorted(str(p.relative_to(src)) for d in (src, src / "reference") for p in d.glob("*.egg-info"))
+    assert left == [], f"pip wheel left egg-info on a checkout's PYTHONPATH (reference:.): {left}"
     return wheels[0]
 
 
@@ -109,7 +115,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
         requires = [Requirement(line.split(":", 1)[1].strip()) for line in zf.read(metadata).decode().splitlines()
                     if line.startswith("Requires-Dist:")]
     names = [r.name for r in requires if r.marker is None or r.marker.evaluate({"extra": ""})]
-    _link_requirements(names, base / "requirements")
+    # numpy too, which the wheel does not need: torch warns on import without it, and the checkout's ini
+    # (filterwarnings = error) would make that warning an error where a checkout's rules run in this venv.
+    _link_requirements([*names, "numpy"], base / "requirements")
     purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=base)
     (Path(purelib.stdout.strip()) / "requirements.pth").write_text(f"{base / 'requirements'}\n")
     pip = [sys.executable, "-m", "pip", "--python", python]
@@ -173,9 +181,20 @@ def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Pat
 
 def test_the_pytest_plugin_runs_the_installed_rules_from_any_folder(venv: Path, elsewhere: Path):
     proc = _run([venv / "bin" / "python", "-m", "pytest", "--pyargs", "extensible_kv_conformance", "--driver",
-                 "host-4k", "-k", RULES, "-p", "no:cacheprovider"], cwd=elsewhere)
+                 "host-4k", "-k", RULES, "-p", "no:cacheprovider", "--strict-markers"], cwd=elsewhere)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY), "driver host-4k: available" in out)
     assert got == (0, True, 1, True), \
         f"pytest --pyargs extensible_kv_conformance --driver host-4k: expected (exit 0, 3 passed, one summary, the " \
         f"driver in the header), got {got}\n{out}"
+
+
+def test_a_checkouts_rules_beside_the_installed_plugin_run_once(venv: Path, elsewhere: Path):
+    # The checkout's conftest finds the installed plugin registered and leaves it at that: one set of hooks.
+    proc = _run([venv / "bin" / "python", "-m", "pytest", *rule_paths(), "--driver", "host-4k", "-k", RULES, "-v",
+                 "-p", "no:cacheprovider", "-o", "addopts="], cwd=elsewhere)
+    out = _output(proc)
+    got = (proc.returncode, "3 passed" in out, out.count(SUMMARY),
+           "conformance/test_driver_contract.py::test_zero_sets_exactly_the_range[host-4k] PASSED" in out)
+    assert got == (0, True, 1, True), f"pytest {' '.join(rule_paths())} with the package installed: expected (exit 0, " \
+                                      f"3 passed, one summary, the checkout's rules), got {got}\n{out}"

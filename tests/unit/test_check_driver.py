@@ -1,10 +1,12 @@
-"""``conformance.check_driver`` with a factory: 0 for an intact driver, non-zero for a broken one.
+"""``conformance.check_driver`` and ``extensible-kv check-driver``: 0 for an intact driver, non-zero for a broken
+one, the rules and nothing else.
 
-Each run happens in a fresh interpreter, so the suite's pytest session does not re-enter this one.
+Each run of the rules happens in a fresh interpreter, so the suite's pytest session does not re-enter this one.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conformance import rule_paths
+from extensible_kv.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ["-q", "-k", "test_base_address_is_stable_across_growth or test_zero_sets_exactly_the_range",
@@ -62,12 +65,29 @@ def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, ex
                                     f"expected (exit {expected}, a summary), got {got}:\n{output}"
 
 
-def test_the_command_line_without_the_rules_importable_says_so_in_one_line(tmp_path):
-    proc = _cli("check-driver", "host-4k", pythonpath=[ROOT / "reference"], cwd=tmp_path)
-    lines = proc.stderr.splitlines()
-    got = (proc.returncode, len(lines), "conformance rules are not importable" in proc.stderr)
-    assert got == (2, 1, True), f"check-driver with only reference/ on the path: expected (exit 2, one line, naming " \
-                                f"the missing rules), got {got}:\n{proc.stdout[-1000:]}{proc.stderr[-2000:]}"
+def test_the_command_line_without_the_rules_importable_says_so_in_one_line(monkeypatch, capsys):
+    real_import = importlib.import_module
+
+    def import_module(name, package=None):
+        if name in ("extensible_kv_conformance", "conformance"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    code = main(["check-driver", "host-4k"])
+    err = capsys.readouterr().err
+    got = (code, len(err.splitlines()), "conformance rules are not importable" in err)
+    assert got == (2, 1, True), f"check-driver with neither rules package importable: expected (exit 2, one line, " \
+                                f"naming the missing rules), got {got}:\n{err}"
+
+
+def test_the_command_line_names_the_missing_driver_and_nothing_else(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["check-driver"])
+    err = capsys.readouterr().err
+    got = (info.value.code, err.strip().rpartition(": ")[2])
+    assert got == (2, "driver"), f"check-driver without arguments: expected (exit 2, naming only the driver), " \
+                                 f"got {got}: {err}"
 
 
 def test_the_rule_paths_collect_the_rules_and_nothing_else():

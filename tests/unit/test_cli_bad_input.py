@@ -66,6 +66,8 @@ ROWS = {
     "report_out_is_a_file": ({"run/validate-backend.txt": "1 of 1 passed\n", "taken": ""},
                              ("report", "{tmp}/run", "--out", "{tmp}/taken"), 2, ("cannot write", "taken")),
     "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
+    # check-driver: the driver is required
+    "check_driver_without_a_driver": ({}, ("check-driver",), 2, ("check-driver", "required: driver")),
     # validate-backend: sizes are positive ints, backend specs well formed, a failing backend does not stop the rest
     "block_size_zero": ({}, ("validate-backend", GOOD, "--block-size", "0"), 2, ("--block-size", "'0'", "positive")),
     "num_kv_heads_negative": ({}, ("validate-backend", GOOD, "--num-kv-heads", "-1"), 2,
