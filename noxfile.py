@@ -106,8 +106,6 @@ def tests(session: nox.Session) -> None:
 
 
 # On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
-
-
 @nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def conformance(session: nox.Session) -> None:
     """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one), through
@@ -166,12 +164,19 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
 def report(session: nox.Session) -> None:
-    """Memory-accounting reports of every run folder in reports/runs/ into reports/<run-name>/ (no GPU needed).
+    """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/<run-name>/, and the
+    run CI or a GPU job just made in reports/out/ (the conformance, bench and integration sessions write there), where
+    it holds JSON, into reports/latest/.
 
     `nox -s report -- --compare reports/runs/<baseline>` passes its arguments to every run's report."""
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
-    if not runs:
-        session.error("no run folders under reports/runs/")
+    latest = ROOT / "reports" / "out"
+    latest = latest if latest.is_dir() and any(latest.rglob("*.json")) else None
+    if not runs and latest is None:
+        session.error("no run folders under reports/runs/ and no reports/out/")
     for run in runs:
         _run_python(session, "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs)
+    if latest is not None:
+        _run_python(session, "-m", "extensible_kv", "report", str(latest.relative_to(ROOT)), "--name", "latest",
+                    *session.posargs)

@@ -242,18 +242,31 @@ def keeper(bench_env: BenchEnv):
     bench_env.release_cached()
 
 
-# -- end of run: the summary table ------------------------------------------------------------------------------------
+# -- end of run: where it ran, and the summary table ----------------------------------------------------------------
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    """The GPU, its driver and the torch/CUDA versions go into the JSON's ``machine_info.environment``, and into
+    ``environment.json`` beside ``--benchmark-json`` (``extensible_kv.measurements.Environment``)."""
+    from extensible_kv.measurements import Environment, write  # noqa: PLC0415
+
+    env = Environment.collect()
+    machine_info["environment"] = env.model_dump(mode="json")
+    out = config.getoption("benchmark_json", default=None)
+    if out:
+        write(Path(str(out)).resolve().parent / "environment.json", env)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     session = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session (no public accessor)
     benchmarks = getattr(session, "benchmarks", None) if session is not None else None
     if not benchmarks:
         return
-    from extensible_kv.report.benchmarks import format_table, summarize_data  # noqa: PLC0415
+    from extensible_kv.report.benchmarks import summarize_data  # noqa: PLC0415
+    from extensible_kv.report.rendering import bench_tables  # noqa: PLC0415
 
     try:
         data = {"benchmarks": [b.as_dict(include_data=False) for b in benchmarks if not b.has_error]}
         summary = summarize_data(data)
-        table = format_table(summary) if summary["keys"] else None
+        table = bench_tables(summary, "this run") if summary["keys"] else None
     except Exception as exc:  # the summary must never turn a finished benchmark run into an internal error
         terminalreporter.write_line(f"extensible-kv benchmark summary failed: {type(exc).__name__}: {exc}")
         return

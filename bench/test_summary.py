@@ -1,4 +1,4 @@
-"""Tests of ``extensible_kv.report.benchmarks`` on a small hand-made pytest-benchmark JSON (no benchmark runs here).
+"""Tests of ``extensible_kv.report.benchmarks`` (and the ``bench-summary`` command) on a small hand-made pytest-benchmark JSON (no benchmark runs here).
 
 The fixture's times are powers of two, so every ratio the summary computes has an exact expected value; each
 assertion names a number that a wrong formula (an inverted ratio, a stats median where the subprocess median
@@ -12,6 +12,7 @@ import json
 import pytest
 
 from extensible_kv.report import benchmarks as S
+from extensible_kv.report.rendering import bench_tables
 
 GIB = 1 << 30
 B = 32 * GIB  # 2**35
@@ -166,7 +167,8 @@ def test_empty_run_gives_no_figures():
     assert s["keys"] == [] and s["commit"]["paths"] == {} and s["zero"]["zero_gbps"] is None
     assert s["scaling"]["worst_growth_vs_handles"] is None
     assert all(t["value"] is None and t["met"] is None for t in s["targets"])
-    assert "target" in S.format_table(s)
+    tables = bench_tables(s, "empty.json")
+    assert "| target | value | goal | met |" in tables and "Figure" not in tables, tables
 
 
 def test_bench_summary_command_prints_the_table_and_json(fixture_path, capsys):

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The GPU matrix on a machine where nothing can be installed: torch, cuda-bindings and pytest must be importable,
-# vllm too for the layouts and integration stages (e.g. unpacked onto PYTHONPATH).
+# The GPU matrix on a machine where nothing can be installed: torch, cuda-bindings, pytest and pydantic (the
+# measurement schema) must be importable, vllm too for the layouts and integration stages (e.g. unpacked onto
+# PYTHONPATH).
 #
 #   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
 #
-# STAGE: conformance | memcheck | bench | layouts | integration. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
-# ROCm). Logs, JSON and a junit XML per stage land in OUTDIR; the
-# integration stage also packs its per-case JSON and logs into OUTDIR/integration.tgz.
+# STAGE: conformance | memcheck | bench | layouts | integration | matrix. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
+# ROCm). Logs, JSON (extensible_kv.measurements), environment.json and a junit XML per stage land in OUTDIR, which
+# `python3 -m extensible_kv report OUTDIR` renders; the integration stage also packs its per-case JSON and logs into
+# OUTDIR/integration.tgz (unpack it into OUTDIR/integration/ for the report).
 set -uo pipefail
 out=${1:?OUTDIR}; stage=${2:?STAGE}; shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$root"
 export PYTHONPATH="$root/reference:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -m extensible_kv environment "$out" > /dev/null || echo "environment.json not written" >&2
 export EXTENSIBLE_KV_REQUIRE_GPU=1
 
 # The vllm.general_plugins entry point, registered without installing the package.
@@ -48,9 +51,10 @@ case $stage in
     python3 -m pytest integration/test_backend_layouts.py "${common[@]}" "$@"
     rc=$?
     python3 -m extensible_kv validate-backend FLASH_ATTN TRITON_ATTN FLEX_ATTENTION ROCM_ATTN --layout both \
-      --driver "$driver" > "$out/validate-backend-$driver.txt" 2>&1
+      --driver "$driver" --json "$out/validate-backend-$driver.json" > "$out/validate-backend-$driver.txt" 2>&1
     python3 -m extensible_kv validate-backend TRITON_MLA FLASHMLA CUTLASS_MLA FLASH_ATTN_MLA --num-kv-heads 1 \
-      --head-size 576 --driver "$driver" >> "$out/validate-backend-$driver.txt" 2>&1
+      --head-size 576 --driver "$driver" --json "$out/validate-backend-$driver-mla.json" \
+      >> "$out/validate-backend-$driver.txt" 2>&1
     tail -n 3 "$out/validate-backend-$driver.txt"
     exit $rc ;;
   integration)
@@ -60,5 +64,9 @@ case $stage in
     rc=$?
     tar -czf "$out/integration.tgz" -C "$work" .
     exit $rc ;;
+  matrix)
+    # The vLLM parity matrix (integration/matrix.py): one process per engine, resumable from OUTDIR/matrix/cases;
+    # the rest of the arguments go to it (--only GROUP|PATTERN, --part N/M, --budget-seconds S, --list).
+    python3 -m integration.matrix "$out/matrix" "$@" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,20 +1,28 @@
 """Mutation testing of the reference core against the conformance suite (``nox -s mutation``).
 
 mutmut mutates a package under ``./``, ``src/`` or ``source/``; the reference lives under ``reference/``, so the run
-happens in a work folder that holds ``src/extensible_kv`` (a copy), the rules (``conformance/``) and the unit tests
-(``tests/unit/``). Each mutant runs the tests that cover the mutated function (rules and unit tests on the ``host-4k``
+happens in a work folder that holds ``src/extensible_kv`` (a copy), the rules (``conformance/``) and the tests
+(``tests/``). Each mutant runs the tests that cover the mutated function (rules and unit tests on the ``host-4k``
 driver; the meta-tests in ``tests/meta/`` are left out: they re-run the suite in child processes, as do the tests in
-``NOT_UNDER_MUTMUT``). The score per file is killed / (mutants - equivalent); ``ci/mutation-equivalent.json`` lists the
-mutants that cannot change behaviour, each with a one-line reason. Writes ``reports/mutation.json``.
+``NOT_UNDER_MUTMUT``), with the ``extensible-kv-meta`` Hypothesis profile (derandomized, so a rerun gives the same
+verdicts: a mutant must be killed by a worked example or a fixed-seed one, not by luck). A mutant that runs past four
+times its tests' CPU time (plus 4 s) is stopped and counted killed (it hangs or loops). The score per file is killed /
+(mutants - equivalent); ``ci/mutation-equivalent.json`` lists the mutants that cannot change behaviour, each with a
+one-line reason. Writes ``reports/mutation.json``.
 
-Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH]``
+Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH] [--time-limit S]
+[--resume]``. ``--time-limit`` stops mutmut after S seconds and scores what was tested (the rest counts as not
+checked); ``--resume`` keeps the verdicts in the work folder, so mutants already tested there (also verdicts copied in from another
+machine's ``mutants/`` folder) are not run again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -41,7 +49,9 @@ CONFIG = """
 source_paths = ["src/extensible_kv"]
 only_mutate = {only}
 also_copy = {copied}
-pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x"]
+pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x",
+                       "--hypothesis-profile=extensible-kv-meta"]
+timeout_multiplier = 2.0
 pytest_add_cli_args_test_selection = ["conformance", "tests/unit", {ignored}]
 """
 
@@ -52,9 +62,14 @@ def _module_file(mutant: str) -> str:
     return "/".join(mutant.split(".")[1:-1]) + ".py"
 
 
-def _prepare(files: list[str]) -> None:
-    if WORK.exists():
+def _prepare(files: list[str], resume: bool = False) -> None:
+    """A fresh work folder; with ``resume``, only the package, the rules and the tests are copied again (the
+    ``mutants/`` folder keeps its verdicts; mutmut tests again the mutants of functions that changed)."""
+    if WORK.exists() and not resume:
         shutil.rmtree(WORK)
+    for part in ("src", *COPIED):
+        if (WORK / part).exists():
+            shutil.rmtree(WORK / part)
     (WORK / "src").mkdir(parents=True)
     shutil.copytree(ROOT / "reference" / "extensible_kv", WORK / "src" / "extensible_kv",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,6 +80,19 @@ def _prepare(files: list[str]) -> None:
     ignored = ", ".join(f'"--ignore", "{path}"' for path in NOT_UNDER_MUTMUT)
     (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored,
                                                                    copied=json.dumps(list(COPIED))))
+
+
+def _forget_survivors() -> None:
+    """Drop the verdict of every mutant that was not killed, so the next run tests it again."""
+    from mutmut.stats import status_by_exit_code  # noqa: PLC0415 - the verdict names mutmut gives exit codes
+
+    for meta in (WORK / "mutants").rglob("*.meta"):
+        data = json.loads(meta.read_text())
+        codes = data["exit_code_by_key"]
+        for key, code in codes.items():
+            if status_by_exit_code[code] not in KILLED:
+                codes[key] = None
+        meta.write_text(json.dumps(data))
 
 
 def _results() -> dict[str, str]:
@@ -84,6 +112,7 @@ def score(results: dict[str, str], equivalent: dict[str, str], files: list[str])
         rows[f] = {"mutants": len(mine), "killed": counts["killed"], "equivalent": len(eq),
                    "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq),
                    "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq),
+                   "not_checked": counts["not checked"],
                    "score": round(counts["killed"] / considered, 4) if considered else None}
         survivors += [{"mutant": m, "status": s} for m, s in sorted(mine.items())
                       if s not in KILLED and m not in equivalent]
@@ -95,14 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", default=",".join(FILES), help="files under reference/extensible_kv to mutate")
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
+    parser.add_argument("--time-limit", type=float, default=None, help="stop mutmut after this many seconds")
+    parser.add_argument("--resume", action="store_true", help="keep the work folder and the verdicts in it")
+    parser.add_argument("--retest-survivors", action="store_true",
+                        help="with --resume: test again every mutant that was not killed (after adding tests)")
     args = parser.parse_args(argv)
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     unknown = [f for f in files if not (ROOT / "reference" / "extensible_kv" / f).is_file()]
     if unknown:
         parser.error(f"no such file under reference/extensible_kv: {', '.join(unknown)}")
-    _prepare(files)
-    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children], cwd=WORK,
-                   check=False, stdout=subprocess.DEVNULL)
+    _prepare(files, resume=args.resume)
+    if args.retest_survivors:
+        _forget_survivors()
+    run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children], cwd=WORK,
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        run.wait(timeout=args.time_limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)  # mutmut and its forked workers
+        run.wait()
+        print(f"mutmut stopped after {args.time_limit:.0f} s; scoring the mutants tested so far")
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
     report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

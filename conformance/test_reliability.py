@@ -126,6 +126,25 @@ def test_a_rollback_that_fails_too_is_reported_and_close_returns_what_it_kept(dr
            "nothing", driver.outstanding())
 
 
+def test_a_handle_the_rollback_cannot_release_is_reported_and_close_releases_it(driver):
+    t = odd_tensor(driver, num_segments=2, granules_per_segment=3.5)
+    t.resize_per_segment_(1024)
+    driver.fail("map", 1)  # the step fails at its first map, with a handle created ...
+    driver.fail("release", 1)  # ... and the rollback cannot release that handle either
+    with pytest.raises(CommitError) as info:
+        t.resize_per_segment_(t.segment_bytes)
+    message = str(info.value)
+    expect("rollback also failed" in message and "release:" in message, driver,
+           "CommitError when the rollback's release fails too", "names the failed rollback release", message)
+    held = driver.outstanding().handles
+    expect(held == 1, driver, "handles held after the failed rollback (the one it could not release)", 1,
+           held)
+    expect(t.bytes_per_segment == 1024, driver, "bytes_per_segment after the failed step", 1024, t.bytes_per_segment)
+    t.close()
+    expect(not driver.outstanding(), driver, "driver state after close() of a tensor whose rollback kept a handle",
+           "nothing", driver.outstanding())
+
+
 def test_failed_reservation_leaves_nothing_behind(driver):
     driver.fail("reserve", 1)
     with pytest.raises(DriverError):

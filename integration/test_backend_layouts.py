@@ -206,3 +206,59 @@ def test_meta_dry_run_of_vllms_v2_reshape_gives_the_segments(backend_name, hybri
     want = [2 if backend_name == "ROCM_ATTN" and not hybrid else 1] * len(config.kv_cache_tensors)
     assert got == want, f"{backend_name} ({kv_layout}, hybrid={hybrid}): segments per KV tensor expected {want}, " \
                         f"got {got}"
+
+
+@pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_two_kv_cache_groups_sharing_buffers_commit_in_lockstep(backend_name, kv_layout):
+    # Interleaved sliding-window and full attention (integration/models/tiny-llama-swa): vLLM's hybrid KV cache
+    # manager makes two KV cache groups, and every KVCacheTensor is shared by one layer of each. The patch derives one
+    # segmentation per tensor from both layers' views, and a block committed in a tensor is committed for both.
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from extensible_kv.drivers import Ledger
+    from extensible_kv.drivers.host import HostDriver
+    from extensible_kv.vllm import worker_kv
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on CUDA, where vLLM enables it
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16,
+                               sliding_window=32)
+    specs = {"l0.attn": window, "l1.attn": full, "l2.attn": window, "l3.attn": full}
+    with set_current_vllm_config(cfg):
+        backend = AttentionBackendEnum[backend_name].get_class()
+        groups = get_kv_cache_groups(cfg, specs)
+        assert sorted(sorted(g.layer_names) for g in groups) == [["l0.attn", "l2.attn"], ["l1.attn", "l3.attn"]], \
+            f"expected two KV cache groups (sliding, full), got {[g.layer_names for g in groups]}"
+        # 300 blocks: the block dimension is the views' largest, as block_dim() (and every real cache) has it.
+        config = get_kv_cache_config_from_groups(cfg, groups, available_memory=2 * 300 * full.page_size_bytes)
+        assert [len(t.shared_by) for t in config.kv_cache_tensors] == [2, 2], config.kv_cache_tensors
+        attn_groups = [AttentionGroup(backend, g.layer_names, g.kv_cache_spec, i) for i, g in enumerate(groups)]
+
+        def reshape(raw):
+            return attn_utils._reshape_kv_cache(attn_groups=attn_groups, kv_cache_raw_tensors=raw,
+                                                kernel_block_sizes=[BLOCK, BLOCK], cache_dtype="auto",
+                                                shared_kv_cache_layers={}, kv_cache_config=config)
+
+        state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
+        state.segments = worker_kv.derive_segments(config, reshape)
+        assert state.segments == [1, 1], f"{backend_name} ({kv_layout}): segments {state.segments}"
+        raw = state.allocate(config)
+        try:
+            views = reshape(raw)
+            for tensor in config.kv_cache_tensors:
+                a, b = (views[name] for name in tensor.shared_by)
+                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), \
+                    f"layers {tensor.shared_by} of one KVCacheTensor must view the same bytes the same way"
+            state.ensure_blocks(5, reason="test")
+            for name, view in views.items():  # every layer of either group writes its committed blocks
+                assert worker_kv.block_dim(view) == 0, (name, tuple(view.shape))
+                view.narrow(0, 0, 5).fill_(1.0)
+            assert state.buffers.num_blocks == 5 and state.buffers.max_num_blocks == config.num_blocks == 300
+        finally:
+            state.buffers.close()

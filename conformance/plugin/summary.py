@@ -8,7 +8,6 @@ The outcomes are kept by a ``Summary`` object registered for the run and stashed
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -72,6 +71,7 @@ class Summary:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
+        self.reasons: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> why it was skipped
 
     def _spec_of(self, report: pytest.TestReport) -> str | None:
         for key, value in getattr(report, "user_properties", ()):
@@ -92,6 +92,8 @@ class Summary:
             self.outcomes[key] = "failed"
         elif report.when == "call" or (report.when == "setup" and report.skipped):
             self.outcomes.setdefault(key, report.outcome)
+            if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: reason")
+                self.reasons.setdefault(key, str(report.longrepr[2]).removeprefix("Skipped: "))
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
         sel = selection(config)
@@ -125,11 +127,13 @@ class Summary:
                           f"{rate:>12}" + (f"   ({r['unavailable']})" if r["unavailable"] else ""))
         path = config.getoption("--summary-json")
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as fh:
-                json.dump({"exitstatus": int(exitstatus), "torch": torch.__version__, "drivers": rows,
-                           "tests": [{"driver": s, "test": n, "outcome": o} for (s, n), o in sorted(outcomes.items())]},
-                          fh, indent=2)
+            from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
+
+            write(path, ConformanceSummary(
+                exitstatus=int(exitstatus), torch=torch.__version__, drivers=rows,
+                tests=[{"driver": s, "test": n, "outcome": o, "reason": self.reasons.get((s, n))}
+                       for (s, n), o in sorted(outcomes.items())]))
+            write(os.path.join(os.path.dirname(os.path.abspath(path)), "environment.json"), Environment.collect())
 
 
 SUMMARY = pytest.StashKey[Summary]()

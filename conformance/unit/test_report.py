@@ -1,8 +1,10 @@
 """The memory-accounting report renders fixture runs (report_fixtures/) and every number in it equals the input.
 
-The fixtures are small hand-written files in the formats the real stages write: ``full`` has every input,
+The fixtures are small hand-written files in the formats of ``extensible_kv.measurements``: ``full`` has every input,
 ``partial`` lacks the benchmarks, the backend validation and the extensible partner of its one legacy case.
-Expected values are computed here from the fixture JSON, never copied from the report.
+Expected values are computed here from the fixture JSON, never copied from the report. The writers (the conformance
+and bench conftests, ``validate-backend --json``, ``environment``) are run here too, and their files read back
+through the schema and rendered.
 """
 
 from __future__ import annotations
@@ -10,17 +12,25 @@ from __future__ import annotations
 import ast
 import base64
 import dataclasses
+import fnmatch
 import json
+import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from extensible_kv import report
-from extensible_kv.report import accounting, comparison, loading, rendering, sections
+from extensible_kv.measurements import (BackendValidation, BenchmarkFile, ConformanceSummary, Environment, read)
+from extensible_kv.report import accounting, benchmarks, comparison, document, numbers, rendering
+from extensible_kv.report.run import load_run
 
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "report_fixtures"
 FULL, PARTIAL = FIXTURES / "full", FIXTURES / "partial"
 MIB, GIB = 1 << 20, 1 << 30
@@ -126,7 +136,7 @@ def test_conformance_matrix_shows_pass_fail_skip_and_reasons_only_where_recorded
     cuda = [t["outcome"] for t in read_json(FULL / "conformance-cuda.json")["tests"] if rule in t["test"]]
     row = md_row(md, "rule", rule)
     n = len(cuda)
-    assert row["cuda"] == f"{cuda.count('passed')}/{n} pass, {cuda.count('failed')}/{n} fail", row
+    assert row["cuda"] == f"**{cuda.count('passed')}/{n} pass, {cuda.count('failed')}/{n} fail**", row  # bold: failed
     assert row["host"] == "1/1 pass", row
     skipped = md_row(md, "rule", "test_graph_replay.py::test_graph_captured_before_growth_replays_after_growth")
     reason = next(t["reason"] for t in read_json(FULL / "conformance-host.json")["tests"] if t.get("reason"))
@@ -256,31 +266,40 @@ def test_kv_blocks_pair_legacy_and_extensible_across_subfolders(full):
         assert row["difference (% of legacy)"] == f"{(blocks - legacy_blocks) / legacy_blocks * 100:+.3f} %", row
 
 
-def test_backend_validation_lines_are_parsed(full):
+def test_backend_validation_comes_from_the_json(full):
     _, md, summary, _ = full
-    checks = summary["backend_validation"]["checks"]
-    assert [(c["backend"], c["layout"], c["result"]) for c in checks] == [("FLASH_ATTN", "NHD", "PASS"),
-                                                                           ("ROCM_ATTN", "NHD", "FAIL")]
-    assert checks[1]["checks_not_ok"] == ["blocks inside commit"] and checks[1]["segments"] == 2
-    row = md_row(md, "backend", "ROCM_ATTN", needs="result")
-    assert row["result"] == "FAIL" and row["checks not ok"] == "blocks inside commit", row
-    assert summary["backend_validation"]["totals"] == ["1 of 2 passed; failed: ROCM_ATTN/NHD"]
+    data = read_json(FULL / "validate-backend-cuda.json")["results"]
+    rows = summary["backend_validation"]
+    assert [(r["backend"], r["kv_layout"], r["ok"]) for r in rows] == [(r["backend"], r["kv_layout"], r["ok"])
+                                                                       for r in data]
+    failed = next(r for r in data if not r["ok"])
+    not_ok = [c["name"] for c in failed["checks"] if not c["ok"]]
+    assert rows[1]["checks_not_ok"] == not_ok and rows[1]["segments"] == failed["segments"], rows[1]
+    row = md_row(md, "backend", failed["backend"], needs="result")
+    assert row["result"] == "FAIL" and row["checks not ok"] == ", ".join(not_ok), row
+    assert row["shape"] == ", ".join(map(str, failed["shape"])), row
+    passed = sum(r["ok"] for r in data)
+    line = f"- `validate-backend-cuda.json`: {passed} of {len(data)} passed; failed: {failed['backend']}/NHD"
+    assert line in md, f"expected the line {line!r} in the backend validation section"
 
 
 def test_environment_names_its_sources(full):
     _, md, summary, _ = full
-    env = summary["environment"]
-    assert env["gpu"] == {"value": "NVIDIA H100", "source": "README.md"}
-    assert env["torch"] == {"value": "2.9.0+cu128", "source": "conformance-cuda.json"}
-    assert env["cuda_bindings"]["value"] == "12.9.0" and env["vllm"]["value"] == "0.26.0"
+    env, declared = summary["environment"], read_json(FULL / "environment.json")
+    machine = read_json(FULL / "bench-cuda.json")["machine_info"]
+    # environment.json first, then the benchmark JSON's machine_info.environment, then the measurement files
+    assert env["gpu"] == {"value": declared["gpu"], "source": "environment.json"}, env["gpu"]
+    assert env["cuda"] == {"value": machine["environment"]["cuda"], "source": "bench-cuda.json"}, env["cuda"]
+    assert env["cuda-bindings"]["value"] == declared["packages"]["cuda-bindings"], env["cuda-bindings"]
     assert env["date"] == {"value": read_json(FULL / "bench-cuda.json")["datetime"], "source": "bench-cuda.json"}
-    assert md_row(md, "item", "GPU driver")["value"] == "570.86.10"
+    assert env["granularity"]["source"] == "conformance-cuda.json", env["granularity"]
+    assert md_row(md, "item", "GPU driver")["value"] == declared["gpu_driver"]
 
 
 # -- missing inputs ------------------------------------------------------------------------------------------------
 def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     _, md, summary, html = partial
-    assert summary["bench"] == [] and summary["backend_validation"]["checks"] == []
+    assert summary["bench"] == [] and summary["backend_validation"] == []
     assert any(m.startswith("benchmarks:") for m in summary["not_measured"])
     assert any(m.startswith("backend validation:") for m in summary["not_measured"])
     assert "not measured" in section(md, "Commit benchmarks")
@@ -312,12 +331,12 @@ def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp
     assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2
     assert f"no measurement files in {run}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    doc, summary = sections.build(loading.load_run(run))
-    md = rendering.markdown(doc)
+    doc = document.run_document(load_run(run))
+    md, summary = doc.markdown, doc.summary
     assert len(summary["not_measured"]) == 4, summary["not_measured"]
     for title in ("Conformance", "Commit benchmarks", "vLLM integration: memory accounting", "Backend validation"):
         assert "not measured" in section(md, title), title
-    assert summary["run"] == "empty-run" and not [f for f in doc.figures() if f.png is not None]
+    assert summary["run"] == "empty-run" and not [f for f in doc.figures.drawn.values() if f.png is not None]
     assert not re.search(r"\d\.\d", section(md, "At a glance")), "numbers in a report of an empty run"
 
 
@@ -374,7 +393,7 @@ def test_comparison_computes_exact_deltas(tmp_path):
 
 
 def test_deltas_of_identical_runs_are_zero():
-    s = sections.summary_of(loading.load_run(FULL))
+    s = comparison.summary_of(load_run(FULL))
     ds = comparison.deltas(s, s)
     assert ds and all(d.delta == 0 for d in ds if d.run is not None), [d for d in ds if d.delta]
 
@@ -395,8 +414,7 @@ def test_html_is_self_contained(full):
 def test_png_files_exist_are_referenced_and_non_trivial(full):
     pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
     out, md, summary, _ = full
-    expected = {"conformance-matrix.png", "commit-throughput-bench-cuda.png", "memory-tiny-llama-v1-flash-attn.png",
-                "non-kv-estimate.png", "kv-blocks.png"}
+    expected = {"commit-throughput-bench-cuda.png", "memory-tiny-llama-v1-flash-attn.png", "kv-blocks.png"}
     assert set(summary["figures"]) == expected
     for name in expected:
         data = (out / name).read_bytes()
@@ -406,11 +424,9 @@ def test_png_files_exist_are_referenced_and_non_trivial(full):
 
 
 def test_figures_not_drawn_say_why():
-    run = loading.load_run(FULL)
-    doc, _ = sections.build(run, sections.Plotter(None, "matplotlib is not importable (test)"))
-    md = rendering.markdown(doc)
-    assert "not drawn: matplotlib is not importable (test)" in md
-    assert "![" not in md
+    doc = document.run_document(load_run(FULL), rendering.Figures(None, "matplotlib is not importable (test)"))
+    assert "not drawn: matplotlib is not importable (test)" in doc.markdown
+    assert "![" not in doc.markdown and "<img" not in doc.html
 
 
 def test_rerendering_removes_stale_pngs(tmp_path):
@@ -426,17 +442,15 @@ def test_rerendering_removes_stale_pngs(tmp_path):
 
 # -- plumbing ------------------------------------------------------------------------------------------------------
 def test_report_takes_the_benchmark_figures_of_the_bench_summary():
-    from extensible_kv.report import benchmarks
-
-    bench = loading.load_run(FULL).bench[0]
+    bench = load_run(FULL).bench[0]
     assert bench.summary == benchmarks.summarize(FULL / "bench-cuda.json")
     ext = bench_entry("commit/extensible")
-    assert bench.seconds_of("commit/extensible") == ext["stats"]["median"]
+    assert benchmarks.seconds_of(benchmarks.entries(bench.data), "commit/extensible") == ext["stats"]["median"]
     assert bench.summary["targets"], "the report lost the targets"
 
 
 def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():
-    cases = loading.load_run(FULL).cases
+    cases = load_run(FULL).cases
     plugin = next(c for c in cases if c.path == PLUGIN)
     pool = cases + [dataclasses.replace(plugin, path="call1/plugin-copy.json")]
     legacy = next(b for b in accounting.account(pool) if b.case.path == LEGACY)
@@ -444,7 +458,7 @@ def test_legacy_kv_prefers_the_partner_in_the_same_subfolder():
     without_ext = [c for c in cases if c.path != EXT]
     legacy = next(b for b in accounting.account(without_ext) if b.case.path == LEGACY)
     assert legacy.kv_partner.path == PLUGIN  # another subfolder when the same one has none
-    assert legacy.kv_committed == legacy.blocks * plugin.extensible["measured"]["bytes_per_block"]
+    assert legacy.kv_committed == legacy.blocks * plugin.data.extensible.measured.bytes_per_block
 
 
 def test_the_report_package_never_imports_pytest():
@@ -461,3 +475,173 @@ def test_name_option_and_default_output_folder(tmp_path, monkeypatch):
     assert report.main([str(PARTIAL), "--name", "renamed"]) == 0
     md = (tmp_path / "reports" / "renamed" / "report.md").read_text()
     assert md.startswith("# Memory-accounting report: renamed\n")
+
+
+# -- the writers: their files read back through the schema and render ----------------------------------------------
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(args)}: expected exit 0, got {proc.returncode}\n{proc.stdout[-3000:]}" \
+                                 f"{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_the_writers_files_load_through_the_schema_and_render(tmp_path):
+    """A folder as CI or a GPU job leaves it (reports/out/): each writer's file, read back and rendered."""
+    import torch
+
+    out = tmp_path / "out"
+    _run("-m", "pytest", "conformance/test_driver_contract.py", "-k", "granularity_is_a_positive", "--driver",
+         "host-4k", f"--summary-json={out}/conformance-host-4k.json", "-p", "no:cacheprovider", "-q")
+    summary = read(out / "conformance-host-4k.json", ConformanceSummary)
+    assert summary.torch == torch.__version__ and summary.drivers[0].driver == "host-4k", summary
+    assert summary.drivers[0].passed == len(summary.tests) >= 1, summary
+    _run("-m", "pytest", "bench/test_commit.py::test_commit_scaling[1GiB-1seg]", "--bench-driver", "host-4k",
+         "--benchmark-enable", f"--benchmark-json={out}/bench-host-4k.json", "-p", "no:cacheprovider", "-q")
+    bench = read(out / "bench-host-4k.json", BenchmarkFile)
+    machine = bench.machine_info.environment
+    assert machine is not None and machine.torch == torch.__version__ and machine.python, bench.machine_info
+    _run("-m", "extensible_kv", "validate-backend", "conformance.unit._factories:KVFirstBackend", "--driver",
+         "host-4k", "--layout", "both", "--json", str(out / "validate-backend-host-4k.json"))
+    results = read(out / "validate-backend-host-4k.json", BackendValidation).results
+    assert [(r.kv_layout, r.ok, r.driver) for r in results] == [("NHD", True, "host-4k"), ("HND", True, "host-4k")]
+    (out / "environment.json").unlink()
+    _run("-m", "extensible_kv", "environment", str(out))
+    env = read(out / "environment.json", Environment)
+    assert (env.torch, env.cuda) == (torch.__version__, torch.version.cuda), env
+    md, rendered, _ = render(out, tmp_path / "latest", "--name", "latest")
+    assert rendered["environment"]["torch"] == {"value": torch.__version__, "source": "environment.json"}
+    assert md_row(md, "file", "conformance-host-4k.json")["passed"] == str(summary.drivers[0].passed)
+    assert [r["kv_layout"] for r in rendered["backend_validation"]] == ["NHD", "HND"]
+    assert rendered["bench"][0]["summary"]["scaling"]["rows"][0]["handles"] == 1
+
+
+def test_committed_runs_load_and_render(tmp_path):
+    for folder in sorted((ROOT / "reports" / "runs").iterdir()):
+        run = load_run(folder)
+        assert run.measured and run.environment["gpu"][0], f"{folder.name}: expected measurements and a GPU name"
+        doc = document.run_document(run, rendering.Figures(None, "not drawn in this test"))
+        assert "| case file |" in doc.markdown or not run.cases, folder.name
+
+
+# -- the rendering -------------------------------------------------------------------------------------------------
+def _with_outcome(tmp_path: Path, test: str, reason: str) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(PARTIAL, run)
+    data = read_json(run / "conformance-cuda.json")
+    data["tests"].append({"driver": "cuda", "test": test, "outcome": "skipped", "reason": reason})
+    (run / "conformance-cuda.json").write_text(json.dumps(data))
+    return run
+
+
+def test_text_from_the_files_stays_text_in_the_html_and_one_cell_in_markdown(tmp_path):
+    run = _with_outcome(tmp_path, "conformance/test_x.py::test_<script>alert(1)</script>[cuda]", "a | b")
+    md, _, html = render(run, tmp_path / "out")
+    assert "<script>" not in html.lower() and "&lt;script&gt;alert(1)&lt;/script&gt;" in html, \
+        "expected the test name escaped in report.html"
+    row = md_row(md, "outcome", "skipped", needs="reason")
+    assert row["reason"] == "a \\| b", f"expected the reason as one cell 'a \\| b', got {row}"
+    assert "<td>a | b</td>" in html, "expected the reason as one table cell in report.html"
+
+
+def test_html_has_a_table_of_contents_linking_every_section(full):
+    _, md, _, html = full
+    titles = re.findall(r"^## (.+)$", md, re.M)
+    links = re.findall(r'<li><a href="#([^"]+)">([^<]+)</a></li>', html)
+    assert [t for _, t in links] == titles, f"expected the sections {titles} in the contents, got {links}"
+    assert all(f'id="{anchor}"' in html for anchor, _ in links), "a contents link without its heading"
+
+
+def test_one_number_format():
+    cases = [(None, "MiB", False, "not measured"), (True, "count", False, "yes"), (1234567, "count", False,
+             "1,234,567"), (-202, "count", True, "-202"), (3 << 20, "MiB", True, "+3.00"), (1 << 30, "GiB", False,
+             "1.000"), (0.0016, "ms", False, "1.600"), (5e-4, "us", False, "500.0"), (671.0886, "GB/s", False,
+             "671.09"), (0.71428, "ratio", False, "0.7143"), (-0.0043, "%", True, "-0.004 %"), ("x", "text", False,
+             "x")]
+    for value, unit, signed, want in cases:
+        got = numbers.number(value, unit, signed)
+        assert got == want, f"number({value!r}, {unit!r}, signed={signed}): expected {want!r}, got {got!r}"
+
+
+def test_segments_are_summarised_not_listed():
+    run = load_run(ROOT / "reports" / "runs" / "h200-2026-12-02-llama8b")
+    case = next(c for c in run.cases if c.data.extensible and len(c.data.extensible.segments) > 8)
+    n = len(case.data.extensible.segments)
+    assert document.segments_text(case.data.extensible) == f"{n} buffers x 1 segment"
+    mixed = case.data.extensible.model_copy(update={"segments": [1, 1, 2]})
+    assert document.segments_text(mixed) == "2 buffers x 1 segment, 1 buffer x 2 segments"
+    md = document.run_document(run, rendering.Figures(None, "not drawn in this test")).markdown
+    row = md_row(md, "case file", case.path, needs="segments")
+    assert row["segments"] == f"{n} buffers x 1 segment", f"expected the segments summarised, got {row}"
+
+
+def _overlaps(boxes: list) -> list:
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+
+
+def test_kv_blocks_plot_is_readable(tmp_path):
+    pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
+    from extensible_kv.report import figures
+
+    run = load_run(ROOT / "reports" / "runs" / "h200-2026-12-02")
+    pairs = accounting.block_pairs(accounting.account(run.cases))
+    fig = figures.kv_blocks_figure(pairs)
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert (ax.get_xscale(), ax.get_yscale()) == ("linear", "linear"), \
+            f"{ax.get_title()!r}: expected linear axes, got {ax.get_xscale()}/{ax.get_yscale()}"
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = [t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+            assert not _overlaps(labels), f"{ax.get_title()!r}: overlapping tick labels"
+    texts = [t.get_window_extent(renderer) for ax in fig.axes for t in ax.texts if t.get_text().strip()]
+    assert len(texts) >= 3 * len(pairs), f"expected two counts and one difference per pair, got {len(texts)} texts"
+    for legend in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+        box = legend.get_window_extent(renderer)
+        assert not [t for t in texts if box.overlaps(t)], "the legend covers a value label"
+
+
+# -- the package's shape -------------------------------------------------------------------------------------------
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``path`` imports, anywhere in it (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+            found.add(node.module.removeprefix(package + ".").split(".")[0])
+    return found
+
+
+def test_the_report_modules_import_no_circle():
+    root = Path(report.__file__).parent
+    graph = {p.stem: _imports(p, "extensible_kv.report") for p in root.glob("*.py") if p.stem != "__init__"}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                assert nxt != start, f"report.{start} imports itself through report.{nxt}: expected no import circle"
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+
+
+def test_the_reference_core_imports_nothing_from_report():
+    core = ROOT / "reference" / "extensible_kv"
+    files = [core / n for n in ("tensor.py", "granules.py", "layout.py", "kv_cache.py")]
+    files += sorted((core / "drivers").rglob("*.py")) + sorted((core / "vllm").rglob("*.py"))
+    for path in files:
+        names = [n.module or "" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
+        names += [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names]
+        bad = [n for n in names if n == "report" or "report." in n or n.endswith(".report") or n == "measurements"
+               or n.endswith(".measurements")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: expected nothing from report or measurements"
+
+
+def test_the_templates_ship_as_package_data():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = config.get("extensible_kv.report", [])
+    templates = Path(report.__file__).parent / "templates"
+    names = sorted(p.relative_to(templates.parent).as_posix() for p in templates.iterdir())
+    assert names and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in names), \
+        f"expected package-data {globs} to cover {names}"

@@ -1,4 +1,5 @@
-"""Command line: ``python -m extensible_kv drivers | check-driver | validate-backend | report | bench-summary``."""
+"""Command line: ``python -m extensible_kv drivers | check-driver | validate-backend | environment | report |
+bench-summary``."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def _validate_backend(args: argparse.Namespace) -> int:
     reports = validate_many(args.backend, layouts, driver=args.driver, num_kv_heads=args.num_kv_heads,
                             head_size=args.head_size, block_size=args.block_size, dtype=dtype,
                             cache_dtype_str=args.cache_dtype)
+    if args.json:
+        from dataclasses import asdict  # noqa: PLC0415
+
+        from .measurements import BackendResult, BackendValidation, write  # noqa: PLC0415
+
+        results = [BackendResult(**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()},
+                                 ok=r.ok) for r in reports]
+        try:
+            write(args.json, BackendValidation(results=results))
+        except OSError as exc:
+            print(f"error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     for report in reports:
         print("\n".join(report.lines()))
     failed = [r for r in reports if not r.ok]
@@ -89,6 +102,17 @@ def _validate_backend(args: argparse.Namespace) -> int:
     reasons = "; ".join(f"{r.backend}/{r.kv_layout} ({r.failure})" for r in failed)
     print(" ".join(f"error: {len(failed)} of {len(reports)} failed: {reasons}".split()), file=sys.stderr)
     return 1
+
+
+def _environment(args: argparse.Namespace) -> int:
+    from .measurements import Environment, write  # noqa: PLC0415
+
+    try:
+        print(write(f"{args.out_dir}/environment.json", Environment.collect()).as_posix())
+    except OSError as exc:
+        print(f"error: cannot write {args.out_dir}/environment.json: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     vb.add_argument("--block-size", type=_positive_int, default=16)
     vb.add_argument("--dtype", default="bfloat16")
     vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
+    vb.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the results as JSON (extensible_kv.measurements.BackendValidation) to PATH")
     vb.set_defaults(run=_validate_backend)
+    env = sub.add_parser("environment", help="write OUT_DIR/environment.json: torch, CUDA/HIP, GPU, driver, python, "
+                                             "platform (extensible_kv.measurements.Environment)")
+    env.add_argument("out_dir", metavar="OUT_DIR")
+    env.set_defaults(run=_environment)
     from .report import register as register_report  # noqa: PLC0415 - matplotlib loads only when it draws
-    from .report.benchmarks import register as register_bench_summary  # noqa: PLC0415
 
-    register_report(sub)
-    register_bench_summary(sub)
+    register_report(sub)  # report, bench-summary
     args = parser.parse_args(argv)
     return args.run(args)
 

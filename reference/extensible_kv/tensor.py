@@ -83,13 +83,14 @@ class Unshareable:
 
 @dataclass
 class _Memory:
-    """What must be returned to the driver: the reservation and the live mappings (va, size), made in process
-    ``pid`` (a forked child does not own it)."""
+    """What must be returned to the driver: the reservation, the live mappings (va, size) and the handles a
+    rollback could not release, made in process ``pid`` (a forked child does not own it)."""
 
     driver: Driver
     base: int
     reserved: int
     mappings: list[tuple[int, int]] = field(default_factory=list)
+    unreleased: list[object] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
 
 
@@ -107,6 +108,9 @@ def _teardown(memory: _Memory) -> None:
         return
     with busy():
         _unmap_down_to(memory, 0)
+        while memory.unreleased:
+            memory.driver.release(memory.unreleased[-1])
+            memory.unreleased.pop()
         memory.driver.free(memory.base, memory.reserved)
 
 
@@ -321,7 +325,8 @@ class ExtensibleTensor(Unshareable):
 
     def _rollback(self, mark: int, pending: object) -> list[str]:
         """Unmap the mappings made since ``mark`` (newest first) and release ``pending``; a mapping whose unmap
-        fails stays on record so ``close()`` retries it. Returns what could not be undone."""
+        fails, and a handle whose release fails, stay on record so ``close()`` retries them. Returns what could not
+        be undone."""
         problems = []
         driver, mappings = self._driver, self._memory.mappings
         with busy():
@@ -341,6 +346,7 @@ class ExtensibleTensor(Unshareable):
                 try:
                     driver.release(pending)
                 except Exception as exc:
+                    self._memory.unreleased.append(pending)
                     problems.append(f"release: {exc}")
         return problems
 

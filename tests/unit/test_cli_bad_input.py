@@ -42,6 +42,8 @@ def _bench(extra: dict, stats: dict | None = None) -> str:
 
 
 CASE = '{"case": {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": "legacy"}, "memory": %s}'
+BACKENDS = '{"results": [{"backend": "B", "ok": true, "checks": %s}]}'
+VALID = {"run/validate-backend.json": BACKENDS % "[]"}  # one valid measurement file
 
 ROWS = {
     # report: a run folder with one bad file is refused, naming the file
@@ -60,10 +62,19 @@ ROWS = {
     "report_bench_wrong_field": ({"run/bench-cuda.json": _bench({"key": "commit/extensible", "bytes": "1 GiB"})},
                                  ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
                                  ("bench-cuda.json", "extra_info.bytes", "integer", '"1 GiB"')),
-    "report_baseline_bad": ({"run/validate-backend.txt": "1 of 1 passed\n", "base/conformance-cuda.json": "{"},
+    "report_backends_wrong_field": ({"run/validate-backend-cuda.json": BACKENDS % '[{"name": "layout", "ok": "yes"}]'},
+                                    ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                                    ("validate-backend-cuda.json", "results[0].checks[0].ok", "true or false")),
+    "report_environment_wrong_field": (VALID | {"run/environment.json": '{"gpu_memory": -1}'},
+                                       ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                                       ("environment.json", "gpu_memory", "non-negative integer", "-1")),
+    "report_case_missing_field": ({"run/integration/case.json": '{"case": {"model": "m"}, "memory": {}}'},
+                                  ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
+                                  ("case.json", "case.runner is missing")),
+    "report_baseline_bad": (VALID | {"base/conformance-cuda.json": "{"},
                             ("report", "{tmp}/run", "--compare", "{tmp}/base", "--out", "{tmp}/out"), 2,
                             ("conformance-cuda.json", "not valid JSON")),
-    "report_out_is_a_file": ({"run/validate-backend.txt": "1 of 1 passed\n", "taken": ""},
+    "report_out_is_a_file": (VALID | {"taken": ""},
                              ("report", "{tmp}/run", "--out", "{tmp}/taken"), 2, ("cannot write", "taken")),
     "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
     # check-driver: the driver is required
@@ -80,6 +91,12 @@ ROWS = {
                              ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size")),
     "backend_shape_empty": ({}, ("validate-backend", EMPTY, GOOD, "--driver", "host-4k"), 1,
                             ("1 of 2 failed", "EmptyBackend/NHD", "0 bytes per block")),
+    "backend_json_unwritable": ({"taken": ""}, ("validate-backend", GOOD, "--driver", "host-4k", "--json",
+                                                "{tmp}/taken/vb.json"), 2, ("cannot write", "vb.json")),
+    "backend_json_written": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--json", "{tmp}/vb.json"), 0,
+                             ("1 of 1 passed",)),
+    # environment: one line when the folder cannot be written
+    "environment_unwritable": ({"taken": ""}, ("environment", "{tmp}/taken"), 2, ("cannot write", "environment.json")),
     # fp8 KV caches are a normal setting: a correct backend passes
     "fp8_e4m3": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e4m3fn"), 0,
                  ("1 of 1 passed",)),

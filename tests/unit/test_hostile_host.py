@@ -39,15 +39,16 @@ def _expect_child(proc: subprocess.CompletedProcess, what: str, expected_out: st
 
 def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock():
     proc = _child("""
-        import contextlib, gc
+        import gc
+        from contextlib import contextmanager
         from extensible_kv import ExtensibleTensor
         from extensible_kv.drivers.host import HostDriver
 
         class CollectingUnderTheLock(HostDriver):
             armed = False
 
-            @contextlib.contextmanager
-            def _locked(self):  # every driver call that changes state runs inside it, with the driver's lock held
+            @contextmanager
+            def _locked(self):  # a collection that runs while the driver's lock is held
                 with super()._locked():
                     if self.armed:
                         self.armed = False

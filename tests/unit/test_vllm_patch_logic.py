@@ -259,3 +259,127 @@ def test_worker_driver_that_cannot_run_is_unsupported_naming_the_driver_and_the_
     with pytest.raises(ExtensibleKVUnsupported, match=r"the cuda driver cannot run in this worker: "
                                                       r"no usable device 3"):
         patches._platform_driver()
+
+
+# -- an engine keeps its RPCs (Note [An engine keeps its RPCs] in patches.py) -----------------------------------------
+def _fake_vllm(monkeypatch) -> SimpleNamespace:
+    """Stand-ins for the vLLM modules the patch set touches, each attribute the real one's name."""
+    import sys
+    import types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    class Worker:
+        def __init__(self):
+            self.model_runner = SimpleNamespace(profile_run=lambda: None, model_memory_usage=1 << 20)
+            self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks=None)
+            self.init_snapshot = SimpleNamespace(free_memory=8 * GIB)
+            self.requested_memory = 6 * GIB
+            self.peak_activation_memory = 0
+
+        def determine_available_memory(self):
+            self.model_runner.profile_run()
+            self.cudagraph_memory_estimate = 0
+            return 4 * GIB
+
+    class WorkerWrapper:  # vllm.v1.worker.worker_base.WorkerWrapperBase: attributes fall through to the worker
+        def __init__(self, worker):
+            self.worker = worker
+
+        def __getattr__(self, attr):
+            return getattr(self.worker, attr)
+
+    class EngineCore:
+        def _initialize_kv_caches(self, vllm_config):
+            return None
+
+    class GPUModelRunner:
+        def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes):
+            return None
+
+        def _allocate_kv_cache_tensors(self, kv_cache_config):
+            return None
+
+    module("vllm", envs=SimpleNamespace(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=True))
+    module("vllm.v1.engine.core", EngineCore=EngineCore)
+    module("vllm.v1.worker.gpu_worker", Worker=Worker, warmup_kernels=lambda *a: None)
+    module("vllm.v1.worker.gpu_model_runner", GPUModelRunner=GPUModelRunner)
+    module("vllm.v1.worker.gpu.model_runner", init_kv_cache=lambda *a: None)
+    module("vllm.v1.worker.gpu.attn_utils", _allocate_kv_cache=lambda *a: None)
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name, value in (("memory_reserved", 0), ("memory_allocated", 0), ("max_memory_reserved", 0),
+                        ("max_memory_allocated", 0)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper)
+
+
+def _rpc(wrapper: object, method: str, *args):
+    """What vLLM's ``collective_rpc`` does with a method name (``vllm.v1.serial_utils.run_method``)."""
+    try:
+        func = getattr(wrapper, method)
+    except AttributeError:
+        raise NotImplementedError(f"Method {method!r} is not implemented.") from None
+    return func(*args)
+
+
+def test_an_engine_built_inside_the_block_keeps_its_rpcs_after_the_patches_are_removed(monkeypatch):
+    fake = _fake_vllm(monkeypatch)
+    patches.install()
+    try:
+        worker = fake.Worker()
+        wrapper = fake.WorkerWrapper(worker)
+        worker.determine_available_memory()  # the patched method, as the engine calls it while building
+        state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
+        config = _kv_config(50, 8192)
+        state.segments = [1, 1]
+        state.allocate(config)
+        worker.model_runner.kv_cache_config = SimpleNamespace(num_blocks=50)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (7 * GIB, 8 * GIB))
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        fits = _rpc(wrapper, "extensible_kv_measure")
+        _rpc(wrapper, "extensible_kv_commit", min(fits, 20))
+    finally:
+        patches.uninstall()
+    assert not hasattr(fake.Worker, "extensible_kv_report"), "uninstall left the RPC on the class"
+    try:
+        worker_kv.start(Ledger(HostDriver(granularity=4096)))  # a later engine in the same process
+        report = _rpc(wrapper, "extensible_kv_report")
+        assert report["kv"] and report["kv"]["num_blocks"] == 20, \
+            f"the report after the block exited: expected this engine's 20 committed blocks, got {report['kv']}"
+        assert report["profile"]["peak_reserved"] == 0 and report["measured"]["blocks"] == fits, report
+    finally:
+        state.buffers.close()
+
+
+def test_a_worker_built_without_the_patches_has_no_extensible_rpcs(monkeypatch):
+    fake = _fake_vllm(monkeypatch)
+    worker = fake.Worker()
+    worker.determine_available_memory()
+    with pytest.raises(NotImplementedError, match="'extensible_kv_report' is not implemented"):
+        _rpc(fake.WorkerWrapper(worker), "extensible_kv_report")
+
+
+def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypatch):
+    stats = {"reserved": 100, "allocated": 60}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: stats["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 100 + 44 * GIB // 10)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 60 + 4 * GIB)
+    run = patches.profile_run_reserved_peak(lambda: "ran")
+    assert run() == "ran"
+    assert run.figures == {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB}, run.figures
+
+
+def test_growth_still_to_come_counts_the_reserved_activation_peak():
+    # Note [Reserved, not allocated, at the activation peak]: 4 GiB allocated took 4.4 GiB of segments.
+    s = _state(profiled_peak=4 * GIB, profiled_peak_reserved=44 * GIB // 10, torch_reusable_now=2 * GIB)
+    assert s.torch_growth == 44 * GIB // 10 - 2 * GIB, s.to_dict()
+    assert _state(profiled_peak=4 * GIB, profiled_peak_reserved=0).torch_growth == 2 * GIB, "unrecorded: allocated"

@@ -1,83 +1,88 @@
-"""Memory-accounting reports from the JSON the conformance, integration and benchmark runs write.
+"""Memory-accounting reports of the measurement files a run wrote (read through ``extensible_kv.measurements``).
 
-    python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME]
-    python -m extensible_kv report reports/runs/<run-name> --compare reports/runs/<baseline-name>
+    python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME] [--compare OTHER_RUN_DIR]
+    python -m extensible_kv report reports/out --name latest     # the run CI or a GPU job just made
 
-writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into
-``reports/<run-name>/`` (``reports/<run-name>-vs-<baseline-name>/`` when comparing), relative to the current
-folder. Numbers come only from the run's files; what a run lacks reads "not measured".
-
-Modules: ``loading`` (run folder -> dataclasses), ``benchmarks`` (benchmark figures, ratios and targets),
-``accounting`` (memory of the vLLM cases), ``matrix`` (conformance driver x rule), ``figures`` (matplotlib PNGs),
-``document`` and ``rendering`` (Markdown, HTML, summary.json), ``sections`` (one run's report), ``comparison`` (two
-runs with deltas).
+writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into ``reports/<run-name>/``
+(``reports/<run-name>-vs-<baseline-name>/`` when comparing). What a run lacks reads "not measured".
+``python -m extensible_kv bench-summary FILE [--json]`` prints the benchmark tables of one pytest-benchmark file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from .files import BadFile
-from .loading import RunFolderError, load_run
+from ..measurements import BadFile
+from .run import RunFolderError, load_run
 
 __all__ = ["add_arguments", "main", "register", "run_command"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. reports/runs/h200-2026-12-02")
-    parser.add_argument("--out", default=None,
-                        help="output folder (default: reports/<run-name>/, or reports/<run-name>-vs-<baseline>/ "
-                             "with --compare)")
-    parser.add_argument("--name", default=None, help="the run's name in the report (default: RUN_DIR's basename)")
-    parser.add_argument("--compare", metavar="OTHER_RUN_DIR", default=None,
+    parser.add_argument("--out", help="output folder (default: reports/<run-name>/, or "
+                                      "reports/<run-name>-vs-<baseline>/ with --compare)")
+    parser.add_argument("--name", help="the run's name in the report (default: RUN_DIR's basename)")
+    parser.add_argument("--compare", metavar="OTHER_RUN_DIR",
                         help="a baseline run folder: report both side by side, deltas = RUN_DIR - OTHER_RUN_DIR")
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """The ``report`` command on parsed arguments; 2 when a run folder is missing, holds no measurement file or a
-    file that cannot be read, or when the output folder cannot be written."""
+    """The ``report`` command; 2 when a run folder is missing, holds no measurement file or a file that cannot be
+    read, or when the output folder cannot be written."""
     try:
-        run = load_run(args.run_dir, name=args.name)
-        baseline = load_run(args.compare) if args.compare else None
+        runs = [load_run(args.run_dir, name=args.name)] + ([load_run(args.compare)] if args.compare else [])
     except (RunFolderError, BadFile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for r in (run, baseline):
-        if r is not None and not r.measured:
+    for r in runs:
+        if not r.measured:
             print(f"error: no measurement files in {r.path}", file=sys.stderr)
             return 2
-    if baseline is None:
-        from .rendering import write  # noqa: PLC0415
-        from .sections import build  # noqa: PLC0415
+    from .comparison import comparison_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
+    from .document import run_document  # noqa: PLC0415
+    from .rendering import write  # noqa: PLC0415
 
-        doc, summary = build(run)
-        out = Path(args.out) if args.out else Path("reports") / run.name
-    else:
-        from .comparison import build as build_comparison  # noqa: PLC0415
-        from .rendering import write  # noqa: PLC0415
-
-        doc, summary = build_comparison(run, baseline)
-        out = Path(args.out) if args.out else Path("reports") / f"{run.name}-vs-{baseline.name}"
+    doc = run_document(*runs) if len(runs) == 1 else comparison_document(*runs)
+    out = Path(args.out) if args.out else Path("reports") / "-vs-".join(r.name for r in runs)
     try:
-        write(doc, summary, out)
+        write(out, doc.markdown, doc.html, doc.summary, doc.figures)
     except OSError as exc:
         print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    drawn = [f for f in doc.figures() if f.png is not None]
-    undrawn = [f for f in doc.figures() if f.png is None]
-    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {len(drawn)} PNG"
+    undrawn = [f for f in doc.figures.drawn.values() if f.png is None]
+    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
+          f"{len(doc.figures.drawn) - len(undrawn)} PNG"
           + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""))
     return 0
 
 
+def _bench_summary(args: argparse.Namespace) -> int:
+    from .benchmarks import summarize  # noqa: PLC0415
+    from .rendering import bench_tables  # noqa: PLC0415
+
+    try:
+        summary = summarize(args.benchmark_json)
+    except BadFile as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2) if args.json else bench_tables(summary, Path(args.benchmark_json).name))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``report`` command to ``python -m extensible_kv``'s subparsers."""
-    parser = subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run "
-                                                  "folder, or two run folders side by side")
-    add_arguments(parser)
+    """Add ``report`` and ``bench-summary`` to ``python -m extensible_kv``'s subparsers."""
+    add_arguments(parser := subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) "
+                                                               "of a run folder, or two run folders side by side"))
     parser.set_defaults(run=run_command)
+    parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
+                                                         "pytest-benchmark JSON file of bench/")
+    parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
+    parser.set_defaults(run=_bench_summary)
 
 
 def main(argv: list[str] | None = None) -> int:

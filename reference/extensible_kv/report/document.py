@@ -1,123 +1,43 @@
-"""The report as a tree of plain blocks (sections, paragraphs, lists, tables, figures), rendered to Markdown and to
-HTML by ``rendering``, and the number formats both share.
-
-Text may use two inline marks, ``**bold**`` and ``\\`code\\```; everything else is literal.
-"""
+"""One run's report: report.md, report.html and summary.json of a ``Run`` (templates/report.md.j2)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from typing import NamedTuple
 
-NOT_MEASURED = "not measured"
-GIB, MIB = 1 << 30, 1 << 20
-
-
-@dataclass
-class Paragraph:
-    text: str
-
-
-@dataclass
-class Bullets:
-    items: list[str]
+from ..measurements import ExtensibleFigures
+from . import accounting
+from .consistency import checks
+from .matrix import cell_text, matrix_cells, skip_reasons
+from .numbers import number
+from .rendering import Figures, html, markdown
+from .run import ENVIRONMENT_NAMES, Run
+from .summary import summary
 
 
-@dataclass
-class Table:
-    columns: list[str]
-    rows: list[list[str]]
+class Document(NamedTuple):
+    markdown: str
+    html: str
+    summary: dict
+    figures: Figures
 
 
-@dataclass
-class Figure:
-    """A PNG written next to report.md as ``name`` and embedded in report.html; ``png`` is ``None`` when it was not
-    drawn, ``missing`` says why."""
-
-    name: str
-    title: str
-    png: bytes | None
-    missing: str | None = None
+def segments_text(ext: ExtensibleFigures) -> str:
+    """Segments per buffer, summarised (``32 buffers x 1 segment``), never a long list."""
+    counts = Counter(ext.segments or [])
+    return ", ".join(f"{k} buffer{'s' * (k > 1)} x {n} segment{'s' * (n != 1)}" for n, k in counts.items()) or \
+        number(None)
 
 
-@dataclass
-class Section:
-    title: str
-    blocks: list = field(default_factory=list)
-    level: int = 2
-
-    def add(self, *blocks: object) -> Section:
-        self.blocks.extend(blocks)
-        return self
-
-
-@dataclass
-class Document:
-    title: str
-    sections: list[Section]
-
-    def figures(self) -> list[Figure]:
-        """Every figure, nested sections included, in reading order."""
-        out: list[Figure] = []
-
-        def walk(blocks: list) -> None:
-            for b in blocks:
-                if isinstance(b, Figure):
-                    out.append(b)
-                elif isinstance(b, Section):
-                    walk(b.blocks)
-
-        walk(self.sections)
-        return out
-
-
-# -- number formats --------------------------------------------------------------------------------------------------
-def count(n: int | None) -> str:
-    return NOT_MEASURED if n is None else f"{n:,}"
-
-
-def signed_count(n: int | None) -> str:
-    return NOT_MEASURED if n is None else f"{n:+,}"
-
-
-def gib(n: int | float | None) -> str:
-    return NOT_MEASURED if n is None else f"{n / GIB:,.3f}"
-
-
-def mib(n: int | float | None) -> str:
-    return NOT_MEASURED if n is None else f"{n / MIB:,.2f}"
-
-
-def signed_mib(n: int | float | None) -> str:
-    return NOT_MEASURED if n is None else f"{n / MIB:+,.2f}"
-
-
-def ms(seconds: float | None) -> str:
-    return NOT_MEASURED if seconds is None else f"{seconds * 1e3:,.3f}"
-
-
-def us(seconds: float | None) -> str:
-    return NOT_MEASURED if seconds is None else f"{seconds * 1e6:,.1f}"
-
-
-def rate(gbps: float | None) -> str:
-    return NOT_MEASURED if gbps is None else f"{gbps:,.2f}"
-
-
-def ratio(x: float | None) -> str:
-    if x is None:
-        return NOT_MEASURED
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    return f"{x:.4g}"
-
-
-def percent(x: float | None) -> str:
-    return NOT_MEASURED if x is None else f"{x:+.3f} %"
-
-
-def text(x: object) -> str:
-    return NOT_MEASURED if x is None else str(x)
-
-
-def yes_no(x: bool | None) -> str:
-    return NOT_MEASURED if x is None else ("yes" if x else "no")
+def run_document(run: Run, figures: Figures | None = None) -> Document:
+    figures = figures or Figures.available()
+    breakdowns = accounting.account(run.cases)
+    pairs = accounting.block_pairs(breakdowns)
+    context = {"run": run, "environment_names": ENVIRONMENT_NAMES, "matrix": matrix_cells(run.conformance),
+               "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
+               "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
+               "breakdowns": breakdowns, "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
+               "segments": segments_text, "consistency": checks(run, breakdowns)}
+    md = markdown("report.md.j2", context, figures)
+    page = html(markdown("report.md.j2", context, figures, inline=True))
+    return Document(md, page, summary(run, breakdowns, pairs), figures)

@@ -10,6 +10,8 @@ Worker side (runs in each worker process):
 - ``Worker.determine_available_memory`` adds back the CUDA graph estimate, so vLLM sizes the reservation as the
   upper bound; the measured graph memory replaces the estimate later.
 - ``Worker.extensible_kv_measure`` / ``Worker.extensible_kv_commit`` / ``Worker.extensible_kv_report``: new RPCs.
+  ``determine_available_memory`` also binds them on the worker instance, with the worker's own ``WorkerKV``: an
+  engine keeps the RPCs it was built with after the patches are removed (Note [An engine keeps its RPCs]).
 
 Engine side: ``EngineCore._initialize_kv_caches`` runs vLLM's own sizing, allocation, warmup and capture, then asks
 every worker how many blocks fit, takes the minimum, has every worker commit it, and hands that count to the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -166,19 +169,80 @@ def _warmup_kernels(original: Callable) -> Callable:
     return warmup_kernels
 
 
+def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[], object]:
+    """``profile_run`` that also records what torch's caching allocator *reserved* for the activation peak.
+
+    vLLM profiles the peak in allocated bytes (``allocated_bytes.all.peak``); the device sees reserved bytes, which
+    are more: the allocator rounds every block up and carves blocks from whole segments (2 MiB, 20 MiB or the rounded
+    request). Note [Reserved, not allocated, at the activation peak] in ``sizing``. The figures land on the wrapper's
+    ``figures`` dict after the run."""
+    figures: dict[str, int] = {}
+
+    def run():
+        import torch
+
+        torch.cuda.synchronize()
+        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = profile_run()
+        torch.cuda.synchronize()
+        figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
+                       peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated))
+        return result
+
+    run.figures = figures
+    return run
+
+
 def _determine_available_memory(original: Callable) -> Callable:
     def determine_available_memory(self):
         from vllm import envs
 
-        available = original(self)
+        bind_worker_rpcs(self)
+        runner = self.model_runner
+        own = vars(runner).get("profile_run", _MISSING)
+        wrapped = profile_run_reserved_peak(runner.profile_run)
+        runner.profile_run = wrapped  # this instance only, for this call
+        try:
+            available = original(self)
+        finally:
+            if own is _MISSING:
+                del runner.profile_run
+            else:
+                runner.profile_run = own
         estimate = getattr(self, "cudagraph_memory_estimate", 0) or 0
         if envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and self.cache_config.kv_cache_memory_bytes is None:
             available += estimate  # reserve the upper bound; the measured graph memory replaces the estimate
         self._extensible_kv_profile = {"profiled_available": available - estimate, "cudagraph_estimate": estimate,
-                                       "reserved_available": available}
+                                       "reserved_available": available,
+                                       "peak_reserved": wrapped.figures.get("peak_reserved"),
+                                       "peak_allocated": wrapped.figures.get("peak_allocated")}
         return available
 
     return determine_available_memory
+
+
+# Note [An engine keeps its RPCs]
+#     ``extensible_kv_cache()`` removes the patches when its block exits, but an engine built inside keeps its
+#     extensible KV cache, and ``llm.collective_rpc("extensible_kv_report")`` must keep answering for it. vLLM resolves
+#     a string RPC with ``getattr`` on the worker, so the class attributes the patch set adds vanish with it ("Method
+#     'extensible_kv_report' is not implemented."). Each worker therefore gets the three RPCs bound on the instance
+#     (``bind_worker_rpcs``, in ``determine_available_memory``, which every worker runs before its KV cache exists),
+#     and ``extensible_kv_measure`` pins the worker's ``WorkerKV`` on the worker, so a later engine in the same
+#     process cannot change what an earlier one reports.
+WORKER_RPCS = ("extensible_kv_measure", "extensible_kv_commit", "extensible_kv_report")
+
+
+def bind_worker_rpcs(worker: object) -> None:
+    """Bind the extensible RPCs on this worker instance (Note [An engine keeps its RPCs])."""
+    for name in WORKER_RPCS:
+        setattr(worker, name, types.MethodType(globals()[name], worker))
+
+
+def _state_of(worker: object) -> worker_kv.WorkerKV | None:
+    """The WorkerKV this worker measured (pinned by ``extensible_kv_measure``), else this process's active one."""
+    pinned = getattr(worker, "_extensible_kv_state", None)
+    return pinned if pinned is not None else worker_kv.active()
 
 
 def extensible_kv_measure(self) -> int:
@@ -187,14 +251,19 @@ def extensible_kv_measure(self) -> int:
     The ranks agree among themselves as well as through the engine's minimum over the replies: with the external
     launcher every rank has its own engine, which sees only its own worker's reply (vLLM agrees on the profiled KV
     memory the same way there)."""
-    fits = _worker_kv().measure(self, margin=_margin()).blocks()
+    state = _worker_kv()
+    self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
+    profile = getattr(self, "_extensible_kv_profile", None) or {}
+    fits = state.measure(self, margin=_margin(), profiled_peak_reserved=profile.get("peak_reserved") or 0).blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits
 
 
 def extensible_kv_commit(self, num_blocks: int) -> dict:
     """RPC: commit ``num_blocks`` under the same base pointers; tell the runner its new size."""
-    state = _worker_kv()
+    state = _state_of(self)
+    if state is None or state.buffers is None:
+        state = _worker_kv()  # raises, naming the reason
     state.commit(num_blocks)
     self.model_runner.kv_cache_config.num_blocks = num_blocks
     self.cache_config.num_gpu_blocks = num_blocks
@@ -203,7 +272,7 @@ def extensible_kv_commit(self, num_blocks: int) -> dict:
 
 def extensible_kv_report(self) -> dict:
     """RPC: what this worker reserved, committed and measured (plain data, for reports)."""
-    state = worker_kv.active()
+    state = _state_of(self)
     report = state.report() if state is not None else {}
     report["profile"] = getattr(self, "_extensible_kv_profile", None)
     report["runner"] = worker_kv.runner_kind(self.model_runner)

@@ -6,7 +6,8 @@ estimate (an upper bound), warms up and captures graphs with a small committed p
 everything other than the KV cache really uses and commits the rest:
 
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
-    growth   = max(0, profiled_peak - torch_reusable_now)   (activation memory torch may still take)
+    peak     = max(profiled_peak, profiled_peak_reserved)   (Note [Reserved, not allocated, at the activation peak])
+    growth   = max(0, peak - torch_reusable_now)            (activation memory torch may still take)
     budget   = requested - non_kv - growth - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
@@ -20,6 +21,15 @@ Note [Graph pools are not activation cache]
     activations. Crediting all of ``memory_reserved() - weights`` counted the graph pool twice (once in ``non_kv``,
     once as reusable cache): on an 8B Llama shape on the H200 (graph pools 186 MiB on V1, 230 MiB on V2) that
     committed about that many bytes too many. ``reusable_cache`` reads the default pool from torch's segment snapshot.
+
+Note [Reserved, not allocated, at the activation peak]
+    vLLM profiles the activation peak as torch's *allocated* bytes (``allocated_bytes.all.peak``). What the batch
+    takes from the device is *reserved* bytes: the caching allocator rounds each block up and carves blocks out of
+    whole segments (2 MiB for small blocks, 20 MiB for blocks under 10 MiB, the 2 MiB-rounded request above), so the
+    reserved peak of the same run is larger. The patch records both around vLLM's own ``profile_run``
+    (``patches.profile_run_reserved_peak``) and the growth still to come is taken from the larger one. Measured: the
+    run's ``extensible.profile`` holds ``peak_allocated`` and ``peak_reserved``; ``memory.peak`` of a case holds what
+    the peak-shaped batch really took after the final commit (``integration/parity.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ class MemoryState:
     capacity_blocks: int  # blocks reserved (the upper bound)
     committed_blocks: int  # blocks committed now (grow-only: the result is never below this)
     margin: int = 0  # extra bytes kept free on purpose
+    profiled_peak_reserved: int = 0  # what torch reserved for that peak (0: not recorded)
 
     @property
     def non_kv(self) -> int:
@@ -67,7 +78,8 @@ class MemoryState:
 
     @property
     def torch_growth(self) -> int:
-        return activation_to_come(self.profiled_peak, self.torch_reusable_now)
+        """Note [Graph pools are not activation cache], Note [Reserved, not allocated, at the activation peak]."""
+        return activation_to_come(max(self.profiled_peak, self.profiled_peak_reserved), self.torch_reusable_now)
 
     @property
     def budget(self) -> int:

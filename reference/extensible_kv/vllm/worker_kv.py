@@ -115,8 +115,9 @@ class WorkerKV:
             raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
         return got
 
-    def measure(self, worker: object, margin: int = 0) -> MemoryState:
-        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit."""
+    def measure(self, worker: object, margin: int = 0, profiled_peak_reserved: int = 0) -> MemoryState:
+        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit.
+        ``profiled_peak_reserved``: what torch reserved for the profiled activation peak (0: not recorded)."""
         assert self.buffers is not None
         torch.cuda.synchronize()
         free_now, _ = torch.cuda.mem_get_info()
@@ -135,6 +136,7 @@ class WorkerKV:
             capacity_blocks=stats.max_num_blocks,
             committed_blocks=stats.num_blocks,
             margin=margin,
+            profiled_peak_reserved=int(profiled_peak_reserved),
         )
         return self.measured
 

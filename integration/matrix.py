@@ -1,0 +1,192 @@
+"""The GPU matrix of vLLM parity cases: every engine in a fresh ``run_case`` process with a timeout, every case JSON and
+log under ``OUT/cases/``, a compact table at the end (also ``OUT/table.md``), the throughput pair as
+pytest-benchmark JSON (``OUT/serving-throughput-<model>-<runner>.json``).
+
+    python -m integration.matrix OUT [--only PATTERN ...] [--part N/M] [--budget-seconds S] [--list]
+
+Resumable: a run whose JSON exists is read, not rerun, and the table is rebuilt from every JSON present, so the same
+command can be repeated in several device calls (keep ``OUT`` inside the working tree, untracked and not ignored,
+so it travels to the device with each call) until every case has run. ``--budget-seconds`` stops starting runs
+that would not finish in time; ``--part N/M`` takes the N-th of M contiguous slices of the (filtered) case list.
+The cases are ordered most informative first. Copy ``OUT/cases`` into ``reports/runs/<run>/integration/`` for the
+report (the throughput JSON goes beside it, not into ``integration/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from integration.parity import (Case, Throughput, row, run_parity, run_subprocess, run_throughput,  # noqa: E402
+                                table, throughput_benchmark)
+
+# Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
+QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
+SWA = dict(model="tiny-llama-swa", max_model_len=2048, max_num_seqs=8, seconds=60, timeout=300)
+# Llama-3-8B at 256 sequences and vLLM's default CUDA graph capture sizes for them (up to 512), 8K context.
+LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=150,
+                timeout=540)
+
+
+def _cases() -> list:
+    cases: list = [
+        # 1. The issue's model at a real peak, bf16 then fp8 (whose baseline was seen nondeterministic).
+        Case(runner="v1", **QWEN, group="qwen"),
+        Case(runner="v1", kv_cache_dtype="fp8", **QWEN, group="qwen"),
+        # 2. Interleaved sliding-window and full attention: two KV cache groups sharing every buffer.
+        Case(runner="v1", **SWA, group="swa"),
+        Case(runner="v2", **SWA, group="swa"),
+        Case(runner="v2", **QWEN, group="qwen"),
+        Case(runner="v2", kv_cache_dtype="fp8", **QWEN, group="qwen"),
+        Case(runner="v1", kv_cache_dtype="fp8", **SWA, group="swa"),
+        Case(runner="v2", kv_cache_dtype="fp8", **SWA, group="swa"),
+    ]
+    # 3. Block sizes (FLASH_ATTN takes any multiple of 16).
+    for block in (32, 64):
+        for runner in ("v1", "v2"):
+            cases.append(Case(runner=runner, block_size=block, **QWEN, group="blocks"))
+    for runner in ("v1", "v2"):
+        cases.append(Case(runner=runner, kv_cache_dtype="fp8", block_size=32, **QWEN, group="blocks"))
+        cases.append(Case(runner=runner, block_size=32, **SWA, group="blocks"))
+    cases.append(Case(runner="v1", backend="TRITON_ATTN", **QWEN, group="blocks"))
+    cases.append(Case(runner="v2", backend="TRITON_ATTN", **QWEN, group="blocks"))
+    # 4. The 8B shape at 256 sequences, default capture sizes.
+    cases += [Case(runner=r, **LLAMA_8B, group="8b") for r in ("v1", "v2")]
+    # 5. Serving speed at the same block count: 256 sequences x 576 tokens need 9,216 16-token blocks.
+    cases += [Throughput("llama-8b-shape", r, num_gpu_blocks_override=16384) for r in ("v2", "v1")]
+    return cases
+
+
+CASES = _cases()
+
+
+def select(cases: list, only: list[str] | None, part: str | None) -> list:
+    """Cases matching any ``only`` pattern (a group name: that group; else an fnmatch pattern or a substring of the
+    case id), then the ``part`` N/M slice."""
+    if only:
+        groups = {c.group for c in cases}
+
+        def hit(c) -> bool:
+            return any(p == c.group if p in groups else fnmatch.fnmatch(c.id, p) or p in c.id for p in only)
+        cases = [c for c in cases if hit(c)]
+    if part:
+        n, m = (int(x) for x in part.split("/"))
+        if not 1 <= n <= m:
+            raise SystemExit(f"--part {part}: expected N/M with 1 <= N <= M")
+        size = -(-len(cases) // m)
+        cases = cases[(n - 1) * size:n * size]
+    return cases
+
+
+def estimate_seconds(case) -> int:
+    """Expected wall time of a case with every run still to do (three runs for a parity case, two for throughput)."""
+    return case.seconds * (2 if isinstance(case, Throughput) else case.baseline_runs + 1)
+
+
+class Clock:
+    """Timeouts for runs within an overall budget: ``None`` once a run's expected time no longer fits."""
+
+    def __init__(self, seconds: float | None, now=time.monotonic) -> None:
+        self.now = now
+        self.deadline = None if seconds is None else now() + seconds
+
+    def __call__(self, expected: int) -> int | None:
+        if self.deadline is None:
+            return expected * 10
+        left = self.deadline - self.now()
+        return None if left < expected else int(left)
+
+
+def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
+    """Table rows from the JSONs present (nothing runs); the throughput pairs by case id."""
+    def read(name: str, _args, _timeout, _cut) -> dict | None:
+        path = cases_dir / f"{name}.json"
+        err = cases_dir / f"{name}.error.txt"
+        if path.exists():
+            return json.loads(path.read_text())
+        return {"error": err.read_text().strip()} if err.exists() else None
+
+    rows, pairs = [], {}
+    for case in cases:
+        if isinstance(case, Throughput):
+            pairs[case.id] = {m: read(case.run_name(m), None, None, False) for m in ("legacy", "extensible")}
+        else:
+            rows.append(row(case, run_parity(case, read)))
+    return rows, pairs
+
+
+def throughput_lines(pairs: dict, out: Path) -> list[str]:
+    lines = []
+    for cid, runs in pairs.items():
+        legacy, ext = runs.get("legacy"), runs.get("extensible")
+        if not (legacy and ext and "throughput" in legacy and "throughput" in ext):
+            state = "; ".join(f"{m}: {r['error'] if r and 'error' in r else r.get('refused') if r else 'not run'}"
+                              for m, r in runs.items())
+            lines.append(f"- {cid}: {state}")
+            continue
+        bench = throughput_benchmark(legacy, ext)
+        path = out / f"serving-{cid}.json"
+        path.write_text(json.dumps(bench, indent=2))
+        r = bench["ratio"]
+        lines.append(f"- {cid}: decode {ext['throughput']['tokens_per_s']:.0f} vs "
+                     f"{legacy['throughput']['tokens_per_s']:.0f} tokens/s (extensible/legacy "
+                     f"{r['decode_tokens_per_s']:.3f}, target >= 0.99), engine start "
+                     f"{ext['engine_seconds']:.1f} vs {legacy['engine_seconds']:.1f} s (ratio "
+                     f"{r['engine_seconds']:.2f}), blocks {legacy['memory']['num_gpu_blocks']} / "
+                     f"{ext['memory']['num_gpu_blocks']}; {path.name}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m integration.matrix", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="output folder (cases/, table.md, serving-*.json)")
+    p.add_argument("--only", nargs="*", help="case ids or groups (qwen, swa, blocks, 8b, throughput); fnmatch ok")
+    p.add_argument("--part", help="N/M: the N-th of M contiguous slices of the selected cases")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help="start no run that would not finish within this many seconds from now")
+    p.add_argument("--retry-failed", action="store_true", help="rerun runs that failed or timed out before")
+    p.add_argument("--list", action="store_true", help="list the selected cases and their estimates; run nothing")
+    p.add_argument("--table-only", action="store_true", help="rebuild the table from the JSONs present")
+    args = p.parse_args(argv)
+    selected = select(CASES, args.only, args.part)
+    if args.list:
+        for c in selected:
+            print(f"{c.id:55s} {c.group:10s} ~{estimate_seconds(c) / 60:.1f} min")
+        print(f"{len(selected)} cases, ~{sum(map(estimate_seconds, selected)) / 60:.0f} min if nothing has run yet")
+        return 0
+    out = Path(args.out)
+    cases_dir = out / "cases"
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    if not args.table_only:
+        clock = Clock(args.budget_seconds)
+
+        def runner(name: str, run_args: list[str], timeout: int, budget_cut: bool) -> dict | None:
+            print(f"[{time.strftime('%H:%M:%S')}] {name} (timeout {timeout} s)", flush=True)
+            return run_subprocess(cases_dir, name, run_args, timeout, budget_cut=budget_cut,
+                                  retry_failed=args.retry_failed)
+
+        for case in selected:
+            if isinstance(case, Throughput):
+                run_throughput(case, runner, budget=clock)
+            else:
+                run_parity(case, runner, budget=clock)
+    rows, pairs = rows_from_files(CASES, cases_dir)
+    done = [r for r in rows if r["outcome"] != "not run"]
+    text = table(done or rows) + "\n" + "\n".join(throughput_lines(pairs, out))
+    (out / "table.md").write_text(text + "\n")
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    left = [c.id for c in selected if any(r["case"] == c.id and r["outcome"] == "not run" for r in rows)]
+    print(text)
+    if left:
+        print(f"\n{len(left)} selected case(s) not run yet (time budget): run the same command again")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

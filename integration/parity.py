@@ -1,0 +1,471 @@
+"""Greedy parity of the extensible KV cache against legacy vLLM 0.26.0, with a determinism control and the memory
+budget at a measured peak: the logic, runnable and testable without a GPU. The GPU work happens in
+``integration/run_case.py`` processes, one per engine, started from here (``run_subprocess``).
+
+A parity case (``Case``) runs, each in a fresh process:
+
+1. legacy twice: the baseline must agree with itself (``classify``). If it does not, the outcome is
+   ``baseline nondeterministic`` with the two legacy outputs' first difference, and the comparison is repeated in
+   vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; refused combinations say vLLM's reason), never a silent
+   pass or a flaky failure;
+2. extensible: its tokens against the baseline's (``identical`` / ``differs``), its measured peak against the budget
+   (``check_memory_budget``), and its sensitivity run (the same pass after every committed KV block was overwritten
+   must change the tokens).
+
+Note [Over budget at the measured peak]
+    The one definition, used by ``run_case`` (``memory.peak``) and by the checks here. vLLM 0.26.0 gives an engine
+    ``requested = ceil(gpu_memory_utilization x total)`` bytes (``vllm.v1.worker.utils.request_memory``,
+    ``worker.requested_memory``) counted from the worker's start: at its ``init_snapshot`` the device had
+    ``init_free`` bytes free, and the engine must leave ``init_free - requested`` of them free (``unrequested_memory``
+    in ``Worker.determine_available_memory``). So, at the peak:
+
+        used_at_peak          = init_free - free_at_peak       (device memory used since the worker started)
+        over_budget_measured  = used_at_peak - requested        (> 0: over the budget; < 0: that much left unused)
+
+    ``free_at_peak`` is the free figure of ``torch.cuda.mem_get_info()``, read after a device synchronize once the
+    peak-shaped batch has run (``max_num_batched_tokens`` prompt tokens over ``max_num_seqs`` sequences,
+    ``max_tokens=1``, after the final commit and the measured generation), less what torch reserved during the batch
+    and released before the reading (``max_memory_reserved() - memory_reserved()``; 0 unless the allocator emptied
+    its cache). torch's caching allocator keeps what the batch reserved, so this reading sees the batch's peak. It
+    counts everything: weights, KV cache, CUDA graph pools, activations, workspaces, kernels loaded lazily, NCCL.
+    The extensible run passes at ``over_budget_measured <= BUDGET_TOLERANCE`` (16 MiB: allocations made after the
+    final commit that no sizing sees, e.g. small workspaces of the first real steps); legacy's figure is reported
+    beside it, and bounds how many fewer blocks the extensible run may commit.
+
+    ``peak_figures`` also splits the bytes gained since the final commit into torch's reserved growth, non-torch
+    growth (CUDA context, lazily loaded kernels, cuBLAS/NCCL) and KV growth, each before and during the batch: the
+    terms a sizing must foresee.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler warmup, small workspaces)
+CACHED_BLOCKS = 2  # the measured pass must read cached KV blocks: each prompt's first two (run_case.prompt_len)
+
+IDENTICAL, DIFFERS, NONDETERMINISTIC = "identical", "differs", "baseline nondeterministic"
+REFUSED, EXTENSIBLE_REFUSED, NOT_RUN, FAILED = "refused", "extensible refused", "not run", "failed"
+
+
+# -- the measured peak ---------------------------------------------------------------------------------------------
+def over_budget_measured(init_free: int, free_at_peak: int, requested: int) -> int:
+    """Device memory used since the worker started, minus the budget (Note [Over budget at the measured peak])."""
+    return (init_free - free_at_peak) - requested
+
+
+def peak_figures(after_warmup: dict, peak: dict) -> dict:
+    """``memory.peak`` of a case: the readings of ``run_case``'s peak-shaped batch (``peak``) with the figures after
+    the final commit (``after_warmup``: ``memory`` of the case), and what follows from them (Note [Over budget at
+    the measured peak])."""
+    released = max(0, peak["torch_max_reserved"] - peak["torch_reserved_after"])
+    free_at_peak = peak["free_after_batch"] - released
+    init_free, requested = after_warmup["init_free"], after_warmup["requested"]
+    used = init_free - free_at_peak
+    kv_warm = after_warmup.get("kv_backed_after_warmup") or 0
+    non_torch_warm = (init_free - after_warmup["free_after_warmup"]) - after_warmup["torch_reserved"] - kv_warm
+    before = peak["before_batch"]
+    non_torch_before = (init_free - before["free"]) - before["torch_reserved"] - before["kv_backed"]
+    non_torch_peak = used - peak["torch_max_reserved"] - peak["kv_backed"]
+    batch = peak["batch"]
+    steps = batch.get("step_tokens") or []
+    shaped = (batch["prompt_tokens"] == batch["max_num_batched_tokens"] and batch["num_seqs"] == batch["max_num_seqs"]
+              and max(steps, default=0) == batch["max_num_batched_tokens"])
+    return {
+        **peak, "init_free": init_free, "requested": requested, "total": after_warmup.get("total"),
+        "reserved_released": released, "free_at_peak": free_at_peak, "used_at_peak": used,
+        "over_budget_measured": over_budget_measured(init_free, free_at_peak, requested),
+        "non_torch_at_peak": non_torch_peak, "peak_shaped": shaped,
+        # Growth since the final commit: before the batch (the generation passes, the harness) and during it.
+        "growth": {
+            "before_batch": {"torch_reserved": before["torch_reserved"] - after_warmup["torch_reserved"],
+                             "non_torch": non_torch_before - non_torch_warm, "kv": before["kv_backed"] - kv_warm},
+            "during_batch": {"torch_reserved": peak["torch_max_reserved"] - before["torch_reserved"],
+                             "non_torch": non_torch_peak - non_torch_before,
+                             "kv": peak["kv_backed"] - before["kv_backed"]},
+        },
+    }
+
+
+def budget_terms(case: dict) -> dict | None:
+    """What the extensible sizing foresaw after warmup against what the case then took, in bytes; ``None`` without a
+    measured peak. ``predicted_torch_growth`` is the sizing's activation growth still to come
+    (``extensible.measured.torch_growth``; legacy: its profiled peak, all of which it set aside)."""
+    memory = case.get("memory") or {}
+    peak = memory.get("peak")
+    if not peak:
+        return None
+    measured = (case.get("extensible") or {}).get("measured") or {}
+    g = peak["growth"]
+    torch_growth = g["before_batch"]["torch_reserved"] + g["during_batch"]["torch_reserved"]
+    non_torch = g["before_batch"]["non_torch"] + g["during_batch"]["non_torch"]
+    predicted = measured.get("torch_growth", memory.get("profiled_peak_activation"))
+    return {"over_budget_measured": peak["over_budget_measured"], "torch_growth": torch_growth,
+            "predicted_torch_growth": predicted, "non_torch_growth": non_torch,
+            "kv_growth": g["before_batch"]["kv"] + g["during_batch"]["kv"],
+            "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"]))}
+
+
+def check_memory_budget(legacy: dict, ext: dict, tolerance: int = BUDGET_TOLERANCE) -> list[str]:
+    """Problems with the extensible run's memory, at its measured peak (empty: none): it stays inside
+    gpu_memory_utilization's budget (within ``tolerance``), its peak batch was peak-shaped, and it commits as many
+    blocks as legacy except where legacy itself went over the budget: any shortfall is at most legacy's overshoot."""
+    problems = []
+    ep, lp = ext["memory"].get("peak"), legacy["memory"].get("peak")
+    if not ep or not lp:
+        return [f"no measured peak ({'extensible' if not ep else 'legacy'} run ran without --peak)"]
+    for mode, p in (("extensible", ep), ("legacy", lp)):
+        if not p["peak_shaped"]:
+            b = p["batch"]
+            problems.append(f"{mode} peak batch was not peak-shaped: {b['prompt_tokens']} prompt tokens over "
+                            f"{b['num_seqs']} sequences, at most {max(b.get('step_tokens') or [0])} in a step; "
+                            f"expected {b['max_num_batched_tokens']} over {b['max_num_seqs']} in one step")
+    ext_over, legacy_over = ep["over_budget_measured"], lp["over_budget_measured"]
+    if ext_over > tolerance:
+        problems.append(f"extensible run used {ext_over / MIB:.1f} MiB more than gpu_memory_utilization allows at "
+                        f"its measured peak (legacy: {legacy_over / MIB:.1f} MiB; tolerance {tolerance / MIB:.0f} MiB)")
+    measured = (ext.get("extensible") or {}).get("measured") or {}
+    if not measured:
+        return problems + ["the extensible run reports no measurement (extensible.measured)"]
+    lb, eb = legacy["memory"]["num_gpu_blocks"], ext["memory"]["num_gpu_blocks"]
+    shortfall = (lb - eb) * measured["bytes_per_block"]
+    if shortfall > max(0, legacy_over) + measured["rounding_bound"] + tolerance:
+        problems.append(f"extensible committed {eb} blocks, legacy {lb}: a shortfall of {shortfall / MIB:.1f} MiB, "
+                        f"more than legacy's own overshoot of its budget at its measured peak "
+                        f"({legacy_over / MIB:.1f} MiB)")
+    return problems
+
+
+# -- outcomes ------------------------------------------------------------------------------------------------------
+def first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> str | None:
+    """Where two runs' token ids first differ (``None``: equal)."""
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} prompts"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if list(x) != list(y):
+            x, y = list(x), list(y)
+            j = next(k for k, (p, q) in enumerate(zip(x + [None], y + [None])) if p != q)
+            return f"prompt {i} first differs at token {j}: {x[j:j + 4]} vs {y[j:j + 4]}"
+    return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: str  # IDENTICAL, DIFFERS, NONDETERMINISTIC, REFUSED, EXTENSIBLE_REFUSED, NOT_RUN, FAILED
+    detail: str = ""
+    baseline_deterministic: bool | None = None
+    tokens_identical: bool | None = None
+
+
+def _problem(run: dict | None) -> Verdict | None:
+    if run is None:
+        return Verdict(NOT_RUN)
+    if "error" in run:
+        return Verdict(FAILED, run["error"])
+    return None
+
+
+def classify(legacy: Sequence[dict | None], ext: dict | None) -> Verdict:
+    """The outcome of one comparison: legacy runs (two establish the baseline's determinism) against one extensible
+    run."""
+    if not legacy:
+        return Verdict(NOT_RUN)
+    for run in legacy:
+        if (bad := _problem(run)) is not None:
+            return replace(bad, detail=f"legacy: {bad.detail}" if bad.detail else "")
+        if "refused" in run:
+            return Verdict(REFUSED, run["refused"])
+    deterministic = None
+    if len(legacy) >= 2:
+        diff = first_difference(legacy[0]["token_ids"], legacy[1]["token_ids"])
+        if diff is not None:
+            return Verdict(NONDETERMINISTIC, f"legacy runs disagree: {diff}", False)
+        deterministic = True
+    if (bad := _problem(ext)) is not None:
+        return replace(bad, baseline_deterministic=deterministic,
+                       detail=f"extensible: {bad.detail}" if bad.detail else "")
+    if "refused" in ext:
+        return Verdict(EXTENSIBLE_REFUSED, ext["refused"], deterministic)
+    diff = first_difference(ext["token_ids"], legacy[0]["token_ids"])
+    if diff is None:
+        return Verdict(IDENTICAL, "", deterministic, True)
+    return Verdict(DIFFERS, f"extensible vs legacy: {diff}", deterministic, False)
+
+
+def classify_with_fallback(runs: dict) -> Verdict:
+    """``classify`` of the case's runs; a nondeterministic baseline names the comparison in batch-invariant mode
+    (``runs['legacy_bi']``, ``runs['extensible_bi']``) in its detail and takes its token verdict from there."""
+    verdict = classify(runs.get("legacy") or [], runs.get("extensible"))
+    if verdict.outcome != NONDETERMINISTIC:
+        return verdict
+    bi = classify(runs.get("legacy_bi") or [], runs.get("extensible_bi"))
+    detail = f"{verdict.detail}; batch-invariant mode: {bi.outcome}" + (f" ({bi.detail})" if bi.detail else "")
+    return replace(verdict, detail=detail, tokens_identical=bi.tokens_identical)
+
+
+# -- cases ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One parity case: a model and configuration, run legacy (``baseline_runs`` times) and extensible."""
+
+    model: str
+    runner: str
+    backend: str = "FLASH_ATTN"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int = 256
+    max_num_seqs: int = 8
+    capture_sizes: str = "1,2,4,8"
+    max_num_batched_tokens: int | None = None
+    expect_cached: bool = True
+    baseline_runs: int = 2
+    seconds: int = 60  # a run's expected wall time (engine start included)
+    timeout: int = 300
+    extra: tuple[str, ...] = ()
+    group: str = ""
+
+    @property
+    def kv_name(self) -> str:
+        return "bf16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.runner}-{self.backend}-{self.kv_name}-b{self.block_size}"
+
+    def args(self, mode: str, *, batch_invariant: bool = False) -> list[str]:
+        args = ["--model", self.model, "--runner", self.runner, "--backend", self.backend, "--mode", mode,
+                "--kv-cache-dtype", self.kv_cache_dtype, "--block-size", str(self.block_size),
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--capture-sizes", self.capture_sizes]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if batch_invariant:
+            args.append("--batch-invariant")
+        return args + list(self.extra)
+
+    def run_name(self, mode: str, repeat: int = 0, batch_invariant: bool = False) -> str:
+        return f"{self.id}-{mode}" + ("-bi" if batch_invariant else "") + (f"-r{repeat + 1}" if repeat else "")
+
+
+# A run: (name, run_case arguments, timeout, whether the time budget cut the timeout below the case's own) -> the
+# case JSON, {"error": ...}, or None (not run).
+Runner = Callable[[str, list[str], int, bool], "dict | None"]
+
+
+def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, budget_cut: bool = False,
+                   retry_failed: bool = False) -> dict | None:
+    """One ``run_case`` process writing ``out_dir/name.json`` (its output in ``name.log``). Resumable: an existing
+    JSON is read, not rerun; a run that failed before (``name.error.txt``) is not rerun unless ``retry_failed``. A
+    run stopped by a timeout the time budget cut short (``budget_cut``) did not fail: it returns ``None`` (not run)."""
+    out, log, err = out_dir / f"{name}.json", out_dir / f"{name}.log", out_dir / f"{name}.error.txt"
+    if out.exists():
+        try:
+            return json.loads(out.read_text())
+        except ValueError:
+            out.unlink()  # cut short by a killed call: run it again
+    if err.exists() and not retry_failed:
+        return {"error": err.read_text().strip()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "reference"), str(ROOT),
+                                                                   os.environ.get("PYTHONPATH", "")) if p),
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "integration.run_case", *args, "--out", str(out)]
+    start = time.monotonic()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = time.monotonic() - start
+    if rc == 0 and out.exists():
+        return json.loads(out.read_text())
+    if rc is None and budget_cut:
+        return None
+    tail = log.read_text()[-1500:].strip().splitlines()
+    reason = (f"timed out after {timeout} s" if rc is None else f"exit {rc} after {seconds:.0f} s") + \
+             (f": {tail[-1]}" if tail else "")
+    err.write_text(reason + "\n")
+    return {"error": reason}
+
+
+def run_parity(case: Case, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
+    """Run a case's processes (legacy ``case.baseline_runs`` times, then extensible; the batch-invariant pair and
+    extensible run when the baseline is nondeterministic) through ``runner``. ``budget(seconds)`` gives the timeout
+    a run may take now, or ``None`` when no time is left (the run is skipped: resumable). Returns the runs by role."""
+    runs: dict = {"legacy": [], "extensible": None, "legacy_bi": [], "extensible_bi": None}
+
+    def one(mode: str, repeat: int = 0, bi: bool = False) -> dict | None:
+        timeout = budget(case.seconds)
+        if timeout is None:
+            return None
+        return runner(case.run_name(mode, repeat, bi), case.args(mode, batch_invariant=bi),
+                      min(timeout, case.timeout), timeout < case.timeout)
+
+    for repeat in range(case.baseline_runs):
+        runs["legacy"].append(one("legacy", repeat))
+        if runs["legacy"][-1] is None or "refused" in runs["legacy"][-1]:
+            break
+    if any(r and "refused" in r for r in runs["legacy"]):
+        return runs  # vLLM refuses the combination: nothing to compare
+    runs["extensible"] = one("extensible")
+    if classify(runs["legacy"], runs["extensible"]).outcome == NONDETERMINISTIC:
+        for repeat in range(2):
+            runs["legacy_bi"].append(one("legacy", repeat, bi=True))
+            if runs["legacy_bi"][-1] is None or "refused" in runs["legacy_bi"][-1]:
+                break
+        if not any(r and "refused" in r for r in runs["legacy_bi"]):
+            runs["extensible_bi"] = one("extensible", bi=True)
+    return runs
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:+.1f}"
+
+
+def row(case: Case, runs: dict) -> dict:
+    """The table row of one case."""
+    verdict = classify_with_fallback(runs)
+    legacy = next((r for r in runs.get("legacy") or [] if r and "memory" in r), None)
+    ext = runs.get("extensible") if runs.get("extensible") and "memory" in runs["extensible"] else None
+    problems: list[str] = []
+    if legacy and ext:
+        problems = check_memory_budget(legacy, ext)
+        cached = ext.get("num_cached_tokens") or []
+        if case.expect_cached and not all(c and c >= CACHED_BLOCKS * case.block_size for c in cached):
+            problems.append(f"the measured pass must read {CACHED_BLOCKS} cached KV blocks per prompt "
+                            f"({CACHED_BLOCKS * case.block_size} tokens), got {cached}")
+    sens = (ext or {}).get("sensitivity")
+    over = lambda r: (r or {}).get("memory", {}).get("peak", {}).get("over_budget_measured")  # noqa: E731
+    return {
+        "case": case.id, "model": case.model, "runner": case.runner, "backend": case.backend,
+        "kv_dtype": case.kv_name, "block_size": case.block_size,
+        "legacy_blocks": (legacy or {}).get("memory", {}).get("num_gpu_blocks"),
+        "extensible_blocks": (ext or {}).get("memory", {}).get("num_gpu_blocks"),
+        "outcome": verdict.outcome, "detail": verdict.detail,
+        "baseline_deterministic": verdict.baseline_deterministic, "tokens_identical": verdict.tokens_identical,
+        "over_budget_legacy": over(legacy), "over_budget_extensible": over(ext),
+        "sensitivity_proven": None if not sens else bool(sens["changed"]),
+        "budget_problems": problems,
+        "terms": budget_terms(ext) if ext else None, "legacy_terms": budget_terms(legacy) if legacy else None,
+    }
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+TABLE_HEADER = ("model", "runner", "backend", "KV dtype", "block", "legacy blocks", "ext blocks",
+                "baseline deterministic?", "tokens identical?", "over budget MiB legacy / ext", "sensitivity proven?",
+                "outcome")
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The per-case table (markdown), then one line per case with a detail or a budget problem."""
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    notes = []
+    for r in rows:
+        budget = f"{_mib(r['over_budget_legacy'])} / {_mib(r['over_budget_extensible'])}"
+        outcome = r["outcome"] + (" (budget!)" if r["budget_problems"] else "")
+        lines.append("| " + " | ".join(str(v) for v in (
+            r["model"], r["runner"], r["backend"], r["kv_dtype"], r["block_size"], r["legacy_blocks"] or "-",
+            r["extensible_blocks"] or "-", _yes(r["baseline_deterministic"]), _yes(r["tokens_identical"]), budget,
+            _yes(r["sensitivity_proven"]), outcome)) + " |")
+        for text in ([r["detail"]] if r["detail"] else []) + r["budget_problems"]:
+            notes.append(f"- {r['case']}: {text}")
+        t = r.get("terms")
+        if t:
+            notes.append(f"- {r['case']}: since the final commit the extensible run grew torch by "
+                         f"{t['torch_growth'] / MIB:.1f} MiB (sizing foresaw "
+                         f"{(t['predicted_torch_growth'] or 0) / MIB:.1f}), non-torch by "
+                         f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+# -- serving throughput --------------------------------------------------------------------------------------------
+def _stats(data: Sequence[float]) -> dict:
+    xs = sorted(data)
+    n = len(xs)
+    mean = sum(xs) / n
+    q = lambda f: xs[min(n - 1, int(f * (n - 1) + 0.5))]  # noqa: E731
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return {"min": xs[0], "max": xs[-1], "mean": mean, "stddev": sd, "rounds": n, "median": q(0.5),
+            "iqr": q(0.75) - q(0.25), "q1": q(0.25), "q3": q(0.75), "iqr_outliers": 0, "stddev_outliers": 0,
+            "outliers": "0;0", "ld15iqr": xs[0], "hd15iqr": xs[-1], "ops": 1 / mean if mean else 0.0,
+            "total": sum(xs), "iterations": 1, "data": list(data)}
+
+
+def throughput_benchmark(legacy: dict, ext: dict, machine: dict | None = None) -> dict:
+    """pytest-benchmark-compatible JSON of two ``--throughput`` runs: one benchmark per mode, each round a timed
+    window, its time the seconds per generated token (``ops`` = tokens/s); ``extra_info`` carries tokens/s, the
+    block count and engine start seconds; the top-level ``ratio`` the extensible/legacy figures (target >= 0.99)."""
+    benches = []
+    for mode, run in (("legacy", legacy), ("extensible", ext)):
+        tp = run["throughput"]
+        per_token = [w["seconds"] / w["tokens"] for w in tp["windows"]]
+        case = run["case"]
+        benches.append({
+            "group": "serve/decode", "name": f"decode_throughput[{mode}]",
+            "fullname": f"integration/run_case.py::decode_throughput[{case['model']}-{case['runner']}-{mode}]",
+            "params": {"mode": mode}, "param": mode, "options": {"timer": "time.perf_counter"},
+            "stats": _stats(per_token),
+            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tp["tokens_per_s"],
+                           "num_seqs": tp["num_seqs"], "steps_per_window": tp["steps_per_window"],
+                           "num_gpu_blocks": run["memory"]["num_gpu_blocks"],
+                           "engine_seconds": run["engine_seconds"], "model": case["model"],
+                           "runner": case["runner"]}})
+    lt, et = legacy["throughput"]["tokens_per_s"], ext["throughput"]["tokens_per_s"]
+    return {"machine_info": machine or {}, "commit_info": {}, "benchmarks": benches,
+            "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"), "version": "5.2.3",
+            "ratio": {"decode_tokens_per_s": et / lt,
+                      "engine_seconds": ext["engine_seconds"] / legacy["engine_seconds"], "target_decode": 0.99,
+                      "same_block_count": legacy["memory"]["num_gpu_blocks"] == ext["memory"]["num_gpu_blocks"]}}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Decode throughput of legacy and extensible at the same block count, one process each."""
+
+    model: str
+    runner: str
+    num_gpu_blocks_override: int
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    capture_sizes: str = ""
+    seconds: int = 150
+    timeout: int = 540
+    group: str = "throughput"
+    extra: tuple[str, ...] = field(default=())
+
+    @property
+    def id(self) -> str:
+        return f"throughput-{self.model}-{self.runner}"
+
+    def args(self, mode: str) -> list[str]:
+        return ["--model", self.model, "--runner", self.runner, "--mode", mode, "--throughput", "--no-peak",
+                "--no-sensitivity", "--num-gpu-blocks-override", str(self.num_gpu_blocks_override),
+                "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
+                "--capture-sizes", self.capture_sizes, *self.extra]
+
+    def run_name(self, mode: str) -> str:
+        return f"{self.id}-{mode}"
+
+
+def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
+    runs = {}
+    for mode in ("legacy", "extensible"):
+        timeout = budget(case.seconds)
+        runs[mode] = None if timeout is None else runner(case.run_name(mode), case.args(mode),
+                                                         min(timeout, case.timeout), timeout < case.timeout)
+    return runs

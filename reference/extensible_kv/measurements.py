@@ -1,0 +1,325 @@
+"""The schema of every measurement file a run writes: one pydantic model per file.
+
+- ``conformance-<driver>.json``: ``ConformanceSummary``, by ``conformance/conftest.py`` (``--summary-json``);
+- ``validate-backend-<driver>.json``: ``BackendValidation``, by ``python -m extensible_kv validate-backend --json``;
+- ``bench-<driver>.json``: ``BenchmarkFile``, pytest-benchmark over ``bench/`` (``bench/conftest.py`` adds
+  ``machine_info.environment``);
+- ``integration/**/<case>.json``: ``IntegrationCase``, by ``integration/run_case.py``;
+- ``environment.json``: ``Environment``, by ``python -m extensible_kv environment OUT`` and beside the files of the
+  conformance, bench and integration runs.
+
+Writers build a model and ``write`` it; readers ``read`` a file into its model, and every problem (unreadable, empty,
+not JSON, a field of the wrong type) is one ``BadFile`` naming the file and the field path. Types are strict (``"80"``
+is not a number), NaN and infinity are refused, and fields a model does not name are kept as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+
+Count = NonNegativeInt
+Number = int | float  # kept as written: 32 stays 32, 0.5 stays 0.5
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+
+# -- conformance-<driver>.json -----------------------------------------------------------------------------------
+class DriverResult(Record):
+    """One driver's counts and, where it ran, its granularity and the timed commit probe."""
+
+    driver: str
+    passed: Count = 0
+    failed: Count = 0
+    skipped: Count = 0
+    granularity: Count | None = None
+    commit_gb_per_s: Number | None = None
+    commit_bytes: Count | None = None
+    unavailable: str | None = None
+
+
+class RuleOutcome(Record):
+    """One rule (test) on one driver; ``reason`` where the run recorded one (skips)."""
+
+    driver: str
+    test: str
+    outcome: str
+    reason: str | None = None
+
+
+class ConformanceSummary(Record):
+    exitstatus: int | None = None
+    torch: str | None = None
+    drivers: list[DriverResult] = []
+    tests: list[RuleOutcome] = []
+
+
+# -- validate-backend-<driver>.json ------------------------------------------------------------------------------
+class BackendCheckItem(Record):
+    name: str
+    ok: bool
+    detail: str
+
+
+class BackendResult(Record):
+    """One backend under one KV layout (``extensible_kv.backend_check.BackendReport``)."""
+
+    backend: str
+    kv_layout: str | None = None
+    driver: str = "-"
+    shape: list[int] | None = None
+    stride_order: list[int] | None = None
+    block_dim: int | None = None
+    segments: Count | None = None
+    page_size_bytes: int | None = None
+    checks: list[BackendCheckItem] = []
+    ok: bool
+
+
+class BackendValidation(Record):
+    results: list[BackendResult]
+
+
+# -- environment.json --------------------------------------------------------------------------------------------
+class Environment(Record):
+    """Where a run ran. ``packages``: versions of the optional packages that matter here (cuda-bindings, vllm, ...)."""
+
+    date: str | None = None
+    gpu: str | None = None
+    gpu_memory: Count | None = None
+    gpu_driver: str | None = None
+    torch: str | None = None
+    cuda: str | None = None
+    hip: str | None = None
+    python: str | None = None
+    platform: str | None = None
+    packages: dict[str, str] = {}
+
+    @classmethod
+    def collect(cls) -> Environment:
+        """This machine, now: torch's versions and first GPU, the NVIDIA driver (``nvidia-smi``'s CSV query, where
+        there is one) and the installed versions of the packages of the extras."""
+        import torch  # noqa: PLC0415
+
+        gpu = memory = None
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            gpu, memory = props.name, int(props.total_memory)
+        packages = {}
+        for name in ("cuda-bindings", "hip-python", "vllm", "pytest-benchmark"):
+            try:
+                packages[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+        return cls(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), gpu=gpu, gpu_memory=memory,
+                   gpu_driver=_nvidia_driver(), torch=torch.__version__, cuda=torch.version.cuda,
+                   hip=getattr(torch.version, "hip", None), python=platform.python_version(),
+                   platform=platform.platform(), packages=packages)
+
+
+def _nvidia_driver() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+# -- bench-<driver>.json (pytest-benchmark) ----------------------------------------------------------------------
+class BenchExtra(Record):
+    """``extra_info`` of a benchmark of ``bench/``: its stable ``key`` and what it measured."""
+
+    key: str | None = None
+    driver: str | None = None
+    device_type: str | None = None
+    granularity: Count | None = None
+    scale: Number | None = None
+    state: str | None = None
+    nominal_gib: Number | None = None
+    subprocess_median_s: Number | None = None
+    subprocess_torch: str | None = None
+    calls: dict[str, Number] | None = None
+    bytes: Count | None = None
+    moved_bytes: Count | None = None
+    handles: Count | None = None
+    set_access: Count | None = None
+    granules: Count | None = None
+    zero_calls: Count | None = None
+    segments: Count | None = None
+    runs: Count | None = None
+    buffers: Count | None = None
+
+
+class BenchStats(Record):
+    median: Number | None = None
+
+
+class Benchmark(Record):
+    extra_info: BenchExtra = BenchExtra()
+    stats: BenchStats = BenchStats()
+
+
+class Cpu(Record):
+    brand_raw: str | None = None
+
+
+class MachineInfo(Record):
+    python_version: str | None = None
+    cpu: Cpu = Cpu()
+    environment: Environment | None = None  # bench/conftest.py, pytest_benchmark_update_machine_info
+
+
+class BenchmarkFile(Record):
+    benchmarks: list[Benchmark]
+    datetime: str | None = None
+    machine_info: MachineInfo = MachineInfo()
+
+
+# -- integration/**/<case>.json ----------------------------------------------------------------------------------
+class CaseSpec(Record):
+    model: str
+    runner: str
+    backend: str
+    mode: str
+    corrupt: bool = False
+    gpu_memory_utilization: Number | None = None
+    max_model_len: Count | None = None
+
+
+class CaseMemory(Record):
+    """vLLM's profiling figures and the memory after warmup, in bytes (``integration/run_case.py``,
+    ``memory_figures``). Older runs lack ``torch_reusable`` and ``cudagraph_memory``."""
+
+    total: Count | None = None
+    free_after_warmup: Count | None = None
+    init_free: Count | None = None
+    requested: Count | None = None
+    weights: Count | None = None
+    profiled_peak_activation: Count | None = None
+    profiled_non_torch: Count | None = None
+    cudagraph_estimate: Count | None = None
+    available_kv_cache_memory: Count | None = None
+    torch_reserved: Count | None = None
+    torch_reusable: Count | None = None
+    num_gpu_blocks: Count | None = None
+    cudagraph_memory: Count | None = None
+    runner: str | None = None
+    peak: dict[str, Any] | None = None  # at the measured peak: Note [Over budget at the measured peak], integration/parity.py
+
+
+class KVFigures(Record):
+    reserved_bytes: Count | None = None
+    committed_bytes: Count | None = None
+    backed_bytes: Count | None = None
+    waste_bytes: Count | None = None
+    max_num_blocks: Count | None = None
+    num_blocks: Count | None = None
+    granularity: Count | None = None
+    buffers: list[dict[str, Any]] = []
+
+
+class SizingFigures(Record):
+    """What the extensible sizing measured (``extensible_kv.vllm``)."""
+
+    blocks: Count | None = None
+    bytes_per_block: Count | None = None
+    non_kv: int | None = None
+
+
+class GrowthEvent(Record):
+    event: str | None = None
+    reason: str | None = None
+    from_: Count | None = Field(None, alias="from")
+    to: Count | None = None
+
+
+class ExtensibleFigures(Record):
+    """The extensible KV cache's own report (``extensible_kv_report`` on the worker)."""
+
+    segments: list[Count] | None = None  # per buffer
+    kv: KVFigures | None = None
+    measured: SizingFigures | None = None
+    events: list[GrowthEvent] | None = None
+    commit_seconds: Number | None = None
+
+
+class IntegrationCase(Record):
+    case: CaseSpec
+    token_ids: list[list[int]] | None = None
+    num_cached_tokens: list[int | None] | None = None
+    corrupted_elements: Count | None = None
+    engine_seconds: Number | None = None
+    memory: CaseMemory | None = None  # None when vLLM refused the combination
+    extensible: ExtensibleFigures | None = None
+    refused: str | None = None  # vLLM's reason for refusing the combination
+
+
+# -- reading and writing -----------------------------------------------------------------------------------------
+M = TypeVar("M", bound=BaseModel)
+
+
+class BadFile(ValueError):
+    """A measurement file that cannot be read or is not in its format; the message names the file and the field."""
+
+
+def write(path: str | Path, model: BaseModel) -> Path:
+    """``model`` as indented JSON in ``path`` (its folder made if needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(model.model_dump_json(indent=2, by_alias=True) + "\n")
+    return path
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read(path: str | Path, model: type[M]) -> M:
+    """The file at ``path`` as ``model``; ``BadFile`` naming the file and the field path where it is not."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        raise BadFile(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not text.strip():
+        raise BadFile(f"{path}: empty file")
+    try:
+        json.loads(text, parse_constant=_no_constant)
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise BadFile(f"{path}: {_first_error(exc)}") from None
+    except (ValueError, RecursionError) as exc:
+        raise BadFile(f"{path}: not valid JSON, truncated or corrupt ({exc})") from None
+
+
+# pydantic's error types in the words of JSON
+_WANTED = {"model_type": "an object", "dict_type": "an object", "model_attributes_type": "an object",
+           "list_type": "a list", "int_type": "an integer", "int_from_float": "an integer",
+           "float_type": "a number", "string_type": "a string", "bool_type": "true or false",
+           "greater_than_equal": "a non-negative integer"}
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc, wanted = list(err["loc"]), _WANTED.get(err["type"])
+    if loc and loc[-1] in ("int", "float"):  # the int branch of a Number (int | float)
+        loc, wanted = loc[:-1], "a number"
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "the top level"
+    if err["type"] == "missing":
+        return f"{where} is missing"
+    value = err.get("input")
+    shown = {list: "a list", dict: "an object", type(None): "null"}.get(type(value)) or json.dumps(value)[:60]
+    return f"{where} should be {wanted}, got {shown}" if wanted else f"{where}: {err['msg']}, got {shown}"

@@ -1,0 +1,29 @@
+"""The report's one number format: ``number(value, unit)``. ``None`` is "not measured", ``True``/``False`` are
+yes/no. Sizes are binary (GiB = 2**30, MiB = 2**20 bytes), rates decimal (GB/s = 1e9 bytes per second); times are
+given in seconds and shown in ms or us."""
+
+from __future__ import annotations
+
+NOT_MEASURED = "not measured"
+GIB, MIB = 1 << 30, 1 << 20
+
+# unit -> (factor from the measured unit: bytes, seconds or a plain number; format spec)
+UNITS = {"count": (1, ","), "GiB": (1 / GIB, ",.3f"), "MiB": (1 / MIB, ",.2f"), "ms": (1e3, ",.3f"),
+         "us": (1e6, ",.1f"), "GB/s": (1, ",.2f"), "ratio": (1, ".4g"), "%": (1, ".3f")}
+
+
+def scaled(value: float | None, unit: str) -> float | None:
+    """``value`` (bytes, seconds or a plain number) in ``unit``."""
+    return None if value is None or unit not in UNITS else value * UNITS[unit][0] if UNITS[unit][0] != 1 else value
+
+
+def number(value: object, unit: str = "count", signed: bool = False, missing: str = NOT_MEASURED) -> str:
+    """``value`` in ``unit`` (one of ``UNITS``; any other unit shows the value as it is)."""
+    if value is None:
+        return missing
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if unit not in UNITS or not isinstance(value, (int, float)):
+        return str(value)
+    text = format(scaled(value, unit), ("+" if signed else "") + UNITS[unit][1])
+    return f"{text} %" if unit == "%" else text

@@ -1,0 +1,114 @@
+"""A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
+
+Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmark), ``validate-backend*.json``,
+``integration/**/*.json`` and ``environment.json`` (top level and beside the cases). What a run lacks is listed in
+``Run.missing`` and reads "not measured"; a file that is there but not in its format is a ``BadFile``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..measurements import BackendValidation, ConformanceSummary, Environment, IntegrationCase, RuleOutcome, read
+from .benchmarks import Bench
+from .numbers import number
+
+# The environment items in report order, with their names in the report.
+ENVIRONMENT_NAMES = {"gpu": "GPU", "gpu_memory": "GPU memory", "gpu_driver": "GPU driver", "torch": "torch",
+                     "cuda": "CUDA", "hip": "HIP", "cuda-bindings": "cuda-bindings", "vllm": "vllm",
+                     "granularity": "VMM granularity", "date": "date", "python": "python", "platform": "platform",
+                     "cpu": "CPU"}
+
+
+class RunFolderError(Exception):
+    """The run folder does not exist or is not a folder."""
+
+
+def rule(t: RuleOutcome) -> str:
+    """A test without its parameters and folder: ``test_kv_cache.py::test_ensure_blocks_...``."""
+    return t.test.split("[", 1)[0].rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A measurement file of the run (its name in the run folder) and what it holds."""
+
+    source: str
+    data: ConformanceSummary | BackendValidation
+
+
+@dataclass(frozen=True)
+class Case:
+    """One vLLM case; ``path`` is relative to the run's ``integration/`` folder."""
+
+    path: str
+    data: IntegrationCase
+
+    spec = property(lambda self: self.data.case)
+    mode = property(lambda self: self.spec.mode)
+    corrupt = property(lambda self: self.spec.corrupt)
+    group = property(lambda self: (self.spec.model, self.spec.runner, self.spec.backend))
+    folder = property(lambda self: self.path.rpartition("/")[0])
+    variant = property(lambda self: self.mode + ("+corrupt" if self.corrupt else ""))
+    key = property(lambda self: "/".join((*self.group, self.variant)))  # matches cases of two runs
+    label = property(lambda self: " ".join((*self.group, self.variant)) + (f" ({self.folder})" if self.folder else ""))
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    conformance: list[Source]
+    bench: list[Bench]
+    cases: list[Case]
+    backends: list[Source]
+    environment: dict[str, tuple[str | None, str | None]]  # item -> (value, the file it came from)
+    missing: list[str]
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.conformance or self.bench or self.cases or self.backends)
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RunFolderError(f"run folder {str(folder)!r} does not exist or is not a folder")
+    integration = folder / "integration"
+    cases = sorted(p for p in integration.rglob("*.json") if p.name != "environment.json")
+    run = Run(name or folder.resolve().name, folder,
+              [Source(p.name, read(p, ConformanceSummary)) for p in sorted(folder.glob("conformance-*.json"))],
+              [Bench.load(p) for p in sorted(folder.glob("bench*.json"))],
+              [Case(p.relative_to(integration).as_posix(), read(p, IntegrationCase)) for p in cases],
+              [Source(p.name, read(p, BackendValidation)) for p in sorted(folder.glob("validate-backend*.json"))],
+              {}, [])
+    run.missing = [f"{what}: no {files} in the run folder" for found, what, files in (
+        (run.conformance, "conformance", "conformance-*.json"), (run.bench, "benchmarks", "bench*.json"),
+        (run.cases, "vLLM integration", "integration/**/*.json"),
+        (run.backends, "backend validation", "validate-backend*.json")) if not found]
+    envs = [p for p in [folder / "environment.json", *sorted(integration.rglob("environment.json"))] if p.is_file()]
+    run.environment = environment(run, [(p.relative_to(folder).as_posix(), read(p, Environment)) for p in envs])
+    return run
+
+
+def environment(run: Run, files: list[tuple[str, Environment]]) -> dict[str, tuple[str | None, str | None]]:
+    """Each item from the first file that records it: ``environment.json`` files, then the benchmark JSON's
+    ``machine_info``, then what the measurement files record on the side."""
+    found: dict[str, tuple[str, str]] = {}
+    files = files + [(b.source, b.data.machine_info.environment) for b in run.bench if b.data.machine_info.environment]
+    items = [(k, v, source) for source, env in files
+             for k, v in {**env.model_dump(exclude={"packages"}), **env.packages}.items()]
+    items += [("torch", c.data.torch, c.source) for c in run.conformance]
+    items += [("granularity", d.granularity and f"{d.granularity:,} bytes ({d.driver})", c.source)
+              for c in run.conformance for d in c.data.drivers]
+    for b in run.bench:
+        g, machine = b.summary["granularity"], b.data.machine_info
+        items += [("granularity", g and f"{g:,} bytes ({b.summary['driver']})", b.source),
+                  ("date", b.data.datetime, b.source), ("python", machine.python_version, b.source),
+                  ("cpu", machine.cpu.brand_raw, b.source)]
+    items += [("gpu_memory", c.data.memory.total, f"integration/{c.path}") for c in run.cases]
+    for key, value, source in items:
+        if key not in found and value not in (None, ""):
+            found[key] = (f"{number(value, 'GiB')} GiB" if key == "gpu_memory" else str(value), source)
+    return {k: found.get(k, (None, None)) for k in ENVIRONMENT_NAMES}

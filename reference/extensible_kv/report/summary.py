@@ -1,0 +1,54 @@
+"""summary.json of one run: every figure of the report as a number (``null``: not measured); ``comparison`` reads
+two of these."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .accounting import BlockPair, MemoryBreakdown
+from .matrix import matrix_cells
+from .run import Run
+
+# The figures of a case breakdown in summary.json, by name.
+CASE_FIGURES = ("blocks", "bytes_per_block", "commit_seconds", "total", "requested", "before_engine", "weights",
+                "activation_peak", "graph_pools", "other_non_kv", "kv_committed", "kv_padding", "kv_source",
+                "free_after_warmup", "non_kv_after_warmup", "non_kv_sizing", "non_kv_estimate",
+                "non_kv_estimate_parts", "measured_minus_estimate", "over_budget", "activation_reusable",
+                "activation_headroom", "over_budget_at_peak")
+
+
+def _case(b: MemoryBreakdown) -> dict:
+    c, segments = b.case, b.segments()
+    return {"path": c.path, "key": c.key,
+            **c.spec.model_dump(include={"model", "runner", "backend", "mode", "corrupt"}),
+            **{name: getattr(b, name) for name in CASE_FIGURES},
+            "tokens_match_legacy": b.tokens_match_legacy if c.mode != "legacy" else None,
+            "num_cached_tokens": c.data.num_cached_tokens,
+            "legacy_partner": b.legacy_partner.path if b.legacy_partner else None,
+            "kv_partner": b.kv_partner.path if b.kv_partner else None,
+            "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments]}
+
+
+def summary(run: Run, breakdowns: list[MemoryBreakdown], pairs: list[BlockPair]) -> dict:
+    rules, columns, cells = matrix_cells(run.conformance)
+    return {
+        "run": run.name, "run_folder": run.path.as_posix(),
+        "environment": {k: {"value": v, "source": s} for k, (v, s) in run.environment.items()},
+        "not_measured": list(run.missing),
+        "conformance": [{"source": c.source, "exitstatus": c.data.exitstatus, "torch": c.data.torch,
+                         "drivers": [d.model_dump() for d in c.data.drivers],
+                         "outcomes": dict(Counter(t.outcome for t in c.data.tests)),
+                         "not_passed": [t.model_dump() for t in c.data.tests if t.outcome != "passed"]}
+                        for c in run.conformance],
+        "conformance_matrix": {"columns": columns, "rules": {r: {col: dict(cells[(r, col)]) for col in columns
+                                                                 if (r, col) in cells} for r in rules}},
+        "bench": [{"source": b.source, "datetime": b.data.datetime, "summary": b.summary} for b in run.bench],
+        "integration": {
+            "cases": [_case(b) for b in breakdowns],
+            "pairs": [{"legacy": p.legacy.case.path, "other": p.other.case.path, "legacy_blocks": p.legacy.blocks,
+                       "blocks": p.other.blocks, "delta_blocks": p.delta_blocks, "delta_percent": p.delta_percent,
+                       "delta_bytes": p.delta_bytes} for p in pairs]},
+        "backend_validation": [{"source": f.source, **r.model_dump(exclude={"checks"}),
+                                "checks_not_ok": [c.name for c in r.checks if not c.ok]}
+                               for f in run.backends for r in f.data.results],
+    }
