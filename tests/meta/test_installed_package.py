@@ -147,7 +147,8 @@ def elsewhere(tmp_path: Path) -> Path:
 def test_the_wheel_holds_the_reference_and_the_rules_and_no_tests_of_the_project(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     reference = ROOT / "reference"
-    want = {p.relative_to(reference).as_posix() for p in (reference / "extensible_kv").rglob("*.py")}
+    want = {p.relative_to(reference).as_posix() for p in (reference / "extensible_kv").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}  # modules and package data (the report's templates)
     want |= {f"extensible_kv_conformance/{p.relative_to(ROOT / 'conformance').as_posix()}"
              for p in [*(ROOT / "conformance").glob("*.py"), *(ROOT / "conformance" / "plugin").glob("*.py")]}
     missing = sorted(want - names)
@@ -162,12 +163,15 @@ def test_the_wheel_holds_the_reference_and_the_rules_and_no_tests_of_the_project
 
 
 def test_check_driver_from_the_installed_package_passes_the_rules_on_host_4k(venv: Path, elsewhere: Path):
-    proc = _run([venv / "bin" / "extensible-kv", "check-driver", "host-4k", "-k", RULES, "-v"], cwd=elsewhere)
+    summary = elsewhere / "out" / "conformance-host-4k.json"
+    proc = _run([venv / "bin" / "extensible-kv", "check-driver", "host-4k", "-k", RULES, "-v",
+                 f"--summary-json={summary}"], cwd=elsewhere)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY),
-           "site-packages/extensible_kv_conformance/test_driver_contract.py::test_zero_sets_exactly_the_range" in out)
-    assert got == (0, True, 1, True), f"extensible-kv check-driver host-4k: expected (exit 0, 3 passed, one summary, " \
-                                      f"the installed rules), got {got}\n{out}"
+           "site-packages/extensible_kv_conformance/test_driver_contract.py::test_zero_sets_exactly_the_range" in out,
+           summary.is_file() and '"passed": 3' in summary.read_text())
+    assert got == (0, True, 1, True, True), f"extensible-kv check-driver host-4k: expected (exit 0, 3 passed, one " \
+                                            f"summary, the installed rules, the summary JSON), got {got}\n{out}"
 
 
 def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Path, elsewhere: Path):
