@@ -1,7 +1,8 @@
 """The extensible_kv conformance suite: the rules every VMM driver (and the tensor on top of it) must pass.
 
 Installed (``pip install extensible-kv``) this folder is the package ``extensible_kv_conformance``; in a source checkout
-it is ``conformance``. Run the rules with ``extensible-kv check-driver NAME|module:factory``, with pytest
+it is ``conformance``, and ``reference/extensible_kv_conformance`` links to it, so that the installed name resolves on
+``PYTHONPATH=reference:.`` too (a build's metadata, left in ``reference/``, names the plugin by it). Run the rules with ``extensible-kv check-driver NAME|module:factory``, with pytest
 (``pytest --pyargs extensible_kv_conformance --driver NAME|module:factory``, add ``-n 1`` for crash isolation; in a
 checkout, ``pytest conformance --driver ...``) or, from another repository's tests, with ``check_driver``. The rules
 live in this folder's ``test_*.py`` files; ``plugin/`` is the pytest plugin that selects the drivers, guards against
