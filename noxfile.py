@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import nox
@@ -20,15 +21,42 @@ nox.options.sessions = ["tests", "layouts"]
 nox.options.reuse_venv = "yes"
 
 ROOT = Path(__file__).parent
-PYPROJECT = nox.project.load_toml("pyproject.toml")
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
 PYTEST_NO_TESTS = 5
 
+# Note [torch's CPU build on a machine without a GPU]
+#     On Linux PyPI's torch is a CUDA build of several GB, also on a machine without a GPU. There the sessions that
+#     install the project (all but layouts and integration, whose vLLM pins its own torch) first install torch from
+#     PyTorch's CPU index, about a tenth of that, unless the machine already says where pip finds packages: a
+#     constraint file (as .ci/run pins the CPU wheel its CI machine keeps on disk: that machine reaches PyPI only),
+#     an index or find-links of its own (PIP_CONSTRAINT, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS,
+#     PIP_NO_INDEX). EXTENSIBLE_KV_TORCH_INDEX names another index for torch; set empty, it turns the step off.
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX_ENV = "EXTENSIBLE_KV_TORCH_INDEX"
+PIP_SOURCES = ("PIP_CONSTRAINT", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")
 
-def _install(session: nox.Session, *args: str) -> None:
-    """Install into the session's venv; with --no-venv, assume it is all there already."""
-    if session.venv_backend != "none":
-        session.install(*args)
+
+def torch_index(environ: Mapping[str, str], gpu: bool) -> str | None:
+    """The index the sessions install torch from before the project, or None to leave torch to pip's own
+    configuration: Note [torch's CPU build on a machine without a GPU]."""
+    if TORCH_INDEX_ENV in environ:
+        return environ[TORCH_INDEX_ENV] or None
+    if gpu or any(environ.get(name) for name in PIP_SOURCES):
+        return None
+    return CPU_TORCH_INDEX
+
+
+def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
+    """Install into the session's venv (torch's CPU build first where Note [torch's CPU build on a machine without
+    a GPU] says so, unless the session's packages pin their own torch); with --no-venv, assume it is all there."""
+    if session.venv_backend == "none":
+        return
+    index = torch_index(os.environ, GPU_MACHINE) if own_torch else None
+    if index:
+        session.log(f"no GPU here: torch's CPU build from {index} ({TORCH_INDEX_ENV}= to leave torch to pip)")
+        session.install("--index-url", index, "torch")
+    session.install(*args)
 
 
 def _gpu_extra(driver: str | None) -> str:
@@ -52,34 +80,36 @@ def _run_python(session: nox.Session, *args: str, **kwargs):
     return session.run(python, *args, env=env, **kwargs)
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
-    """Run pytest; a run that collected no tests (exit 5) is an error with its own message, never a pass."""
+def _pytest(session: nox.Session, *args: str, module: tuple[str, ...] = ("pytest",)) -> None:
+    """Run pytest (or ``module``, which ends in a pytest run and exits with its status); a run that collected no
+    tests (exit 5) is an error with its own message, never a pass."""
     try:
-        _run_python(session, "-m", "pytest", *args)
+        _run_python(session, "-m", *module, *args)
     except CommandFailed as exc:
         if getattr(exc, "return_code", None) == PYTEST_NO_TESTS:
             session.error(f"pytest collected no tests (exit {PYTEST_NO_TESTS}) for: {' '.join(args)}")
         raise
 
 
-# `tests` uses pip (virtualenv): pip honours the machine's own configuration and PIP_* variables (local wheel folders,
-# extra indexes, constraints), which is how a CPU build of torch is chosen on GPU-less machines (README, "Set up and
-# run"); uv reads none of it.
-@nox.session(venv_backend="virtualenv", tags=["cpu"])
-def tests(session: nox.Session) -> None:
-    """Unit, meta and conformance tests and the benchmark smoke run on the host driver (no GPU needed)."""
-    _install(session, "-e", ".[report]", *TEST_DEPS)
-    _pytest(session, "conformance", "bench", "integration", "--driver", "host,host-4k", "-n", "2", *session.posargs)
-
-
-# On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
 GPU_MACHINE = bool(_gpu_extra(None))
 
 
+# `tests` uses pip (virtualenv): pip honours the machine's own configuration and PIP_* variables (local wheel folders,
+# extra indexes, constraints), which .ci/run uses to pin the CPU build of torch its machine keeps on disk; uv reads
+# none of it.
+@nox.session(venv_backend="virtualenv", tags=["cpu"])
+def tests(session: nox.Session) -> None:
+    """Rules on host and host-4k, unit and meta tests (the wheel too), bench smoke, integration's CPU parts."""
+    _install(session, "-e", ".[report]", *TEST_DEPS)
+    _pytest(session, "conformance", "tests", "bench", "integration", "--driver", "host,host-4k", "-n", "2",
+            *session.posargs)
+
+
+# On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
 @nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def conformance(session: nox.Session) -> None:
-    """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one), in a
-    pytest-xdist worker so a driver that faults fails that rule and the run goes on."""
+    """Conformance rules on one driver: `nox -s conformance -- cuda` (default: the best available one), through
+    `extensible-kv check-driver` (a pytest-xdist worker: a driver that faults fails that rule and the run goes on)."""
     args = list(session.posargs)
     driver = args.pop(0) if args and not args[0].startswith("-") else None
     _install(session, "-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
@@ -87,14 +117,14 @@ def conformance(session: nox.Session) -> None:
         driver = _run_python(session, "-c", "from extensible_kv.drivers import best_available as b; print(b())",
                              silent=True).strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
-    _pytest(session, "conformance", "--ignore", "conformance/meta", "--ignore", "conformance/unit",
-            "--driver", driver, f"--summary-json=reports/out/conformance-{driver}.json", "-n", "1", *args)
+    _pytest(session, driver, f"--summary-json=reports/out/conformance-{driver}.json", *args,
+            module=("extensible_kv", "check-driver"))
 
 
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])
 def layouts(session: nox.Session) -> None:
     """Segment derivation against vLLM 0.26.0's real attention backends and reshape code (CPU is enough)."""
-    _install(session, "-e", ".[vllm]", *TEST_DEPS)
+    _install(session, "-e", ".[vllm]", *TEST_DEPS, own_torch=False)
     session.env["EXTENSIBLE_KV_REQUIRE_VLLM"] = "1"
     _pytest(session, "integration/test_backend_layouts.py", *session.posargs)
 
@@ -128,7 +158,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(tags=["cuda", "rocm"])
 def integration(session: nox.Session) -> None:
     """vLLM 0.26.0 greedy parity, legacy vs extensible KV cache, each case in a fresh process (needs a GPU)."""
-    _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS)
+    _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS, own_torch=False)
     _pytest(session, "integration/test_greedy_parity.py", *session.posargs)
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv import ExtensibleTensor, Ledger
+from extensible_kv.drivers.ledger import OPERATIONS
 from extensible_kv import granules as _granules
 from extensible_kv.errors import BusyError
 
-COUNTED_OPS = ("create", "map", "set_access", "zero")
 
 
 class RawCommit:
@@ -157,7 +157,8 @@ def plan_growth(driver, segment_bytes: int, segments: int, old: int, new: int) -
 
 
 def count_growth(driver, build: Callable, grow: Callable) -> dict[str, int]:
-    """Driver calls made by ``grow(state)`` where ``state = build(ledger)``, counted through a ``Ledger``.
+    """Driver calls of each operation made by ``grow(state)`` where ``state = build(ledger)``, counted through a
+    ``Ledger`` (every one of its ``OPERATIONS``, 0 for those not called).
 
     ``build`` makes the objects (with the ledger as their driver) and does any untimed preparation; only the calls
     ``grow`` makes are counted. Everything is closed afterwards and the ledger must be empty: a leak fails here.
@@ -167,7 +168,7 @@ def count_growth(driver, build: Callable, grow: Callable) -> dict[str, int]:
     try:
         start = len(ledger.calls)
         grow(state)
-        counts = {op: ledger.count(op, since=start) for op in COUNTED_OPS}
+        counts = {op: ledger.count(op, since=start) for op in OPERATIONS}
     finally:
         state.close()
     left = ledger.outstanding()

@@ -3,9 +3,8 @@
 Options:
 
 - ``--bench-driver SPEC``: the driver to benchmark (a registered name or ``module:factory``); default: the best
-  available one (``cuda`` on a working GPU, else ``host``). ``--driver`` is accepted as an alias when the
-  conformance suite (which owns ``--driver``) is not collected in the same run; when it is, the first driver of its
-  ``--driver`` list is used. A driver that cannot run here skips every benchmark with its probe's reason (unless
+  available one (``cuda`` on a working GPU, else ``host``). Without it the first driver of ``--driver`` is used (the
+  conformance suite's option: its plugin is loaded here when it is not installed). A driver that cannot run here skips every benchmark with its probe's reason (unless
   ``EXTENSIBLE_KV_REQUIRE_GPU=1``, which makes a run without a GPU driver fail).
 - ``--bench-scale X``: multiplies every size. On a GPU sizes are the published ones (32 GiB, 100 GiB, ...) times X. On a
   CPU driver they are scaled down automatically (32 GiB -> 64 MiB, 100 GiB -> 128 MiB, 64 KV buffers -> 8) so the
@@ -35,6 +34,8 @@ import torch
 from extensible_kv import drivers
 from extensible_kv.errors import DriverLoadError, DriverUnavailable
 
+from conformance import load_plugin
+
 from ._vmm import close_quietly
 
 REQUIRE_GPU_ENV = "EXTENSIBLE_KV_REQUIRE_GPU"
@@ -50,11 +51,10 @@ FREE_MARGIN = {True: 1 * GIB, False: 64 * MIB}  # keep this much device memory f
 _SPEC = pytest.StashKey[str]()
 _NOTHING_SAVED = "Not saving anything"
 _BENCH_WARNING = "pytest_benchmark.logger.PytestBenchmarkWarning"
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- options --------------------------------------------------------------------------------------------------------
-def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("extensible-kv-bench", "extensible-kv benchmarks (bench/)")
     group.addoption("--bench-driver", action="store", default=None,
                     help="driver to benchmark: a registered name (cuda, host, host-4k) or module:factory; "
@@ -63,26 +63,10 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
                     help="multiply every benchmark size (default 1.0; CPU drivers are scaled down automatically)")
     group.addoption("--bench-settle", action="store", type=float, default=None,
                     help="seconds to wait after a release before a 'fresh' round (default: 1 on GPUs, 0 on the host)")
-    if not _conformance_collected(pluginmanager):
-        group.addoption("--driver", action="store", dest="driver", default=None,
-                        help="alias of --bench-driver (only when the conformance suite is not collected)")
 
 
-def _conformance_collected(pluginmanager: pytest.PytestPluginManager) -> bool:
-    """Whether this run names a path inside ``conformance/``, whose conftest defines ``--driver`` itself."""
-    config = pluginmanager.get_plugin("pytestconfig")
-    if config is None:
-        return False
-    conformance = _ROOT / "conformance"
-    base = Path(config.invocation_params.dir)
-    for arg in config.invocation_params.args:
-        arg = str(arg)
-        if arg.startswith("-"):
-            continue
-        path = (base / arg.split("::", 1)[0]).resolve()
-        if path == conformance or conformance in path.parents:
-            return True
-    return False
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    load_plugin(pluginmanager)  # --driver
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -13,10 +13,12 @@ import time
 
 import pytest
 
+from extensible_kv.drivers import protocol_methods
+
 from ._vmm import RawCommit
 
 STATES = ("settled", "after_release")
-CALLS = ("create", "map", "set_access")
+CALLS = protocol_methods("create", "map", "set_access")  # timed in this order
 
 
 @pytest.mark.benchmark(group="call-breakdown-32GiB")

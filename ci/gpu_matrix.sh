@@ -27,7 +27,7 @@ export PYTHONPATH="$(dirname "$ep"):$PYTHONPATH"
 
 driver=${EXTENSIBLE_KV_DRIVER:-cuda}
 common=(-p no:cacheprovider -q "--junitxml=$out/junit-$stage.xml")
-rules=(conformance --ignore conformance/meta --ignore conformance/unit --driver "$driver")  # the conformance rules
+rules=(conformance --ignore conformance/unit --driver "$driver")  # the rules (unit/: tests of the report)
 case $stage in
   conformance)
     python3 -m pytest "${rules[@]}" "--summary-json=$out/conformance-$driver.json" --commit-probe-bytes=34359738368 \
@@ -38,7 +38,7 @@ case $stage in
     # deliberate there, so only memory errors count.
     sanitizer=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --print-limit 10000 \
-      --error-exitcode 99 python3 -m pytest "${rules[@]}" --hypothesis-profile=meta -k "not past_the_device_memory" \
+      --error-exitcode 99 python3 -m pytest "${rules[@]}" --hypothesis-profile=extensible-kv-meta -k "not past_the_device_memory" \
       "${common[@]}" "$@" > "$out/memcheck-$driver.txt" 2>&1
     rc=$?
     grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck-$driver.txt" | tail -n 3

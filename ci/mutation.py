@@ -1,12 +1,14 @@
 """Mutation testing of the reference core against the conformance suite (``nox -s mutation``).
 
 mutmut mutates a package under ``./``, ``src/`` or ``source/``; the reference lives under ``reference/``, so the run
-happens in a work folder that holds ``src/extensible_kv`` (a copy) and the suite. Each mutant runs the tests that
-cover the mutated function (rules and unit tests on the ``host-4k`` driver, meta-tests excluded: they re-run the suite
-in child processes, as do the tests in ``NOT_UNDER_MUTMUT``), with the ``meta`` Hypothesis profile (derandomized, so
-a rerun gives the same verdicts: a mutant must be killed by a worked example or a fixed-seed one, not by luck). A
-mutant that runs past four times its tests' CPU time (plus 4 s) is stopped and counted killed (it hangs or loops). The score per file is killed / (mutants - equivalent); ``ci/mutation-equivalent.json`` lists the
-mutants that cannot change behaviour, each with a one-line reason. Writes ``reports/mutation.json``.
+happens in a work folder that holds ``src/extensible_kv`` (a copy), the rules (``conformance/``) and the tests
+(``tests/``). Each mutant runs the tests that cover the mutated function (rules and unit tests on the ``host-4k``
+driver; the meta-tests in ``tests/meta/`` are left out: they re-run the suite in child processes, as do the tests in
+``NOT_UNDER_MUTMUT``), with the ``extensible-kv-meta`` Hypothesis profile (derandomized, so a rerun gives the same
+verdicts: a mutant must be killed by a worked example or a fixed-seed one, not by luck). A mutant that runs past four
+times its tests' CPU time (plus 4 s) is stopped and counted killed (it hangs or loops). The score per file is killed /
+(mutants - equivalent); ``ci/mutation-equivalent.json`` lists the mutants that cannot change behaviour, each with a
+one-line reason. Writes ``reports/mutation.json``.
 
 Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH] [--time-limit S]
 [--resume]``. ``--time-limit`` stops mutmut after S seconds and scores what was tested (the rest counts as not
@@ -33,20 +35,24 @@ EQUIVALENT = ROOT / "ci" / "mutation-equivalent.json"
 WORK = ROOT / "reports" / "out" / "mutation-work"
 RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
 KILLED = {"killed", "timeout", "segfault"}
-# Tests that run the package in child processes (which import the unmutated copy), or whose hypothesis machine
-# faults the interpreter under mutmut's trampolines.
-NOT_UNDER_MUTMUT = ("test_stateful_use.py", "unit/test_hostile_host.py", "unit/test_check_driver.py",
-                    "unit/test_cli_bad_input.py", "unit/test_bad_input.py", "unit/test_agreement.py",
-                    "unit/test_report.py")  # a mutant whose tests fault or hang is detected too
+# Tests that run the package in child processes (which import the unmutated copy), whose hypothesis machine faults
+# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile). A mutant whose tests fault or
+# hang is detected too.
+NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
+                    "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
+                    "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",
+                    "tests/unit/test_noxfile.py", "conformance/unit/test_report.py")
+COPIED = ("conformance", "tests")  # the rules and the tests, beside src/ (the selection leaves tests/meta/ out)
 
 CONFIG = """
 [tool.mutmut]
 source_paths = ["src/extensible_kv"]
 only_mutate = {only}
-also_copy = ["conformance"]
-pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x", "--hypothesis-profile=meta"]
+also_copy = {copied}
+pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-x",
+                       "--hypothesis-profile=extensible-kv-meta"]
 timeout_multiplier = 2.0
-pytest_add_cli_args_test_selection = ["conformance", "--ignore", "conformance/meta", {ignored}]
+pytest_add_cli_args_test_selection = ["conformance", "tests/unit", {ignored}]
 """
 
 
@@ -57,21 +63,23 @@ def _module_file(mutant: str) -> str:
 
 
 def _prepare(files: list[str], resume: bool = False) -> None:
-    """A fresh work folder; with ``resume``, only the package and the suite are copied again (the ``mutants/``
-    folder keeps its verdicts; mutmut tests again the mutants of functions that changed)."""
+    """A fresh work folder; with ``resume``, only the package, the rules and the tests are copied again (the
+    ``mutants/`` folder keeps its verdicts; mutmut tests again the mutants of functions that changed)."""
     if WORK.exists() and not resume:
         shutil.rmtree(WORK)
-    for part in ("src", "conformance"):
+    for part in ("src", *COPIED):
         if (WORK / part).exists():
             shutil.rmtree(WORK / part)
     (WORK / "src").mkdir(parents=True)
     shutil.copytree(ROOT / "reference" / "extensible_kv", WORK / "src" / "extensible_kv",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "conformance", WORK / "conformance", ignore=shutil.ignore_patterns("__pycache__"))
-    pyproject = (ROOT / "pyproject.toml").read_text().replace('where = ["reference"]', 'where = ["src"]')
+    for path in COPIED:
+        shutil.copytree(ROOT / path, WORK / path, ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = (ROOT / "pyproject.toml").read_text().replace('{"" = "reference",', '{"" = "src",')
     only = json.dumps([f"src/extensible_kv/{f}" for f in files])
-    ignored = ", ".join(f'"--ignore", "conformance/{path}"' for path in NOT_UNDER_MUTMUT)
-    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored))
+    ignored = ", ".join(f'"--ignore", "{path}"' for path in NOT_UNDER_MUTMUT)
+    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored,
+                                                                   copied=json.dumps(list(COPIED))))
 
 
 def _forget_survivors() -> None:

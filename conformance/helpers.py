@@ -1,7 +1,9 @@
 """Assertion and sizing helpers shared by the conformance rules.
 
-Every failure message names the driver, the operation, the expected and the actual value. Sizes are built from the
-driver's granularity so the same rule exercises 4 KiB, 2 MiB or any other granule.
+Every failure message names the driver, the operation, the expected and the actual value. ``expect_equal`` compares
+the two values it prints; ``expect`` takes a condition that is not an equality (an ordering, a membership, a state)
+and a message that states it; ``expect_bytes`` compares tensors byte by byte and names the first difference. Sizes
+are built from the driver's granularity so the same rule exercises 4 KiB, 2 MiB or any other granule.
 """
 
 from __future__ import annotations
@@ -21,11 +23,26 @@ from extensible_kv import ExtensibleTensor
 from extensible_kv.drivers import Ledger
 
 
+def _fail(driver: Ledger, op: str, expected: object, actual: object, context: dict[str, object]) -> None:
+    extra = "".join(f", {k}={v}" for k, v in context.items())
+    raise AssertionError(f"driver {driver.name}: {op}: expected {expected}, got {actual}{extra}")
+
+
+def expect_equal(driver: Ledger, op: str, expected: object, actual: object, **context: object) -> None:
+    """Fail unless ``actual == expected``, with a message naming the driver, the operation and both values (and
+    ``context``): what is printed is what was compared. For tensors use ``expect_bytes``."""
+    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        raise TypeError(f"expect_equal({op!r}) compares Python values; compare tensors with expect_bytes")
+    if not actual == expected:
+        _fail(driver, op, expected, actual, context)
+
+
 def expect(cond: bool, driver: Ledger, op: str, expected: object, actual: object, **context: object) -> None:
-    """Fail with a message naming the driver, the operation, the expected and the actual value."""
+    """Fail unless ``cond``, with a message naming the driver, the operation, what was expected (a statement of
+    ``cond``: "a positive multiple of 4096", "between 2 and 8") and the actual value. For an equality use
+    ``expect_equal``, which compares what it prints."""
     if not cond:
-        extra = "".join(f", {k}={v}" for k, v in context.items())
-        raise AssertionError(f"driver {driver.name}: {op}: expected {expected}, got {actual}{extra}")
+        _fail(driver, op, expected, actual, context)
 
 
 def pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -107,20 +124,20 @@ def expect_rolled_back(driver: Ledger, t: ExtensibleTensor, where: str, before: 
     """After ``where`` (a failed growth step of ``t``): ``t`` still holds ``size`` bytes per segment, the driver's
     mappings, accessible granules and free device memory are as in ``before``, no handle is held, segment ``i``
     still reads ``data[i]``; then ``retry(t)`` succeeds and backs exactly the granules of the new size."""
-    expect(t.bytes_per_segment == size, driver, f"bytes_per_segment after a {where}", size, t.bytes_per_segment)
+    expect_equal(driver, f"bytes_per_segment after a {where}", size, t.bytes_per_segment)
     held = driver.outstanding()
-    expect(held.mappings == before.mappings, driver, f"mappings after a {where}", before.mappings, held.mappings)
-    expect(held.handles == 0, driver, f"handles held after a {where}", 0, held.handles)
+    expect_equal(driver, f"mappings after a {where}", before.mappings, held.mappings)
+    expect_equal(driver, f"handles held after a {where}", 0, held.handles)
     states = granule_states(driver, t.base_address, t.max_num_bytes)
-    expect(states == before.granules, driver, f"accessible granules after a {where}", before.granules, states)
+    expect_equal(driver, f"accessible granules after a {where}", before.granules, states)
     if before.free is not None:
         free = device_free(driver)
-        expect(free == before.free, driver, f"cuMemGetInfo free bytes after a {where}", before.free, free)
+        expect_equal(driver, f"cuMemGetInfo free bytes after a {where}", before.free, free)
     for i, d in enumerate(data):
         expect_bytes(driver, f"segment {i} after a {where}", t.segment_view(i), d)
     retry(t)
     states, want = granule_states(driver, t.base_address, t.max_num_bytes), expected_granules(t)
-    expect(states == want, driver, f"accessible granules after retrying a {where}", want, states)
+    expect_equal(driver, f"accessible granules after retrying a {where}", want, states)
 
 
 # -- the raw driver ------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch
 from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import CommitOutOfMemory
 
-from .helpers import (expect, expect_bytes, free_bytes, host_kernel, kernel_memfds, oom_step, settle_device,
-                      shared_pattern)
+from .helpers import (expect, expect_bytes, expect_equal, free_bytes, host_kernel, kernel_memfds, oom_step,
+                      settle_device, shared_pattern)
 
 
 def test_committing_past_the_device_memory_raises_commit_out_of_memory(driver):
@@ -30,29 +30,28 @@ def test_committing_past_the_device_memory_raises_commit_out_of_memory(driver):
             committed += step
             t.segment_view(0)[committed - 4096:committed].copy_(shared_pattern(4096, committed // step, driver.device))
     err = info.value
-    expect(err.committed == committed and err.requested == committed + step, driver,
-           "CommitOutOfMemory (committed, requested)", (committed, committed + step), (err.committed, err.requested))
+    expect_equal(driver, "CommitOutOfMemory (committed, requested)", (committed, committed + step),
+                 (err.committed, err.requested))
     expect(str(committed + step) in str(err) and str(committed) in str(err), driver, "CommitOutOfMemory message",
            "names the sizes asked and kept", str(err))
     expect(free - 2 * step <= committed <= free, driver, "bytes committed before the refusal",
            f"between {free - 2 * step} and {free}", committed)
-    expect(t.bytes_per_segment == committed, driver, "bytes_per_segment after the refused growth", committed,
-           t.bytes_per_segment)
+    expect_equal(driver, "bytes_per_segment after the refused growth", committed, t.bytes_per_segment)
     after = (driver.outstanding(), free_bytes(driver), kernel_memfds() if kernel0 is not None else None)
     for what, was, now in zip(("reservations, handles and mappings", "mem_info free bytes", "memfds the kernel holds"),
                               before, after):
-        expect(now == was, driver, f"{what} after the refused growth", was, now)
+        expect_equal(driver, f"{what} after the refused growth", was, now)
     for k in range(1, committed // step + 1):
         expect_bytes(driver, f"the last 4 KiB of growth step {k} after the refused growth",
                      t.segment_view(0)[k * step - 4096:k * step], shared_pattern(4096, k, driver.device))
     view = t.segment_view(0)
     view[:4096].fill_(5)
-    expect(int(view[:4096].sum()) == 5 * 4096, driver, "a write after the refusal", 5 * 4096, int(view[:4096].sum()))
+    expect_equal(driver, "a write after the refusal", 5 * 4096, int(view[:4096].sum()))
     del view
     t.close()
-    expect(free_bytes(driver) == free, driver, "mem_info free bytes after close()", free, free_bytes(driver))
+    expect_equal(driver, "mem_info free bytes after close()", free, free_bytes(driver))
     if kernel0 is not None:
-        expect(kernel_memfds() == kernel0, driver, "memfds the kernel holds after close()", kernel0, kernel_memfds())
+        expect_equal(driver, "memfds the kernel holds after close()", kernel0, kernel_memfds())
 
 
 @pytest.mark.drivers("cuda")

@@ -9,7 +9,7 @@ import pytest
 
 from extensible_kv.errors import DriverError
 
-from .helpers import expect, expect_bytes, granule_states, pattern
+from .helpers import expect, expect_bytes, expect_equal, granule_states, pattern
 
 
 @pytest.fixture
@@ -40,21 +40,20 @@ def test_reserve_is_aligned_and_not_accessible(driver, reservation):
     g = driver.granularity()
     expect(reservation % g == 0, driver, "reserve", f"an address aligned to {g}", hex(reservation))
     states = granule_states(driver, reservation, 4 * g)
-    expect(not any(states), driver, "accessible after reserve", "no granule accessible", states)
+    expect_equal(driver, "accessible after reserve", [False] * 4, states)
 
 
 def test_mapping_alone_grants_no_access(driver, reservation):
     g = driver.granularity()
     _map(driver, reservation, g, access=False)
-    expect(not driver.accessible(reservation), driver, "accessible after map without set_access", False, True)
+    expect_equal(driver, "accessible after map without set_access", False, driver.accessible(reservation))
 
 
 def test_set_access_makes_mapped_range_readable_and_writable(driver, reservation):
     g = driver.granularity()
     _map(driver, reservation, 2 * g)
     states = granule_states(driver, reservation, 4 * g)
-    expect(states == [True, True, False, False], driver, "accessible after map+set_access of 2 granules",
-           [True, True, False, False], states)
+    expect_equal(driver, "accessible after map+set_access of 2 granules", [True, True, False, False], states)
     data = pattern(2 * g, 1, driver.device)
     driver.tensor(reservation, 2 * g, None).copy_(data)
     expect_bytes(driver, "read back after write", driver.tensor(reservation, 2 * g, None), data)
@@ -65,7 +64,7 @@ def test_unmap_returns_range_to_reserved(driver, reservation):
     _map(driver, reservation, g)
     driver.synchronize()
     driver.unmap(reservation, g)
-    expect(not driver.accessible(reservation), driver, "accessible after unmap", False, True)
+    expect_equal(driver, "accessible after unmap", False, driver.accessible(reservation))
 
 
 def test_map_over_mapped_granule_is_refused(driver, reservation):
@@ -77,8 +76,8 @@ def test_map_over_mapped_granule_is_refused(driver, reservation):
         with pytest.raises(DriverError) as info:
             driver.inner.map(reservation + g, g, h, 0)
             driver.inner.unmap(reservation + g, g)  # the driver accepted it; undo so teardown stays sane
-        expect(info.value.operation == "map", driver, "map over a mapped granule", "DriverError(operation='map')",
-               repr(info.value))
+        expect_equal(driver, "operation of the DriverError from a map over a mapped granule", "map",
+                     info.value.operation, error=repr(info.value))
     finally:
         driver.inner.release(h)
 
@@ -89,7 +88,7 @@ def test_unmap_of_a_subrange_is_refused(driver, reservation):
     driver.synchronize()
     with pytest.raises(DriverError):
         driver.inner.unmap(reservation, g)
-    expect(driver.accessible(reservation), driver, "accessible after a refused partial unmap", True, False)
+    expect_equal(driver, "accessible after a refused partial unmap", True, driver.accessible(reservation))
 
 
 def test_map_outside_a_reservation_is_refused(driver, reservation):
@@ -130,11 +129,11 @@ def test_tensor_aliases_memory_without_copy(driver, reservation):
     a = driver.tensor(reservation, g, None)
     half = g // 2
     b = driver.tensor(reservation + half, g - half, None)
-    expect(a.data_ptr() == reservation, driver, "tensor().data_ptr()", hex(reservation), hex(a.data_ptr()))
+    expect_equal(driver, "tensor().data_ptr()", hex(reservation), hex(a.data_ptr()))
     a.fill_(3)
     b[:16].fill_(9)
     driver.synchronize()
-    expect(int(a[half]) == 9, driver, "write through one tensor seen through another", 9, int(a[half]))
+    expect_equal(driver, "write through one tensor seen through another", 9, int(a[half]))
 
 
 def test_tensor_keeps_its_keeper_alive(driver, reservation):

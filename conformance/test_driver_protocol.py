@@ -10,8 +10,8 @@ import torch
 
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 
-from .helpers import (RawDriver, expect, expect_bytes, expected_granules, free_bytes, granule_states, host_kernel,
-                      kernel_backing, kernel_granules, kernel_memfds, odd_tensor, oom_step, shared_pattern,
+from .helpers import (RawDriver, expect, expect_bytes, expect_equal, expected_granules, free_bytes, granule_states,
+                      host_kernel, kernel_backing, kernel_granules, kernel_memfds, odd_tensor, oom_step, shared_pattern,
                       touch)
 
 BIG = 64 << 20  # well past sizes a driver might treat apart (16 MiB and the like)
@@ -65,10 +65,9 @@ def test_the_kernel_maps_what_accessible_reports(raw, driver):
 
     def check(step: str, want: list[str]) -> None:
         kernel = kernel_granules(va, 4 * g, g)
-        expect(kernel == want, driver, f"/proc/self/maps over the 4 granules after {step}", want, kernel)
+        expect_equal(driver, f"/proc/self/maps over the 4 granules after {step}", want, kernel)
         states = granule_states(driver, va, 4 * g)
-        expect(states == [w == "accessible" for w in want], driver, f"accessible() after {step}",
-               [w == "accessible" for w in want], states)
+        expect_equal(driver, f"accessible() after {step}", [w == "accessible" for w in want], states)
 
     check("reserve", ["reserved"] * 4)
     first = raw.create(2 * g)
@@ -200,16 +199,15 @@ def test_tensor_of_64_mib_aliases_memory_without_copy(raw, driver):
     va = raw.reserve(n // raw.g)
     raw.commit(va, n)
     big = raw.inner.tensor(va + 100, n - 200, None)
-    expect(big.data_ptr() == va + 100 and big.numel() == n - 200, driver, f"tensor(base + 100, {n - 200})",
-           f"{n - 200} bytes at {va + 100:#x}", f"{big.numel()} bytes at {big.data_ptr():#x}")
+    expect_equal(driver, f"tensor(base + 100, {n - 200}) (address, bytes)", (hex(va + 100), n - 200),
+                 (hex(big.data_ptr()), big.numel()))
     tail = raw.view(va + n - 4096, 4096)
     big[-1] = 7
     driver.synchronize()
-    expect(int(tail[-101]) == 7, driver, "a write through the 64 MiB tensor, read through a small one", 7,
-           int(tail[-101]))
+    expect_equal(driver, "a write through the 64 MiB tensor, read through a small one", 7, int(tail[-101]))
     tail[-101] = 9
     driver.synchronize()
-    expect(int(big[-1]) == 9, driver, "a write through a small tensor, read through the 64 MiB one", 9, int(big[-1]))
+    expect_equal(driver, "a write through a small tensor, read through the 64 MiB one", 9, int(big[-1]))
 
 
 # -- refusals: every layout, nothing changed ---------------------------------------------------------------------------
@@ -237,7 +235,7 @@ def expect_state(raw: RawDriver, what: str, before: dict[str, object]) -> None:
     driver, g = raw.ledger, raw.g
     after = raw_state(raw, data=False)
     for key, value in after.items():
-        expect(value == before[key], driver, f"{key} after {what}", before[key], value)
+        expect_equal(driver, f"{key} after {what}", before[key], value)
     for va, data in before["bytes"].items():
         expect_bytes(driver, f"bytes of granule {va:#x} after {what}", raw.view(va, g), data)
     for va, size in sorted(raw.reservations.items()):
@@ -256,7 +254,7 @@ def _refused(raw: RawDriver, op: str, args: tuple, what: str) -> None:
     try:
         getattr(raw.inner, op)(*args)
     except DriverError as exc:
-        expect(exc.operation == op, raw.ledger, f"{what}: the error's operation", op, exc.operation)
+        expect_equal(raw.ledger, f"{what}: the error's operation", op, exc.operation)
     else:
         if op == "map":
             raw.mappings[args[0]] = args[1]
@@ -359,19 +357,17 @@ def test_memory_is_returned_once_unmapped_and_released(raw, driver, order):
     expect(held <= free0 - 2 * g, driver, f"mem_info free bytes after create({2 * g})", f"<= {free0 - 2 * g}", held)
     if kernel0 is not None:
         grown = {k: v for k, v in kernel_memfds().items() if k not in kernel0}
-        expect(list(grown.values()) == [2 * g], driver, f"memfds the kernel holds after create({2 * g})",
-               f"one more, of {2 * g} bytes", grown)
+        expect_equal(driver, f"sizes of the memfds the kernel holds after create({2 * g}) that it did not before",
+                     [2 * g], list(grown.values()))
     raw.map(va, 2 * g, handle)
     steps = {"release": lambda: raw.release(handle), "unmap": lambda: raw.unmap(va, 2 * g)}
     first, second = order.split("_then_")
     steps[first]()
-    expect(free_bytes(driver) == held, driver, f"mem_info free bytes after {first} alone", held, free_bytes(driver))
+    expect_equal(driver, f"mem_info free bytes after {first} alone", held, free_bytes(driver))
     steps[second]()
-    expect(free_bytes(driver) == free0, driver, f"mem_info free bytes after {first} and {second}", free0,
-           free_bytes(driver))
+    expect_equal(driver, f"mem_info free bytes after {first} and {second}", free0, free_bytes(driver))
     if kernel0 is not None:
-        expect(kernel_memfds() == kernel0, driver, f"memfds the kernel holds after {first} and {second}", kernel0,
-               kernel_memfds())
+        expect_equal(driver, f"memfds the kernel holds after {first} and {second}", kernel0, kernel_memfds())
 
 
 def test_closing_a_tensor_returns_its_memory(driver):
@@ -382,9 +378,9 @@ def test_closing_a_tensor_returns_its_memory(driver):
     expect(free_bytes(driver) <= free0 - backed, driver, "mem_info free bytes with the tensor committed",
            f"<= {free0 - backed}", free_bytes(driver))
     t.close()
-    expect(free_bytes(driver) == free0, driver, "mem_info free bytes after close()", free0, free_bytes(driver))
+    expect_equal(driver, "mem_info free bytes after close()", free0, free_bytes(driver))
     if kernel0 is not None:
-        expect(kernel_memfds() == kernel0, driver, "memfds the kernel holds after close()", kernel0, kernel_memfds())
+        expect_equal(driver, "memfds the kernel holds after close()", kernel0, kernel_memfds())
 
 
 # -- running out of memory -------------------------------------------------------------------------------------------
@@ -407,12 +403,9 @@ def test_create_past_free_memory_raises_driver_out_of_memory_and_leaks_nothing(r
     expect(free0 - 2 * step <= made * step <= free0, driver, f"bytes created in steps of {step} before the refusal",
            f"between {free0 - 2 * step} and {free0}", made * step)
     after = (free_bytes(driver), _kernel(driver))
-    expect(after == before, driver, "(mem_info free bytes, memfds the kernel holds) after the refused create",
-           before, after)
+    expect_equal(driver, "(mem_info free bytes, memfds the kernel holds) after the refused create", before, after)
     for handle in list(raw.handles):
         raw.release(handle)
-    expect(free_bytes(driver) == free0, driver, "mem_info free bytes after releasing every handle", free0,
-           free_bytes(driver))
+    expect_equal(driver, "mem_info free bytes after releasing every handle", free0, free_bytes(driver))
     if kernel0 is not None:
-        expect(kernel_memfds() == kernel0, driver, "memfds the kernel holds after releasing every handle", kernel0,
-               kernel_memfds())
+        expect_equal(driver, "memfds the kernel holds after releasing every handle", kernel0, kernel_memfds())

@@ -16,7 +16,7 @@ from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import BusyError, ClosedError, InvalidSizeError
 
 from . import layouts
-from .helpers import expect, odd_tensor
+from .helpers import expect, expect_equal, odd_tensor
 from .layouts import MAX_BLOCKS
 
 RACES = 30
@@ -33,7 +33,7 @@ def test_an_interrupted_close_can_be_retried_and_returns_everything(driver, op):
     driver.fail(op, 1, Interrupt())
     with pytest.raises(Interrupt):
         t.close()
-    expect(not t.closed, driver, f"closed after an interrupt at {op} during close()", False, t.closed)
+    expect_equal(driver, f"closed after an interrupt at {op} during close()", False, t.closed)
     t.close()
     expect(t.closed and not driver.outstanding(), driver, f"close() retried after an interrupt at {op}",
            "closed, nothing outstanding", (t.closed, driver.outstanding()))
@@ -76,8 +76,8 @@ def test_a_view_is_never_handed_out_over_a_closed_tensor(driver, view):
         handed_over_freed += "view" in got and "closed" in got
         got.clear()
         t.close(force=True)
-    expect(handed_over_freed == 0, driver, f"{view} racing close() {RACES} times",
-           "never both a view and a successful close", f"{handed_over_freed} views over a closed tensor")
+    expect_equal(driver, f"views handed out over a closed tensor in {view} racing close() {RACES} times", 0,
+                 handed_over_freed)
 
 
 def test_growth_racing_close_ends_closed_with_nothing_outstanding(driver):
@@ -105,7 +105,7 @@ def test_growth_racing_close_ends_closed_with_nothing_outstanding(driver):
         th.start()
     for th in threads:
         th.join()
-    expect(not unexpected, driver, "ensure_blocks racing close()", "success or ClosedError", unexpected)
+    expect_equal(driver, "errors other than ClosedError from ensure_blocks racing close()", [], unexpected)
     with pytest.raises(ClosedError):
         cache.ensure_blocks(1)
     expect(not driver.outstanding(), driver, "driver state after growth raced close()", "nothing",
@@ -140,7 +140,7 @@ def test_kv_buffers_refuse_every_use_after_close(driver):
             outcome = "ClosedError"
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
-        expect(outcome == "ClosedError", driver, f"KV buffers {what} after close()", "ClosedError", outcome)
+        expect_equal(driver, f"KV buffers {what} after close()", "ClosedError", outcome)
 
 
 def test_kv_growth_is_all_or_nothing_when_a_buffer_was_closed_underneath(driver):
@@ -151,9 +151,8 @@ def test_kv_growth_is_all_or_nothing_when_a_buffer_was_closed_underneath(driver)
     with pytest.raises(ClosedError):
         cache.ensure_blocks(50)
     sizes = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers[:-1]]
-    expect(sizes == [5 * layouts.PAGE // 2] * 2 and cache.num_blocks == 5, driver,
-           "open buffers' sizes after ensure_blocks failed on a closed buffer", [5 * layouts.PAGE // 2] * 2,
-           (sizes, cache.num_blocks))
+    expect_equal(driver, "open buffers' sizes and the block count after ensure_blocks failed on a closed buffer",
+                 ([5 * layouts.PAGE // 2] * 2, 5), (sizes, cache.num_blocks))
     cache.close()
 
 
@@ -174,8 +173,7 @@ def test_tensors_and_kv_buffers_refuse_to_be_copied(driver, how):
             outcome = "a copy"
         except TypeError as exc:
             outcome = "TypeError" if "cannot be copied" in str(exc) else f"TypeError: {exc}"
-        expect(outcome == "TypeError", driver, f"{how.__module__}.{how.__name__} of {type(obj).__name__}",
-               "TypeError naming the reason", outcome)
+        expect_equal(driver, f"{how.__module__}.{how.__name__} of {type(obj).__name__}", "TypeError", outcome)
     t.close()
     cache.close()
 
@@ -195,5 +193,6 @@ def test_sizes_past_the_address_space_are_refused_before_any_driver_call(driver,
     with pytest.raises(InvalidSizeError, match="64-bit address space"):
         make(driver)
     made = [c.op for c in driver.calls[before:]]
-    expect(made == [] and not driver.outstanding(), driver, "driver calls for a size past the address space",
-           "none", made)
+    expect_equal(driver, "driver calls for a size past the address space", [], made)
+    expect(not driver.outstanding(), driver, "driver state after a size past the address space", "nothing",
+           driver.outstanding())

@@ -1,8 +1,10 @@
-"""Command line: ``python -m extensible_kv drivers | validate-backend | environment | report | bench-summary``."""
+"""Command line: ``python -m extensible_kv drivers | check-driver | validate-backend | environment | report |
+bench-summary``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import torch
@@ -42,6 +44,28 @@ def _drivers(_: argparse.Namespace) -> int:
         print(f"{name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
     print(f"best available: {drivers.best_available()}")
     return 0
+
+
+def _rules():
+    """The conformance suite's package: installed (``extensible_kv_conformance``) or, in a source checkout whose root
+    is on the path, ``conformance``; ``None`` when neither is importable."""
+    for name in ("extensible_kv_conformance", "conformance"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, "check_driver", None)):
+            return module
+    return None
+
+
+def _check_driver(args: argparse.Namespace) -> int:
+    rules = _rules()
+    if rules is None:
+        print("error: the conformance rules are not importable: install the package (pip install extensible-kv) or "
+              "put the checkout's root on PYTHONPATH", file=sys.stderr)
+        return 2
+    return rules.check_driver(args.driver, args.pytest_args)
 
 
 def _validate_backend(args: argparse.Namespace) -> int:
@@ -96,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(
         run=_drivers)
+    cd = sub.add_parser("check-driver", help="run every conformance rule on a driver (exit 0: conformant)",
+                        description="Run every conformance rule on DRIVER in a pytest-xdist worker (a driver that "
+                                    "faults fails the rule it faulted in, the run goes on); the exit status is "
+                                    "pytest's: 0 when every rule passes.")
+    cd.add_argument("driver", help="registered driver name (host, host-4k, cuda, hip) or module:factory")
+    rest = cd.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest (e.g. -k zero, -x, -q)")
+    rest.required = False  # none is fine; argparse would name it among the missing arguments beside the driver
+    cd.set_defaults(run=_check_driver)
     vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
                                                  "commits")
     vb.add_argument("backend", nargs="+", type=_backend_spec,

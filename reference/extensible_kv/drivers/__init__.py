@@ -17,14 +17,12 @@ from ..errors import DriverLoadError, DriverUnavailable
 from . import cuda as _cuda
 from . import hip as _hip
 from . import host as _host
-from ._protocol import Driver, Handle
+from ._device_array import DeviceArray
+from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, protocol_methods
 from .ledger import Ledger
 
-__all__ = ["Driver", "Handle", "Ledger", "register", "registered", "probe", "get_driver", "best_available",
-           "resolve", "DRIVER_METHODS"]
-
-DRIVER_METHODS = ("granularity", "reserve", "free", "create", "release", "map", "unmap", "set_access", "zero",
-                  "tensor", "accessible", "synchronize", "mem_info")
+__all__ = ["Driver", "Handle", "Ledger", "DeviceArray", "register", "registered", "probe", "get_driver",
+           "best_available", "resolve", "DRIVER_METHODS", "DRIVER_ATTRIBUTES", "protocol_methods"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,7 @@ def resolve(driver: Driver | str | None) -> Driver:
 def _check_driver(what: str, driver: object) -> Driver:
     """``driver`` if it has every protocol method and attribute; ``what`` says where it came from."""
     missing = [m for m in DRIVER_METHODS if not callable(getattr(driver, m, None))]
-    missing += [a for a in ("name", "device", "max_handle_bytes") if not hasattr(driver, a)]
+    missing += [a for a in DRIVER_ATTRIBUTES if not hasattr(driver, a)]
     if missing:
         raise DriverLoadError(f"{what}, which lacks the protocol's {', '.join(missing)}")
     return driver  # type: ignore[return-value]

@@ -2,6 +2,9 @@
 
 torch keeps the object alive for as long as the tensor's storage lives, so ``keeper`` (the owner of the memory)
 stays alive with it and no deleter of ours ever runs. torch's ROCm build reads the same interface.
+
+Public as ``extensible_kv.drivers.DeviceArray``: a GPU driver's ``tensor(va, nbytes, keeper)`` is
+``torch.as_tensor(DeviceArray(va, nbytes, keeper), device=self.device)``, as the CUDA and HIP drivers' are.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ torch keeps alive (and with it the keeper) for the storage's lifetime. HIP VMM i
 AMD (https://rocm.docs.amd.com/projects/HIP/en/docs-6.1.2/reference/virtual_memory_reference.html); each Note below
 links the report behind the quirk it handles.
 
-Every binding call goes through ``_bindings()``, so the unit tests (``conformance/unit/test_hip_driver.py``)
+Every binding call goes through ``_bindings()``, so the unit tests (``tests/unit/test_hip_driver.py``)
 substitute a recording fake of ``hip.hip`` and run all of this on a CPU.
 
 Note [hipMemMap offset]

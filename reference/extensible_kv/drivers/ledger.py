@@ -21,9 +21,12 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, ProtocolViolation
-from ._protocol import Driver, Handle
+from ._protocol import DRIVER_METHODS, Driver, Handle, protocol_methods
 
-OPERATIONS = ("reserve", "free", "create", "release", "map", "unmap", "set_access", "zero", "synchronize")
+# The queries read a driver's state without changing it: a Ledger passes them through, neither recorded nor failed.
+QUERIES = protocol_methods("granularity", "tensor", "accessible", "mem_info")
+OPERATIONS = tuple(m for m in DRIVER_METHODS if m not in QUERIES)
+"""The calls a Ledger records (``calls``, ``count``) and can make fail (``fail``): every other protocol method."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ RULES = "test_zero_sets_exactly_the_range or test_reserve_is_aligned_and_not_acc
 
 def test_a_faulting_driver_fails_the_rule_that_faulted_and_the_run_reaches_its_summary():
     code = ("import sys; from conformance import check_driver; "
-            f"sys.exit(check_driver('conformance.meta.faulting:segfault_on_zero', ['-k', {RULES!r}]))")
+            f"sys.exit(check_driver('tests.meta.faulting:segfault_on_zero', ['-k', {RULES!r}]))")
     path = os.pathsep.join([str(ROOT), str(ROOT / "reference"), os.environ.get("PYTHONPATH", "")])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": path},

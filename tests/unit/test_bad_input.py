@@ -81,7 +81,7 @@ BAD_CLI = {
                        "could not be loaded"),
     "not_a_backend": (("validate-backend", "conformance.layouts:flash_nhd", "--driver", "host"), 1,
                       "has no attribute 'get_kv_cache_shape'"),
-    "bad_driver": (("validate-backend", "conformance.unit._factories:KVFirstBackend", "--driver", "nope"), 1,
+    "bad_driver": (("validate-backend", "tests.unit._factories:KVFirstBackend", "--driver", "nope"), 1,
                    "unknown driver 'nope'"),
 }
 

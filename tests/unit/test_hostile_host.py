@@ -63,10 +63,11 @@ def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock
         del dead
         live = ExtensibleTensor(8192, driver=driver)
         driver.armed = True
-        live.resize_per_segment_(4096)  # its map collects `dead`, whose finalizer unmaps on the same driver
-        print(len(driver._reservations), len(driver._mappings))
+        live.resize_per_segment_(4096)  # its first call collects `dead`, whose finalizer unmaps on the same driver
+        print(driver.armed, len(driver._reservations), len(driver._mappings))
     """)
-    _expect_child(proc, "a tensor collected inside map() of its own driver", "1 1")
+    _expect_child(proc, "a tensor collected inside a locked call of its own driver (fired, reservations, mappings)",
+                  "False 1 1")
 
 
 def test_interpreter_exit_leaves_memory_mapped_under_a_writing_daemon_thread():

@@ -9,7 +9,7 @@ import pytest
 from extensible_kv import drivers
 from extensible_kv.errors import DriverLoadError, DriverUnavailable
 
-FACTORIES = "conformance.unit._factories"
+FACTORIES = "tests.unit._factories"
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ BAD_SPECS = {
     "None": None,
     "no factory": "extensible_kv.drivers:",
     "no module": ":host_4k",
-    "module does not import": "conformance.unit._no_such_module:make",
+    "module does not import": "tests.unit._no_such_module:make",
     "missing attribute": f"{FACTORIES}:no_such_factory",
     "non-callable attribute": f"{FACTORIES}:NOT_CALLABLE",
 }

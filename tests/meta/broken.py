@@ -1,6 +1,6 @@
 """Deliberately broken host drivers: each breaks one promise, and the suite must catch each one.
 
-Use them as ``--driver conformance.meta.broken:<factory>``. They exist only to prove that the conformance rules can
+Use them as ``--driver tests.meta.broken:<factory>``. They exist only to prove that the conformance rules can
 fail; each class says which promise it breaks.
 """
 

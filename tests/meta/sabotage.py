@@ -1,6 +1,6 @@
 """Pytest plugins that break the reference ExtensibleTensor in one way each, to prove the tensor rules can fail.
 
-Use one with ``-p conformance.meta.sabotage_<name>``-style loading: ``-p conformance.meta.sabotage`` plus the
+Use one with ``-p tests.meta.sabotage_<name>``-style loading: ``-p tests.meta.sabotage`` plus the
 environment variable ``EXTENSIBLE_KV_SABOTAGE=<name>``. Each entry of ``SABOTAGE`` says which promise it breaks.
 """
 

@@ -1,5 +1,5 @@
 """A host driver that kills its own process (SIGSEGV) in ``zero()``: proves that a driver fault fails the rule that
-faulted and the run goes on to a summary. Use it as ``--driver conformance.meta.faulting:segfault_on_zero``."""
+faulted and the run goes on to a summary. Use it as ``--driver tests.meta.faulting:segfault_on_zero``."""
 
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).resolve().parents[1]
-ROOT = SUITE.parent
+from conformance import rule_paths
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MAP_REFUSED = "test_map_outside_one_reservation_or_over_a_mapping_is_refused_and_changes_nothing"
 UNMAP_REFUSED = "test_unmap_of_anything_but_one_whole_mapping_is_refused_and_changes_nothing"
@@ -80,14 +81,13 @@ def run_rules(tmp_path: Path, driver: str, sabotage: str | None = None,
     report = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("EXTENSIBLE_KV_SABOTAGE", None)
-    cmd = [sys.executable, "-m", "pytest", str(SUITE), "--ignore", str(SUITE / "meta"), "--ignore",
-           str(SUITE / "unit"), "--driver", driver, "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-           "--hypothesis-profile=meta"]
+    cmd = [sys.executable, "-m", "pytest", *rule_paths(), "--driver", driver, "-q", "-p", "no:cacheprovider",
+           f"--junitxml={report}", "--hypothesis-profile=extensible-kv-meta"]
     if rules:
         cmd += ["-k", " or ".join(sorted(rules))]
     if sabotage:
         env["EXTENSIBLE_KV_SABOTAGE"] = sabotage
-        cmd += ["-p", "conformance.meta.sabotage"]
+        cmd += ["-p", "tests.meta.sabotage"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     failed = set()
     if report.exists():
@@ -99,7 +99,7 @@ def run_rules(tmp_path: Path, driver: str, sabotage: str | None = None,
 
 @pytest.mark.parametrize("factory", BROKEN_DRIVERS, ids=list(BROKEN_DRIVERS))
 def test_suite_fails_a_broken_driver(tmp_path, factory):
-    rc, failed, tail = run_rules(tmp_path, f"conformance.meta.broken:{factory}", rules=BROKEN_DRIVERS[factory])
+    rc, failed, tail = run_rules(tmp_path, f"tests.meta.broken:{factory}", rules=BROKEN_DRIVERS[factory])
     missing = BROKEN_DRIVERS[factory] - failed
     assert rc == 1 and not missing, (
         f"broken driver {factory}: expected the suite to fail (exit 1) with at least {sorted(BROKEN_DRIVERS[factory])}"

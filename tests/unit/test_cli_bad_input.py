@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GOOD = "conformance.unit._factories:KVFirstBackend"
-RAISING = "conformance.unit.test_cli_bad_input:RaisingBackend"
-EMPTY = "conformance.unit.test_cli_bad_input:EmptyBackend"
+GOOD = "tests.unit._factories:KVFirstBackend"
+RAISING = "tests.unit.test_cli_bad_input:RaisingBackend"
+EMPTY = "tests.unit.test_cli_bad_input:EmptyBackend"
 
 
 class RaisingBackend:
@@ -77,14 +77,16 @@ ROWS = {
     "report_out_is_a_file": (VALID | {"taken": ""},
                              ("report", "{tmp}/run", "--out", "{tmp}/taken"), 2, ("cannot write", "taken")),
     "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
+    # check-driver: the driver is required
+    "check_driver_without_a_driver": ({}, ("check-driver",), 2, ("check-driver", "required: driver")),
     # validate-backend: sizes are positive ints, backend specs well formed, a failing backend does not stop the rest
     "block_size_zero": ({}, ("validate-backend", GOOD, "--block-size", "0"), 2, ("--block-size", "'0'", "positive")),
     "num_kv_heads_negative": ({}, ("validate-backend", GOOD, "--num-kv-heads", "-1"), 2,
                               ("--num-kv-heads", "'-1'", "positive")),
     "head_size_zero": ({}, ("validate-backend", GOOD, "--head-size", "0"), 2, ("--head-size", "'0'", "positive")),
     "spec_without_module": ({}, ("validate-backend", ":Flash"), 2, ("':Flash'", "module:Class")),
-    "spec_without_class": ({}, ("validate-backend", "conformance.unit._factories:"), 2,
-                           ("'conformance.unit._factories:'", "module:Class")),
+    "spec_without_class": ({}, ("validate-backend", "tests.unit._factories:"), 2,
+                           ("'tests.unit._factories:'", "module:Class")),
     "backend_shape_raises": ({}, ("validate-backend", RAISING, GOOD, "--driver", "host-4k"), 1,
                              ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size")),
     "backend_shape_empty": ({}, ("validate-backend", EMPTY, GOOD, "--driver", "host-4k"), 1,

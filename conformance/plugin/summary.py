@@ -1,0 +1,139 @@
+"""The end-of-run summary: per driver, the rules passed, failed and skipped, the granularity and the commit
+throughput, as a table in the terminal and, with ``--summary-json``, as JSON for the report.
+
+Each rule's report carries its driver spec (a user property), so the summary also works where the tests ran in
+pytest-xdist workers (crash isolation: a driver that faults kills a worker, fails that rule, and the run goes on).
+The outcomes are kept by a ``Summary`` object registered for the run and stashed on the config.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import extensible_kv
+
+from .selection import build, selection
+
+_DRIVER_PROPERTY = "extensible_kv_driver"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("extensible-kv")
+    group.addoption("--summary-json", action="store", default=None,
+                    help="write the per-driver summary (tests, granularity, commit throughput) to this JSON file")
+    group.addoption("--commit-probe-bytes", action="store", type=int, default=None,
+                    help="bytes to commit once per driver for the summary's throughput figure "
+                         "(default: 8 GiB on GPUs, 256 MiB on the host)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    summary = Summary(config)
+    config.stash[SUMMARY] = summary
+    config.pluginmanager.register(summary, f"{__name__}.collector")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    summary = config.stash.get(SUMMARY, None)
+    if summary is not None and config.pluginmanager.is_registered(summary):
+        config.pluginmanager.unregister(summary)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "driver_spec" in params:
+            item.user_properties.append((_DRIVER_PROPERTY, params["driver_spec"]))
+
+
+def _commit_throughput(driver: object, nbytes: int) -> float:
+    """GB/s of one growth step of ``nbytes`` (zero_new=False), timed once with the device synchronized."""
+    g = driver.granularity()
+    nbytes = max(-(-nbytes // g) * g, g)
+    t = extensible_kv.ExtensibleTensor(nbytes, driver=driver)
+    try:
+        driver.synchronize()
+        start = time.perf_counter()
+        t.resize_per_segment_(nbytes, zero_new=False)
+        driver.synchronize()
+        elapsed = time.perf_counter() - start
+    finally:
+        t.close(force=True)
+    return nbytes / elapsed / 1e9
+
+
+class Summary:
+    """The outcome of each rule per driver in this run, and the table and JSON made from them at its end."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
+        self.reasons: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> why it was skipped
+
+    def _spec_of(self, report: pytest.TestReport) -> str | None:
+        for key, value in getattr(report, "user_properties", ()):
+            if key == _DRIVER_PROPERTY:
+                return value
+        if report.failed and "[" in report.nodeid:  # a crashed xdist worker's report carries no properties
+            params = report.nodeid.rpartition("[")[2].rstrip("]")
+            specs = sorted(selection(self.config).specs, key=len, reverse=True)  # 'host-4k' before 'host'
+            return next((s for s in specs if params == s or params.startswith(s + "-")), None)
+        return None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        spec = self._spec_of(report)
+        if spec is None:
+            return
+        key = (spec, report.nodeid)
+        if report.failed:
+            self.outcomes[key] = "failed"
+        elif report.when == "call" or (report.when == "setup" and report.skipped):
+            self.outcomes.setdefault(key, report.outcome)
+            if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: reason")
+                self.reasons.setdefault(key, str(report.longrepr[2]).removeprefix("Skipped: "))
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+        sel = selection(config)
+        outcomes = self.outcomes
+        rows = []
+        for spec in sel.specs:
+            counts = {"passed": 0, "failed": 0, "skipped": 0}
+            for (s, _), outcome in outcomes.items():
+                if s == spec:
+                    counts[outcome] = counts.get(outcome, 0) + 1
+            built = build(config, spec) if sum(counts.values()) else sel.built.get(spec)
+            row = {"driver": spec, **counts, "granularity": None, "commit_gb_per_s": None, "commit_bytes": None,
+                   "unavailable": built if isinstance(built, str) else None}
+            if built is not None and not isinstance(built, str) and sum(counts.values()):
+                probe_bytes = config.getoption("--commit-probe-bytes") or \
+                    (8 << 30 if built.device.type == "cuda" else 256 << 20)
+                row["granularity"] = built.granularity()
+                row["commit_bytes"] = probe_bytes
+                row["commit_gb_per_s"] = round(_commit_throughput(built, probe_bytes), 2)
+            rows.append(row)
+        if not any(sum(r[k] for k in ("passed", "failed", "skipped")) for r in rows):
+            return
+        tr = terminalreporter
+        tr.section("extensible-kv conformance summary")
+        tr.write_line(f"{'driver':<24} {'passed':>6} {'failed':>6} {'skipped':>7} {'granularity':>12} "
+                      f"{'commit GB/s':>12}")
+        for r in rows:
+            gran = f"{r['granularity'] >> 10} KiB" if r["granularity"] else "-"
+            rate = f"{r['commit_gb_per_s']:.1f}" if r["commit_gb_per_s"] is not None else "-"
+            tr.write_line(f"{r['driver']:<24} {r['passed']:>6} {r['failed']:>6} {r['skipped']:>7} {gran:>12} "
+                          f"{rate:>12}" + (f"   ({r['unavailable']})" if r["unavailable"] else ""))
+        path = config.getoption("--summary-json")
+        if path:
+            from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
+
+            write(path, ConformanceSummary(
+                exitstatus=int(exitstatus), torch=torch.__version__, drivers=rows,
+                tests=[{"driver": s, "test": n, "outcome": o, "reason": self.reasons.get((s, n))}
+                       for (s, n), o in sorted(outcomes.items())]))
+            write(os.path.join(os.path.dirname(os.path.abspath(path)), "environment.json"), Environment.collect())
+
+
+SUMMARY = pytest.StashKey[Summary]()
