@@ -41,7 +41,7 @@ KILLED = {"killed", "timeout", "segfault"}
 NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
                     "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
                     "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",
-                    "tests/unit/test_noxfile.py", "conformance/unit/test_report.py")
+                    "tests/unit/test_noxfile.py", "tests/unit/test_report.py")
 COPIED = ("conformance", "tests")  # the rules and the tests, beside src/ (the selection leaves tests/meta/ out)
 
 CONFIG = """

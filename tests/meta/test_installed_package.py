@@ -211,7 +211,7 @@ def test_a_built_checkout_runs_its_rules_with_the_builds_metadata_on_its_path(ch
     # runs (reference:.), where the entry point's extensible_kv_conformance must resolve (reference/ links it to
     # conformance/) and the rules' conftest must leave the plugin it loads at that.
     metadata = sorted(p.name for p in (checkout / "reference").glob("*.egg-info"))
-    proc = _run([sys.executable, "-m", "pytest", "conformance", "--ignore", "conformance/unit", "--driver", "host-4k",
+    proc = _run([sys.executable, "-m", "pytest", "conformance", "--driver", "host-4k",
                  "-k", RULES, "-p", "no:cacheprovider"], cwd=checkout,
                 PYTHONPATH=os.pathsep.join([str(checkout / "reference"), str(checkout)]))
     out = _output(proc)

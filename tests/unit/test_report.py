@@ -479,7 +479,8 @@ def test_name_option_and_default_output_folder(tmp_path, monkeypatch):
 
 # -- the writers: their files read back through the schema and render ----------------------------------------------
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # a child pytest, not a worker
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "reference"), str(ROOT)])
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
     assert proc.returncode == 0, f"{' '.join(args)}: expected exit 0, got {proc.returncode}\n{proc.stdout[-3000:]}" \
                                  f"{proc.stderr[-3000:]}"
@@ -501,7 +502,7 @@ def test_the_writers_files_load_through_the_schema_and_render(tmp_path):
     bench = read(out / "bench-host-4k.json", BenchmarkFile)
     machine = bench.machine_info.environment
     assert machine is not None and machine.torch == torch.__version__ and machine.python, bench.machine_info
-    _run("-m", "extensible_kv", "validate-backend", "conformance.unit._factories:KVFirstBackend", "--driver",
+    _run("-m", "extensible_kv", "validate-backend", "tests.unit._factories:KVFirstBackend", "--driver",
          "host-4k", "--layout", "both", "--json", str(out / "validate-backend-host-4k.json"))
     results = read(out / "validate-backend-host-4k.json", BackendValidation).results
     assert [(r.kv_layout, r.ok, r.driver) for r in results] == [("NHD", True, "host-4k"), ("HND", True, "host-4k")]
