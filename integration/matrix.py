@@ -126,7 +126,7 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
     for cid, runs in pairs.items():
         legacy, ext = runs.get("legacy"), runs.get("extensible")
         if not (legacy and ext and "throughput" in legacy and "throughput" in ext):
-            state = "; ".join(f"{m}: {r['error'] if r and 'error' in r else r.get('refused') if r else 'not run'}"
+            state = "; ".join(f"{m}: {r['error'] if r and 'error' in r else (r.get('refused') or 'built, no throughput') if r else 'not run'}"
                               for m, r in runs.items())
             lines.append(f"- {cid}: {state}")
             continue

@@ -174,6 +174,12 @@ def _problem(run: dict | None) -> Verdict | None:
     return None
 
 
+def refusal(run: dict | None) -> str | None:
+    """vLLM's (or the extensible path's) reason for refusing the run's engine; ``None`` for a run that built one. A
+    run file always has the ``refused`` field (``null`` when the engine was built): test its value, not its key."""
+    return (run or {}).get("refused") or None
+
+
 def classify(legacy: Sequence[dict | None], ext: dict | None) -> Verdict:
     """The outcome of one comparison: legacy runs (two establish the baseline's determinism) against one extensible
     run."""
@@ -182,8 +188,8 @@ def classify(legacy: Sequence[dict | None], ext: dict | None) -> Verdict:
     for run in legacy:
         if (bad := _problem(run)) is not None:
             return replace(bad, detail=f"legacy: {bad.detail}" if bad.detail else "")
-        if "refused" in run:
-            return Verdict(REFUSED, run["refused"])
+        if reason := refusal(run):
+            return Verdict(REFUSED, reason)
     deterministic = None
     if len(legacy) >= 2:
         diff = first_difference(legacy[0]["token_ids"], legacy[1]["token_ids"])
@@ -193,8 +199,8 @@ def classify(legacy: Sequence[dict | None], ext: dict | None) -> Verdict:
     if (bad := _problem(ext)) is not None:
         return replace(bad, baseline_deterministic=deterministic,
                        detail=f"extensible: {bad.detail}" if bad.detail else "")
-    if "refused" in ext:
-        return Verdict(EXTENSIBLE_REFUSED, ext["refused"], deterministic)
+    if reason := refusal(ext):
+        return Verdict(EXTENSIBLE_REFUSED, reason, deterministic)
     diff = first_difference(ext["token_ids"], legacy[0]["token_ids"])
     if diff is None:
         return Verdict(IDENTICAL, "", deterministic, True)
@@ -315,17 +321,17 @@ def run_parity(case: Case, runner: Runner, *, budget: Callable[[int], int | None
 
     for repeat in range(case.baseline_runs):
         runs["legacy"].append(one("legacy", repeat))
-        if runs["legacy"][-1] is None or "refused" in runs["legacy"][-1]:
+        if runs["legacy"][-1] is None or refusal(runs["legacy"][-1]):
             break
-    if any(r and "refused" in r for r in runs["legacy"]):
+    if any(map(refusal, runs["legacy"])):
         return runs  # vLLM refuses the combination: nothing to compare
     runs["extensible"] = one("extensible")
     if classify(runs["legacy"], runs["extensible"]).outcome == NONDETERMINISTIC:
         for repeat in range(2):
             runs["legacy_bi"].append(one("legacy", repeat, bi=True))
-            if runs["legacy_bi"][-1] is None or "refused" in runs["legacy_bi"][-1]:
+            if runs["legacy_bi"][-1] is None or refusal(runs["legacy_bi"][-1]):
                 break
-        if not any(r and "refused" in r for r in runs["legacy_bi"]):
+        if not any(map(refusal, runs["legacy_bi"])):
             runs["extensible_bi"] = one("extensible", bi=True)
     return runs
 
@@ -337,8 +343,8 @@ def _mib(value: int | None) -> str:
 def row(case: Case, runs: dict) -> dict:
     """The table row of one case."""
     verdict = classify_with_fallback(runs)
-    legacy = next((r for r in runs.get("legacy") or [] if r and "memory" in r), None)
-    ext = runs.get("extensible") if runs.get("extensible") and "memory" in runs["extensible"] else None
+    legacy = next((r for r in runs.get("legacy") or [] if r and r.get("memory")), None)
+    ext = runs.get("extensible") if (runs.get("extensible") or {}).get("memory") else None
     problems: list[str] = []
     if legacy and ext:
         problems = check_memory_budget(legacy, ext)
@@ -347,7 +353,7 @@ def row(case: Case, runs: dict) -> dict:
             problems.append(f"the measured pass must read {CACHED_BLOCKS} cached KV blocks per prompt "
                             f"({CACHED_BLOCKS * case.block_size} tokens), got {cached}")
     sens = (ext or {}).get("sensitivity")
-    over = lambda r: (r or {}).get("memory", {}).get("peak", {}).get("over_budget_measured")  # noqa: E731
+    over = lambda r: (((r or {}).get("memory") or {}).get("peak") or {}).get("over_budget_measured")  # noqa: E731
     return {
         "case": case.id, "model": case.model, "runner": case.runner, "backend": case.backend,
         "kv_dtype": case.kv_name, "block_size": case.block_size,

@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write(args.out, IntegrationCase.model_validate_json(json.dumps(result)))
     write(out.parent / "environment.json", Environment.collect())
     brief = {"case": result["case"], "engine_seconds": result["engine_seconds"]}
-    if "refused" in result:
+    if result.get("refused"):
         brief["refused"] = result["refused"]
     else:
         brief["blocks"] = result["memory"]["num_gpu_blocks"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from integration import matrix, parity, run_case
+from extensible_kv.measurements import IntegrationCase
 from integration.parity import (DIFFERS, EXTENSIBLE_REFUSED, FAILED, IDENTICAL, NONDETERMINISTIC, NOT_RUN, REFUSED,
                                 Case, classify, classify_with_fallback, first_difference)
 
@@ -20,8 +21,10 @@ A = [[5, 6, 7, 8], [9, 10, 11, 12]]
 B = [[5, 6, 7, 8], [9, 10, 99, 12]]
 
 
-def _run(tokens, **extra) -> dict:
-    return {"token_ids": tokens, **extra}
+def _run(tokens=None, **extra) -> dict:
+    """A run as ``run_case`` writes it: every field of the schema present, ``null`` where it has no value (a built
+    engine's ``refused`` is ``null``; a refused one's ``token_ids`` and ``memory`` are)."""
+    return {**dict.fromkeys(IntegrationCase.model_fields), "token_ids": tokens, **extra}
 
 
 # -- outcomes ------------------------------------------------------------------------------------------------------
@@ -38,8 +41,8 @@ def test_first_difference_names_the_prompt_and_the_token():
     ([_run(A)], _run(A), IDENTICAL, None, True, ""),  # one legacy run: determinism not established
     ([_run(A), _run(B)], _run(A), NONDETERMINISTIC, False, None, "legacy runs disagree: prompt 1 first differs"),
     ([_run(A), _run(B)], None, NONDETERMINISTIC, False, None, "legacy runs disagree"),
-    ([{"refused": "ValueError: Selected backend"}], None, REFUSED, None, None, "Selected backend"),
-    ([_run(A), _run(A)], {"refused": "ExtensibleKVUnsupported: sleep mode"}, EXTENSIBLE_REFUSED, True, None,
+    ([_run(refused="ValueError: Selected backend")], None, REFUSED, None, None, "Selected backend"),
+    ([_run(A), _run(A)], _run(refused="ExtensibleKVUnsupported: sleep mode"), EXTENSIBLE_REFUSED, True, None,
      "sleep mode"),
     ([_run(A), {"error": "exit 1 after 30 s: boom"}], _run(A), FAILED, None, None, "legacy: exit 1"),
     ([_run(A), _run(A)], {"error": "timed out after 300 s"}, FAILED, True, None, "extensible: timed out"),
@@ -62,7 +65,7 @@ def test_a_nondeterministic_baseline_takes_its_token_verdict_from_batch_invarian
                         "batch-invariant mode: identical"), v.detail
     runs["extensible_bi"] = _run(A)
     assert classify_with_fallback(runs).tokens_identical is False
-    runs["legacy_bi"] = [{"refused": "ValueError: batch invariance not supported"}]
+    runs["legacy_bi"] = [_run(refused="ValueError: batch invariance not supported")]
     v = classify_with_fallback(runs)
     assert v.tokens_identical is None and "batch-invariant mode: refused (ValueError: batch invariance" in v.detail
     assert classify_with_fallback({"legacy": [_run(A), _run(A)], "extensible": _run(A)}).outcome == IDENTICAL
@@ -111,7 +114,7 @@ def test_a_nondeterministic_baseline_repeats_the_comparison_in_batch_invariant_m
 
 
 def test_a_combination_vllm_refuses_runs_nothing_more():
-    fake = FakeRunner(legacy={"refused": "ValueError: Model Runner V2 does not yet support: x"})
+    fake = FakeRunner(legacy=_run(refused="ValueError: Model Runner V2 does not yet support: x"))
     runs = parity.run_parity(CASE, fake)
     assert len(fake.calls) == 1 and classify_with_fallback(runs).outcome == REFUSED
 
