@@ -200,6 +200,22 @@ class CaseSpec(Record):
     max_model_len: Count | None = None
 
 
+class MeasuredPeak(Record):
+    """Memory at the measured peak: a peak-shaped batch run after the final commit (``integration/run_case.py``).
+    ``over_budget_measured`` = (init_free - free_at_peak) - requested; ``growth`` holds what torch, non-torch memory
+    and the KV cache took since warmup (``before_batch``, ``during_batch``), in bytes."""
+
+    over_budget_measured: int | None = None
+    free_at_peak: Count | None = None
+    peak_shaped: bool | None = None
+    growth: dict[str, dict[str, int]] | None = None
+
+    @property
+    def torch_growth(self) -> int | None:
+        """Bytes torch reserved since warmup, up to and through the peak batch."""
+        return None if self.growth is None else sum(part.get("torch_reserved", 0) for part in self.growth.values())
+
+
 class CaseMemory(Record):
     """vLLM's profiling figures and the memory after warmup, in bytes (``integration/run_case.py``,
     ``memory_figures``). Older runs lack ``torch_reusable`` and ``cudagraph_memory``."""
@@ -218,7 +234,7 @@ class CaseMemory(Record):
     num_gpu_blocks: Count | None = None
     cudagraph_memory: Count | None = None
     runner: str | None = None
-    peak: dict[str, Any] | None = None  # at the measured peak: Note [Over budget at the measured peak], integration/parity.py
+    peak: MeasuredPeak | None = None  # at the measured peak (integration/parity.py); older runs lack it
 
 
 class KVFigures(Record):

@@ -222,7 +222,7 @@ def test_memory_segments_follow_the_documented_formulas(full):
     assert c["kv_committed"] == kv and c["kv_partner"] == EXT
     assert c["non_kv_after_warmup"] == non_kv
     assert c["other_non_kv"] == non_kv - m["weights"]  # no cudagraph_memory here; the activation peak is not resident
-    assert c["activation_headroom"] is None and c["over_budget_at_peak"] is None  # no torch_reusable here
+    assert c["activation_headroom"] is None and c["over_budget_at_peak"] is None  # no measured peak here
     assert c["graph_pools"] is None
     assert c["over_budget"] == m["init_free"] - m["requested"] - m["free_after_warmup"]
     assert c["non_kv_estimate"] == m["requested"] - m["available_kv_cache_memory"]
@@ -233,18 +233,19 @@ def test_memory_segments_follow_the_documented_formulas(full):
     assert e["graph_pools"] == em["cudagraph_memory"]
     assert e["other_non_kv"] == (em["init_free"] - em["free_after_warmup"] - backed - em["weights"]
                                  - em["cudagraph_memory"])
-    headroom = max(0, em["profiled_peak_activation"] - em["torch_reusable"])
+    growth = em["peak"]["growth"]  # measured at the peak-shaped batch, never derived from the profiled peak
+    headroom = growth["before_batch"]["torch_reserved"] + growth["during_batch"]["torch_reserved"]
     assert e["activation_headroom"] == headroom and headroom > 0
-    assert e["over_budget_at_peak"] == em["init_free"] - em["requested"] - em["free_after_warmup"] + headroom
+    assert e["over_budget_at_peak"] == em["peak"]["over_budget_measured"]
     assert e["non_kv_sizing"] == ext["extensible"]["measured"]["non_kv"]
     row = md_row(md, "case file", LEGACY, needs="over budget")
     assert row["KV committed"] == f"{kv / MIB:,.2f}" and row["CUDA graph pools"] == "not measured", row
     assert row["over budget"] == f"{c['over_budget'] / MIB:+,.2f}", row
-    assert row["activation peak still to come"] == "not measured", row
+    assert row["torch growth at the measured peak"] == "not measured", row
     row = md_row(md, "case file", EXT, needs="over budget at peak")
     assert row["over budget at peak"] == f"{e['over_budget_at_peak'] / MIB:+,.2f}", row
-    assert row["activation peak still to come"] == f"{headroom / MIB:,.2f}", row
-    glance = ("Memory beyond gpu_memory_utilization with the activation peak to come, extensible and entry-point "
+    assert row["torch growth at the measured peak"] == f"{headroom / MIB:,.2f}", row
+    glance = ("Memory beyond gpu_memory_utilization at the measured peak, extensible and entry-point "
               f"runs: {e['over_budget_at_peak'] / MIB:+,.2f} MiB (1 of 2 run(s) recorded it).")
     assert glance in md, f"at a glance: expected {glance!r}"
 
@@ -323,6 +324,16 @@ def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     for number in ("671.09", "1.600", "16,384", "1,234.56"):
         assert number not in md, f"{number} appears in a report whose run has no such measurement"
     assert "not measured" in html
+
+
+def test_a_refused_combination_is_listed_with_vllms_reason_and_left_out_of_the_accounting(partial):
+    _, md, summary, _ = partial
+    rel = "call1/tiny-llama-v2-FLEX_ATTENTION-legacy.json"
+    reason = case_file(PARTIAL, rel)["refused"]
+    listed = section(md, "vLLM integration: memory accounting").split("### Refused combinations", 1)[-1]
+    assert f"- {rel}: {reason}\n" in listed.split("###")[0], \
+        f"refused case: expected {rel!r} with {reason!r} under Refused combinations, got {listed[:400]!r}"
+    assert all(c["path"] != rel for c in summary["integration"]["cases"]), "a refused case has no memory figures"
 
 
 def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp_path, capsys):

@@ -19,7 +19,7 @@ GIB = 1 << 30
 
 def _state(**overrides) -> MemoryState:
     values = dict(init_free=100 * GIB, requested=90 * GIB, free_now=60 * GIB, kv_backed=2 * GIB, weights=16 * GIB,
-                  profiled_peak=4 * GIB, torch_reusable_now=2 * GIB, bytes_per_block=1 << 20,
+                  profiled_peak=3 * GIB, again_reserved=5 * GIB, again_retained=1 * GIB, bytes_per_block=1 << 20,
                   rounding_bound=4 << 20, capacity_blocks=80_000, committed_blocks=10)
     values.update(overrides)
     return MemoryState(**values)
@@ -27,16 +27,18 @@ def _state(**overrides) -> MemoryState:
 
 def test_sizing_commits_what_the_measured_budget_fits():
     s = _state()
-    # non-KV = 100 - 60 - 2 = 38 GiB; torch may still grow by 4 - 2 = 2 GiB; budget = 90 - 38 - 2 = 50 GiB.
-    assert (s.non_kv, s.torch_growth, s.budget) == (38 * GIB, 2 * GIB, 50 * GIB), s.to_dict()
-    assert s.blocks() == (50 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
+    # non-KV = 100 - 60 - 2 = 38 GiB; the batch run again reserved 5 GiB and torch still holds 1 GiB of it (already
+    # in non-KV), so it may take 4 GiB again; budget = 90 - 38 - 4 = 48 GiB. vLLM's profiled peak plays no part.
+    assert (s.non_kv, s.torch_growth, s.budget) == (38 * GIB, 4 * GIB, 48 * GIB), s.to_dict()
+    assert s.blocks() == (48 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
 
 
 @pytest.mark.parametrize("overrides,expected", [
     (dict(capacity_blocks=1000), 1000),                      # never above the reservation
     (dict(free_now=1 * GIB, committed_blocks=77), 77),        # never below what is committed (grow-only)
-    (dict(torch_reusable_now=6 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
-    (dict(margin=GIB), (49 * GIB - (4 << 20)) // (1 << 20)),
+    (dict(again_retained=6 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+    (dict(profiled_peak=40 * GIB), (48 * GIB - (4 << 20)) // (1 << 20)),  # vLLM's estimate is not used
+    (dict(margin=GIB), (47 * GIB - (4 << 20)) // (1 << 20)),
 ])
 def test_sizing_clamps(overrides, expected):
     s = _state(**overrides)
@@ -47,18 +49,15 @@ def _segment(pool, total, active, device=0):
     return {"device": device, "segment_pool_id": pool, "total_size": total, "active_size": active}
 
 
-def test_only_unused_default_pool_memory_is_credited_against_the_activation_peak():
-    # Note [Graph pools are not activation cache]: a captured graph's private pool and live tensors are reserved by
-    # torch but cannot serve eager activations; another device's cache is not this worker's.
+def test_reusable_cache_counts_only_unused_default_pool_memory_of_this_device():
+    # A captured graph's private pool and live tensors are reserved by torch but cannot serve eager activations;
+    # another device's cache is not this worker's.
     segments = [_segment((0, 0), 64 << 20, 16 << 20),     # default pool: 48 MiB unused
                 _segment((0, 0), 20 << 20, 20 << 20),     # default pool, fully in use (persistent buffers)
                 _segment((0, 1), 230 << 20, 0),           # graph private pool, all "inactive" after capture
                 _segment((0, 0), 512 << 20, 0, device=1)]  # another GPU
     got = reusable_cache(segments, device=0)
     assert got == 48 << 20, f"reusable_cache: expected {48 << 20} bytes (default pool, unused, device 0), got {got}"
-    s = _state(profiled_peak=1 << 30, torch_reusable_now=got)
-    assert s.torch_growth == (1 << 30) - (48 << 20), \
-        f"torch_growth with {got} reusable bytes: expected {(1 << 30) - (48 << 20)}, got {s.torch_growth}"
 
 
 _PLATFORM_CUDA = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")
@@ -183,7 +182,7 @@ def test_margin_from_environment_must_be_a_non_negative_integer(monkeypatch):
     assert patches._margin() == 1024
 
 
-def test_measure_reads_free_memory_the_kv_mapping_and_the_default_pool_cache(monkeypatch):
+def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkeypatch):
     # The worker-side wiring of the sizing: every MemoryState field comes from the named source, on this device.
     kv = worker_kv.start(Ledger(HostDriver(granularity=4096)))
     kv.segments = [1, 2]
@@ -202,12 +201,12 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_default_pool_cache(mon
     worker = SimpleNamespace(init_snapshot=SimpleNamespace(free_memory=7 * GIB), requested_memory=6 * GIB,
                              model_runner=SimpleNamespace(model_memory_usage=1 * GIB), peak_activation_memory=512 * mib)
     try:
-        s = kv.measure(worker, margin=mib)
+        s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib}, margin=mib)
         stats = kv.buffers.stats()
-        got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.torch_reusable_now,
-               s.bytes_per_block, s.rounding_bound, s.capacity_blocks, s.committed_blocks, s.margin)
-        expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 30 * mib, 8192 + 16384,
-                    (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
+        got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.again_reserved,
+               s.again_retained, s.bytes_per_block, s.rounding_bound, s.capacity_blocks, s.committed_blocks, s.margin)
+        expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 300 * mib, 120 * mib,
+                    8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
@@ -315,6 +314,8 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
     for name, value in (("memory_reserved", 0), ("memory_allocated", 0), ("max_memory_reserved", 0),
                         ("max_memory_allocated", 0)):
         monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper)
 
 
@@ -373,13 +374,51 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: stats["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 100 + 44 * GIB // 10)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 60 + 4 * GIB)
-    run = patches.profile_run_reserved_peak(lambda: "ran")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20, "active_size": 16 << 20}])
+    def profile_run():
+        stats["reserved"] = 100 + GIB  # torch keeps 1 GiB of the 4.4 GiB it reserved
+        return "ran"
+
+    run = patches.profile_run_reserved_peak(profile_run)
     assert run() == "ran"
-    assert run.figures == {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB}, run.figures
+    expected = {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB, "retained": GIB,
+                "cache_before": 48 << 20}
+    assert run.figures == expected, f"profile_run figures: expected {expected}, got {run.figures}"
 
 
-def test_growth_still_to_come_counts_the_reserved_activation_peak():
-    # Note [Reserved, not allocated, at the activation peak]: 4 GiB allocated took 4.4 GiB of segments.
-    s = _state(profiled_peak=4 * GIB, profiled_peak_reserved=44 * GIB // 10, torch_reusable_now=2 * GIB)
-    assert s.torch_growth == 44 * GIB // 10 - 2 * GIB, s.to_dict()
-    assert _state(profiled_peak=4 * GIB, profiled_peak_reserved=0).torch_growth == 2 * GIB, "unrecorded: allocated"
+def test_measure_runs_the_profiled_batch_again_and_sizes_from_what_it_took(monkeypatch):
+    # Note [The peak, brought back and measured]: the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory
+    # drops by that much before it is read); what it gave back, 100 MiB, is the growth still to come.
+    mib = 1 << 20
+    fake = _fake_vllm(monkeypatch)
+    memory = {"reserved": 100 * mib, "max": 100 * mib, "runs": 0}
+
+    def profile_run():
+        memory["runs"] += 1
+        memory["max"] = memory["reserved"] + 300 * mib
+        memory["reserved"] += 200 * mib
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *a, **k: (7 * GIB - (memory["reserved"] - 100 * mib), 8 * GIB))
+    patches.install()
+    try:
+        worker = fake.Worker()
+        worker.determine_available_memory()
+        worker.model_runner.profile_run = profile_run
+        state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
+        state.segments = [1, 1]
+        state.allocate(_kv_config(50, 8192))
+        worker.model_runner.kv_cache_config = SimpleNamespace(num_blocks=50)
+        _rpc(fake.WorkerWrapper(worker), "extensible_kv_measure")
+        m = state.measured
+        got = (memory["runs"], m.again_reserved, m.again_retained, m.torch_growth, m.free_now)
+        expected = (1, 300 * mib, 200 * mib, 100 * mib, 7 * GIB - 200 * mib)
+        assert got == expected, f"extensible_kv_measure (runs, reserved, retained, growth, free): expected " \
+                                f"{expected}, got {got}"
+    finally:
+        patches.uninstall()
+        state.buffers.close()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..vllm.sizing import activation_to_come
 from .run import Case
 
 BEFORE, WEIGHTS, PEAK = "in use before engine start", "weights", "profiled activation peak"
-HEADROOM, GRAPHS, OTHER = "activation peak still to come", "CUDA graph pools", "other non-KV"
+HEADROOM, GRAPHS, OTHER = "torch growth at the measured peak", "CUDA graph pools", "other non-KV"
 OTHER_WITH_GRAPHS, KV, PADDING = "other non-KV (incl. CUDA graph pools)", "KV committed", "KV granule padding"
 FREE, UNSPLIT = "free after warmup", "KV + other non-KV (KV not measured)"
 SEGMENT_ORDER = (BEFORE, WEIGHTS, GRAPHS, OTHER, OTHER_WITH_GRAPHS, UNSPLIT, KV, PADDING, FREE)
@@ -25,6 +24,11 @@ def _sub(a: int | None, b: int | None) -> int | None:
 def _memory(field: str) -> property:
     """A figure of the case's memory (``measurements.CaseMemory``) under its name in the report."""
     return property(lambda self: getattr(self.case.data.memory, field))
+
+
+def _peak(field: str) -> property:
+    """A figure of the case's measured peak (``measurements.MeasuredPeak``); ``None`` in runs without one."""
+    return property(lambda self: getattr(self.case.data.memory.peak, field, None))
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,8 @@ class MemoryBreakdown:
         rest = _sub(self.non_kv_after_warmup, self.weights)
         return rest if self.graph_pools is None else _sub(rest, self.graph_pools)
 
-    @property
-    def activation_headroom(self) -> int | None:
-        if self.activation_peak is None or self.activation_reusable is None:
-            return None
-        return activation_to_come(self.activation_peak, self.activation_reusable)
-
-    over_budget_at_peak = property(lambda self: None if self.activation_headroom is None or self.over_budget is None
-                                   else self.over_budget + self.activation_headroom)
+    # measured at a peak-shaped batch after the final commit, never derived from the profiled peak
+    activation_headroom, over_budget_at_peak = _peak("torch_growth"), _peak("over_budget_measured")
 
     @property
     def tokens_match_legacy(self) -> bool | None:
@@ -116,7 +114,14 @@ def _partner(case: Case, candidates: list[Case]) -> Case | None:
                                     c.path), default=None)
 
 
+def refused(cases: list[Case]) -> list[Case]:
+    """Cases whose engine vLLM (or the extensible path) refused to build: they have a reason and no memory."""
+    return [c for c in cases if c.data.memory is None]
+
+
 def account(cases: list[Case]) -> list[MemoryBreakdown]:
+    """The memory breakdown of every case that built an engine (``refused`` lists the others)."""
+    cases = [c for c in cases if c.data.memory is not None]
     legacy = [c for c in cases if c.mode == "legacy"]
     sized = [c for c in cases if c.mode != "legacy" and _bytes_per_block(c)]
     out = []

@@ -73,9 +73,9 @@ def memory_stack(title: str, breakdowns: list[MemoryBreakdown]) -> bytes:
                            fontsize=SMALL)
             bottom += height
             used = bottom if s.label != acc.FREE else used
-        # the activation memory still to come: the measured headroom, or the whole profiled peak as its upper bound
+        # the activation memory still to come: measured at the peak, or the whole profiled peak as its estimate
         peak, label = ((b.activation_headroom, acc.HEADROOM) if b.activation_headroom is not None else
-                       (b.activation_peak, f"{acc.PEAK} (upper bound of what is still to come)"))
+                       (b.activation_peak, f"{acc.PEAK} (estimate: no measured peak)"))
         if segs and peak:
             whole.bar(x, peak / GIB, bottom=used, width=0.6, facecolor="none", edgecolor=COLORS["peak"], hatch="///")
             peaks[label] = None

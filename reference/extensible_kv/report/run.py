@@ -107,7 +107,7 @@ def environment(run: Run, files: list[tuple[str, Environment]]) -> dict[str, tup
         items += [("granularity", g and f"{g:,} bytes ({b.summary['driver']})", b.source),
                   ("date", b.data.datetime, b.source), ("python", machine.python_version, b.source),
                   ("cpu", machine.cpu.brand_raw, b.source)]
-    items += [("gpu_memory", c.data.memory.total, f"integration/{c.path}") for c in run.cases]
+    items += [("gpu_memory", c.data.memory.total, f"integration/{c.path}") for c in run.cases if c.data.memory]
     for key, value, source in items:
         if key not in found and value not in (None, ""):
             found[key] = (f"{number(value, 'GiB')} GiB" if key == "gpu_memory" else str(value), source)

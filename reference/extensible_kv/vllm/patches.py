@@ -173,9 +173,11 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     """``profile_run`` that also records what torch's caching allocator *reserved* for the activation peak.
 
     vLLM profiles the peak in allocated bytes (``allocated_bytes.all.peak``); the device sees reserved bytes, which
-    are more: the allocator rounds every block up and carves blocks from whole segments (2 MiB, 20 MiB or the rounded
-    request). Note [Reserved, not allocated, at the activation peak] in ``sizing``. The figures land on the wrapper's
-    ``figures`` dict after the run."""
+    are more: the allocator rounds every block up and carves blocks from whole segments. After the run ``figures``
+    holds ``peak_reserved`` and ``peak_allocated`` (beyond what torch held before), ``retained`` (what torch still
+    holds of it afterwards) and ``cache_before`` (the default pool's unused bytes when the run started). The same
+    wrapper measures vLLM's profile and the run again after warmup: Note [The peak, brought back and measured] in
+    ``sizing``."""
     figures: dict[str, int] = {}
 
     def run():
@@ -183,11 +185,13 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
 
         torch.cuda.synchronize()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        cache_before = worker_kv.torch_reusable_now()
         torch.cuda.reset_peak_memory_stats()
         result = profile_run()
         torch.cuda.synchronize()
         figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
-                       peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated))
+                       peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
+                       retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before)
         return result
 
     run.figures = figures
@@ -216,7 +220,9 @@ def _determine_available_memory(original: Callable) -> Callable:
         self._extensible_kv_profile = {"profiled_available": available - estimate, "cudagraph_estimate": estimate,
                                        "reserved_available": available,
                                        "peak_reserved": wrapped.figures.get("peak_reserved"),
-                                       "peak_allocated": wrapped.figures.get("peak_allocated")}
+                                       "peak_allocated": wrapped.figures.get("peak_allocated"),
+                                       "retained": wrapped.figures.get("retained"),
+                                       "cache_before": wrapped.figures.get("cache_before")}
         return available
 
     return determine_available_memory
@@ -251,10 +257,14 @@ def extensible_kv_measure(self) -> int:
     The ranks agree among themselves as well as through the engine's minimum over the replies: with the external
     launcher every rank has its own engine, which sees only its own worker's reply (vLLM agrees on the profiled KV
     memory the same way there)."""
+    import torch
+
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
-    profile = getattr(self, "_extensible_kv_profile", None) or {}
-    fits = state.measure(self, margin=_margin(), profiled_peak_reserved=profile.get("peak_reserved") or 0).blocks()
+    again = profile_run_reserved_peak(self.model_runner.profile_run)  # Note [The peak, brought back and measured]
+    with torch.inference_mode():
+        again()
+    fits = state.measure(self, margin=_margin(), again=again.figures).blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits
 

@@ -5,31 +5,37 @@ peak + non-torch memory) - estimated graph memory``. The extensible path reserve
 estimate (an upper bound), warms up and captures graphs with a small committed prefix, then measures what
 everything other than the KV cache really uses and commits the rest:
 
+    (the profiled batch runs again: Note [The peak, brought back and measured])
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
-    peak     = max(profiled_peak, profiled_peak_reserved)   (Note [Reserved, not allocated, at the activation peak])
-    growth   = max(0, peak - torch_reusable_now)            (activation memory torch may still take)
+    growth   = max(0, again_reserved - again_retained)   (what that batch took from the device and torch gave back)
     budget   = requested - non_kv - growth - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
 
-Note [Graph pools are not activation cache]
-    The activation peak that vLLM profiled comes back whenever a batch as large as the profiling one runs; torch
-    serves it first from blocks its default pool holds unused, and takes new device memory for the rest. Only those
-    unused default-pool blocks may be credited against the peak. CUDA graph private pools (vLLM captures into one
-    shared pool) and live tensors (persistent input buffers, workspaces) are reserved too, but cannot serve eager
-    activations. Crediting all of ``memory_reserved() - weights`` counted the graph pool twice (once in ``non_kv``,
-    once as reusable cache): on an 8B Llama shape on the H200 (graph pools 186 MiB on V1, 230 MiB on V2) that
-    committed about that many bytes too many. ``reusable_cache`` reads the default pool from torch's segment snapshot.
+Note [The peak, brought back and measured]
+    The activation peak that vLLM profiled comes back whenever a batch as large as the profiling one runs. The
+    sizing used to predict what that batch would still take from the device after warmup, from the profile's
+    figures; every prediction was wrong by tens of MiB on the H200 (Qwen3-0.6B shape, 16,384 batched tokens, the
+    case files under ``reports/runs/h200-matrix-2026-12-03/``):
 
-Note [Reserved, not allocated, at the activation peak]
-    vLLM profiles the activation peak as torch's *allocated* bytes (``allocated_bytes.all.peak``). What the batch
-    takes from the device is *reserved* bytes: the caching allocator rounds each block up and carves blocks out of
-    whole segments (2 MiB for small blocks, 20 MiB for blocks under 10 MiB, the 2 MiB-rounded request above), so the
-    reserved peak of the same run is larger. The patch records both around vLLM's own ``profile_run``
-    (``patches.profile_run_reserved_peak``) and the growth still to come is taken from the larger one. Measured: the
-    run's ``extensible.profile`` holds ``peak_allocated`` and ``peak_reserved``; ``memory.peak`` of a case holds what
-    the peak-shaped batch really took after the final commit (``integration/parity.py``).
+    - vLLM's profiled peak is torch's *allocated* bytes (448 to 508 MiB); the device sees *reserved* bytes: the
+      caching allocator rounds blocks up and carves them from whole segments. The same profile reserved 708 to
+      960 MiB, and that figure changes from run to run of the same case.
+    - Crediting the default pool's unused bytes after warmup (70 to 143 MiB) against the peak was wrong: they are
+      free blocks inside segments that also hold live tensors, and large activations do not fit in them. With that
+      credit the batch took 708 MiB of new segments where 651 to 668 MiB were foreseen, and the runs ended 9.7 MiB
+      (V1, bf16 KV), 7.7 MiB (V1, fp8) and 23.7 MiB (V2, bf16) over gpu_memory_utilization's budget.
+    - Counting the profile from no cache (its reserved growth plus the unused cache it started with) foresaw 780 to
+      1,017 MiB for a batch that took 642 to 708 MiB: 116 to 358 MiB of budget left unused.
+
+    So nothing is predicted: after warmup, before measuring, the worker runs vLLM's own ``profile_run`` again (the
+    batch vLLM profiled, attention skipped, sampler included) and records what torch reserved for it
+    (``again_reserved``) and what it still holds afterwards (``again_retained``; torch keeps its cache unless
+    something empties it). ``free_now`` is read after that run, so the peak's segments are already in ``non_kv``;
+    a later batch of the same shape reuses them, and only what torch gave back in between can be taken again.
+    CUDA graph private pools never serve eager activations either way (an 8B Llama shape holds 186 MiB of graph
+    pools on V1, 230 MiB on V2).
 """
 
 from __future__ import annotations
@@ -42,16 +48,10 @@ DEFAULT_POOL = (0, 0)  # torch's segment_pool_id of the caching allocator's defa
 
 def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
     """Bytes of ``device``'s default pool that torch holds reserved but unused (``torch.cuda.memory_snapshot()``
-    segments): the part of torch's cache a new activation peak can reuse. Note [Graph pools are not activation
-    cache]."""
+    segments; graph private pools and other devices left out). Recorded (``memory.torch_reusable`` of a case, the
+    profile's ``cache_before``), never credited: Note [The peak, brought back and measured]."""
     return sum(int(s["total_size"]) - int(s["active_size"]) for s in segments
                if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL)
-
-
-def activation_to_come(profiled_peak: int, reusable: int) -> int:
-    """Bytes the next batch as large as the profiling one takes beyond torch's reusable cache (Note [Graph pools
-    are not activation cache])."""
-    return max(0, profiled_peak - reusable)
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,14 @@ class MemoryState:
     free_now: int  # free device memory after warmup and graph capture
     kv_backed: int  # KV bytes physically mapped now
     weights: int  # model weights (torch-allocated)
-    profiled_peak: int  # vLLM's profiled activation peak
-    torch_reusable_now: int  # bytes torch's default pool holds unused now (``reusable_cache``)
+    profiled_peak: int  # vLLM's profiled activation peak (allocated bytes; recorded, not used)
     bytes_per_block: int  # one block in every KV buffer, summed
     rounding_bound: int  # most bytes granule rounding can add (granularity x segments, summed over buffers)
     capacity_blocks: int  # blocks reserved (the upper bound)
     committed_blocks: int  # blocks committed now (grow-only: the result is never below this)
+    again_reserved: int  # what torch reserved for the profiled batch, run again after warmup
+    again_retained: int  # of that, what torch still holds after the run (in ``free_now`` already)
     margin: int = 0  # extra bytes kept free on purpose
-    profiled_peak_reserved: int = 0  # what torch reserved for that peak (0: not recorded)
 
     @property
     def non_kv(self) -> int:
@@ -78,8 +78,9 @@ class MemoryState:
 
     @property
     def torch_growth(self) -> int:
-        """Note [Graph pools are not activation cache], Note [Reserved, not allocated, at the activation peak]."""
-        return activation_to_come(max(self.profiled_peak, self.profiled_peak_reserved), self.torch_reusable_now)
+        """Activation bytes a peak batch may still take from the device: what the batch run again reserved and
+        torch then gave back. Note [The peak, brought back and measured]."""
+        return max(0, self.again_reserved - self.again_retained)
 
     @property
     def budget(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -115,9 +115,10 @@ class WorkerKV:
             raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
         return got
 
-    def measure(self, worker: object, margin: int = 0, profiled_peak_reserved: int = 0) -> MemoryState:
-        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit.
-        ``profiled_peak_reserved``: what torch reserved for the profiled activation peak (0: not recorded)."""
+    def measure(self, worker: object, again: Mapping[str, int], margin: int = 0) -> MemoryState:
+        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again``: the
+        figures of vLLM's profile run, run again just before (``patches.profile_run_reserved_peak``: its
+        ``peak_reserved`` and ``retained``). Note [The peak, brought back and measured] in ``sizing``."""
         assert self.buffers is not None
         torch.cuda.synchronize()
         free_now, _ = torch.cuda.mem_get_info()
@@ -130,13 +131,13 @@ class WorkerKV:
             kv_backed=stats.backed_bytes,
             weights=int(worker.model_runner.model_memory_usage),
             profiled_peak=int(getattr(worker, "peak_activation_memory", 0)),
-            torch_reusable_now=torch_reusable_now(),
             bytes_per_block=sum(b.page_size_bytes for b in stats.buffers),
             rounding_bound=sum(b.num_segments * g for b in stats.buffers),
             capacity_blocks=stats.max_num_blocks,
             committed_blocks=stats.num_blocks,
+            again_reserved=int(again["peak_reserved"]),
+            again_retained=int(again["retained"]),
             margin=margin,
-            profiled_peak_reserved=int(profiled_peak_reserved),
         )
         return self.measured
 
