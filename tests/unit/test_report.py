@@ -326,6 +326,33 @@ def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     assert "not measured" in html
 
 
+@pytest.mark.parametrize("second_legacy,ext_tokens,outcome,deterministic,identical", [
+    ("same", "same", "identical", "yes", "yes"),
+    ("same", "changed", "differs", "yes", "no"),
+    ("changed", "same", "baseline nondeterministic", "no", "not measured"),
+])
+def test_greedy_parity_names_a_nondeterministic_baseline_with_its_first_difference(
+        tmp_path, second_legacy, ext_tokens, outcome, deterministic, identical):
+    run = tmp_path / "run"
+    (run / "integration").mkdir(parents=True)
+    legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
+    tokens = legacy["token_ids"]
+    changed = [list(t) for t in tokens]
+    changed[0][3] += 1
+    second = dict(legacy, token_ids=changed if second_legacy == "changed" else tokens)
+    ext = dict(ext, token_ids=changed if ext_tokens == "changed" else tokens)
+    for name, data in (("c-legacy.json", legacy), ("c-legacy-r2.json", second), ("c-extensible.json", ext)):
+        (run / "integration" / name).write_text(json.dumps(data))
+    md, _, _ = render(run, tmp_path / "out")
+    row = md_row(md, "case file", "c-extensible.json", needs="baseline deterministic?")
+    got = (row["legacy runs"], row["baseline deterministic?"], row["tokens identical?"], row["outcome"])
+    assert got == ("2", deterministic, identical, outcome), f"parity row: expected {outcome}, got {row}"
+    if outcome != "identical":
+        first = (f"prompt 0 first differs at token 3: {tokens[0][3:7]} vs {changed[0][3:7]}"
+                 if second_legacy == "changed" else f"{changed[0][3:7]} vs {tokens[0][3:7]}")
+        assert first in row["detail"], f"parity detail: expected the first difference {first!r}, got {row['detail']!r}"
+
+
 def test_a_refused_combination_is_listed_with_vllms_reason_and_left_out_of_the_accounting(partial):
     _, md, summary, _ = partial
     rel = "call1/tiny-llama-v2-FLEX_ATTENTION-legacy.json"

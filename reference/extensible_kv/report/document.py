@@ -6,7 +6,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from ..measurements import ExtensibleFigures
-from . import accounting
+from . import accounting, parity
 from .consistency import checks
 from .matrix import cell_text, matrix_cells, skip_reasons
 from .numbers import number
@@ -36,7 +36,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
     context = {"run": run, "environment_names": ENVIRONMENT_NAMES, "matrix": matrix_cells(run.conformance),
                "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
                "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
-               "breakdowns": breakdowns, "refused": accounting.refused(run.cases), "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
+               "breakdowns": breakdowns, "refused": accounting.refused(run.cases),
+               "parity": parity.parity_rows(run.cases), "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
                "segments": segments_text, "consistency": checks(run, breakdowns)}
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))

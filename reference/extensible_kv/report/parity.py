@@ -1,0 +1,55 @@
+"""Greedy parity of each non-legacy run in the report: the legacy runs of the same case (its determinism control)
+against it, through ``extensible_kv.parity``, with the batch-invariant pair where one was run."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..parity import Verdict, classify_with_fallback
+from .run import Case
+
+NOT_THE_CASE = ("mode", "corrupt", "batch_invariant")  # what differs between the runs of one case
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    case: Case
+    legacy: list[Case]  # the baseline's runs (without batch invariance), first run first
+    verdict: Verdict
+
+
+def _same_case(case: Case) -> tuple:
+    spec = case.spec.model_dump(by_alias=True)
+    return tuple(sorted((k, repr(v)) for k, v in spec.items() if k not in NOT_THE_CASE))
+
+
+def _run_order(case: Case) -> tuple[str, int]:
+    """``x-legacy.json`` before ``x-legacy-r2.json`` (``integration/parity.py`` names repeats ``-rN``)."""
+    m = re.search(r"-r(\d+)\.json$", case.path)
+    return (case.path[:m.start()] + ".json", int(m.group(1))) if m else (case.path, 1)
+
+
+def _invariant(case: Case) -> bool:
+    return bool(getattr(case.spec, "batch_invariant", False))
+
+
+def parity_rows(cases: list[Case]) -> list[ParityRow]:
+    """One row per uncorrupted non-legacy run outside batch-invariant mode, in path order."""
+    by_case: dict[tuple, list[Case]] = defaultdict(list)
+    for c in sorted(cases, key=_run_order):
+        by_case[_same_case(c)].append(c)
+    rows = []
+    for c in sorted(cases, key=lambda c: c.path):
+        if c.mode == "legacy" or c.corrupt or _invariant(c):
+            continue
+        same = [x for x in by_case[_same_case(c)] if not x.corrupt]
+        legacy = [x for x in same if x.mode == "legacy" and not _invariant(x)]
+        legacy_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == "legacy" and _invariant(x)]
+        ext_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == c.mode and _invariant(x)]
+        verdict = classify_with_fallback({"legacy": [x.data.model_dump(by_alias=True) for x in legacy],
+                                          "extensible": c.data.model_dump(by_alias=True),
+                                          "legacy_bi": legacy_bi, "extensible_bi": ext_bi[0] if ext_bi else None})
+        rows.append(ParityRow(c, legacy, verdict))
+    return rows
