@@ -11,7 +11,8 @@ times its tests' CPU time (plus 4 s) is stopped and counted killed (it hangs or 
 one-line reason. Writes ``reports/mutation.json``.
 
 Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH] [--time-limit S]
-[--resume]``. ``--time-limit`` stops mutmut after S seconds and scores what was tested (the rest counts as not
+[--resume]``, or ``python ci/mutation.py --merge A.json B.json ... [--out PATH]`` to join runs made over disjoint
+files (split over machines or calls) into one result. ``--time-limit`` stops mutmut after S seconds and scores what was tested (the rest counts as not
 checked); ``--resume`` keeps the verdicts in the work folder, so mutants already tested there (also verdicts copied in from another
 machine's ``mutants/`` folder) are not run again.
 """
@@ -119,8 +120,28 @@ def score(results: dict[str, str], equivalent: dict[str, str], files: list[str])
     return {"files": rows, "survivors": survivors}
 
 
+def merge(paths: list[str]) -> dict:
+    """One result from runs over disjoint files; a file scored by two runs is refused, naming both."""
+    merged: dict = {"tool": None, "driver": None, "files": {}, "survivors": []}
+    seen: dict[str, str] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        for key in ("tool", "driver"):
+            if merged[key] not in (None, part[key]):
+                raise SystemExit(f"--merge: {path} has {key} {part[key]!r}, the others {merged[key]!r}")
+            merged[key] = part[key]
+        for f, row in part["files"].items():
+            if f in seen:
+                raise SystemExit(f"--merge: {f} is scored in both {seen[f]} and {path}")
+            seen[f] = path
+            merged["files"][f] = row
+        merged["survivors"] += part["survivors"]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/mutation.py")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join results of runs over disjoint files")
     parser.add_argument("--files", default=",".join(FILES), help="files under reference/extensible_kv to mutate")
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
@@ -129,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retest-survivors", action="store_true",
                         help="with --resume: test again every mutant that was not killed (after adding tests)")
     args = parser.parse_args(argv)
+    if args.merge:
+        report = merge(args.merge)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{len(report['files'])} file(s) from {len(args.merge)} run(s); written {args.out}")
+        return 0
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     unknown = [f for f in files if not (ROOT / "reference" / "extensible_kv" / f).is_file()]
     if unknown:

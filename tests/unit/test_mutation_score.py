@@ -1,0 +1,48 @@
+"""``ci/mutation.py``'s arithmetic: the per-file score (killed / (mutants - equivalent)), the survivors it lists, and
+the merge of runs made over disjoint files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "ci" / "mutation.py")
+mutation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mutation)
+
+HOST = "extensible_kv.drivers.host.xǁHostDriverǁmap__mutmut_{}"
+GRANULES = "extensible_kv.granules.x_merge__mutmut_{}"
+
+
+def test_score_counts_timeouts_and_faults_as_killed_and_leaves_equivalents_out():
+    results = {HOST.format(1): "killed", HOST.format(2): "timeout", HOST.format(3): "segfault",
+               HOST.format(4): "survived", HOST.format(5): "survived", HOST.format(6): "not checked",
+               GRANULES.format(1): "killed", GRANULES.format(2): "no tests"}
+    got = mutation.score(results, {HOST.format(5): "cannot change behaviour"}, ["drivers/host.py", "granules.py"])
+    host = got["files"]["drivers/host.py"]
+    expected = {"mutants": 6, "killed": 3, "equivalent": 1, "survived": 1, "no_tests": 0, "not_checked": 1,
+                "score": round(3 / 5, 4)}
+    assert host == expected, f"score(drivers/host.py): expected {expected}, got {host}"
+    assert got["files"]["granules.py"]["score"] == 0.5, got["files"]["granules.py"]
+    listed = [s["mutant"] for s in got["survivors"]]
+    assert listed == [HOST.format(4), HOST.format(6), GRANULES.format(2)], \
+        f"survivors: expected the unkilled mutants not listed as equivalent, got {listed}"
+
+
+def test_merge_joins_runs_over_disjoint_files_and_refuses_a_file_scored_twice(tmp_path):
+    a = {"tool": "mutmut", "driver": "host-4k", "files": {"granules.py": {"score": 1.0}}, "survivors": []}
+    b = {"tool": "mutmut", "driver": "host-4k", "files": {"drivers/host.py": {"score": 0.99}},
+         "survivors": [{"mutant": HOST.format(4), "status": "survived"}]}
+    paths = []
+    for name, part in (("a.json", a), ("b.json", b), ("c.json", a)):
+        (tmp_path / name).write_text(json.dumps(part))
+        paths.append(str(tmp_path / name))
+    merged = mutation.merge(paths[:2])
+    assert set(merged["files"]) == {"granules.py", "drivers/host.py"} and merged["survivors"] == b["survivors"], \
+        f"merge(a, b): expected both files and b's survivor, got {merged}"
+    with pytest.raises(SystemExit, match=r"granules.py is scored in both .*a.json and .*c.json"):
+        mutation.merge([paths[0], paths[2]])
