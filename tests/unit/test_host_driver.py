@@ -96,3 +96,45 @@ def test_a_reservation_the_kernel_cannot_make_is_out_of_memory_naming_the_call_a
     for needle in (f"mmap(PROT_NONE, {size + PAGE_BYTES} bytes)", os.strerror(errno.ENOMEM)):
         assert needle in str(err), f"reserve(2**62) error: expected {needle!r} in it, got {str(err)!r}"
     assert not driver._reservations, f"reservations after the refused reserve: expected none, got {driver._reservations}"
+
+
+class _LibcFailing:
+    """The real libc, except that ``name`` fails with ``err`` (errno set, -1 returned) as the kernel would."""
+
+    def __init__(self, real: object, name: str, err: int) -> None:
+        self.real, self.name, self.err = real, name, err
+
+    def __getattr__(self, attr: str):
+        if attr != self.name:
+            return getattr(self.real, attr)
+
+        def fail(*args):
+            import ctypes
+
+            ctypes.set_errno(self.err)
+            return -1
+        return fail
+
+
+@pytest.mark.parametrize("err,kind", [(errno.EACCES, DriverError), (errno.ENOMEM, DriverOutOfMemory)])
+def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno(monkeypatch, err, kind):
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20)
+    va = driver.reserve(PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    driver.map(va, PAGE_BYTES, handle, 0)
+    try:
+        failing = _LibcFailing(host._lib(), "mprotect", err)
+        monkeypatch.setattr(host, "_lib", lambda: failing)
+        with pytest.raises(DriverError) as info:
+            driver.set_access(va, PAGE_BYTES)
+        e = info.value
+        got = (type(e), e.operation, e.code)
+        assert got == (kind, "set_access", err), f"set_access with mprotect failing {errno.errorcode[err]}: " \
+                                                 f"expected {(kind, 'set_access', err)}, got {got}"
+        for needle in (f"mprotect({va:#x}, {PAGE_BYTES}, RW)", os.strerror(err)):
+            assert needle in e.detail, f"set_access error detail: expected {needle!r} in it, got {e.detail!r}"
+        monkeypatch.undo()
+    finally:
+        driver.unmap(va, PAGE_BYTES)
+        driver.release(handle)
+        driver.free(va, PAGE_BYTES)
