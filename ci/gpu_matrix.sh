@@ -17,6 +17,10 @@ cd "$root"
 export PYTHONPATH="$root/reference:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m extensible_kv environment "$out" > /dev/null || echo "environment.json not written" >&2
 export EXTENSIBLE_KV_REQUIRE_GPU=1
+if [ -n "${EXTENSIBLE_KV_COMPILE_CACHE:-}" ]; then  # compile caches that travel between calls (README, integration)
+  export VLLM_CACHE_ROOT="$EXTENSIBLE_KV_COMPILE_CACHE/vllm" TRITON_CACHE_DIR="$EXTENSIBLE_KV_COMPILE_CACHE/triton" \
+    TORCHINDUCTOR_CACHE_DIR="$EXTENSIBLE_KV_COMPILE_CACHE/inductor"
+fi
 
 # The vllm.general_plugins entry point, registered without installing the package.
 ep=$(mktemp -d)/extensible_kv-0.1.0.dist-info
