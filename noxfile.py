@@ -162,6 +162,17 @@ def integration(session: nox.Session) -> None:
     _pytest(session, "integration/test_greedy_parity.py", *session.posargs)
 
 
+@nox.session(tags=["cuda", "rocm"])
+def matrix(session: nox.Session) -> None:
+    """The vLLM parity matrix (``integration/matrix.py``: determinism control, measured peak, block sizes, KV dtypes,
+    sliding window, the 8B shape, decode throughput) into reports/out/ (cases in integration/, the report reads them as
+    they are), resumably (needs a GPU; about 90 min in
+    all). Arguments go to the matrix: `nox -s matrix -- --only qwen --budget-seconds 540` runs a part and can be
+    repeated until every case has run."""
+    _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS, own_torch=False)
+    _run_python(session, "-m", "integration.matrix", str(Path("reports") / "out"), *session.posargs)
+
+
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
 def report(session: nox.Session) -> None:
     """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/<run-name>/, and the

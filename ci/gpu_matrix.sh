@@ -69,8 +69,8 @@ case $stage in
     tar -czf "$out/integration.tgz" -C "$work" .
     exit $rc ;;
   matrix)
-    # The vLLM parity matrix (integration/matrix.py): one process per engine, resumable from OUTDIR/matrix/cases;
+    # The vLLM parity matrix (integration/matrix.py): one process per engine, resumable from OUTDIR/integration;
     # the rest of the arguments go to it (--only GROUP|PATTERN, --part N/M, --budget-seconds S, --list).
-    python3 -m integration.matrix "$out/matrix" "$@" ;;
+    python3 -m integration.matrix "$out" "$@" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

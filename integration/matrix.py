@@ -1,6 +1,7 @@
 """The GPU matrix of vLLM parity cases: every engine in a fresh ``run_case`` process with a timeout, every case JSON and
-log under ``OUT/cases/``, a compact table at the end (also ``OUT/table.md``), the throughput pair as
-pytest-benchmark JSON (``OUT/serving-throughput-<model>-<runner>.json``).
+log under ``OUT/integration/``, a compact table at the end (also ``OUT/table.md``), the throughput pair as
+pytest-benchmark JSON (``OUT/serving-throughput-<model>-<runner>.json``). ``OUT`` is a run folder the report reads
+as it is (``python -m extensible_kv report OUT``).
 
     python -m integration.matrix OUT [--only PATTERN ...] [--part N/M] [--budget-seconds S] [--list]
 
@@ -8,8 +9,7 @@ Resumable: a run whose JSON exists is read, not rerun, and the table is rebuilt 
 command can be repeated in several device calls (keep ``OUT`` inside the working tree, untracked and not ignored,
 so it travels to the device with each call) until every case has run. ``--budget-seconds`` stops starting runs
 that would not finish in time; ``--part N/M`` takes the N-th of M contiguous slices of the (filtered) case list.
-The cases are ordered most informative first. Copy ``OUT/cases`` into ``reports/runs/<run>/integration/`` for the
-report (the throughput JSON goes beside it, not into ``integration/``).
+The cases are ordered most informative first.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m integration.matrix", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="output folder (cases/, table.md, serving-*.json)")
+    p.add_argument("out", help="output run folder (integration/, table.md, serving-*.json)")
     p.add_argument("--only", nargs="*", help="case ids or groups (qwen, swa, blocks, 8b, throughput); fnmatch ok")
     p.add_argument("--part", help="N/M: the N-th of M contiguous slices of the selected cases")
     p.add_argument("--budget-seconds", type=float, default=None,
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(selected)} cases, ~{sum(map(estimate_seconds, selected)) / 60:.0f} min if nothing has run yet")
         return 0
     out = Path(args.out)
-    cases_dir = out / "cases"
+    cases_dir = out / "integration"
     cases_dir.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
         clock = Clock(args.budget_seconds)

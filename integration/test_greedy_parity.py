@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.parity import check_memory_budget, first_difference, run_subprocess
+from integration.parity import check_memory_budget, first_difference, refusal, run_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("EXTENSIBLE_KV_REPORT_DIR", ROOT / "reports" / "out" / "integration"))
@@ -40,8 +40,8 @@ def run_case(name: str, *args: str, timeout: int = 900) -> dict:
     for stale in (OUT / f"{name}.json", OUT / f"{name}.error.txt"):
         stale.unlink(missing_ok=True)
     result = run_subprocess(OUT, name, list(args), timeout)
-    assert "error" not in result and "refused" not in result, \
-        f"case {name} ({' '.join(args)}): {result.get('error') or result.get('refused')} (log: {OUT / name}.log)"
+    assert "error" not in result and not refusal(result), \
+        f"case {name} ({' '.join(args)}): {result.get('error') or refusal(result)} (log: {OUT / name}.log)"
     _DONE[(name, *args)] = result
     return result
 

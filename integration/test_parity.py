@@ -237,7 +237,7 @@ def test_matrix_selects_by_group_pattern_and_part():
 
 
 def test_matrix_table_from_files_marks_missing_runs_not_run(tmp_path):
-    cases = tmp_path / "cases"
+    cases = tmp_path / "integration"
     cases.mkdir()
     first = matrix.CASES[0]
     for name in (first.run_name("legacy"), first.run_name("legacy", 1), first.run_name("extensible")):
