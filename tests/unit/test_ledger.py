@@ -8,7 +8,7 @@ import pytest
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver, HostHandle
-from extensible_kv.drivers.ledger import OPERATIONS, Outstanding
+from extensible_kv.drivers.ledger import OPERATIONS, Call, Outstanding
 from extensible_kv.errors import DriverError, DriverOutOfMemory, ProtocolViolation
 
 G = 4096
@@ -79,36 +79,69 @@ def state(w: World) -> tuple:
             w.ledger.outstanding(), [w.inner.accessible(w.va + k * G) for k in range(4)])
 
 
+NOT_A_MULTIPLE = f"not a positive multiple of the granularity {G}"
+# Each misuse, and the message it must get: the driver's name, the operation and the values (``{va}`` and
+# ``{empty}`` are the world's addresses, ``{foreign}`` its foreign handle).
 VIOLATIONS = {
-    "reserve misaligned size": lambda w: w.ledger.reserve(G + 1, G),
-    "create misaligned size": lambda w: w.ledger.create(G // 2),
-    "create zero size": lambda w: w.ledger.create(0),
-    "map misaligned va": lambda w: w.ledger.map(w.va + 2 * G + 1, G, w.spare),
-    "map misaligned size": lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
-    "map misaligned offset": lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
-    "map past the handle": lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
-    "map outside a reservation": lambda w: w.ledger.map(w.va + 4 * G, G, w.spare),
-    "map straddling a reservation end": lambda w: w.ledger.map(w.va + 3 * G, 2 * G, w.spare),
-    "map overlapping a live mapping": lambda w: w.ledger.map(w.va + G, 2 * G, w.spare),
-    "map of a handle the ledger did not create": lambda w: w.ledger.map(w.va + 2 * G, G, w.foreign),
-    "unmap first half of a mapping": lambda w: w.ledger.unmap(w.va, G),
-    "unmap second half of a mapping": lambda w: w.ledger.unmap(w.va + G, G),
-    "unmap more than a mapping": lambda w: w.ledger.unmap(w.va, 3 * G),
-    "set_access over a partly mapped range": lambda w: w.ledger.set_access(w.va, 3 * G),
-    "free with live mappings": lambda w: w.ledger.free(w.va, 4 * G),
-    "free with the wrong size": lambda w: w.ledger.free(w.empty, G),
-    "free of an unknown address": lambda w: w.ledger.free(w.empty + G, G),
-    "release of an unknown handle": lambda w: w.ledger.release(w.foreign),
+    "reserve misaligned size": (lambda w: w.ledger.reserve(G + 1, G), f"reserve with size={G + 1}: {NOT_A_MULTIPLE}"),
+    "create misaligned size": (lambda w: w.ledger.create(G // 2), f"create with size={G // 2}: {NOT_A_MULTIPLE}"),
+    "create zero size": (lambda w: w.ledger.create(0), f"create with size=0: {NOT_A_MULTIPLE}"),
+    "map misaligned va": (lambda w: w.ledger.map(w.va + 2 * G + 1, G, w.spare),
+                          "map with va={va+2G+1:#x}: " + NOT_A_MULTIPLE),
+    "map misaligned size": (lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
+                            f"map with size={G + 1}: {NOT_A_MULTIPLE}"),
+    "map misaligned offset": (lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
+                              f"map with offset=1: {NOT_A_MULTIPLE}"),
+    "map past the handle": (lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
+                            f"map offset {G} + size {2 * G} exceeds the {2 * G}-byte handle"),
+    "map outside a reservation": (lambda w: w.ledger.map(w.va + 4 * G, G, w.spare),
+                                  "map [{va+4G:#x}, +" + f"{G}) is outside every live reservation"),
+    "map straddling a reservation end": (lambda w: w.ledger.map(w.va + 3 * G, 2 * G, w.spare),
+                                         "map [{va+3G:#x}, +" + f"{2 * G}) is outside every live reservation"),
+    "map overlapping a live mapping": (lambda w: w.ledger.map(w.va + G, 2 * G, w.spare),
+                                       "map [{va+G:#x}, +" + f"{2 * G}) overlaps the live mapping " + "[{va:#x}, +"
+                                       + f"{2 * G}): a granule would be mapped twice"),
+    "map of a handle the ledger did not create": (lambda w: w.ledger.map(w.va + 2 * G, G, w.foreign),
+                                                  "map of a handle that is not live: {foreign!r}"),
+    "unmap first half of a mapping": (lambda w: w.ledger.unmap(w.va, G),
+                                      "unmap({va:#x}, " + f"{G}) is not exactly one live mapping"),
+    "unmap second half of a mapping": (lambda w: w.ledger.unmap(w.va + G, G),
+                                       "unmap({va+G:#x}, " + f"{G}) is not exactly one live mapping"),
+    "unmap more than a mapping": (lambda w: w.ledger.unmap(w.va, 3 * G),
+                                  "unmap({va:#x}, " + f"{3 * G}) is not exactly one live mapping"),
+    "set_access over a partly mapped range": (lambda w: w.ledger.set_access(w.va, 3 * G),
+                                              "set_access [{va:#x}, +" + f"{3 * G}) covers only {2 * G} mapped bytes"),
+    "free with live mappings": (lambda w: w.ledger.free(w.va, 4 * G),
+                                "free({va:#x}, " + f"{4 * G}) with 1 live mapping(s)"),
+    "free with the wrong size": (lambda w: w.ledger.free(w.empty, G),
+                                 "free({empty:#x}, " + f"{G}) is not exactly one live reservation"),
+    "free of an unknown address": (lambda w: w.ledger.free(w.empty + G, G),
+                                   "free({empty+G:#x}, " + f"{G}) is not exactly one live reservation"),
+    "release of an unknown handle": (lambda w: w.ledger.release(w.foreign),
+                                     "release of a handle that is not live: {foreign!r}"),
 }
+
+
+def _message(w: World, template: str) -> str:
+    """The expected message: the driver's name, then ``template`` with the world's addresses filled in."""
+    values = {"va": w.va, "va+G": w.va + G, "va+2G+1": w.va + 2 * G + 1, "va+3G": w.va + 3 * G,
+              "va+4G": w.va + 4 * G, "empty": w.empty, "empty+G": w.empty + G}
+    text = template.replace("{foreign!r}", repr(w.foreign))
+    for key, value in sorted(values.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace("{" + key + ":#x}", f"{value:#x}")
+    return f"{w.ledger.inner.name}: {text}"
 
 
 @pytest.mark.parametrize("case", VIOLATIONS, ids=list(VIOLATIONS))
 def test_protocol_violation_is_raised_before_the_inner_driver_is_touched(world, case):
+    call, template = VIOLATIONS[case]
     before = state(world)
-    with pytest.raises(ProtocolViolation):
-        VIOLATIONS[case](world)
+    with pytest.raises(ProtocolViolation) as info:
+        call(world)
     after = state(world)
     assert after == before, f"Ledger, {case}: expected ProtocolViolation with nothing changed ({before}), got {after}"
+    expected = _message(world, template)
+    assert str(info.value) == expected, f"Ledger, {case}: expected the message {expected!r}, got {str(info.value)!r}"
 
 
 def test_release_twice_is_a_protocol_violation(world):
@@ -211,3 +244,21 @@ def test_count_counts_calls_of_an_op_from_an_index_on(world):
     got = {op: (led.count(op), led.count(op, mark)) for op in ("map", "unmap", "reserve", "zero")}
     expected = {"map": (3, 2), "unmap": (1, 1), "reserve": (2, 0), "zero": (0, 0)}
     assert got == expected, f"Ledger.count(op) and count(op, since={mark}): expected {expected}, got {got}"
+
+
+def test_every_call_is_recorded_with_its_arguments_in_order(ledger):
+    mark = len(ledger.calls)
+    va = ledger.reserve(4 * G, 2 * G)
+    handle = ledger.create(2 * G)
+    ledger.map(va + G, G, handle, G)
+    ledger.set_access(va + G, G)
+    ledger.zero(va + G, G)
+    ledger.synchronize()
+    ledger.unmap(va + G, G)
+    ledger.release(handle)
+    ledger.free(va, 4 * G)
+    expected = [Call("reserve", (4 * G, 2 * G)), Call("create", (2 * G,)), Call("map", (va + G, G, G)),
+                Call("set_access", (va + G, G)), Call("zero", (va + G, G)), Call("synchronize", ()),
+                Call("unmap", (va + G, G)), Call("release", (id(handle),)), Call("free", (va, 4 * G))]
+    got = ledger.calls[mark:]
+    assert got == expected, f"Ledger.calls: expected {expected}, got {got}"
