@@ -142,7 +142,7 @@ def stress(session: nox.Session) -> None:
 def mutation(session: nox.Session) -> None:
     """Mutation testing of the reference core (mutmut) against the rules and unit tests; score and survivors in
     reports/mutation.json (`-- --files tensor.py,granules.py` for a subset). Not part of `tests`: it takes long."""
-    _install(session, "-e", ".", *TEST_DEPS, "mutmut>=3.3")
+    _install(session, "-e", ".", *TEST_DEPS, "mutmut>=3.8")
     _run_python(session, "ci/mutation.py", *session.posargs)
 
 
