@@ -40,12 +40,12 @@ WORK = ROOT / "reports" / "out" / "mutation-work"
 RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
 KILLED = {"killed", "timeout", "segfault"}
 # Tests that run the package in child processes (which import the unmutated copy), whose hypothesis machine faults
-# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile). A mutant whose tests fault or
+# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile, this script). A mutant whose tests fault or
 # hang is detected too.
 NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
                     "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
                     "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",
-                    "tests/unit/test_noxfile.py", "tests/unit/test_report.py")
+                    "tests/unit/test_noxfile.py", "tests/unit/test_report.py", "tests/unit/test_mutation_score.py")
 COPIED = ("conformance", "tests")  # the rules and the tests, beside src/ (the selection leaves tests/meta/ out)
 
 CONFIG = """
