@@ -88,14 +88,15 @@ def _prepare(files: list[str], resume: bool = False) -> None:
 
 
 def _forget_survivors() -> None:
-    """Drop the verdict of every mutant that was not killed, so the next run tests it again."""
+    """Drop the verdict of every mutant whose tests did not fail or fault (survivors and timeouts), so the next run
+    tests it again."""
     from mutmut.stats import status_by_exit_code  # noqa: PLC0415 - the verdict names mutmut gives exit codes
 
     for meta in (WORK / "mutants").rglob("*.meta"):
         data = json.loads(meta.read_text())
         codes = data["exit_code_by_key"]
         for key, code in codes.items():
-            if status_by_exit_code[code] not in KILLED:
+            if status_by_exit_code[code] not in KILLED - {"timeout"}:
                 codes[key] = None
         meta.write_text(json.dumps(data))
 
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="stop mutmut after this many seconds")
     parser.add_argument("--resume", action="store_true", help="keep the work folder and the verdicts in it")
     parser.add_argument("--retest-survivors", action="store_true",
-                        help="with --resume: test again every mutant that was not killed (after adding tests)")
+                        help="with --resume: test again every mutant whose tests did not fail or fault (survivors, "
+                             "timeouts), e.g. after adding tests")
     args = parser.parse_args(argv)
     if args.merge:
         report = merge(args.merge)
@@ -166,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     _prepare(files, resume=args.resume)
     if args.retest_survivors:
         _forget_survivors()
+    # Note [OpenMP does not survive fork]: mutmut runs the tests once in its own process (to map tests to functions),
+    # then forks a child per mutant. torch's CPU kernels run on an OpenMP thread pool; a child forked after the pool
+    # started blocks forever in libgomp at its first parallel kernel (seen: count_nonzero over a KV view), and the
+    # mutant is counted killed by timeout whatever its tests would have said. One thread: no pool to inherit.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children], cwd=WORK,
-                           stdout=subprocess.DEVNULL, start_new_session=True)
+                           stdout=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         run.wait(timeout=args.time_limit)
     except subprocess.TimeoutExpired:
