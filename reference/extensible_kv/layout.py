@@ -100,6 +100,9 @@ def block_major(view: torch.Tensor) -> torch.Tensor:
 def mamba_state_views(raw: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
                       page_size_bytes: int, num_blocks: int) -> list[torch.Tensor]:
     """Mamba state views: per state, ``(num_blocks, *shape)`` with one page per block, states back to back."""
+    need = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes))
+    if need > page_size_bytes:  # refused before any view is built: a view past the page may run past the buffer
+        raise LayoutError(f"Mamba states need {need} bytes per block, the page has {page_size_bytes}")
     views, offset = [], 0
     for shape, dtype in zip(shapes, dtypes):
         item = torch.empty(0, dtype=dtype).element_size()
@@ -110,8 +113,6 @@ def mamba_state_views(raw: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes
                               f"is not a multiple of its {item}-byte element")
         views.append(torch.as_strided(raw.view(dtype), target, (page_size_bytes // item, *tail), offset // item))
         offset += math.prod(shape) * item
-    if offset > page_size_bytes:
-        raise LayoutError(f"Mamba states need {offset} bytes per block, the page has {page_size_bytes}")
     return views
 
 
