@@ -116,25 +116,85 @@ class _LibcFailing:
         return fail
 
 
-@pytest.mark.parametrize("err,kind", [(errno.EACCES, DriverError), (errno.ENOMEM, DriverOutOfMemory)])
-def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno(monkeypatch, err, kind):
+# A libc call that fails (as the kernel can: EACCES, ENOMEM) at each operation, with what the error must name.
+FAILING = {
+    "set_access": ("mprotect", lambda d, va, h: d.set_access(va, PAGE_BYTES), "mprotect({va:#x}, 4096, RW)"),
+    "unmap": ("mmap", lambda d, va, h: d.unmap(va, PAGE_BYTES), "mmap(PROT_NONE, MAP_FIXED, {va:#x}, 4096)"),
+    "map": ("mmap", lambda d, va, h: d.map(va + PAGE_BYTES, PAGE_BYTES, h, 0),
+            "mmap(MAP_FIXED, {va2:#x}, 4096, fd={fd}, offset=0)"),
+    "free": ("munmap", lambda d, va, h: d.free(va, 2 * PAGE_BYTES), "munmap({va:#x}, 8192)"),
+}
+
+
+@pytest.mark.parametrize("err,kind", [(errno.EACCES, DriverError), (errno.ENOMEM, DriverOutOfMemory)],
+                         ids=["EACCES", "ENOMEM"])
+@pytest.mark.parametrize("op", FAILING)
+def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno_and_changes_nothing(
+        monkeypatch, op, err, kind):
+    function, call, template = FAILING[op]
     driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20)
-    va = driver.reserve(PAGE_BYTES, PAGE_BYTES)
+    va = driver.reserve(2 * PAGE_BYTES, PAGE_BYTES)
     handle = driver.create(PAGE_BYTES)
-    driver.map(va, PAGE_BYTES, handle, 0)
-    try:
-        failing = _LibcFailing(host._lib(), "mprotect", err)
-        monkeypatch.setattr(host, "_lib", lambda: failing)
-        with pytest.raises(DriverError) as info:
-            driver.set_access(va, PAGE_BYTES)
-        e = info.value
-        got = (type(e), e.operation, e.code)
-        assert got == (kind, "set_access", err), f"set_access with mprotect failing {errno.errorcode[err]}: " \
-                                                 f"expected {(kind, 'set_access', err)}, got {got}"
-        for needle in (f"mprotect({va:#x}, {PAGE_BYTES}, RW)", os.strerror(err)):
-            assert needle in e.detail, f"set_access error detail: expected {needle!r} in it, got {e.detail!r}"
-        monkeypatch.undo()
-    finally:
+    if op != "free":
+        driver.map(va, PAGE_BYTES, handle, 0)
+    records = (dict(driver._reservations), dict(driver._mappings), handle.maps)
+    failing = _LibcFailing(host._lib(), function, err)
+    monkeypatch.setattr(host, "_lib", lambda: failing)
+    with pytest.raises(DriverError) as info:
+        call(driver, va, handle)
+    monkeypatch.undo()
+    e = info.value
+    got = (type(e), e.operation, e.code)
+    assert got == (kind, op, err), f"{op} with {function} failing {errno.errorcode[err]}: expected " \
+                                   f"{(kind, op, err)}, got {got}"
+    detail = template.format(va=va, va2=va + PAGE_BYTES, fd=handle.fd)
+    assert e.detail == f"{detail}: {os.strerror(err)}", \
+        f"{op} error detail: expected {detail!r} and strerror, got {e.detail!r}"
+    after = (dict(driver._reservations), dict(driver._mappings), handle.maps)
+    assert after == records, f"{op} failed in libc: expected the records unchanged ({records}), got {after}"
+    if op != "free":
         driver.unmap(va, PAGE_BYTES)
-        driver.release(handle)
-        driver.free(va, PAGE_BYTES)
+    driver.release(handle)
+    driver.free(va, 2 * PAGE_BYTES)
+
+
+# Every argument of every method, outside the address space (or past its end with the other arguments): refused with
+# the operation's name and the value (Note [Sizes are checked before ctypes] in drivers/host.py), before any libc call
+# and with nothing recorded. ``None`` is the handle of a map that never gets that far.
+OUTSIDE = {
+    "reserve size 2**64 + 4096": ("reserve", lambda d: d.reserve(2**64 + 4096, 4096), "size=18446744073709555712"),
+    "reserve size -4096": ("reserve", lambda d: d.reserve(-4096, 4096), "size=-4096 is outside [1, 2**63)"),
+    "create size 2**64 + 4096": ("create", lambda d: d.create(2**64 + 4096), "size=18446744073709555712"),
+    "free va -4096": ("free", lambda d: d.free(-4096, 4096), "va=-4096 is outside [0, 2**63)"),
+    "free size 0": ("free", lambda d: d.free(4096, 0), "size=0 is outside [1, 2**63)"),
+    "map va 2**64": ("map", lambda d: d.map(2**64, 4096, None, 0), "va=18446744073709551616 is outside [0, 2**63)"),
+    "map size -1": ("map", lambda d: d.map(4096, -1, None, 0), "size=-1 is outside [1, 2**63)"),
+    "map offset 2**63": ("map", lambda d: d.map(4096, 4096, None, 2**63), "offset=9223372036854775808 is outside"),
+    "unmap va -1": ("unmap", lambda d: d.unmap(-1, 4096), "va=-1 is outside [0, 2**63)"),
+    "unmap size 2**64": ("unmap", lambda d: d.unmap(4096, 2**64), "size=18446744073709551616 is outside"),
+    "set_access va -1": ("set_access", lambda d: d.set_access(-1, 4096), "va=-1 is outside [0, 2**63)"),
+    "set_access size 0": ("set_access", lambda d: d.set_access(4096, 0), "size=0 is outside [1, 2**63)"),
+    "zero past the address space": ("zero", lambda d: d.zero(2**63 - 4096, 8192), "runs past the 64-bit"),
+    "zero va -1": ("zero", lambda d: d.zero(-1, 4096), "va=-1 is outside [0, 2**63)"),
+    "tensor va -1": ("tensor", lambda d: d.tensor(-1, 4096, None), "va=-1 is outside [0, 2**63)"),
+    "tensor nbytes 0": ("tensor", lambda d: d.tensor(4096, 0, None), "size=0 is outside [1, 2**63)"),
+}
+
+
+@pytest.mark.parametrize("op,call,needle", OUTSIDE.values(), ids=OUTSIDE.keys())
+def test_every_argument_outside_the_address_space_is_refused_before_libc_naming_the_operation(monkeypatch, op,
+                                                                                               call, needle):
+    driver = HostDriver(granularity=PAGE_BYTES)
+
+    def no_libc():
+        raise AssertionError(f"{op}: libc was called with an argument outside the address space")
+
+    monkeypatch.setattr(host, "_lib", no_libc)
+    with pytest.raises(DriverError) as info:
+        call(driver)
+    e = info.value
+    assert e.operation == op and needle in e.detail, \
+        f"host driver {op}: expected DriverError({op!r}, ...{needle}...), got {type(e).__name__}({e.operation!r}, " \
+        f"{e.detail!r})"
+    assert not driver._reservations and not driver._mappings, \
+        f"host driver {op}: after the refusal expected no records, got {driver._reservations}, {driver._mappings}"

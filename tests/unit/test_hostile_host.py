@@ -123,25 +123,6 @@ def test_a_forked_child_is_refused_with_a_typed_error_and_the_parent_keeps_its_m
     _expect_child(proc, "growth from a forked child", "refused True 8192")
 
 
-SIZES_CTYPES_WOULD_TRUNCATE = {
-    "reserve 2**64 + 4096": lambda d: d.reserve(2**64 + 4096, 4096),
-    "reserve -4096": lambda d: d.reserve(-4096, 4096),
-    "create 2**64 + 4096": lambda d: d.create(2**64 + 4096),
-    "zero past the address space": lambda d: d.zero(2**63 - 4096, 8192),
-    "map at va 2**64": lambda d: d.map(2**64, 4096, None, 0),
-    "unmap size 2**64": lambda d: d.unmap(4096, 2**64),
-}
-
-
-@pytest.mark.parametrize("call", SIZES_CTYPES_WOULD_TRUNCATE.values(), ids=SIZES_CTYPES_WOULD_TRUNCATE.keys())
-def test_the_host_driver_refuses_sizes_outside_the_address_space_before_calling_libc(call):
-    driver = HostDriver(granularity=4096)
-    with pytest.raises(DriverError, match=r"outside \[|runs past the 64-bit"):
-        call(driver)
-    assert not driver._reservations and not driver._mappings, \
-        f"host driver: after a refused size: expected no records, got {driver._reservations}, {driver._mappings}"
-
-
 SMALL_MISTAKES = {
     "driver=42": (lambda: ExtensibleTensor(4096, driver=42), DriverLoadError, "driver=42 is a int"),
     "driver=object()": (lambda: ExtensibleTensor(4096, driver=object()), DriverLoadError, "lacks the protocol"),

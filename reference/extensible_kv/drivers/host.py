@@ -185,9 +185,9 @@ class HostDriver:
         self._check("free", va=va, size=size)
         with self._locked():
             check_free(va, size, self._reservations.get(va) == size, self._mappings)
+            if _lib().munmap(va, size) != 0:  # a failed free keeps its record: close() can try again
+                self._fail("free", f"munmap({va:#x}, {size})")
             del self._reservations[va]
-        if _lib().munmap(va, size) != 0:
-            self._fail("free", f"munmap({va:#x}, {size})")
 
     def create(self, size: int) -> HostHandle:
         self._check("create", size=size)
