@@ -109,6 +109,10 @@ VIOLATIONS = {
                                        "unmap({va+G:#x}, " + f"{G}) is not exactly one live mapping"),
     "unmap more than a mapping": (lambda w: w.ledger.unmap(w.va, 3 * G),
                                   "unmap({va:#x}, " + f"{3 * G}) is not exactly one live mapping"),
+    "set_access misaligned va": (lambda w: w.ledger.set_access(w.va + 1, G),
+                                 "set_access with va={va+1:#x}: " + NOT_A_MULTIPLE),
+    "set_access misaligned size": (lambda w: w.ledger.set_access(w.va, G + 1),
+                                   f"set_access with size={G + 1}: {NOT_A_MULTIPLE}"),
     "set_access over a partly mapped range": (lambda w: w.ledger.set_access(w.va, 3 * G),
                                               "set_access [{va:#x}, +" + f"{3 * G}) covers only {2 * G} mapped bytes"),
     "free with live mappings": (lambda w: w.ledger.free(w.va, 4 * G),
@@ -124,7 +128,7 @@ VIOLATIONS = {
 
 def _message(w: World, template: str) -> str:
     """The expected message: the driver's name, then ``template`` with the world's addresses filled in."""
-    values = {"va": w.va, "va+G": w.va + G, "va+2G+1": w.va + 2 * G + 1, "va+3G": w.va + 3 * G,
+    values = {"va": w.va, "va+1": w.va + 1, "va+G": w.va + G, "va+2G+1": w.va + 2 * G + 1, "va+3G": w.va + 3 * G,
               "va+4G": w.va + 4 * G, "empty": w.empty, "empty+G": w.empty + G}
     text = template.replace("{foreign!r}", repr(w.foreign))
     for key, value in sorted(values.items(), key=lambda kv: -len(kv[0])):
