@@ -266,3 +266,23 @@ def test_every_call_is_recorded_with_its_arguments_in_order(ledger):
                 Call("unmap", (va + G, G)), Call("release", (id(handle),)), Call("free", (va, 4 * G))]
     got = ledger.calls[mark:]
     assert got == expected, f"Ledger.calls: expected {expected}, got {got}"
+
+
+def test_map_passes_the_offset_to_the_inner_driver(ledger):
+    # A two-granule handle mapped twice, granule 1 alone at its offset and the whole handle: what is written through
+    # the first mapping shows in the second granule of the second.
+    va = ledger.reserve(3 * G, G)
+    handle = ledger.create(2 * G)
+    ledger.map(va, G, handle, G)
+    ledger.map(va + G, 2 * G, handle, 0)
+    ledger.set_access(va, 3 * G)
+    ledger.inner.tensor(va, G, None).fill_(7)
+    whole = ledger.inner.tensor(va + G, 2 * G, None)
+    got = (int((whole[:G] == 7).sum()), int((whole[G:] == 7).sum()))
+    assert got == (0, G), f"Ledger.map(offset={G}): expected granule 1 of the handle written ({(0, G)} as " \
+                          f"(7s in granule 0, 7s in granule 1)), got {got}"
+    del whole
+    ledger.unmap(va, G)
+    ledger.unmap(va + G, 2 * G)
+    ledger.release(handle)
+    ledger.free(va, 3 * G)

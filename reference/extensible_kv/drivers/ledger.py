@@ -63,7 +63,7 @@ class Ledger:
         self.calls: list[Call] = []
         self.reservations: dict[int, int] = {}
         self.handles: dict[int, tuple[Handle, int]] = {}  # id(handle) -> (handle, size)
-        self.mappings: dict[int, tuple[int, int]] = {}  # va -> (size, id(handle))
+        self.mappings: dict[int, int] = {}  # va -> size
         self._faults: dict[str, int] = {}
         self._fault_errors: dict[str, BaseException | None] = {}
 
@@ -73,8 +73,7 @@ class Ledger:
     # -- inspection --------------------------------------------------------------------------------------------
     def outstanding(self) -> Outstanding:
         with self._lock:
-            return Outstanding(dict(self.reservations), len(self.handles),
-                               {va: size for va, (size, _) in self.mappings.items()})
+            return Outstanding(dict(self.reservations), len(self.handles), dict(self.mappings))
 
     def count(self, op: str, since: int = 0) -> int:
         """Number of ``op`` calls recorded from index ``since`` of ``calls`` on."""
@@ -150,19 +149,18 @@ class Ledger:
                                         f"{self.handles[id(handle)][1]}-byte handle")
             if not any(r <= va and va + size <= r + s for r, s in self.reservations.items()):
                 raise ProtocolViolation(f"{self.name}: map [{va:#x}, +{size}) is outside every live reservation")
-            for m_va, (m_size, _) in self.mappings.items():
+            for m_va, m_size in self.mappings.items():
                 if m_va < va + size and va < m_va + m_size:
                     raise ProtocolViolation(f"{self.name}: map [{va:#x}, +{size}) overlaps the live mapping "
                                             f"[{m_va:#x}, +{m_size}): a granule would be mapped twice")
         self._record("map", va, size, offset)
         self.inner.map(va, size, handle, offset)
         with self._lock:
-            self.mappings[va] = (size, id(handle))
+            self.mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:
         with self._lock:
-            live = self.mappings.get(va)
-            if live is None or live[0] != size:
+            if self.mappings.get(va) != size:
                 raise ProtocolViolation(f"{self.name}: unmap({va:#x}, {size}) is not exactly one live mapping")
         self._record("unmap", va, size)
         self.inner.unmap(va, size)
@@ -172,7 +170,7 @@ class Ledger:
     def set_access(self, va: int, size: int) -> None:
         self._aligned("set_access", va=va, size=size)
         with self._lock:
-            covered = sum(s for m, (s, _) in self.mappings.items() if va <= m and m + s <= va + size)
+            covered = sum(s for m, s in self.mappings.items() if va <= m and m + s <= va + size)
         if covered != size:
             raise ProtocolViolation(f"{self.name}: set_access [{va:#x}, +{size}) covers only {covered} mapped bytes")
         self._record("set_access", va, size)
