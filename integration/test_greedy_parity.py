@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.parity import check_memory_budget, first_difference, refusal, run_subprocess
+from extensible_kv.parity import first_difference, refusal
+from integration.parity import check_memory_budget, run_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("EXTENSIBLE_KV_REPORT_DIR", ROOT / "reports" / "out" / "integration"))

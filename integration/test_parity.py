@@ -13,8 +13,9 @@ import pytest
 
 from integration import matrix, parity, run_case
 from extensible_kv.measurements import IntegrationCase
-from integration.parity import (DIFFERS, EXTENSIBLE_REFUSED, FAILED, IDENTICAL, NONDETERMINISTIC, NOT_RUN, REFUSED,
-                                Case, classify, classify_with_fallback, first_difference)
+from extensible_kv.parity import (DIFFERS, EXTENSIBLE_REFUSED, FAILED, IDENTICAL, NONDETERMINISTIC, NOT_RUN, REFUSED,
+                                  classify, classify_with_fallback, first_difference)
+from integration.parity import Case
 
 ROOT = Path(__file__).resolve().parents[1]
 A = [[5, 6, 7, 8], [9, 10, 11, 12]]

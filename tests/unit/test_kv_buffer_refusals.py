@@ -1,0 +1,76 @@
+"""Bad input to the KV buffers and their layers: a typed error naming the values, and nothing half-done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extensible_kv.drivers import Ledger
+from extensible_kv.drivers.host import HostDriver
+from extensible_kv.errors import InvalidSizeError
+from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+from extensible_kv.layout import AttentionLayer, LayoutError
+
+from conformance import layouts
+
+
+def _layer(name="l0"):
+    return layouts.flash_nhd(name)
+
+
+BAD_BUFFERS = {
+    "no_buffers": ([], 10, InvalidSizeError, "at least one buffer"),
+    "zero_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 0, InvalidSizeError, "max_num_blocks"),
+    "negative_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], -3, InvalidSizeError, "-3"),
+    "float_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 10.0, InvalidSizeError, "int"),
+    "duplicate_buffer": ([KVBuffer("b", layouts.PAGE, (_layer("x"),)), KVBuffer("b", layouts.PAGE, (_layer("y"),))],
+                         10, InvalidSizeError, "duplicate buffer"),
+    "duplicate_layer": ([KVBuffer("a", layouts.PAGE, (_layer(),)), KVBuffer("b", layouts.PAGE, (_layer(),))], 10,
+                        InvalidSizeError, "duplicate layer"),
+    "zero_page": ([KVBuffer("b", 0, (_layer(),))], 10, InvalidSizeError, "page_size_bytes"),
+    "page_too_small": ([KVBuffer("b", layouts.PAGE // 2, (_layer(),))], 10, LayoutError, "needs 8192 bytes"),
+    "layouts_disagree": ([KVBuffer("b", layouts.PAGE, (_layer("x"), layouts.kv_first("y")))], 10, LayoutError,
+                         "disagree"),
+    "order_not_a_permutation": ([KVBuffer("b", layouts.PAGE, (AttentionLayer(
+        "x", lambda b: (b, 2, 16, 128), (0, 1, 2), torch.bfloat16),))], 10, LayoutError, "not a permutation"),
+    "layers_and_segments": ([KVBuffer("b", layouts.PAGE, (_layer(),), num_segments=2)], 10, LayoutError,
+                            "not both"),
+    "zero_segments": ([KVBuffer("b", layouts.PAGE, num_segments=0)], 10, InvalidSizeError, "num_segments"),
+}
+
+
+@pytest.mark.parametrize("buffers,blocks,error,needle", BAD_BUFFERS.values(), ids=BAD_BUFFERS.keys())
+def test_bad_kv_buffers_raise_and_reserve_nothing(buffers, blocks, error, needle):
+    ledger = Ledger(HostDriver(granularity=4096))
+    with pytest.raises(error, match=needle):
+        ExtensibleKVCacheBuffers(buffers, blocks, driver=ledger)
+    assert not ledger.outstanding(), f"ExtensibleKVCacheBuffers({needle}): left {ledger.outstanding()}"
+
+
+def test_unknown_layer_and_buffer_names_are_refused():
+    cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, (_layer(),))], 10, driver="host-4k")
+    with pytest.raises(InvalidSizeError, match="unknown layer 'nope'"):
+        cache.layer_views("nope")
+    with pytest.raises(InvalidSizeError, match="unknown buffer 'nope'"):
+        cache.tensor("nope")
+    cache.close()
+
+
+def _kv_first(name: str, first: int, block_major: bool = True) -> AttentionLayer:
+    """A ``(first, num_blocks, 8)`` bf16 layer, its blocks in dim 1."""
+    return AttentionLayer(name, lambda b: (first, b, 8), (0, 1, 2), torch.bfloat16, block_major=block_major)
+
+
+def test_the_block_major_re_stride_takes_a_three_dim_kv_first_layout():
+    raw = torch.zeros(2 * 4 * 8 * 2, dtype=torch.int8)
+    (view,) = _kv_first("kv", 2).views(raw, 4)
+    assert (tuple(view.shape), view.stride()) == ((2, 4, 8), (8, 16, 1)), \
+        f"block-major (2, 4, 8): expected shape (2, 4, 8) and strides (8, 16, 1), got {view.shape}, {view.stride()}"
+
+
+def test_the_block_major_re_stride_refuses_a_layout_that_is_not_kv_first_naming_it():
+    raw = torch.zeros(3 * 4 * 8 * 2, dtype=torch.int8)
+    with pytest.raises(LayoutError) as info:
+        _kv_first("three", 3).views(raw, 4)
+    expected = "layer three: block-major re-stride needs a (2, num_blocks, ...) layout, got shape (3, 4, 8)"
+    assert str(info.value) == expected, f"block-major over (3, 4, 8): expected {expected!r}, got {info.value}"
