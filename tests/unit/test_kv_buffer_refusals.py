@@ -7,7 +7,7 @@ import torch
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.errors import InvalidSizeError
+from extensible_kv.errors import ClosedError, InvalidSizeError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from extensible_kv.layout import AttentionLayer, LayoutError
 
@@ -47,13 +47,34 @@ def test_bad_kv_buffers_raise_and_reserve_nothing(buffers, blocks, error, needle
     assert not ledger.outstanding(), f"ExtensibleKVCacheBuffers({needle}): left {ledger.outstanding()}"
 
 
-def test_unknown_layer_and_buffer_names_are_refused():
+def test_unknown_layer_and_buffer_names_are_refused_listing_the_known_ones():
+    names = [f"l{i:02d}" for i in range(10)]
+    cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, tuple(_layer(n) for n in names))], 10,
+                                     driver="host-4k")
+    try:
+        for call, expected in ((lambda: cache.layer_views("nope"), f"unknown layer 'nope'; layers: {names[:8]}"),
+                               (lambda: cache.tensor("nope"), "unknown buffer 'nope'; buffers: ['b']")):
+            with pytest.raises(InvalidSizeError) as info:
+                call()
+            assert str(info.value) == expected, f"unknown name: expected {expected!r}, got {info.value}"
+    finally:
+        cache.close()
+
+
+def test_use_after_close_names_the_operation():
     cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, (_layer(),))], 10, driver="host-4k")
-    with pytest.raises(InvalidSizeError, match="unknown layer 'nope'"):
-        cache.layer_views("nope")
-    with pytest.raises(InvalidSizeError, match="unknown buffer 'nope'"):
-        cache.tensor("nope")
+    tensor = cache.tensor("b")
     cache.close()
+    whole = "on closed ExtensibleKVCacheBuffers (1 buffer(s), max_num_blocks=10)"
+    for call, op in ((lambda: cache.tensor("b"), "tensor"), (lambda: cache.layer_views("l0"), "layer views"),
+                     (lambda: cache.committed_layer_views("l0"), "layer views")):
+        with pytest.raises(ClosedError) as info:
+            call()
+        assert str(info.value) == f"{op} {whole}", f"{op} after close: expected {op} {whole!r}, got {info.value}"
+    with pytest.raises(ClosedError) as info:
+        tensor.stats()
+    assert str(info.value).startswith("stats on a closed ExtensibleTensor ("), \
+        f"ExtensibleTensor.stats() after close: expected a ClosedError naming stats, got {info.value}"
 
 
 def _kv_first(name: str, first: int, block_major: bool = True) -> AttentionLayer:
