@@ -198,3 +198,19 @@ def test_every_argument_outside_the_address_space_is_refused_before_libc_naming_
         f"{e.detail!r})"
     assert not driver._reservations and not driver._mappings, \
         f"host driver {op}: after the refusal expected no records, got {driver._reservations}, {driver._mappings}"
+
+
+def test_map_of_a_released_handle_is_refused_naming_it_and_records_nothing():
+    driver = HostDriver(granularity=PAGE_BYTES)
+    va = driver.reserve(PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    shown = repr(handle)
+    driver.release(handle)
+    with pytest.raises(DriverError) as info:
+        driver.map(va, PAGE_BYTES, handle, 0)
+    e = info.value
+    got = (e.operation, e.detail)
+    expected = ("map", f"{shown} was released; map a live handle")
+    assert got == expected, f"map of a released handle: expected {expected}, got {got}"
+    assert not driver._mappings, f"map of a released handle: expected no mapping recorded, got {driver._mappings}"
+    driver.free(va, PAGE_BYTES)
