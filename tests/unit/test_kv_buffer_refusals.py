@@ -61,12 +61,29 @@ def test_unknown_layer_and_buffer_names_are_refused_listing_the_known_ones():
         cache.close()
 
 
+@pytest.mark.parametrize("blocks,expected", [
+    (-1, "num_blocks must be non-negative, got -1"),
+    (11, "num_blocks=11 exceeds the reserved upper bound max_num_blocks=10"),
+    (2.0, "num_blocks must be an int, got float 2.0"),
+])
+def test_ensure_blocks_refuses_a_count_outside_the_reservation_naming_it(blocks, expected):
+    cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, (_layer(),))], 10, driver="host-4k")
+    try:
+        with pytest.raises(InvalidSizeError) as info:
+            cache.ensure_blocks(blocks)
+        assert str(info.value) == expected, f"ensure_blocks({blocks!r}): expected {expected!r}, got {info.value}"
+        assert cache.num_blocks == 0, f"ensure_blocks({blocks!r}) refused: expected 0 blocks, got {cache.num_blocks}"
+    finally:
+        cache.close()
+
+
 def test_use_after_close_names_the_operation():
     cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, (_layer(),))], 10, driver="host-4k")
     tensor = cache.tensor("b")
     cache.close()
     whole = "on closed ExtensibleKVCacheBuffers (1 buffer(s), max_num_blocks=10)"
     for call, op in ((lambda: cache.tensor("b"), "tensor"), (lambda: cache.layer_views("l0"), "layer views"),
+                     (lambda: cache.ensure_blocks(5), "ensure_blocks"),
                      (lambda: cache.committed_layer_views("l0"), "layer views")):
         with pytest.raises(ClosedError) as info:
             call()
