@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extensible_kv.layout import LayoutError, MambaLayer, block_major, footprint, mamba_state_views
+from extensible_kv.layout import (LayoutError, MambaLayer, attention_view, block_major, footprint,
+                                  mamba_state_views)
 
 SHAPES = ((3, 4), (5,), (2, 2))
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -42,6 +43,14 @@ def test_mamba_states_lie_back_to_back_in_each_page():
         f"mamba_state_views: block 2's states must fill page 2 and nothing else, got {raw.view(blocks, page)}"
 
 
+def test_a_page_counts_each_states_own_element_size():
+    # One bfloat16 state of 8 elements fills a 16-byte page exactly (at 4 bytes an element it would need 32).
+    raw = torch.zeros(16 * 2, dtype=torch.uint8)
+    (view,) = mamba_state_views(raw, ((8,),), (torch.bfloat16,), 16, 2)
+    assert (tuple(view.shape), view.stride()) == ((2, 8), (8, 1)), \
+        f"mamba_state_views((8,) bf16, page 16): expected shape (2, 8) strides (8, 1), got {view.shape} {view.stride()}"
+
+
 @pytest.mark.parametrize("page,message", [
     (98, "Mamba state (3, 4) of torch.float32: page 98 or offset 0 is not a multiple of its 4-byte element"),
     (64, "Mamba states need 96 bytes per block, the page has 64"),
@@ -71,3 +80,11 @@ def test_block_major_keeps_the_views_storage_offset():
     assert got.storage_offset() == 4 and got.stride() == (4, 8, 1), \
         f"block_major: expected storage offset 4 and strides (4, 8, 1), got {got.storage_offset()}, {got.stride()}"
     assert got[1, 0].tolist() == [8.0, 9.0, 10.0, 11.0], f"block_major: V of block 0 at elements 8..11, got {got[1, 0]}"
+
+
+def test_an_attention_view_over_a_buffer_of_another_size_is_refused_naming_both_sizes():
+    raw = torch.zeros(3 * 64, dtype=torch.int8)
+    with pytest.raises(LayoutError) as info:
+        attention_view(raw, (2, 4, 8), (0, 1, 2), torch.bfloat16)
+    expected = "shape (2, 4, 8) of torch.bfloat16 needs 128 bytes, the buffer has 192"
+    assert str(info.value) == expected, f"attention_view over 192 bytes: expected {expected!r}, got {info.value}"
