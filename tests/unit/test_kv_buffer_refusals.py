@@ -9,7 +9,7 @@ from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.errors import ClosedError, InvalidSizeError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
-from extensible_kv.layout import AttentionLayer, LayoutError
+from extensible_kv.layout import AttentionLayer, LayoutError, Segments
 
 from conformance import layouts
 
@@ -19,32 +19,68 @@ def _layer(name="l0"):
 
 
 BAD_BUFFERS = {
-    "no_buffers": ([], 10, InvalidSizeError, "at least one buffer"),
-    "zero_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 0, InvalidSizeError, "max_num_blocks"),
-    "negative_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], -3, InvalidSizeError, "-3"),
-    "float_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 10.0, InvalidSizeError, "int"),
+    "no_buffers": ([], 10, InvalidSizeError, "ExtensibleKVCacheBuffers needs at least one buffer"),
+    "zero_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 0, InvalidSizeError,
+                    "max_num_blocks must be positive, got 0"),
+    "negative_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], -3, InvalidSizeError,
+                        "max_num_blocks must be positive, got -3"),
+    "float_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 10.0, InvalidSizeError,
+                     "max_num_blocks must be an int, got float 10.0"),
     "duplicate_buffer": ([KVBuffer("b", layouts.PAGE, (_layer("x"),)), KVBuffer("b", layouts.PAGE, (_layer("y"),))],
-                         10, InvalidSizeError, "duplicate buffer"),
+                         10, InvalidSizeError, "duplicate buffer names: ['b']"),
     "duplicate_layer": ([KVBuffer("a", layouts.PAGE, (_layer(),)), KVBuffer("b", layouts.PAGE, (_layer(),))], 10,
-                        InvalidSizeError, "duplicate layer"),
-    "zero_page": ([KVBuffer("b", 0, (_layer(),))], 10, InvalidSizeError, "page_size_bytes"),
-    "page_too_small": ([KVBuffer("b", layouts.PAGE // 2, (_layer(),))], 10, LayoutError, "needs 8192 bytes"),
+                        InvalidSizeError, "duplicate layer names: ['l0']"),
+    "zero_page": ([KVBuffer("b", 0, (_layer(),))], 10, InvalidSizeError,
+                  "buffer b: page_size_bytes must be positive, got 0"),
+    "float_page": ([KVBuffer("b", 4096.0, num_segments=1)], 10, InvalidSizeError,
+                   "page_size_bytes of buffer b must be an int, got float 4096.0"),
+    "page_too_small": ([KVBuffer("b", layouts.PAGE // 2, (_layer(),))], 10, LayoutError,
+                       f"layer l0 needs {layouts.PAGE} bytes per block, the buffer's page is {layouts.PAGE // 2}"),
     "layouts_disagree": ([KVBuffer("b", layouts.PAGE, (_layer("x"), layouts.kv_first("y")))], 10, LayoutError,
-                         "disagree"),
+                         "layers sharing one buffer disagree on segments: x has 1, y has 2"),
     "order_not_a_permutation": ([KVBuffer("b", layouts.PAGE, (AttentionLayer(
-        "x", lambda b: (b, 2, 16, 128), (0, 1, 2), torch.bfloat16),))], 10, LayoutError, "not a permutation"),
+        "x", lambda b: (b, 2, 16, 128), (0, 1, 2), torch.bfloat16),))], 10, LayoutError,
+        "stride order (0, 1, 2) is not a permutation of the 4 dims of the declared shape (10, 2, 16, 128)"),
     "layers_and_segments": ([KVBuffer("b", layouts.PAGE, (_layer(),), num_segments=2)], 10, LayoutError,
-                            "not both"),
-    "zero_segments": ([KVBuffer("b", layouts.PAGE, num_segments=0)], 10, InvalidSizeError, "num_segments"),
+                            "buffer b: give layers or num_segments, not both"),
+    "zero_segments": ([KVBuffer("b", layouts.PAGE, num_segments=0)], 10, InvalidSizeError,
+                      "buffer b: num_segments must be positive, got 0"),
+    "float_segments": ([KVBuffer("b", 4096, num_segments=1.0)], 10, InvalidSizeError,
+                       "num_segments of buffer b must be an int, got float 1.0"),
+    "past_the_address_space": ([KVBuffer("b", 2**62, num_segments=1)], 2, InvalidSizeError,
+                               f"buffer b: max_num_blocks=2 pages of {2**62} bytes do not fit a 64-bit address space "
+                               f"(at most {2**63 - 1} bytes)"),
 }
 
 
-@pytest.mark.parametrize("buffers,blocks,error,needle", BAD_BUFFERS.values(), ids=BAD_BUFFERS.keys())
-def test_bad_kv_buffers_raise_and_reserve_nothing(buffers, blocks, error, needle):
+@pytest.mark.parametrize("buffers,blocks,error,message", BAD_BUFFERS.values(), ids=BAD_BUFFERS.keys())
+def test_bad_kv_buffers_raise_and_reserve_nothing(buffers, blocks, error, message):
     ledger = Ledger(HostDriver(granularity=4096))
-    with pytest.raises(error, match=needle):
+    with pytest.raises(error) as info:
         ExtensibleKVCacheBuffers(buffers, blocks, driver=ledger)
-    assert not ledger.outstanding(), f"ExtensibleKVCacheBuffers({needle}): left {ledger.outstanding()}"
+    assert str(info.value) == message, f"ExtensibleKVCacheBuffers: expected {message!r}, got {str(info.value)!r}"
+    assert not ledger.outstanding(), f"ExtensibleKVCacheBuffers({message}): left {ledger.outstanding()}"
+
+
+def test_the_smallest_buffers_are_accepted_and_segments_divide_the_reservation():
+    cache = ExtensibleKVCacheBuffers([KVBuffer("b", 1, num_segments=1)], 1, driver="host-4k")
+    assert (cache.num_blocks, cache.max_num_blocks) == (0, 1), (cache.num_blocks, cache.max_num_blocks)
+    cache.close()
+    got = KVBuffer("b", 4096, num_segments=2).segments(10)
+    assert got == Segments(2, 20480) and type(got.pitch) is int, f"2 segments of 10 x 4096 bytes: got {got!r}"
+
+
+def test_ensure_blocks_without_zeroing_leaves_the_drivers_fresh_bytes():
+    cache = ExtensibleKVCacheBuffers([KVBuffer("b", 4096, num_segments=1)], 4, driver="host-4k")
+    try:
+        cache.ensure_blocks(2, zero_new=False)
+        raw = cache.tensor("b").segment_view(0)[:2 * 4096]
+        assert int(raw.count_nonzero()) > 0, "ensure_blocks(zero_new=False) zeroed the new blocks anyway"
+        cache.ensure_blocks(4)
+        new = cache.tensor("b").segment_view(0)[2 * 4096:4 * 4096]
+        assert int(new.count_nonzero()) == 0, f"ensure_blocks(zero_new=True): {int(new.count_nonzero())} nonzero bytes"
+    finally:
+        cache.close()
 
 
 def test_unknown_layer_and_buffer_names_are_refused_listing_the_known_ones():
