@@ -214,3 +214,37 @@ def test_map_of_a_released_handle_is_refused_naming_it_and_records_nothing():
     assert got == expected, f"map of a released handle: expected {expected}, got {got}"
     assert not driver._mappings, f"map of a released handle: expected no mapping recorded, got {driver._mappings}"
     driver.free(va, PAGE_BYTES)
+
+
+def test_map_past_the_end_of_a_handle_is_refused_naming_the_sizes():
+    driver = HostDriver(granularity=PAGE_BYTES)
+    va = driver.reserve(2 * PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    try:
+        with pytest.raises(DriverError) as info:
+            driver.map(va, PAGE_BYTES, handle, PAGE_BYTES)
+        got = (info.value.operation, info.value.detail)
+        expected = ("map", f"offset {PAGE_BYTES} + size {PAGE_BYTES} exceeds the {PAGE_BYTES}-byte handle")
+        assert got == expected, f"map past the handle: expected {expected}, got {got}"
+    finally:
+        driver.release(handle)
+        driver.free(va, 2 * PAGE_BYTES)
+
+
+def test_a_released_handle_mapped_twice_is_held_until_its_last_mapping_goes():
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20)
+    va = driver.reserve(2 * PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    driver.map(va, PAGE_BYTES, handle, 0)
+    driver.map(va + PAGE_BYTES, PAGE_BYTES, handle, 0)
+    driver.release(handle)
+    free = [driver.mem_info()[0]]
+    driver.unmap(va, PAGE_BYTES)
+    free.append(driver.mem_info()[0])
+    driver.unmap(va + PAGE_BYTES, PAGE_BYTES)
+    free.append(driver.mem_info()[0])
+    driver.free(va, 2 * PAGE_BYTES)
+    total = 1 << 20
+    expected = [total - PAGE_BYTES, total - PAGE_BYTES, total]
+    assert free == expected, f"host mem_info free bytes after release, unmap 1 of 2, unmap 2 of 2: expected " \
+                             f"{expected}, got {free}"

@@ -286,3 +286,38 @@ def test_map_passes_the_offset_to_the_inner_driver(ledger):
     ledger.unmap(va + G, 2 * G)
     ledger.release(handle)
     ledger.free(va, 3 * G)
+
+
+def test_outstanding_is_true_while_anything_is_held():
+    cases = {"nothing": (Outstanding(), False), "a reservation": (Outstanding({1 << 20: G}), True),
+             "a handle": (Outstanding({}, 1), True), "a mapping": (Outstanding({}, 0, {1 << 20: G}), True)}
+    got = {name: bool(o) for name, (o, _) in cases.items()}
+    expected = {name: truth for name, (_, truth) in cases.items()}
+    assert got == expected, f"bool(Outstanding): expected {expected}, got {got}"
+
+
+class MisalignedHost(RecordingHost):
+    """Returns its reservation one granule past the alignment asked for."""
+
+    def reserve(self, size, alignment):
+        self.va = HostDriver.reserve(self, size + alignment, alignment)
+        return self.va + G
+
+
+def test_a_reservation_off_its_alignment_is_a_protocol_violation_naming_both():
+    inner = MisalignedHost()
+    with pytest.raises(ProtocolViolation) as info:
+        Ledger(inner).reserve(2 * G, 2 * G)
+    expected = f"recording-host: reserve returned {inner.va + G:#x}, not aligned to {2 * G}"
+    inner.free(inner.va, 4 * G)
+    assert str(info.value) == expected, f"Ledger.reserve: expected {expected!r}, got {str(info.value)!r}"
+
+
+def test_free_does_not_count_a_mapping_that_starts_where_the_reservation_ends(ledger):
+    va = ledger.reserve(2 * G, G)
+    ledger.mappings[va + 2 * G] = G  # a neighbour's mapping, right after this reservation (on the books only)
+    try:
+        ledger.free(va, 2 * G)
+    finally:
+        del ledger.mappings[va + 2 * G]
+    assert va not in ledger.reservations, f"Ledger.free: {va:#x} still reserved"
