@@ -112,7 +112,7 @@ class _LibcFailing:
             import ctypes
 
             ctypes.set_errno(self.err)
-            return -1
+            return host._MAP_FAILED if self.name == "mmap" else -1  # what the restype makes of MAP_FAILED
         return fail
 
 
@@ -164,6 +164,8 @@ def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno_and_
 OUTSIDE = {
     "reserve size 2**64 + 4096": ("reserve", lambda d: d.reserve(2**64 + 4096, 4096), "size=18446744073709555712"),
     "reserve size -4096": ("reserve", lambda d: d.reserve(-4096, 4096), "size=-4096 is outside [1, 2**63)"),
+    "reserve alignment 2**64": ("reserve", lambda d: d.reserve(4096, 2**64),
+                                "alignment=18446744073709551616 is outside [0, 2**63)"),
     "create size 2**64 + 4096": ("create", lambda d: d.create(2**64 + 4096), "size=18446744073709555712"),
     "free va -4096": ("free", lambda d: d.free(-4096, 4096), "va=-4096 is outside [0, 2**63)"),
     "free size 0": ("free", lambda d: d.free(4096, 0), "size=0 is outside [1, 2**63)"),
@@ -248,3 +250,15 @@ def test_a_released_handle_mapped_twice_is_held_until_its_last_mapping_goes():
     expected = [total - PAGE_BYTES, total - PAGE_BYTES, total]
     assert free == expected, f"host mem_info free bytes after release, unmap 1 of 2, unmap 2 of 2: expected " \
                              f"{expected}, got {free}"
+
+
+def test_a_reservation_the_kernel_refuses_is_out_of_memory_whatever_its_errno(monkeypatch):
+    driver = HostDriver(granularity=PAGE_BYTES)
+    failing = _LibcFailing(host._lib(), "mmap", errno.EINVAL)
+    monkeypatch.setattr(host, "_lib", lambda: failing)
+    with pytest.raises(DriverOutOfMemory) as info:
+        driver.reserve(PAGE_BYTES, PAGE_BYTES)
+    got = (info.value.operation, info.value.code, info.value.detail)
+    expected = ("reserve", errno.EINVAL, f"mmap(PROT_NONE, {2 * PAGE_BYTES} bytes): {os.strerror(errno.EINVAL)}")
+    assert got == expected, f"reserve with mmap failing EINVAL: expected {expected}, got {got}"
+    assert not driver._reservations, f"a refused reserve recorded {driver._reservations}"

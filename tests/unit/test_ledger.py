@@ -90,6 +90,8 @@ VIOLATIONS = {
                           "map with va={va+2G+1:#x}: " + NOT_A_MULTIPLE),
     "map misaligned size": (lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
                             f"map with size={G + 1}: {NOT_A_MULTIPLE}"),
+    "map misaligned va and size": (lambda w: w.ledger.map(w.va + 2 * G + 1, G + 1, w.spare),
+                                   "map with va={va+2G+1:#x}, " + f"size={G + 1}: {NOT_A_MULTIPLE}"),
     "map misaligned offset": (lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
                               f"map with offset=1: {NOT_A_MULTIPLE}"),
     "map past the handle": (lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
