@@ -262,3 +262,63 @@ def test_a_reservation_the_kernel_refuses_is_out_of_memory_whatever_its_errno(mo
     expected = ("reserve", errno.EINVAL, f"mmap(PROT_NONE, {2 * PAGE_BYTES} bytes): {os.strerror(errno.EINVAL)}")
     assert got == expected, f"reserve with mmap failing EINVAL: expected {expected}, got {got}"
     assert not driver._reservations, f"a refused reserve recorded {driver._reservations}"
+
+
+def _prot_none_bytes() -> int:
+    """Bytes of private anonymous ``PROT_NONE`` mappings the kernel holds for this process (``/proc/self/maps``)."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if fields[1] == "---p" and len(fields) == 5:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                total += hi - lo
+    return total
+
+
+@pytest.mark.parametrize("alignment", [16 * PAGE_BYTES, 512 * PAGE_BYTES])
+def test_an_aligned_reservation_holds_exactly_its_size_in_the_kernel(alignment):
+    # reserve over-reserves by the alignment and trims both ends: the kernel's own accounting must grow by the size.
+    driver = HostDriver(granularity=PAGE_BYTES)
+    before = _prot_none_bytes()
+    va = driver.reserve(3 * PAGE_BYTES, alignment)
+    during = _prot_none_bytes()
+    driver.free(va, 3 * PAGE_BYTES)
+    after = _prot_none_bytes()
+    got = (va % alignment, during - before, after - before)
+    assert got == (0, 3 * PAGE_BYTES, 0), f"reserve(3 pages, alignment {alignment}): expected (va % alignment, " \
+                                          f"kernel PROT_NONE growth, after free) = (0, {3 * PAGE_BYTES}, 0), got {got}"
+
+
+def test_a_handle_is_not_inherited_across_exec():
+    import fcntl
+
+    driver = HostDriver(granularity=PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    try:
+        flags = fcntl.fcntl(handle.fd, fcntl.F_GETFD)
+        assert flags & fcntl.FD_CLOEXEC, f"memfd {handle.fd}: expected FD_CLOEXEC, got flags {flags:#x}"
+    finally:
+        driver.release(handle)
+
+
+def test_release_twice_and_a_failed_memfd_create_are_typed_errors_naming_the_handle_and_size(monkeypatch):
+    driver = HostDriver(granularity=PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    driver.release(handle)
+    with pytest.raises(DriverError) as info:
+        driver.release(handle)
+    got = (info.value.operation, info.value.detail)
+    assert got == ("release", f"{handle!r} was already released"), f"release twice: got {got}"
+
+    def no_fds(name, flags=0):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "memfd_create", no_fds)
+    with pytest.raises(DriverError) as info:
+        driver.create(PAGE_BYTES)
+    got = (info.value.operation, info.value.detail, info.value.code)
+    expected = ("create", f"memfd_create for {PAGE_BYTES} bytes: [Errno {errno.EMFILE}] {os.strerror(errno.EMFILE)}",
+                errno.EMFILE)
+    assert got == expected, f"create with memfd_create failing: expected {expected}, got {got}"
+    assert driver.mem_info()[0] == driver.mem_info()[1], f"a failed create holds {driver.mem_info()}"
