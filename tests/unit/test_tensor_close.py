@@ -66,3 +66,32 @@ def test_full_view_refuses_a_dtype_that_does_not_tile_the_reservation_and_a_clos
         tensor.full_view(torch.uint8)
     assert str(info.value).startswith("full_view on a closed ExtensibleTensor ("), \
         f"full_view after close: expected a ClosedError naming full_view, got {info.value}"
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda t: t.resize_per_segment_(1.5), InvalidSizeError, "nbytes must be an int, got float 1.5"),
+    (lambda t: t.resize_per_segment_(0), InvalidSizeError, "resize_per_segment_ needs a positive size, got nbytes=0"),
+    (lambda t: t.segment_view(0, "float32"), Exception, "dtype must be a torch.dtype, got str 'float32'"),
+])
+def test_bad_arguments_to_a_tensor_get_their_whole_message_and_change_nothing(call, error, message):
+    ledger = Ledger(HostDriver(granularity=G))
+    tensor = ExtensibleTensor(2 * G, driver=ledger)
+    try:
+        with pytest.raises(error) as info:
+            call(tensor)
+        assert str(info.value) == message, f"expected {message!r}, got {str(info.value)!r}"
+        assert tensor.stats().bytes_per_segment == 0, f"a refused call grew the tensor: {tensor.stats()}"
+    finally:
+        tensor.close()
+
+
+def test_an_empty_view_has_the_dtype_asked_for_and_a_closed_tensor_refuses_growth_naming_it():
+    tensor = ExtensibleTensor(2 * G, driver=Ledger(HostDriver(granularity=G)))
+    view = tensor.segment_view(0, torch.int16)
+    assert (view.dtype, view.numel()) == (torch.int16, 0), f"segment_view before growth: got {view.dtype}, {view.numel()}"
+    del view
+    tensor.close()
+    with pytest.raises(ClosedError) as info:
+        tensor.resize_per_segment_(G)
+    assert str(info.value).startswith("resize_per_segment_ on a closed ExtensibleTensor ("), \
+        f"resize_per_segment_ after close: expected a ClosedError naming it, got {info.value}"
