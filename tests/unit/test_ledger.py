@@ -323,3 +323,16 @@ def test_free_does_not_count_a_mapping_that_starts_where_the_reservation_ends(le
     finally:
         del ledger.mappings[va + 2 * G]
     assert va not in ledger.reservations, f"Ledger.free: {va:#x} still reserved"
+
+
+def test_an_injected_failure_names_the_driver_and_the_call_and_the_ledger_keeps_the_handle_cap(ledger):
+    va = ledger.reserve(G, G)
+    ledger.fail("zero")
+    with pytest.raises(DriverError) as info:
+        ledger.zero(va, G)
+    got = (info.value.operation, info.value.detail)
+    assert got == ("zero", f"injected failure (recording-host, args ({va}, {G}))"), f"injected failure: got {got}"
+    ledger.free(va, G)
+    capped = RecordingHost()
+    capped.max_handle_bytes = 8 * G
+    assert Ledger(capped).max_handle_bytes == 8 * G, "Ledger.max_handle_bytes: expected the inner driver's cap"
