@@ -15,9 +15,9 @@ one-line reason. Writes ``reports/mutation.json``.
 
 Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N] [--out PATH] [--time-limit S]
 [--resume]``, or ``python ci/mutation.py --merge A.json B.json ... [--out PATH]`` to join runs made over disjoint
-files (split over machines or calls) into one result. ``--time-limit`` stops mutmut after S seconds and scores what was tested (the rest counts as not
-checked); ``--resume`` keeps the verdicts in the work folder, so mutants already tested there (also verdicts copied in from another
-machine's ``mutants/`` folder) are not run again.
+files (split over machines or calls) into one result. ``--time-limit`` stops mutmut after S seconds and scores what
+was tested (the rest counts as not checked); ``--resume`` keeps the verdicts in the work folder, so mutants already
+tested there (also verdicts copied in from another machine's ``mutants/`` folder) are not run again.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ WORK = ROOT / "reports" / "out" / "mutation-work"
 RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
 KILLED = {"killed", "timeout", "segfault"}
 # Tests that run the package in child processes (which import the unmutated copy), whose hypothesis machine faults
-# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile, this script). A mutant whose tests fault or
-# hang is detected too.
+# the interpreter under mutmut's trampolines, or that read the checkout (the noxfile, this script). A mutant whose
+# tests fault or hang is detected too.
 NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
                     "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
                     "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from integration.parity import (Case, Throughput, row, run_parity, run_subprocess, run_throughput,  # noqa: E402
                                 table, throughput_benchmark)
+from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
@@ -121,13 +122,19 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     return rows, pairs
 
 
+def _state(run: dict | None) -> str:
+    """Why a throughput run has no figures: not run, its error, vLLM's refusal, or built without measuring."""
+    if not run:
+        return "not run"
+    return run["error"] if "error" in run else refusal(run) or "built, no throughput"
+
+
 def throughput_lines(pairs: dict, out: Path) -> list[str]:
     lines = []
     for cid, runs in pairs.items():
         legacy, ext = runs.get("legacy"), runs.get("extensible")
         if not (legacy and ext and "throughput" in legacy and "throughput" in ext):
-            state = "; ".join(f"{m}: {r['error'] if r and 'error' in r else (r.get('refused') or 'built, no throughput') if r else 'not run'}"
-                              for m, r in runs.items())
+            state = "; ".join(f"{m}: {_state(r)}" for m, r in runs.items())
             lines.append(f"- {cid}: {state}")
             continue
         bench = throughput_benchmark(legacy, ext)

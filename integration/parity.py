@@ -51,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "reference") not in sys.path:  # a checkout without the package installed (the GPU machine)
     sys.path.append(str(ROOT / "reference"))
+from extensible_kv.measurements import MeasuredPeak
 from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal
 
 MIB = 1 << 20
@@ -107,13 +108,10 @@ def budget_terms(case: dict) -> dict | None:
     if not peak:
         return None
     measured = (case.get("extensible") or {}).get("measured") or {}
-    g = peak["growth"]
-    torch_growth = g["before_batch"]["torch_reserved"] + g["during_batch"]["torch_reserved"]
-    non_torch = g["before_batch"]["non_torch"] + g["during_batch"]["non_torch"]
+    grown = MeasuredPeak.model_validate(peak).grown
     predicted = measured.get("torch_growth", memory.get("profiled_peak_activation"))
-    return {"over_budget_measured": peak["over_budget_measured"], "torch_growth": torch_growth,
-            "predicted_torch_growth": predicted, "non_torch_growth": non_torch,
-            "kv_growth": g["before_batch"]["kv"] + g["during_batch"]["kv"],
+    return {"over_budget_measured": peak["over_budget_measured"], "torch_growth": grown("torch_reserved"),
+            "predicted_torch_growth": predicted, "non_torch_growth": grown("non_torch"), "kv_growth": grown("kv"),
             "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"]))}
 
 

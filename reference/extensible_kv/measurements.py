@@ -210,10 +210,14 @@ class MeasuredPeak(Record):
     peak_shaped: bool | None = None
     growth: dict[str, dict[str, int]] | None = None
 
+    def grown(self, part: str) -> int | None:
+        """Bytes ``part`` (``torch_reserved``, ``non_torch`` or ``kv``) took since warmup, up to and through the peak
+        batch."""
+        return None if self.growth is None else sum(phase.get(part, 0) for phase in self.growth.values())
+
     @property
     def torch_growth(self) -> int | None:
-        """Bytes torch reserved since warmup, up to and through the peak batch."""
-        return None if self.growth is None else sum(part.get("torch_reserved", 0) for part in self.growth.values())
+        return self.grown("torch_reserved")
 
 
 class CaseMemory(Record):

@@ -88,7 +88,8 @@ def test_bad_arguments_to_a_tensor_get_their_whole_message_and_change_nothing(ca
 def test_an_empty_view_has_the_dtype_asked_for_and_a_closed_tensor_refuses_growth_naming_it():
     tensor = ExtensibleTensor(2 * G, driver=Ledger(HostDriver(granularity=G)))
     view = tensor.segment_view(0, torch.int16)
-    assert (view.dtype, view.numel()) == (torch.int16, 0), f"segment_view before growth: got {view.dtype}, {view.numel()}"
+    assert (view.dtype, view.numel()) == (torch.int16, 0), \
+        f"segment_view before growth: expected int16 and 0 elements, got {view.dtype}, {view.numel()}"
     del view
     tensor.close()
     with pytest.raises(ClosedError) as info:

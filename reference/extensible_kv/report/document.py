@@ -37,7 +37,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
                "cell_text": cell_text, "reasons": skip_reasons(run.conformance),
                "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
                "breakdowns": breakdowns, "refused": accounting.refused(run.cases),
-               "parity": parity.parity_rows(run.cases), "pairs": pairs, "groups": accounting.groups(breakdowns), "a": accounting,
+               "parity": parity.parity_rows(run.cases), "pairs": pairs, "groups": accounting.groups(breakdowns),
+               "a": accounting,
                "segments": segments_text, "consistency": checks(run, breakdowns)}
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))
