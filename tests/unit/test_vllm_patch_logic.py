@@ -19,8 +19,9 @@ GIB = 1 << 30
 
 def _state(**overrides) -> MemoryState:
     values = dict(init_free=100 * GIB, requested=90 * GIB, free_now=60 * GIB, kv_backed=2 * GIB, weights=16 * GIB,
-                  profiled_peak=3 * GIB, again_reserved=5 * GIB, again_retained=1 * GIB, bytes_per_block=1 << 20,
-                  rounding_bound=4 << 20, capacity_blocks=80_000, committed_blocks=10)
+                  profiled_peak=3 * GIB, again_reserved=5 * GIB, again_retained=1 * GIB, served_reserved=2 * GIB,
+                  served_retained=0, bytes_per_block=1 << 20, rounding_bound=4 << 20, capacity_blocks=80_000,
+                  committed_blocks=10)
     values.update(overrides)
     return MemoryState(**values)
 
@@ -28,7 +29,8 @@ def _state(**overrides) -> MemoryState:
 def test_sizing_commits_what_the_measured_budget_fits():
     s = _state()
     # non-KV = 100 - 60 - 2 = 38 GiB; the batch run again reserved 5 GiB and torch still holds 1 GiB of it (already
-    # in non-KV), so it may take 4 GiB again; budget = 90 - 38 - 4 = 48 GiB. vLLM's profiled peak plays no part.
+    # in non-KV), so it may take 4 GiB again; the served run gave back 2 GiB, less; budget = 90 - 38 - 4 = 48 GiB.
+    # vLLM's profiled peak plays no part.
     assert (s.non_kv, s.torch_growth, s.budget) == (38 * GIB, 4 * GIB, 48 * GIB), s.to_dict()
     assert s.blocks() == (48 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
 
@@ -36,7 +38,8 @@ def test_sizing_commits_what_the_measured_budget_fits():
 @pytest.mark.parametrize("overrides,expected", [
     (dict(capacity_blocks=1000), 1000),                      # never above the reservation
     (dict(free_now=1 * GIB, committed_blocks=77), 77),        # never below what is committed (grow-only)
-    (dict(again_retained=6 * GIB), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+    (dict(again_retained=6 * GIB, served_reserved=0), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+    (dict(served_reserved=7 * GIB, served_retained=1 * GIB), (46 * GIB - (4 << 20)) // (1 << 20)),  # served took more
     (dict(profiled_peak=40 * GIB), (48 * GIB - (4 << 20)) // (1 << 20)),  # vLLM's estimate is not used
     (dict(margin=GIB), (47 * GIB - (4 << 20)) // (1 << 20)),
 ])
@@ -201,12 +204,14 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkey
     worker = SimpleNamespace(init_snapshot=SimpleNamespace(free_memory=7 * GIB), requested_memory=6 * GIB,
                              model_runner=SimpleNamespace(model_memory_usage=1 * GIB), peak_activation_memory=512 * mib)
     try:
-        s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib}, margin=mib)
+        s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib},
+                       served={"peak_reserved": 70 * mib, "retained": 30 * mib}, margin=mib)
         stats = kv.buffers.stats()
         got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.again_reserved,
-               s.again_retained, s.bytes_per_block, s.rounding_bound, s.capacity_blocks, s.committed_blocks, s.margin)
+               s.again_retained, s.served_reserved, s.served_retained, s.bytes_per_block, s.rounding_bound,
+               s.capacity_blocks, s.committed_blocks, s.margin)
         expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 300 * mib, 120 * mib,
-                    8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
+                    70 * mib, 30 * mib, 8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
@@ -274,7 +279,10 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
 
     class Worker:
         def __init__(self):
-            self.model_runner = SimpleNamespace(profile_run=lambda: None, model_memory_usage=1 << 20)
+            self.model_runner = SimpleNamespace(profile_run=lambda: None, model_memory_usage=1 << 20,
+                                                max_num_tokens=8192, is_pooling_model=False,
+                                                _dummy_run=lambda num_tokens, **kwargs: (None, None),
+                                                _dummy_sampler_run=lambda hidden_states: None)
             self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks=None)
             self.init_snapshot = SimpleNamespace(free_memory=8 * GIB)
             self.requested_memory = 6 * GIB
@@ -303,7 +311,10 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
         def _allocate_kv_cache_tensors(self, kv_cache_config):
             return None
 
+    pp = SimpleNamespace(is_last_rank=True)
     module("vllm", envs=SimpleNamespace(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=True))
+    module("vllm.config", CUDAGraphMode=SimpleNamespace(NONE="CUDAGraphMode.NONE", FULL="CUDAGraphMode.FULL"))
+    module("vllm.distributed", get_pp_group=lambda: pp)
     module("vllm.v1.engine.core", EngineCore=EngineCore)
     module("vllm.v1.worker.gpu_worker", Worker=Worker, warmup_kernels=lambda *a: None)
     module("vllm.v1.worker.gpu_model_runner", GPUModelRunner=GPUModelRunner)
@@ -316,7 +327,7 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper)
+    return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper, pp=pp)
 
 
 def _rpc(wrapper: object, method: str, *args):
@@ -388,6 +399,55 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
     assert run.figures == expected, f"profile_run figures: expected {expected}, got {run.figures}"
 
 
+class _DummyRunner:
+    """The two methods of a vLLM model runner that ``patches.served_batch`` calls, recording their arguments."""
+
+    def __init__(self, max_num_tokens=16384, is_pooling_model=False, on_run=None):
+        self.max_num_tokens, self.is_pooling_model, self.on_run = max_num_tokens, is_pooling_model, on_run
+        self.calls = []
+
+    def _dummy_run(self, num_tokens, **kwargs):
+        self.calls.append(("_dummy_run", num_tokens, kwargs))
+        if self.on_run is not None:
+            self.on_run()
+        return "hidden", "last hidden"
+
+    def _dummy_sampler_run(self, hidden_states):
+        self.calls.append(("_dummy_sampler_run", hidden_states))
+
+
+class _V2DummyRunner(_DummyRunner):
+    __module__ = "vllm.v1.worker.gpu.model_runner"  # what worker_kv.runner_kind reads
+
+    def __init__(self, is_last_pp_rank=True, pooling_runner=None, **kwargs):
+        super().__init__(**kwargs)
+        self.is_last_pp_rank, self.pooling_runner = is_last_pp_rank, pooling_runner
+
+
+@pytest.mark.parametrize("runner,last_rank,expected", [
+    (_DummyRunner(), True, [("_dummy_run", 16384, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
+                                                    "force_attention": True, "skip_eplb": True}),
+                            ("_dummy_sampler_run", "last hidden")]),
+    (_DummyRunner(is_pooling_model=True), True, [("_dummy_run", 16384, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
+                                                                        "force_attention": True, "skip_eplb": True})]),
+    (_DummyRunner(max_num_tokens=2048), False, [("_dummy_run", 2048, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
+                                                                      "force_attention": True, "skip_eplb": True})]),
+    (_V2DummyRunner(), True, [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
+    (_V2DummyRunner(is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+    (_V2DummyRunner(pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+], ids=["v1", "v1-pooling", "v1-not-last-pp-rank", "v2", "v2-not-last-pp-rank", "v2-pooling"])
+def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, runner, last_rank,
+                                                                             expected):
+    # V1 builds attention metadata only with force_attention (or a FULL graph), and runs eager with mode NONE; V2
+    # skips attention only when asked to (skip_attn). The sampler runs where vLLM's own profile_run runs it: on the
+    # last pipeline rank of a generating model.
+    fake = _fake_vllm(monkeypatch)
+    fake.pp.is_last_rank = last_rank
+    patches.served_batch(runner)()
+    assert runner.calls == expected, f"served_batch on {type(runner).__name__}: expected calls {expected}, got " \
+                                     f"{runner.calls}"
+
+
 def test_measure_runs_the_profiled_batch_again_and_sizes_from_what_it_took(monkeypatch):
     # Note [The peak, brought back and measured]: the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory
     # drops by that much before it is read); what it gave back, 100 MiB, is the growth still to come.
@@ -419,6 +479,52 @@ def test_measure_runs_the_profiled_batch_again_and_sizes_from_what_it_took(monke
         expected = (1, 300 * mib, 200 * mib, 100 * mib, 7 * GIB - 200 * mib)
         assert got == expected, f"extensible_kv_measure (runs, reserved, retained, growth, free): expected " \
                                 f"{expected}, got {got}"
+    finally:
+        patches.uninstall()
+        state.buffers.close()
+
+
+def test_measure_sizes_from_the_served_batch_where_it_takes_more(monkeypatch):
+    # Note [The peak, brought back and measured]: the profile run (attention skipped) reserves 100 MiB and keeps it;
+    # the served run (attention on) then reserves 48 MiB more and keeps 16 MiB of it. Free memory is read after
+    # both, and the growth still to come is the served run's give-back, 32 MiB, not the profile's 0.
+    mib = 1 << 20
+    fake = _fake_vllm(monkeypatch)
+    memory = {"reserved": 100 * mib, "max": 100 * mib, "order": []}
+
+    def profile_run():
+        memory["order"].append("profile_run")
+        memory["max"] = memory["reserved"] + 100 * mib
+        memory["reserved"] += 100 * mib
+
+    def served():
+        memory["order"].append("served")
+        memory["max"] = memory["reserved"] + 48 * mib
+        memory["reserved"] += 16 * mib
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *a, **k: (7 * GIB - (memory["reserved"] - 100 * mib), 8 * GIB))
+    patches.install()
+    try:
+        worker = fake.Worker()
+        worker.determine_available_memory()
+        runner = _DummyRunner(on_run=served)
+        runner.profile_run, runner.model_memory_usage = profile_run, 1 << 20
+        runner.kv_cache_config = SimpleNamespace(num_blocks=50)
+        worker.model_runner = runner
+        state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
+        state.segments = [1, 1]
+        state.allocate(_kv_config(50, 8192))
+        _rpc(fake.WorkerWrapper(worker), "extensible_kv_measure")
+        m = state.measured
+        got = (memory["order"], m.again_reserved, m.again_retained, m.served_reserved, m.served_retained,
+               m.torch_growth, m.free_now)
+        expected = (["profile_run", "served"], 100 * mib, 100 * mib, 48 * mib, 16 * mib, 32 * mib,
+                    7 * GIB - 116 * mib)
+        assert got == expected, f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, " \
+                                f"growth, free): expected {expected}, got {got}"
     finally:
         patches.uninstall()
         state.buffers.close()

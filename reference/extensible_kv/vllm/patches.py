@@ -198,6 +198,31 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     return run
 
 
+def served_batch(model_runner: Any) -> Callable[[], None]:
+    """vLLM's profiling batch as a served step runs it: ``max_num_tokens`` tokens over up to ``max_num_seqs`` dummy
+    requests *with attention* (``profile_run`` skips attention), on the eager path, then the sampler. Dummy requests
+    write no KV (their slot mappings are padding) and read only blocks already committed. Wrapped in
+    ``profile_run_reserved_peak`` like the profile: Note [The peak, brought back and measured] in ``sizing``."""
+
+    def run() -> None:
+        if worker_kv.runner_kind(model_runner) == "v2":
+            hidden, sampled = model_runner._dummy_run(model_runner.max_num_tokens, skip_eplb=True)
+            samples = model_runner.is_last_pp_rank and model_runner.pooling_runner is None
+        else:
+            from vllm.config import CUDAGraphMode
+            from vllm.distributed import get_pp_group
+
+            hidden, sampled = model_runner._dummy_run(model_runner.max_num_tokens,
+                                                      cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                      force_attention=True, skip_eplb=True)
+            samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
+        if samples:
+            model_runner._dummy_sampler_run(sampled)
+        del hidden, sampled
+
+    return run
+
+
 def _determine_available_memory(original: Callable) -> Callable:
     def determine_available_memory(self):
         from vllm import envs
@@ -261,10 +286,13 @@ def extensible_kv_measure(self) -> int:
 
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
-    again = profile_run_reserved_peak(self.model_runner.profile_run)  # Note [The peak, brought back and measured]
+    # Note [The peak, brought back and measured]: vLLM's profile batch, then the same batch as a served step runs it
+    again = profile_run_reserved_peak(self.model_runner.profile_run)
+    served = profile_run_reserved_peak(served_batch(self.model_runner))
     with torch.inference_mode():
         again()
-    fits = state.measure(self, margin=_margin(), again=again.figures).blocks()
+        served()
+    fits = state.measure(self, margin=_margin(), again=again.figures, served=served.figures).blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits
 

@@ -115,10 +115,12 @@ class WorkerKV:
             raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
         return got
 
-    def measure(self, worker: object, again: Mapping[str, int], margin: int = 0) -> MemoryState:
-        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again``: the
-        figures of vLLM's profile run, run again just before (``patches.profile_run_reserved_peak``: its
-        ``peak_reserved`` and ``retained``). Note [The peak, brought back and measured] in ``sizing``."""
+    def measure(self, worker: object, again: Mapping[str, int], served: Mapping[str, int],
+                margin: int = 0) -> MemoryState:
+        """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
+        ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``) of vLLM's
+        profile run, run again just before, and of the same batch with attention (``patches.served_batch``).
+        Note [The peak, brought back and measured] in ``sizing``."""
         assert self.buffers is not None
         torch.cuda.synchronize()
         free_now, _ = torch.cuda.mem_get_info()
@@ -137,6 +139,8 @@ class WorkerKV:
             committed_blocks=stats.num_blocks,
             again_reserved=int(again["peak_reserved"]),
             again_retained=int(again["retained"]),
+            served_reserved=int(served["peak_reserved"]),
+            served_retained=int(served["retained"]),
             margin=margin,
         )
         return self.measured
