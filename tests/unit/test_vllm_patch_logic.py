@@ -528,3 +528,118 @@ def test_measure_sizes_from_the_served_batch_where_it_takes_more(monkeypatch):
     finally:
         patches.uninstall()
         state.buffers.close()
+
+
+# -- the served batch's multimodal and speculative parts ------------------------------------------------------------
+def _fake_mm_modules(monkeypatch, encoded: list) -> None:
+    import sys
+    import types
+
+    def group_and_batch_mm_kwargs(items, device, pin_memory):
+        modality = items[0][0]
+        yield modality, len(items), {"pixel_values": [item for _, item in items], "device": device}
+
+    utils = types.ModuleType("vllm.multimodal.utils")
+    utils.group_and_batch_mm_kwargs = group_and_batch_mm_kwargs
+    budget_module = types.ModuleType("vllm.multimodal.encoder_budget")
+    budget_module.MultiModalBudget = lambda vllm_config, registry: encoded.append("budget built") or _MMBudget()
+    monkeypatch.setitem(sys.modules, "vllm.multimodal.utils", utils)
+    monkeypatch.setitem(sys.modules, "vllm.multimodal.encoder_budget", budget_module)
+
+
+class _MMBudget:
+    """vLLM's MultiModalBudget for one modality of 576 tokens per item, 16,384 tokens of encoder cache."""
+
+    encoder_cache_size, mm_max_toks_per_item, mm_max_items_per_batch = 16384, {"image": 576}, {"image": 8}
+
+    def get_encoder_budget(self):
+        return 16384
+
+    def get_modality_with_max_tokens(self):
+        return "image"
+
+
+def _mm_runner(encoded: list, mm_budget=None, skip=False):
+    def embed_multimodal(pixel_values, device):
+        encoded.append(len(pixel_values))
+        return [f"output of {item}" for item in pixel_values]
+
+    registry = SimpleNamespace(get_dummy_mm_inputs=lambda model_config, mm_counts: {
+        "mm_kwargs": {m: [f"dummy {m}"] * n for m, n in mm_counts.items()}})
+    config = SimpleNamespace(model_config=SimpleNamespace(multimodal_config=SimpleNamespace(
+        skip_mm_profiling=skip, mm_encoder_only=False)))
+    return SimpleNamespace(supports_mm_inputs=True, vllm_config=config, mm_registry=registry, device="cuda:3",
+                           mm_budget=mm_budget, model=SimpleNamespace(embed_multimodal=embed_multimodal))
+
+
+@pytest.mark.parametrize("own_budget", [True, False], ids=["v1-runner-budget", "v2-budget-built"])
+def test_encoder_cache_held_fills_the_whole_cache_in_profiled_batches(monkeypatch, own_budget):
+    # Note [The encoder cache, held whole]: 16,384 cache tokens hold 28 items of 576 tokens; vLLM's profile encodes
+    # 8 per batch, so the cache is filled in batches of 8, 8, 8 and 4 and every output stays held.
+    encoded: list = []
+    _fake_mm_modules(monkeypatch, encoded)
+    runner = _mm_runner(encoded, mm_budget=_MMBudget() if own_budget else None)
+    held = patches.encoder_cache_held(runner)
+    expected_batches = [8, 8, 8, 4] if own_budget else ["budget built", 8, 8, 8, 4]
+    assert (encoded, len(held), held[-1]) == (expected_batches, 28, "output of dummy image"), \
+        f"encoder_cache_held: expected batches {expected_batches} and 28 outputs held, got {encoded} and {len(held)}"
+
+
+@pytest.mark.parametrize("runner_kwargs", [dict(skip=True), dict()], ids=["mm-profiling-skipped", "not-multimodal"])
+def test_encoder_cache_held_is_empty_without_an_encoder_cache_to_fill(monkeypatch, runner_kwargs):
+    encoded: list = []
+    _fake_mm_modules(monkeypatch, encoded)
+    runner = _mm_runner(encoded, mm_budget=_MMBudget(), **runner_kwargs)
+    if not runner_kwargs:
+        runner.supports_mm_inputs = False
+    held = patches.encoder_cache_held(runner)
+    assert (held, encoded) == ([], []), f"encoder_cache_held({runner_kwargs}): expected nothing encoded, got " \
+                                        f"{encoded} and {len(held)} held"
+
+
+class _SpecRunner:
+    """A V1 model runner's sampler side with ``k`` speculative tokens: vLLM's dummy sampler run calls the rejection
+    sampler once with one draft per request, as vLLM 0.26.0's does."""
+
+    vocab = 50
+
+    def __init__(self, k, probabilistic=False):
+        self.speculative_config = SimpleNamespace(num_speculative_tokens=k)
+        self.device = "cpu"
+        self.calls = []
+        self.rejection_sampler = self._reject
+        self.probabilistic = probabilistic
+        self.model = SimpleNamespace(compute_logits=lambda hidden: torch.zeros(hidden.shape[0], self.vocab))
+
+    def _reject(self, metadata, draft_probs, logits, sampling_metadata):
+        self.calls.append((metadata, None if draft_probs is None else tuple(draft_probs.shape), tuple(logits.shape),
+                           sampling_metadata))
+
+    def _dummy_sampler_run(self, hidden_states):
+        requests = hidden_states.shape[0]
+        draft_probs = torch.ones(requests, self.vocab) / self.vocab if self.probabilistic else None
+        self.rejection_sampler([[0]] * requests, draft_probs, torch.zeros(2 * requests, self.vocab), "sampling md")
+
+
+@pytest.mark.parametrize("k,probabilistic,expected_extra", [
+    (1, False, []),                                                      # vLLM's own dummy already has one draft
+    (3, False, [([[0, 0, 0]] * 4, None, (16, 50), "sampling md")]),       # 4 requests x (1 + 3) logits rows
+    (5, True, [([[0] * 5] * 4, (20, 50), (24, 50), "sampling md")]),     # draft probabilities where vLLM uses them
+])
+def test_sampler_run_adds_the_widest_speculative_step(monkeypatch, k, probabilistic, expected_extra):
+    # Note [The speculative step, at its widest]: every request proposing k drafts, with vLLM's dummy sampling
+    # parameters (captured from its own dummy run), after vLLM's one-draft dummy.
+    import sys
+    import types
+
+    metadata_module = types.ModuleType("vllm.v1.spec_decode.metadata")
+    metadata_module.SpecDecodeMetadata = SimpleNamespace(make_dummy=lambda drafts, device: drafts)
+    monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.metadata", metadata_module)
+    runner = _SpecRunner(k, probabilistic)
+    own = runner.rejection_sampler
+    patches._sampler_run(runner, torch.zeros(4, 8))
+    vllm_dummy = ([[0]] * 4, (4, 50) if probabilistic else None, (8, 50), "sampling md")
+    expected = [vllm_dummy, *expected_extra]
+    assert runner.calls == expected, f"_sampler_run with k={k}: expected rejection sampler calls {expected}, got " \
+                                     f"{runner.calls}"
+    assert runner.rejection_sampler == own, "_sampler_run: the runner's rejection sampler was not put back"

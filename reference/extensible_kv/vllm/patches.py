@@ -198,13 +198,83 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     return run
 
 
+def encoder_cache_held(model_runner: Any) -> list:
+    """Encoder outputs for as many items as the encoder cache may hold at once: ``encoder_cache_size`` tokens of the
+    modality with the most tokens per item, encoded in batches of vLLM's profiled items per batch (so the encoder's
+    own activation peak is the profiled one). ``[]`` for a model without multimodal inputs or with multimodal
+    profiling skipped. Note [The encoder cache, held whole] in ``sizing``."""
+    if not getattr(model_runner, "supports_mm_inputs", False):
+        return []
+    model_config = model_runner.vllm_config.model_config
+    mm_config = model_config.multimodal_config
+    if mm_config is not None and (mm_config.skip_mm_profiling or getattr(mm_config, "mm_encoder_only", False)):
+        return []
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+    from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+    budget = getattr(model_runner, "mm_budget", None) or MultiModalBudget(model_runner.vllm_config,
+                                                                           model_runner.mm_registry)
+    if budget.get_encoder_budget() <= 0 or not budget.mm_max_toks_per_item:
+        return []
+    modality = budget.get_modality_with_max_tokens()
+    items = budget.encoder_cache_size // budget.mm_max_toks_per_item[modality]
+    per_batch = max(1, budget.mm_max_items_per_batch[modality])
+    # no processor cache: an item vLLM's own profile cached would come back empty
+    item = model_runner.mm_registry.get_dummy_mm_inputs(model_config, mm_counts={modality: 1})["mm_kwargs"][modality][0]
+    held: list = []
+    for start in range(0, items, per_batch):
+        count = min(per_batch, items - start)
+        batch = next(b for _, _, b in group_and_batch_mm_kwargs([(modality, item)] * count, device=model_runner.device,
+                                                                pin_memory=False))
+        held.extend(model_runner.model.embed_multimodal(**batch))
+        del batch
+    return held
+
+
+def _sampler_run(model_runner: Any, sampled: Any) -> None:
+    """vLLM's dummy sampler run; with ``k > 1`` speculative tokens, then the rejection sampler at a worst-case step:
+    every request proposing ``k`` drafts, ``S x (1 + k)`` logits rows through the LM head (and its tensor-parallel
+    gather), with the sampling parameters vLLM's dummy run uses. vLLM's own dummy gives each request one draft.
+    Note [The speculative step, at its widest] in ``sizing``."""
+    spec = getattr(model_runner, "speculative_config", None)
+    k = spec.num_speculative_tokens if spec is not None else 0
+    if k <= 1 or worker_kv.runner_kind(model_runner) == "v2":
+        model_runner._dummy_sampler_run(sampled)
+        return
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    rejection_sampler = model_runner.rejection_sampler
+    seen: dict = {}
+
+    def capture(metadata, draft_probs, logits, sampling_metadata):
+        seen.update(sampling_metadata=sampling_metadata, draft_probs=draft_probs is not None)
+        return rejection_sampler(metadata, draft_probs, logits, sampling_metadata)
+
+    model_runner.rejection_sampler = capture  # this instance only, for this call
+    try:
+        model_runner._dummy_sampler_run(sampled)
+    finally:
+        model_runner.rejection_sampler = rejection_sampler
+    requests = sampled.shape[0]
+    metadata = SpecDecodeMetadata.make_dummy([[0] * k for _ in range(requests)], model_runner.device)
+    hidden = torch.rand(requests * (1 + k), sampled.shape[-1], dtype=sampled.dtype, device=sampled.device)
+    logits = model_runner.model.compute_logits(hidden)
+    del hidden
+    draft_probs = (torch.softmax(torch.rand(requests * k, logits.shape[-1], device=logits.device,
+                                            dtype=torch.float32), dim=-1) if seen["draft_probs"] else None)
+    rejection_sampler(metadata, draft_probs, logits, seen["sampling_metadata"])
+
+
 def served_batch(model_runner: Any) -> Callable[[], None]:
     """vLLM's profiling batch as a served step runs it: ``max_num_tokens`` tokens over up to ``max_num_seqs`` dummy
-    requests *with attention* (``profile_run`` skips attention), on the eager path, then the sampler. Dummy requests
-    write no KV (their slot mappings are padding) and read only blocks already committed. Wrapped in
-    ``profile_run_reserved_peak`` like the profile: Note [The peak, brought back and measured] in ``sizing``."""
+    requests *with attention* (``profile_run`` skips attention), on the eager path, then the sampler (at its widest
+    speculative step), with the encoder cache held full. Dummy requests write no KV (their slot mappings are
+    padding) and read only blocks already committed. Wrapped in ``profile_run_reserved_peak`` like the profile:
+    Note [The peak, brought back and measured] in ``sizing``."""
 
     def run() -> None:
+        held = encoder_cache_held(model_runner)
         if worker_kv.runner_kind(model_runner) == "v2":
             hidden, sampled = model_runner._dummy_run(model_runner.max_num_tokens, skip_eplb=True)
             samples = model_runner.is_last_pp_rank and model_runner.pooling_runner is None
@@ -217,8 +287,8 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
                                                       force_attention=True, skip_eplb=True)
             samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
         if samples:
-            model_runner._dummy_sampler_run(sampled)
-        del hidden, sampled
+            _sampler_run(model_runner, sampled)
+        del hidden, sampled, held
 
     return run
 

@@ -48,6 +48,29 @@ Note [The peak, brought back and measured]
     sampler; ``served_reserved``, ``served_retained``), and the growth still to come is the larger of the two
     runs' give-back. CUDA graph private pools never serve eager activations either way (an 8B Llama shape holds
     186 MiB of graph pools on V1, 230 MiB on V2).
+
+Note [The encoder cache, held whole]
+    A multimodal model keeps encoder outputs (an image's embeddings) in the encoder cache until the scheduler needs
+    the room: up to ``encoder_cache_size`` tokens (``max_num_batched_tokens`` by default), e.g. 28 images of 576
+    tokens at 16,384 batched tokens. vLLM 0.26.0's V1 profile holds only one profiled batch of items during its
+    dummy pass (``min(encoder budget // tokens per item, max_num_seqs x items per prompt)``: 8 of those 28 at
+    ``max_num_seqs=8``) and V2's profile runs no encoder at all, so a cache that fills over several steps is outside
+    the profiled peak (vLLM PR #47363 reserves the cache's full footprint for this reason). The served batch
+    therefore runs with the cache held full (``patches.encoder_cache_held``: ``encoder_cache_size // tokens per
+    item`` dummy items, encoded in batches of vLLM's profiled items per batch), and what that took is in
+    ``served_reserved`` / ``served_retained``. The integration case ``tiny-mm`` (a Qwen2-VL shape, 576 tokens of
+    1024 x bf16 per image: 1,179,648 bytes) records the cache's bytes at the profile and at its own peak.
+
+Note [The speculative step, at its widest]
+    With ``k`` speculative tokens a decode step computes logits for ``S x (1 + k)`` rows (``S`` requests, drafts plus
+    bonus tokens) and the rejection sampler works on float32 copies of them; vLLM 0.26.0's V1 dummy sampler run gives
+    each request one draft (``2 x S`` rows) whatever ``k`` is, and V2 runs no rejection sampler in its profile (it
+    refuses draft-free methods). Read from vLLM's sampler code, a random-sampling step holds about
+    ``S x V x (16 + 14k)`` bytes at bf16 logits against the dummy's ``S x V x 30``: 1.01 GiB more at ``S=256``,
+    ``k=3``, ``V=151,936``. So with ``k > 1`` the served batch's sampler run adds the widest step (``_sampler_run``:
+    every request proposing ``k`` drafts, logits through the LM head and its tensor-parallel all-gather, the
+    rejection sampler with vLLM's own dummy sampling parameters), measured like the rest. Every tensor-parallel rank
+    holds the full-vocabulary logits of that step: ``extensible_kv.vllm.logits``.
 """
 
 from __future__ import annotations
