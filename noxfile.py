@@ -165,8 +165,8 @@ def integration(session: nox.Session) -> None:
 @nox.session(tags=["cuda", "rocm"])
 def matrix(session: nox.Session) -> None:
     """The vLLM parity matrix (``integration/matrix.py``: determinism control, measured peak, block sizes, KV dtypes,
-    sliding window, the 8B shape, decode throughput) into reports/out/ (cases in integration/, the report reads them as
-    they are), resumably (needs a GPU; about 90 min in
+    sliding window, the multimodal encoder cache, speculative decoding, the 8B shape, decode throughput) into
+    reports/out/ (cases in integration/, the report reads them as they are), resumably (needs a GPU; about 110 min in
     all). Arguments go to the matrix: `nox -s matrix -- --only qwen --budget-seconds 540` runs a part and can be
     repeated until every case has run."""
     _install(session, "-e", ".[vllm,cuda]", *TEST_DEPS, own_torch=False)

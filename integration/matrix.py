@@ -30,6 +30,11 @@ from extensible_kv.parity import refusal  # noqa: E402 - on the path once integr
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
 SWA = dict(model="tiny-llama-swa", max_model_len=2048, max_num_seqs=8, seconds=60, timeout=300)
+# A Qwen2-VL shape (576 tokens per image): 8 prompts of 2,048 tokens, one image each, fill the 16,384 batched tokens;
+# the encoder cache holds 16,384 // 576 = 28 images (run_case fills it before the peak batch).
+MM = dict(model="tiny-mm", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
+# Qwen3-0.6B shape with ngram speculation, 4 drafts: the widest step is S x 5 logits rows x 151,936 vocab.
+SPEC = dict(QWEN, speculative="ngram:4", seconds=90)
 # Llama-3-8B at 256 sequences and vLLM's default CUDA graph capture sizes for them (up to 512), 8K context.
 LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=150,
                 timeout=540)
@@ -47,8 +52,16 @@ def _cases() -> list:
         Case(runner="v2", kv_cache_dtype="fp8", **QWEN, group="qwen"),
         Case(runner="v1", kv_cache_dtype="fp8", **SWA, group="swa"),
         Case(runner="v2", kv_cache_dtype="fp8", **SWA, group="swa"),
+        # 3. Memory no profile sees: the multimodal encoder cache held full at the peak ...
+        *(Case(runner=r, **MM, group="mm") for r in ("v1", "v2")),
+        # ... and speculative decoding's widest step (V2 refuses ngram in vLLM 0.26.0: a refused combination, fast);
+        # at 64 sequences the sampler term is 64 x 5 = 320 rows x 151,936.
+        Case(runner="v1", **SPEC, group="spec"),
+        Case(runner="v2", **(SPEC | {"seconds": 30}), group="spec"),
+        Case(runner="v1", **(SPEC | {"max_num_seqs": 64, "variant": "s64", "seconds": 110, "timeout": 360}),
+             group="spec"),
     ]
-    # 3. Block sizes (FLASH_ATTN takes any multiple of 16).
+    # 4. Block sizes (FLASH_ATTN takes any multiple of 16).
     for block in (32, 64):
         for runner in ("v1", "v2"):
             cases.append(Case(runner=runner, block_size=block, **QWEN, group="blocks"))
@@ -57,9 +70,9 @@ def _cases() -> list:
         cases.append(Case(runner=runner, block_size=32, **SWA, group="blocks"))
     cases.append(Case(runner="v1", backend="TRITON_ATTN", **QWEN, group="blocks"))
     cases.append(Case(runner="v2", backend="TRITON_ATTN", **QWEN, group="blocks"))
-    # 4. The 8B shape at 256 sequences, default capture sizes.
+    # 5. The 8B shape at 256 sequences, default capture sizes.
     cases += [Case(runner=r, **LLAMA_8B, group="8b") for r in ("v1", "v2")]
-    # 5. Serving speed at the same block count: 256 sequences x 576 tokens need 9,216 16-token blocks.
+    # 6. Serving speed at the same block count: 256 sequences x 576 tokens need 9,216 16-token blocks.
     cases += [Throughput("llama-8b-shape", r, num_gpu_blocks_override=16384) for r in ("v2", "v1")]
     return cases
 
@@ -153,7 +166,8 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m integration.matrix", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="output run folder (integration/, table.md, serving-*.json)")
-    p.add_argument("--only", nargs="*", help="case ids or groups (qwen, swa, blocks, 8b, throughput); fnmatch ok")
+    p.add_argument("--only", nargs="*",
+                   help="case ids or groups (qwen, swa, mm, spec, blocks, 8b, throughput); fnmatch ok")
     p.add_argument("--part", help="N/M: the N-th of M contiguous slices of the selected cases")
     p.add_argument("--budget-seconds", type=float, default=None,
                    help="start no run that would not finish within this many seconds from now")
@@ -164,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = select(CASES, args.only, args.part)
     if args.list:
         for c in selected:
-            print(f"{c.id:55s} {c.group:10s} ~{estimate_seconds(c) / 60:.1f} min")
+            print(f"{c.id:60s} {c.group:10s} ~{estimate_seconds(c) / 60:.1f} min")
         print(f"{len(selected)} cases, ~{sum(map(estimate_seconds, selected)) / 60:.0f} min if nothing has run yet")
         return 0
     out = Path(args.out)

@@ -35,6 +35,14 @@ Note [Over budget at the measured peak]
     ``peak_figures`` also splits the bytes gained since the final commit into torch's reserved growth, non-torch
     growth (CUDA context, lazily loaded kernels, cuBLAS/NCCL) and KV growth, each before and during the batch: the
     terms a sizing must foresee.
+
+    A case with speculative decoding (``run_case --speculative ngram:K``) has a second measured phase before the
+    peak-shaped batch: ``max_num_seqs`` sequences decoding with every sequence proposing ``K`` drafts in every step
+    (``S x (1 + K)`` logits rows through the LM head and the rejection sampler), read the same way at its end
+    (``speculative_figures``, ``memory.speculative``). The case's figure, ``memory.peak.over_budget_measured``, is
+    then the larger of the two phases' (``peak_figures`` takes the max: the one place every reader, the checks here
+    and the report, gets it from); ``over_budget_prefill`` keeps the prefill batch's own and ``over_budget_phase``
+    says which phase set it. ``used_at_peak``, ``free_at_peak`` and ``growth`` stay the prefill batch's readings.
 """
 
 from __future__ import annotations
@@ -66,13 +74,26 @@ def over_budget_measured(init_free: int, free_at_peak: int, requested: int) -> i
     return (init_free - free_at_peak) - requested
 
 
-def peak_figures(after_warmup: dict, peak: dict) -> dict:
+def free_at_phase_peak(free_after: int, torch_max_reserved: int, torch_reserved_after: int) -> tuple[int, int]:
+    """(free memory at a measured phase's peak, what torch reserved during the phase and released before the
+    reading): the free reading after the phase less what torch gave back (Note [Over budget at the measured
+    peak])."""
+    released = max(0, torch_max_reserved - torch_reserved_after)
+    return free_after - released, released
+
+
+def peak_figures(after_warmup: dict, peak: dict, speculative: dict | None = None) -> dict:
     """``memory.peak`` of a case: the readings of ``run_case``'s peak-shaped batch (``peak``) with the figures after
     the final commit (``after_warmup``: ``memory`` of the case), and what follows from them (Note [Over budget at
-    the measured peak])."""
-    released = max(0, peak["torch_max_reserved"] - peak["torch_reserved_after"])
-    free_at_peak = peak["free_after_batch"] - released
+    the measured peak]). With ``speculative`` (``memory.speculative``, ``speculative_figures``) the case's
+    ``over_budget_measured`` is the larger of the two phases'."""
+    free_at_peak, released = free_at_phase_peak(peak["free_after_batch"], peak["torch_max_reserved"],
+                                                peak["torch_reserved_after"])
     init_free, requested = after_warmup["init_free"], after_warmup["requested"]
+    phases = {"prefill": over_budget_measured(init_free, free_at_peak, requested)}
+    if speculative and speculative.get("over_budget_measured") is not None:
+        phases["speculative"] = speculative["over_budget_measured"]
+    phase = max(phases, key=phases.__getitem__)  # prefill on a tie
     used = init_free - free_at_peak
     kv_warm = after_warmup.get("kv_backed_after_warmup") or 0
     non_torch_warm = (init_free - after_warmup["free_after_warmup"]) - after_warmup["torch_reserved"] - kv_warm
@@ -86,7 +107,7 @@ def peak_figures(after_warmup: dict, peak: dict) -> dict:
     return {
         **peak, "init_free": init_free, "requested": requested, "total": after_warmup.get("total"),
         "reserved_released": released, "free_at_peak": free_at_peak, "used_at_peak": used,
-        "over_budget_measured": over_budget_measured(init_free, free_at_peak, requested),
+        "over_budget_measured": phases[phase], "over_budget_prefill": phases["prefill"], "over_budget_phase": phase,
         "non_torch_at_peak": non_torch_peak, "peak_shaped": shaped,
         # Growth since the final commit: before the batch (the generation passes, the harness) and during it.
         "growth": {
@@ -97,6 +118,49 @@ def peak_figures(after_warmup: dict, peak: dict) -> dict:
                              "kv": peak["kv_backed"] - before["kv_backed"]},
         },
     }
+
+
+def speculative_figures(after_warmup: dict, readings: dict) -> dict:
+    """``memory.speculative`` of a case: ``run_case``'s widest-speculative-step phase (``readings``: ``k``,
+    ``method``, ``requests``, ``vocab``, the torch and free-memory readings before and after it, and every step's
+    ``[scheduled tokens, requests with drafts, draft tokens]``) with the figures after the final commit, read like
+    the peak (Note [Over budget at the measured peak]). ``widest_steps``: the steps in which all ``requests``
+    proposed ``k`` drafts each (``rows`` logits rows); a phase without one measured nothing wide."""
+    k, requests = readings["k"], readings["requests"]
+    before = readings["before"]
+    free_at_end, released = free_at_phase_peak(readings["free_after"], readings["torch_max_reserved"],
+                                               readings["torch_reserved_after"])
+    steps = readings.get("steps") or []
+    return {
+        "k": k, "method": readings["method"], "requests": requests, "rows": requests * (1 + k),
+        "vocab": readings["vocab"],
+        "step_peak_allocated": readings["torch_max_allocated"] - before["torch_allocated"],
+        "step_reserved_growth": readings["torch_max_reserved"] - before["torch_reserved"],
+        "over_budget_measured": over_budget_measured(after_warmup["init_free"], free_at_end,
+                                                     after_warmup["requested"]),
+        "free_at_end": free_at_end, "reserved_released": released,
+        "widest_steps": sum(1 for tokens, reqs, drafts in steps
+                            if reqs == requests and drafts == requests * k and tokens == requests * (1 + k)),
+        "steps": steps, "max_tokens": readings.get("max_tokens"), "seconds": readings.get("seconds"),
+        "before": before,
+    }
+
+
+def phase_problems(run: dict, mode: str) -> list[str]:
+    """What a run's own phases failed to reach (empty: nothing): a speculative case must have measured at least one
+    step at its widest, a multimodal case must have held its encoder cache full at the measured peak."""
+    memory = run.get("memory") or {}
+    problems = []
+    spec = memory.get("speculative")
+    if spec is not None and not spec.get("widest_steps"):
+        problems.append(f"{mode} speculative phase never ran its widest step: expected {spec['requests']} requests "
+                        f"x {spec['k']} drafts ({spec['rows']} rows) in one step, got steps "
+                        f"[tokens, requests, drafts] {spec.get('steps')}")
+    enc = memory.get("encoder_cache")
+    if enc is not None and enc.get("capacity_items") and enc.get("items_at_peak") != enc["capacity_items"]:
+        problems.append(f"{mode} encoder cache held {enc.get('items_at_peak')} items at the measured peak, expected "
+                        f"it full ({enc['capacity_items']} items of {enc.get('bytes_per_item')} bytes)")
+    return problems
 
 
 def budget_terms(case: dict) -> dict | None:
@@ -165,6 +229,8 @@ class Case:
     timeout: int = 300
     extra: tuple[str, ...] = ()
     group: str = ""
+    speculative: str | None = None  # run_case --speculative, e.g. "ngram:4"
+    variant: str = ""  # ends the id where cases differ otherwise only in figures the id leaves out (e.g. "s64")
 
     @property
     def kv_name(self) -> str:
@@ -172,7 +238,16 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{self.runner}-{self.backend}-{self.kv_name}-b{self.block_size}"
+        spec = f"-{self.speculative.replace(':', '')}" if self.speculative else ""
+        variant = f"-{self.variant}" if self.variant else ""
+        return f"{self.model}-{self.runner}-{self.backend}-{self.kv_name}-b{self.block_size}{spec}{variant}"
+
+    @property
+    def label(self) -> str:
+        """The model column of the table: the model, with the speculative method and sequence count where set."""
+        extras = ([self.speculative] if self.speculative else []) + ([f"{self.max_num_seqs} seqs"] if self.variant
+                                                                      else [])
+        return self.model + (f" ({', '.join(extras)})" if extras else "")
 
     def args(self, mode: str, *, batch_invariant: bool = False) -> list[str]:
         args = ["--model", self.model, "--runner", self.runner, "--backend", self.backend, "--mode", mode,
@@ -181,6 +256,8 @@ class Case:
                 "--capture-sizes", self.capture_sizes]
         if self.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.speculative:
+            args += ["--speculative", self.speculative]
         if batch_invariant:
             args.append("--batch-invariant")
         return args + list(self.extra)
@@ -274,15 +351,17 @@ def row(case: Case, runs: dict) -> dict:
     ext = runs.get("extensible") if (runs.get("extensible") or {}).get("memory") else None
     problems: list[str] = []
     if legacy and ext:
-        problems = check_memory_budget(legacy, ext)
+        problems = check_memory_budget(legacy, ext) + phase_problems(legacy, "legacy") + phase_problems(ext,
+                                                                                                        "extensible")
         cached = ext.get("num_cached_tokens") or []
         if case.expect_cached and not all(c and c >= CACHED_BLOCKS * case.block_size for c in cached):
             problems.append(f"the measured pass must read {CACHED_BLOCKS} cached KV blocks per prompt "
                             f"({CACHED_BLOCKS * case.block_size} tokens), got {cached}")
     sens = (ext or {}).get("sensitivity")
     over = lambda r: (((r or {}).get("memory") or {}).get("peak") or {}).get("over_budget_measured")  # noqa: E731
+    memory = (ext or legacy or {}).get("memory") or {}
     return {
-        "case": case.id, "model": case.model, "runner": case.runner, "backend": case.backend,
+        "case": case.id, "model": case.model, "label": case.label, "runner": case.runner, "backend": case.backend,
         "kv_dtype": case.kv_name, "block_size": case.block_size,
         "legacy_blocks": (legacy or {}).get("memory", {}).get("num_gpu_blocks"),
         "extensible_blocks": (ext or {}).get("memory", {}).get("num_gpu_blocks"),
@@ -292,6 +371,7 @@ def row(case: Case, runs: dict) -> dict:
         "sensitivity_proven": None if not sens else bool(sens["changed"]),
         "budget_problems": problems,
         "terms": budget_terms(ext) if ext else None, "legacy_terms": budget_terms(legacy) if legacy else None,
+        "speculative": memory.get("speculative"), "encoder_cache": memory.get("encoder_cache"),
     }
 
 
@@ -312,7 +392,8 @@ def table(rows: Sequence[dict]) -> str:
         budget = f"{_mib(r['over_budget_legacy'])} / {_mib(r['over_budget_extensible'])}"
         outcome = r["outcome"] + (" (budget!)" if r["budget_problems"] else "")
         lines.append("| " + " | ".join(str(v) for v in (
-            r["model"], r["runner"], r["backend"], r["kv_dtype"], r["block_size"], r["legacy_blocks"] or "-",
+            r.get("label") or r["model"], r["runner"], r["backend"], r["kv_dtype"], r["block_size"],
+            r["legacy_blocks"] or "-",
             r["extensible_blocks"] or "-", _yes(r["baseline_deterministic"]), _yes(r["tokens_identical"]), budget,
             _yes(r["sensitivity_proven"]), outcome)) + " |")
         for text in ([r["detail"]] if r["detail"] else []) + r["budget_problems"]:
@@ -323,7 +404,26 @@ def table(rows: Sequence[dict]) -> str:
                          f"{t['torch_growth'] / MIB:.1f} MiB (sizing foresaw "
                          f"{(t['predicted_torch_growth'] or 0) / MIB:.1f}), non-torch by "
                          f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB")
+        notes += [f"- {r['case']}: {text}" for text in phase_lines(r)]
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def phase_lines(r: dict) -> list[str]:
+    """The table's notes on a row's speculative phase and encoder cache (the extensible run's, else legacy's)."""
+    lines = []
+    if spec := r.get("speculative"):
+        lines.append(f"widest speculative step ({spec['method']}, {spec['requests']} requests x (1 + {spec['k']}) = "
+                     f"{spec['rows']} rows x {spec['vocab']} vocab, {spec.get('widest_steps')} such steps): torch "
+                     f"allocated +{spec['step_peak_allocated'] / MIB:.1f} MiB, reserved "
+                     f"+{spec['step_reserved_growth'] / MIB:.1f} MiB, {_mib(spec['over_budget_measured'])} MiB over "
+                     f"budget at its end")
+    if enc := r.get("encoder_cache"):
+        per = enc.get("bytes_per_item") or 0
+        lines.append(f"encoder cache: {(enc.get('held_bytes') or 0) / MIB:.1f} MiB held at most "
+                     f"({enc.get('items_held')} items of {per / MIB:.2f} MiB; {enc.get('items_at_peak')} of "
+                     f"{enc.get('capacity_items')} at the measured peak), {(enc.get('profiled_bytes') or 0) / MIB:.1f} "
+                     f"MiB during vLLM's profile")
+    return lines
 
 
 # -- serving throughput --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ write token ids and memory figures as JSON.
 
     python -m integration.run_case --model tiny-llama --runner v2 --backend FLASH_ATTN --mode extensible \
         --out reports/out/integration/case.json [--kv-cache-dtype fp8] [--block-size 32] [--corrupt] \
-        [--no-peak] [--throughput --num-gpu-blocks-override 16384] [--batch-invariant] [--dry-run]
+        [--no-peak] [--throughput --num-gpu-blocks-override 16384] [--batch-invariant] [--speculative ngram:4] \
+        [--dry-run]
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the extensible patches and the KV checks apply
 to the worker directly. Weights come from the dummy loader and are then re-initialised in place from a seeded normal
@@ -21,11 +22,55 @@ In order, after the engine is built:
 4. ``--peak`` (default): the peak-shaped batch, ``max_num_batched_tokens`` prompt tokens over ``max_num_seqs``
    sequences with ``max_tokens=1``, then device memory used since the worker started against the budget
    (``memory.peak``; the definition is Note [Over budget at the measured peak] in ``integration/parity.py``).
+   Before it, with ``--speculative``, the widest speculative step and, for a multimodal model, the encoder cache
+   filled (below).
 5. ``--sensitivity`` (default): every committed KV block is overwritten and the measured pass runs again; its tokens
    must differ from step 2's (``sensitivity``): the parity comparison can fail.
 
 An engine that vLLM (or the extensible path) refuses to build for this combination writes ``refused`` (the
-exception's text) instead and exits 0, so a matrix goes on.
+exception's text) instead and exits 0, so a matrix goes on. vLLM 0.26.0 refuses ngram speculative decoding on the
+V2 runner while it builds its config: ``ValidationError: 1 validation error for VllmConfig / Value error, Model
+Runner V2 does not yet support: ngram/ngram_gpu speculative decoding`` (pydantic's ValidationError is a ValueError).
+
+Multimodal cases (a model whose ``config.json`` has a ``vision_config``: ``tiny-mm``, a Qwen2-VL shape)
+    The engine gets the tokenizer (``skip_tokenizer_init=False``; the processor needs it) and
+    ``limit_mm_per_prompt={"image": 1, "video": 0}``. Every prompt carries one image: text ids from ``[3, 1020)``
+    (below every marker id), then vision_start (1020), ONE image_pad (1022; vLLM expands it to the image's 576
+    tokens: the processor resizes every image to 672 x 672, 48 x 48 patches merged 2 x 2) and vision_end (1021)
+    after the first ``IMAGE_TEXT_BEFORE`` text tokens. Images are 224 x 224 RGB noise from
+    ``numpy.random.default_rng(seed)``, each prompt its own seed (identical images share one encoder cache entry).
+    The case needs ``torchvision`` (vLLM's Qwen2-VL image processor imports it), ``PIL`` and ``numpy``: missing,
+    the run fails before building an engine, ``refused: tiny-mm needs torchvision (...)`` naming the import.
+
+    The encoder cache. vLLM's scheduler gives it ``encoder_cache_size`` tokens (``max_num_batched_tokens`` by
+    default, ``MultiModalBudget``), so it holds ``16,384 // 576 = 28`` images at 16,384 batched tokens. An entry is
+    not freed when its request finishes: ``EncoderCacheManager.free`` only marks it freeable, and ``can_allocate``
+    evicts freeable entries, oldest first, only when a new item needs the room; the runner drops an entry when the
+    scheduler's ``free_encoder_mm_hashes`` names it. So finished requests' outputs stay on the GPU until the cache
+    is full. vLLM's V1 profile holds one profiled batch of items (``min(28, max_num_seqs x 1) = 8``) in the cache
+    during its dummy forward; V2's profile runs no encoder (0). Before the peak batch the case therefore runs
+    ``fill_rounds`` rounds of ``max_num_seqs`` requests of ``FILL_TEXT_LEN`` text tokens and one image each
+    (``max_tokens=1``): enough that the measured pass's 4 images, the rounds' and the peak batch's 8 bring the cache
+    to its 28 (two rounds at ``max_num_seqs=8``), and the peak batch (``max_num_seqs`` prompts of one image each,
+    ``max_num_batched_tokens`` tokens with the images expanded) runs with the cache full. ``memory.encoder_cache``:
+    ``profiled_bytes`` (the most the runner's cache held during vLLM's profile_run: V1 ``encoder_cache``, a dict of
+    GPU tensors; V2 ``encoder_cache.encoder_outputs``), ``held_bytes`` (the most it held after any
+    ``execute_model`` of the case's generation, fill and peak batch; ``items_held`` then), ``bytes_per_item``, and
+    ``capacity_items`` / ``items_at_peak``. Bytes are the distinct storages under the cached tensors (one batch's
+    outputs are views of one tensor). In-process runs only (``record_runner_memory``).
+
+Speculative decoding (``--speculative ngram:K``)
+    The engine gets ``speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}``, legacy and extensible alike; tokens are compared with legacy's with the same
+    speculation. With ``--peak``, after the generation and before the peak batch, ``max_num_seqs`` sequences decode
+    ``SPECULATIVE_MAX_TOKENS`` tokens with the worker's ``model_runner.drafter.propose`` replaced so every request
+    proposes exactly K drafts each step (its last token repeated): ``S x (1 + K)`` logits rows through the LM head
+    and the rejection sampler, which accepts only the target's greedy tokens (this phase's tokens are not compared).
+    ``memory.speculative``: ``k``, ``method``, ``requests`` (S), ``rows``, ``vocab``, ``step_peak_allocated`` (torch's
+    max allocated during the phase less allocated before it), ``step_reserved_growth``, ``over_budget_measured`` at
+    the phase's end (read as the peak is), ``widest_steps`` (steps that had all S requests with K drafts each) and
+    every step's [scheduled tokens, requests with drafts, draft tokens]. ``memory.peak.over_budget_measured`` is the
+    larger of the two phases' (``integration.parity.peak_figures``).
 """
 
 from __future__ import annotations
@@ -35,12 +80,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # python integration/run_case.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import peak_figures  # noqa: E402 - after the path fix above
+from integration.parity import peak_figures, speculative_figures  # noqa: E402 - after the path fix above
+from extensible_kv.measurements import EncoderCacheFigures, SpeculativeFigures  # noqa: E402 - parity adds the path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(__file__).resolve().parent / "models"
@@ -51,6 +98,19 @@ CORRUPT_BLOCKS = 256
 # prompts of max_model_len - 1 tokens (one token left to generate) can fill.
 LLM_CLASS_BATCHED_TOKENS = 16384
 THROUGHPUT_PROMPT_LEN = 32
+# Multimodal cases (a model whose config has a vision_config): token ids of the image markers, never drawn as text.
+MM_TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+IMAGE_SIDE = 224  # square RGB noise; the tiny-mm processor resizes every image to 672 x 672 (576 tokens)
+IMAGE_TEXT_BEFORE = 8  # text tokens before a prompt's image, the rest after it
+FILL_TEXT_LEN = 8  # text tokens of an encoder-cache fill request (plus its image)
+# The first image seed of each phase: every image of a case is distinct (identical images share one cache entry).
+IMAGE_SEEDS = {"measured": 10_000, "fill": 20_000, "peak": 30_000}
+# What a multimodal case imports beyond vLLM; missing, the case fails naming it (refused_import).
+MM_IMPORTS = (("torchvision", "vLLM's Qwen2-VL image processor imports it"),
+              ("PIL", "the case's images are PIL images"), ("numpy", "the case's images are drawn with numpy"))
+# Speculative decoding: ngram only (draft-model-free, so the tiny configs need no second model).
+SPECULATIVE_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE_MAX_TOKENS = 16  # decode steps of the widest-step phase (about one per token: drafts mostly rejected)
 
 
 def _env(args: argparse.Namespace) -> None:
@@ -85,6 +145,38 @@ def prompt_len(args: argparse.Namespace) -> int:
     return PROMPT_LEN if not args.block_size or args.block_size <= 16 else 2 * args.block_size + 8
 
 
+def model_config(model: str) -> dict:
+    """The model's local ``config.json``."""
+    return json.loads((MODELS / model / "config.json").read_text())
+
+
+def is_multimodal(config: dict) -> bool:
+    """A model with a vision tower (``vision_config``): its prompts carry images."""
+    return "vision_config" in config
+
+
+def text_token_limit(config: dict) -> int:
+    """Text token ids come from ``[3, limit)``: inside the vocabulary and below every image marker id (1020 for
+    ``tiny-mm``; ``vocab_size`` for a text model)."""
+    return min([config["vocab_size"]] + [config[k] for k in MM_TOKEN_KEYS if k in config])
+
+
+def speculative_arg(text: str) -> str:
+    """``--speculative``: ``ngram:K`` with ``K >= 1``."""
+    method, sep, k = text.partition(":")
+    if method != "ngram" or not sep or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"expected ngram:K with K >= 1 drafts per step (e.g. ngram:4), got {text!r}")
+    return f"{method}:{int(k)}"
+
+
+def speculative_config(spec: str | None) -> dict | None:
+    """vLLM's ``speculative_config`` for ``--speculative METHOD:K`` (``None``: no speculative decoding)."""
+    if not spec:
+        return None
+    method, _, k = spec.partition(":")
+    return {"method": method, "num_speculative_tokens": int(k), **SPECULATIVE_LOOKUP}
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The ``LLM(...)`` arguments of this case (no vLLM needed)."""
     kwargs = dict(model=str(MODELS / args.model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -102,6 +194,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks_override
     if args.capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(s) for s in args.capture_sizes.split(",")]}
+    if is_multimodal(model_config(args.model)):
+        # The processor needs the tokenizer; one image per prompt, no video (the profile then sizes for images).
+        kwargs.update(skip_tokenizer_init=False, limit_mm_per_prompt={"image": 1, "video": 0})
+    if args.speculative:
+        kwargs["speculative_config"] = speculative_config(args.speculative)
     return kwargs
 
 
@@ -113,7 +210,8 @@ def case_of(args: argparse.Namespace) -> dict:
             "tensor_parallel_size": args.tp, "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size,
             "num_gpu_blocks_override": args.num_gpu_blocks_override, "batch_invariant": args.batch_invariant,
             "peak": args.peak, "sensitivity": args.sensitivity, "throughput": args.throughput,
-            "prompt_len": prompt_len(args)}
+            "prompt_len": prompt_len(args), "speculative": args.speculative,
+            "multimodal": is_multimodal(model_config(args.model))}
 
 
 def prompts(vocab: int, count: int = NUM_PROMPTS, length: int | list[int] = PROMPT_LEN, seed: int = 1234
@@ -123,6 +221,65 @@ def prompts(vocab: int, count: int = NUM_PROMPTS, length: int | list[int] = PROM
     gen = torch.Generator().manual_seed(seed)
     lengths = length if isinstance(length, list) else [length] * count
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# -- prompts with images ------------------------------------------------------------------------------------------
+def image_prompts(config: dict, text_lengths: list[int], seed: int, image_seed: int) -> list[dict]:
+    """One prompt per entry of ``text_lengths``: that many text ids from ``[3, text_token_limit)``, with one image
+    after the first ``IMAGE_TEXT_BEFORE`` of them as vision_start, ONE image_pad (vLLM's processor expands it to
+    the image's tokens) and vision_end. Each prompt's image is its own: ``image_seed`` is ``image_seed + i``.
+    Returns ``{"prompt_token_ids", "image_seed"}`` (``vllm_prompts`` draws the images)."""
+    if min(text_lengths, default=0) < 0:
+        raise ValueError(f"image prompts: text lengths must be >= 0, got {min(text_lengths)} (a prompt shorter "
+                         f"than its image)")
+    marker = [config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]]
+    texts = prompts(text_token_limit(config), length=list(text_lengths), seed=seed) if text_lengths else []
+    return [{"prompt_token_ids": t[:IMAGE_TEXT_BEFORE] + marker + t[IMAGE_TEXT_BEFORE:], "image_seed": image_seed + i}
+            for i, t in enumerate(texts)]
+
+
+def image_text_lengths(lengths: list[int], image_tokens: int) -> list[int]:
+    """Text lengths of image prompts that are ``lengths`` tokens long once each image is ``image_tokens`` tokens
+    (plus its start and end markers)."""
+    return [n - image_tokens - 2 for n in lengths]
+
+
+def image(seed: int):
+    """A square RGB noise image of ``IMAGE_SIDE`` pixels, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def vllm_prompts(specs: list[dict]) -> list[dict]:
+    """vLLM prompts of ``image_prompts`` specs (``multi_modal_data`` with the image of each ``image_seed``) or of
+    plain ``{"prompt_token_ids"}`` ones."""
+    return [{"prompt_token_ids": s["prompt_token_ids"]}
+            | ({"multi_modal_data": {"image": image(s["image_seed"])}} if "image_seed" in s else {}) for s in specs]
+
+
+def fill_rounds(capacity_items: int, held_items: int, peak_items: int, per_round: int) -> int:
+    """Rounds of ``per_round`` one-image requests that, with the ``held_items`` the encoder cache already holds and
+    the peak batch's ``peak_items``, bring it to its ``capacity_items`` (``encoder_cache_size // tokens per
+    item``): vLLM frees a finished request's entry lazily, only when a new item needs the room."""
+    missing = capacity_items - held_items - peak_items
+    return max(0, -(-missing // per_round)) if per_round > 0 else 0
+
+
+def refused_import(config: dict, model: str) -> str | None:
+    """Why this machine cannot run the model's case (a multimodal model's imports), or ``None``."""
+    if not is_multimodal(config):
+        return None
+    import importlib
+
+    for name, why in MM_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - an ImportError or a broken build (e.g. torchvision's operators)
+            return f"refused: {model} needs {name} ({why}): {type(exc).__name__}: {exc}"
+    return None
 
 
 def reinit_weights(model) -> int:
@@ -170,18 +327,60 @@ def corrupt_kv(worker) -> int:
 
 _GRAPH_MEMORY: list[int] = []
 _PROFILE: list[dict] = []
+# The model runner's encoder cache: the most it held during each profile_run call, and (while "on") after every
+# execute_model of the case's own generation and peak batch.
+_ENCODER: dict = {"profile": [], "held": None, "on": False}
+_MISSING = object()
+
+
+def encoder_cache_entries(runner) -> dict | None:
+    """The runner's encoder cache, ``mm_hash -> encoder output``: V1 keeps the dict as ``encoder_cache``, V2 in its
+    ``EncoderCache``'s ``encoder_outputs``; ``None`` where the runner has none (V2 without multimodal inputs)."""
+    cache = getattr(runner, "encoder_cache", None)
+    if cache is None or isinstance(cache, dict):
+        return cache
+    return getattr(cache, "encoder_outputs", None)
+
+
+def encoder_cache_reading(entries: dict | None) -> dict:
+    """What the encoder cache holds: bytes of the distinct storages under its tensors (a batch's outputs are views
+    of one tensor, which stays whole while any of them is cached), item count, one item's own bytes."""
+    import torch
+
+    storages: dict[tuple, int] = {}
+    per_item = 0
+    for t in (entries or {}).values():
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        per_item = per_item or t.numel() * t.element_size()
+    return {"bytes": sum(storages.values()), "items": len(entries or {}), "bytes_per_item": per_item}
+
+
+def _sample_encoder_cache(runner) -> None:
+    entries = encoder_cache_entries(runner)
+    if entries is None:
+        return
+    reading = encoder_cache_reading(entries)
+    held = _ENCODER["held"]
+    if held is None or reading["bytes"] > held["bytes"]:
+        _ENCODER["held"] = reading
 
 
 def record_runner_memory() -> None:
-    """Keep what each runner's capture_model returns (the memory its CUDA graphs took) and what torch allocated and
-    reserved for the profiled activation peak (``patches.profile_run_reserved_peak``), for the report."""
+    """Keep what each runner's capture_model returns (the memory its CUDA graphs took), what torch allocated and
+    reserved for the profiled activation peak (``patches.profile_run_reserved_peak``), and what the encoder cache
+    held during each profile_run (read when the profile's dummy forward starts, after its encoder outputs are
+    cached, and after it: V1 clears them at its end) and after every execute_model while ``_ENCODER["on"]``, for
+    the report. Legacy runs have no extensible patches: this is their only record."""
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu import model_runner as v2_model_runner
 
     from extensible_kv.vllm.patches import profile_run_reserved_peak
 
     for cls in (gpu_model_runner.GPUModelRunner, v2_model_runner.GPUModelRunner):
-        capture, profile = cls.capture_model, cls.profile_run
+        capture, profile, execute = cls.capture_model, cls.profile_run, cls.execute_model
 
         def capture_model(self, *args, _original=capture, **kwargs):
             result = _original(self, *args, **kwargs)
@@ -189,12 +388,35 @@ def record_runner_memory() -> None:
             return result
 
         def profile_run(self, *args, _original=profile, **kwargs):
-            run = profile_run_reserved_peak(lambda: _original(self, *args, **kwargs))
-            result = run()
+            seen = [encoder_cache_reading(encoder_cache_entries(self))]
+            own = vars(self).get("_dummy_run", _MISSING)
+            dummy_run = self._dummy_run
+
+            def _dummy_run(*a, **k):
+                seen.append(encoder_cache_reading(encoder_cache_entries(self)))
+                return dummy_run(*a, **k)
+
+            self._dummy_run = _dummy_run  # this instance, this call: profile_run calls self._dummy_run
+            try:
+                run = profile_run_reserved_peak(lambda: _original(self, *args, **kwargs))
+                result = run()
+            finally:
+                if own is _MISSING:
+                    del self._dummy_run
+                else:
+                    self._dummy_run = own
+            seen.append(encoder_cache_reading(encoder_cache_entries(self)))
             _PROFILE.append(dict(run.figures))
+            _ENCODER["profile"].append(max(seen, key=lambda r: r["bytes"]))
             return result
 
-        cls.capture_model, cls.profile_run = capture_model, profile_run
+        def execute_model(self, *args, _original=execute, **kwargs):
+            result = _original(self, *args, **kwargs)
+            if _ENCODER["on"]:
+                _sample_encoder_cache(self)
+            return result
+
+        cls.capture_model, cls.profile_run, cls.execute_model = capture_model, profile_run, execute_model
 
 
 def _kv_backed(worker) -> int:
@@ -291,28 +513,178 @@ def _peak_end(worker) -> dict:
             "step_tokens": seen, "pools": pool_summary()}
 
 
-def run_peak(llm, vocab: int) -> tuple[dict, list[dict]]:
-    """The peak-shaped batch after the final commit and what it took (``memory.peak``), per rank."""
+def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | None = None
+             ) -> tuple[dict, list[dict]]:
+    """The peak-shaped batch after the final commit and what it took (``memory.peak``), per rank. ``make_batch``
+    turns the batch's prompt lengths (as vLLM counts them) into vLLM prompts (default: text of ``[3, vocab)``);
+    the batch's ``prompt_tokens`` are the lengths vLLM reports back."""
     from vllm import SamplingParams
 
     config = llm.llm_engine.vllm_config
     batched, seqs = config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs
     lengths = peak_batch_lengths(batched, seqs, config.model_config.max_model_len)
-    batch = [{"prompt_token_ids": p} for p in prompts(vocab, length=lengths, seed=4321)]
+    batch = (make_batch(lengths) if make_batch is not None else
+             [{"prompt_token_ids": p} for p in prompts(vocab, length=lengths, seed=4321)])
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
     before = llm.collective_rpc(_peak_start)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.collective_rpc(_peak_end)
+    reported = [len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else n
+                for o, n in zip(outputs, lengths)]
     shape = {"max_num_batched_tokens": batched, "max_num_seqs": seqs, "num_seqs": len(lengths),
-             "prompt_tokens": sum(lengths), "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0
-                                                                 for o in outputs),
+             "prompt_tokens": sum(reported), "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0
+                                                                  for o in outputs),
              "seconds": round(seconds, 3)}
     ranks = []
     for b, a in zip(before, after):
         ranks.append({"batch": shape | {"step_tokens": a.pop("step_tokens")}, "before_batch": b, **a})
     return ranks[0], ranks
+
+
+# -- the encoder cache, filled -------------------------------------------------------------------------------------
+def encoder_budget(worker) -> dict | None:
+    """The encoder cache's size as vLLM's scheduler sizes it (``MultiModalBudget``: ``encoder_cache_size`` tokens,
+    tokens per item of the largest modality, items per profiled batch); ``None`` for a model without multimodal
+    inputs."""
+    runner = worker.model_runner
+    if not getattr(runner, "supports_mm_inputs", False):
+        return None
+    budget = getattr(runner, "mm_budget", None)  # V1 keeps one; V2 does not
+    if budget is None:
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(runner.vllm_config, runner.mm_registry)
+    if not budget.mm_max_toks_per_item:
+        return None
+    modality = budget.get_modality_with_max_tokens()
+    tokens = int(budget.mm_max_toks_per_item[modality])
+    return {"modality": modality, "encoder_cache_size": int(budget.encoder_cache_size), "tokens_per_item": tokens,
+            "capacity_items": int(budget.encoder_cache_size) // tokens,
+            "items_per_batch": int(budget.mm_max_items_per_batch[modality])}
+
+
+def encoder_cache_now(worker) -> dict | None:
+    """What the worker's encoder cache holds now (``encoder_cache_reading``); ``None`` where it has none."""
+    entries = encoder_cache_entries(worker.model_runner)
+    return None if entries is None else encoder_cache_reading(entries)
+
+
+def run_encoder_fill(llm, config: dict, rounds: int, per_round: int) -> int:
+    """``rounds`` rounds of ``per_round`` requests of ``FILL_TEXT_LEN`` text tokens and one image each (every image
+    distinct), one token each: their encoder outputs stay in the cache after they finish (vLLM frees an entry only
+    when a new item needs the room). Returns the requests run."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
+    for r in range(rounds):
+        specs = image_prompts(config, [FILL_TEXT_LEN] * per_round, seed=6000 + r,
+                              image_seed=IMAGE_SEEDS["fill"] + r * per_round)
+        llm.generate(vllm_prompts(specs), params, use_tqdm=False)
+    return rounds * per_round
+
+
+def image_batch(config: dict, tokens_per_image: int) -> Callable[[list[int]], list[dict]]:
+    """The peak batch's prompts for ``run_peak``: one image each (``IMAGE_SEEDS["peak"]`` on), text filling each
+    prompt to its length once vLLM expands the image to ``tokens_per_image`` tokens."""
+    def make_batch(lengths: list[int]) -> list[dict]:
+        return vllm_prompts(image_prompts(config, image_text_lengths(lengths, tokens_per_image), seed=4321,
+                                          image_seed=IMAGE_SEEDS["peak"]))
+
+    return make_batch
+
+
+def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int) -> dict:
+    """``memory.encoder_cache``: what the cache held during vLLM's profile (its first profile_run; the extensible
+    sizing runs it again after warmup: ``profile_runs``), the most it held during the case (``held_bytes``, with
+    ``items_held`` at that moment), and at the measured peak's reading."""
+    profiles = _ENCODER["profile"]
+    held = _ENCODER["held"] or {"bytes": 0, "items": 0, "bytes_per_item": 0}
+    per_item = held["bytes_per_item"] or (at_peak or {}).get("bytes_per_item") or 0
+    figures = {"profiled_bytes": profiles[0]["bytes"] if profiles else None,
+               "profiled_items": profiles[0]["items"] if profiles else None,
+               "profile_runs": [p["bytes"] for p in profiles],
+               "held_bytes": held["bytes"], "items_held": held["items"], "bytes_per_item": per_item,
+               "at_peak_bytes": (at_peak or {}).get("bytes"), "items_at_peak": (at_peak or {}).get("items"),
+               "fill_requests": fill_requests, **budget}
+    EncoderCacheFigures.model_validate(figures)
+    return figures
+
+
+# -- speculative decoding at its widest step -----------------------------------------------------------------------
+def _spec_start(worker, k: int) -> dict:
+    """Before the phase: every request proposes exactly ``k`` drafts (its last token repeated) in place of the
+    drafter's own, every step's [scheduled tokens, requests with drafts, draft tokens] is counted, torch's peak
+    statistics restart."""
+    import torch
+
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if drafter is None:
+        raise RuntimeError(f"speculative phase: the model runner ({type(worker.model_runner).__name__}) has no "
+                           f"drafter to propose {k} drafts")
+
+    def propose(num_speculative_tokens, sampled_token_ids, *args, **kwargs):
+        return [[int(ids[-1])] * k if len(ids) else [] for ids in sampled_token_ids]
+
+    worker._spec_own_propose = vars(drafter).get("propose", _MISSING)
+    drafter.propose = propose
+    steps: list[list[int]] = []
+    original = worker.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        steps.append([int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+                      sum(1 for d in drafts.values() if d), sum(len(d) for d in drafts.values())])
+        return original(scheduler_output, *args, **kwargs)
+
+    worker.execute_model = execute_model
+    worker._spec_steps = steps
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
+               "torch_allocated": int(torch.cuda.memory_allocated())}
+    torch.cuda.reset_peak_memory_stats()
+    return figures
+
+
+def _spec_end(worker) -> dict:
+    import torch
+
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    drafter, own = worker.model_runner.drafter, worker._spec_own_propose
+    if own is _MISSING:
+        del drafter.propose
+    else:
+        drafter.propose = own
+    steps = worker._spec_steps
+    del worker.execute_model, worker._spec_steps, worker._spec_own_propose
+    return {"free_after": int(free), "torch_max_reserved": int(torch.cuda.max_memory_reserved()),
+            "torch_reserved_after": int(torch.cuda.memory_reserved()),
+            "torch_max_allocated": int(torch.cuda.max_memory_allocated()), "steps": steps}
+
+
+def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
+    """The widest speculative step, measured (``memory.speculative``, per rank; ``speculative_figures``):
+    ``max_num_seqs`` sequences of ``THROUGHPUT_PROMPT_LEN`` tokens decode ``SPECULATIVE_MAX_TOKENS`` tokens with
+    every sequence proposing exactly K drafts each step (``S x (1 + K)`` logits rows of ``lm_vocab``). The rejection
+    sampler accepts only the target's greedy tokens, so parity is untouched; these tokens are not compared."""
+    from functools import partial
+
+    from vllm import SamplingParams
+
+    k = int(spec.partition(":")[2])
+    seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    batch = [{"prompt_token_ids": p} for p in prompts(vocab, count=seqs, length=THROUGHPUT_PROMPT_LEN, seed=777)]
+    params = SamplingParams(temperature=0.0, max_tokens=SPECULATIVE_MAX_TOKENS, detokenize=False, ignore_eos=True)
+    before = llm.collective_rpc(partial(_spec_start, k=k))
+    start = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.collective_rpc(_spec_end)
+    return [{"k": k, "method": spec.partition(":")[0], "requests": seqs, "vocab": lm_vocab, "before": b,
+             "max_tokens": SPECULATIVE_MAX_TOKENS, "seconds": round(seconds, 3), **a} for b, a in zip(before, after)]
 
 
 # -- steady-state decode throughput --------------------------------------------------------------------------------
@@ -357,28 +729,40 @@ def _refusal_types() -> tuple[type, ...]:
     return ValueError, NotImplementedError, ExtensibleKVUnsupported
 
 
+def refused_result(args: argparse.Namespace, exc: BaseException, seconds: float) -> dict:
+    """The case file of an engine vLLM (or the extensible path) refused to build: the exception's text."""
+    from extensible_kv.vllm import ExtensibleKVUnsupported
+
+    by = "extensible_kv" if isinstance(exc, ExtensibleKVUnsupported) else "vllm"
+    return {"case": case_of(args), "refused": f"{type(exc).__name__}: {exc}", "refused_by": by,
+            "engine_seconds": round(seconds, 2)}
+
+
 def run(args: argparse.Namespace) -> dict:
     _env(args)
     sys.path.insert(0, str(ROOT / "reference"))
+    config = model_config(args.model)
+    if (missing := refused_import(config, args.model)) is not None:
+        raise SystemExit(missing)
     from vllm import LLM, SamplingParams
 
-    from extensible_kv.vllm import ExtensibleKVUnsupported, extensible_kv_cache
+    from extensible_kv.vllm import extensible_kv_cache
 
-    config = json.loads((MODELS / args.model / "config.json").read_text())
     vocab = config["vocab_size"]
+    text_vocab = text_token_limit(config)  # prompts' token ids come from [3, text_vocab)
+    multimodal = is_multimodal(config)
     kwargs = engine_kwargs(args)
     if args.tp > 1 and args.mode == "extensible":
         raise SystemExit("--tp > 1 runs every rank in its own process: use --mode plugin")
-    if args.mode != "plugin" and args.tp == 1:  # in-process engines only: the worker runs in this process
+    in_process = args.mode != "plugin" and args.tp == 1  # the worker runs in this process
+    if in_process:
         record_runner_memory()
     start = time.perf_counter()
     try:
         with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
             llm = LLM(**kwargs)
     except _refusal_types() as exc:
-        by = "extensible_kv" if isinstance(exc, ExtensibleKVUnsupported) else "vllm"
-        return {"case": case_of(args), "refused": f"{type(exc).__name__}: {exc}", "refused_by": by,
-                "engine_seconds": round(time.perf_counter() - start, 2)}
+        return refused_result(args, exc, time.perf_counter() - start)
     engine_seconds = time.perf_counter() - start
     # After the block has exited: an engine keeps its RPCs (Note [An engine keeps its RPCs]).
     reports = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" else None
@@ -387,9 +771,15 @@ def run(args: argparse.Namespace) -> dict:
     all_figures = llm.collective_rpc(memory_figures)
     figures = all_figures[0]
     reinit = llm.apply_model(reinit_weights)
+    budget = llm.collective_rpc(encoder_budget)[0] if multimodal else None
+    _ENCODER["on"] = True  # the encoder cache from here on: generation, fill, peak batch
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts(vocab, length=prompt_len(args))]
+    if multimodal:
+        batch = vllm_prompts(image_prompts(config, [prompt_len(args)] * NUM_PROMPTS, seed=1234,
+                                           image_seed=IMAGE_SEEDS["measured"]))
+    else:
+        batch = [{"prompt_token_ids": p} for p in prompts(text_vocab, length=prompt_len(args))]
     llm.generate(batch, warm, use_tqdm=False)
     corrupted = llm.collective_rpc(corrupt_kv)[0] if args.corrupt else 0
     outputs = llm.generate(batch, params, use_tqdm=False)
@@ -402,14 +792,38 @@ def run(args: argparse.Namespace) -> dict:
         "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
         "ranks": {"memory": all_figures, "extensible": ranks},
     }
+    if multimodal:
+        result["prompt_lens"] = [len(o.prompt_token_ids) for o in outputs]  # as vLLM counts them: images expanded
     if args.throughput:
         seqs = args.max_num_seqs or llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        result["throughput"] = run_throughput(llm, vocab, seqs, args.throughput_warm_steps, args.throughput_steps,
-                                              args.throughput_windows)
+        result["throughput"] = run_throughput(llm, text_vocab, seqs, args.throughput_warm_steps,
+                                              args.throughput_steps, args.throughput_windows)
     if args.peak:
-        peak, peak_ranks = run_peak(llm, vocab)
-        figures["peak"] = peak_figures(figures, peak)
-        result["ranks"]["peak"] = [peak_figures(f, p) for f, p in zip(all_figures, peak_ranks)]
+        spec_ranks = None
+        if args.speculative:  # the widest speculative step, before the peak batch (its own reading)
+            spec_ranks = [speculative_figures(f, r) for f, r in
+                          zip(all_figures, run_speculative(llm, text_vocab, args.speculative, vocab))]
+            SpeculativeFigures.model_validate(spec_ranks[0])
+            figures["speculative"] = spec_ranks[0]
+            result["ranks"]["speculative"] = spec_ranks
+        make_batch, fill = None, 0
+        if budget is not None:  # the encoder cache full at the peak: fill it, then a batch of images
+            tokens_per_image = budget["tokens_per_item"]
+            seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+            held = llm.collective_rpc(encoder_cache_now)[0] or {"items": 0}
+            fill = run_encoder_fill(llm, config, fill_rounds(budget["capacity_items"], held["items"], seqs, seqs),
+                                    seqs)
+            make_batch = image_batch(config, tokens_per_image)
+        peak, peak_ranks = run_peak(llm, text_vocab, make_batch)
+        figures["peak"] = peak_figures(figures, peak, figures.get("speculative"))
+        result["ranks"]["peak"] = [peak_figures(f, p, s) for f, p, s in
+                                   zip(all_figures, peak_ranks, spec_ranks or [None] * len(peak_ranks))]
+        if budget is not None:
+            at_peak = llm.collective_rpc(encoder_cache_now)[0]
+            figures["encoder_cache"] = encoder_cache_figures(budget, at_peak, fill) if in_process else None
+    elif budget is not None and in_process:
+        figures["encoder_cache"] = encoder_cache_figures(budget, llm.collective_rpc(encoder_cache_now)[0], 0)
+    _ENCODER["on"] = False
     if args.sensitivity and not args.corrupt:
         written = llm.collective_rpc(corrupt_kv)[0]
         dirty = llm.generate(batch, params, use_tqdm=False)
@@ -452,6 +866,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-sizes", default="1,2,4,8", help="comma-separated; empty: vLLM's default sizes")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (TP > 1 needs --mode plugin or "
                                                      "legacy: every rank is its own process)")
+    p.add_argument("--speculative", type=speculative_arg, default=None, metavar="ngram:K",
+                   help="speculative decoding, ngram with K drafts per step (prompt lookup 2..4); with --peak, the "
+                        "widest speculative step is measured before the peak batch (memory.speculative)")
     p.add_argument("--dry-run", action="store_true", help="print the case and the engine arguments; run nothing")
     p.add_argument("--out", required=True)
     return p
@@ -474,6 +891,11 @@ def main(argv: list[str] | None = None) -> int:
         brief["blocks"] = result["memory"]["num_gpu_blocks"]
         if "peak" in result["memory"]:
             brief["over_budget_measured_mib"] = result["memory"]["peak"]["over_budget_measured"] / 2**20
+            brief["over_budget_phase"] = result["memory"]["peak"]["over_budget_phase"]
+        if result["memory"].get("encoder_cache"):
+            enc = result["memory"]["encoder_cache"]
+            brief["encoder_cache_items"] = {k: enc[k] for k in ("profiled_items", "items_held", "items_at_peak",
+                                                                "capacity_items")}
     print(json.dumps(brief))
     return 0
 

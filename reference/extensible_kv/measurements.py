@@ -198,6 +198,38 @@ class CaseSpec(Record):
     corrupt: bool = False
     gpu_memory_utilization: Number | None = None
     max_model_len: Count | None = None
+    speculative: str | None = None  # e.g. "ngram:4"
+    multimodal: bool | None = None
+
+
+class EncoderCacheFigures(Record):
+    """``memory.encoder_cache`` of a multimodal case, in bytes (``integration/run_case.py``): the most the model
+    runner's encoder cache held during vLLM's profile run and during the case's own generation and peak batch
+    (distinct tensor storages), the item count at that moment, one item's bytes, and how many items the cache can
+    hold (``encoder_cache_size // tokens per item``)."""
+
+    profiled_bytes: Count | None = None
+    held_bytes: Count | None = None
+    items_held: Count | None = None
+    bytes_per_item: Count | None = None
+    capacity_items: Count | None = None
+    items_at_peak: Count | None = None
+
+
+class SpeculativeFigures(Record):
+    """``memory.speculative`` of a speculative-decoding case (``integration/parity.py``, ``speculative_figures``): the
+    phase in which every one of ``requests`` requests proposes ``k`` drafts (``rows`` logits rows of ``vocab``), in
+    bytes where not named."""
+
+    k: Count
+    method: str
+    requests: Count
+    rows: Count
+    vocab: Count
+    step_peak_allocated: int | None = None
+    step_reserved_growth: int | None = None
+    over_budget_measured: int | None = None
+    widest_steps: Count | None = None
 
 
 class MeasuredPeak(Record):
@@ -205,7 +237,9 @@ class MeasuredPeak(Record):
     ``over_budget_measured`` = (init_free - free_at_peak) - requested; ``growth`` holds what torch, non-torch memory
     and the KV cache took since warmup (``before_batch``, ``during_batch``), in bytes."""
 
-    over_budget_measured: int | None = None
+    over_budget_measured: int | None = None  # the larger of the phases' (over_budget_phase says which)
+    over_budget_prefill: int | None = None  # the peak-shaped batch's own, where a speculative phase ran too
+    over_budget_phase: str | None = None  # "prefill" or "speculative"
     free_at_peak: Count | None = None
     peak_shaped: bool | None = None
     growth: dict[str, dict[str, int]] | None = None
@@ -239,6 +273,8 @@ class CaseMemory(Record):
     cudagraph_memory: Count | None = None
     runner: str | None = None
     peak: MeasuredPeak | None = None  # at the measured peak (integration/parity.py); older runs lack it
+    encoder_cache: EncoderCacheFigures | None = None  # multimodal cases
+    speculative: SpeculativeFigures | None = None  # speculative-decoding cases
 
 
 class KVFigures(Record):
