@@ -684,3 +684,42 @@ def test_the_templates_ship_as_package_data():
     names = sorted(p.relative_to(templates.parent).as_posix() for p in templates.iterdir())
     assert names and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in names), \
         f"expected package-data {globs} to cover {names}"
+
+
+def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured_against_profiled(tmp_path):
+    run = tmp_path / "run"
+    (run / "integration").mkdir(parents=True)
+    legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
+    mib = 1 << 20
+    mm = dict(ext, memory=dict(ext["memory"], encoder_cache={
+        "profiled_bytes": 8 * 1179648, "held_bytes": 28 * 1179648, "items_held": 28, "bytes_per_item": 1179648,
+        "capacity_items": 28, "items_at_peak": 28}))
+    peak = dict(ext["memory"]["peak"], over_budget_measured=-3 * mib, over_budget_prefill=-20 * mib,
+                over_budget_phase="speculative")
+    spec = dict(ext, memory=dict(ext["memory"], peak=peak, speculative={
+        "k": 4, "method": "ngram", "requests": 64, "rows": 320, "vocab": 151936, "step_peak_allocated": 700 * mib + 5,
+        "step_reserved_growth": 42 * mib, "over_budget_measured": -3 * mib, "widest_steps": 2}))
+    for name, data in (("c-legacy.json", legacy), ("mm-extensible.json", mm), ("spec-extensible.json", spec)):
+        (run / "integration" / name).write_text(json.dumps(data))
+    md, summary, _ = render(run, tmp_path / "out")
+    part = section(md, "vLLM integration: memory accounting").split("### Memory the profile does not see", 1)[-1]
+    tables = md_tables(part.split("### ")[0])
+    encoder, speculative = tables[0], tables[1]
+    e = mm["memory"]["encoder_cache"]
+    expected = {"case file": "mm-extensible.json", "encoder cache, profiled": f"{e['profiled_bytes'] / mib:,.2f}",
+                "encoder cache, measured": f"{e['held_bytes'] / mib:,.2f}",
+                "items measured / cache capacity": f"{e['items_held']} / {e['capacity_items']}"}
+    assert encoder == [expected], f"encoder cache line: expected {[expected]}, got {encoder}"
+    s = spec["memory"]["speculative"]
+    expected = {"case file": "spec-extensible.json", "logits rows": f"{s['rows']}",
+                "speculative step, measured": f"{s['step_peak_allocated'] / mib:,.2f}",
+                "activation peak, profiled": f"{spec['memory']['profiled_peak_activation'] / mib:,.2f}",
+                "reserved growth in the step": f"{s['step_reserved_growth'] / mib:,.2f}",
+                "over budget in the step": f"{s['over_budget_measured'] / mib:+,.2f}",
+                "over budget at peak set by": "speculative"}
+    assert speculative == [expected], f"speculative line: expected {[expected]}, got {speculative}"
+    cases = {c["path"]: c for c in summary["integration"]["cases"]}
+    got = (cases["mm-extensible.json"]["encoder_cache_held"], cases["spec-extensible.json"]["speculative_step"],
+           cases["spec-extensible.json"]["over_budget_at_peak"], cases["c-legacy.json"]["speculative_rows"])
+    assert got == (e["held_bytes"], s["step_peak_allocated"], -3 * mib, None), \
+        f"summary.json (encoder cache held, speculative step, over budget at peak, legacy rows): got {got}"

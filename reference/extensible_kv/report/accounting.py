@@ -31,6 +31,12 @@ def _peak(field: str) -> property:
     return property(lambda self: getattr(self.case.data.memory.peak, field, None))
 
 
+def _part(part: str, field: str) -> property:
+    """A figure of the case's ``memory.encoder_cache`` or ``memory.speculative`` (``measurements``); ``None`` in
+    runs without that part."""
+    return property(lambda self: getattr(getattr(self.case.data.memory, part, None), field, None))
+
+
 @dataclass(frozen=True)
 class Segment:
     label: str
@@ -79,6 +85,16 @@ class MemoryBreakdown:
 
     # measured at a peak-shaped batch after the final commit, never derived from the profiled peak
     activation_headroom, over_budget_at_peak = _peak("torch_growth"), _peak("over_budget_measured")
+    over_budget_phase = _peak("over_budget_phase")
+    # the memory vLLM's profile does not see: the encoder cache (multimodal) and the widest speculative step
+    encoder_cache_profiled, encoder_cache_held = _part("encoder_cache", "profiled_bytes"), _part("encoder_cache",
+                                                                                                  "held_bytes")
+    encoder_cache_items, encoder_cache_capacity = _part("encoder_cache", "items_held"), _part("encoder_cache",
+                                                                                              "capacity_items")
+    speculative_step, speculative_growth = (_part("speculative", "step_peak_allocated"),
+                                            _part("speculative", "step_reserved_growth"))
+    speculative_rows, speculative_over_budget = _part("speculative", "rows"), _part("speculative",
+                                                                                   "over_budget_measured")
 
     @property
     def tokens_match_legacy(self) -> bool | None:

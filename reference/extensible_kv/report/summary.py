@@ -14,7 +14,9 @@ CASE_FIGURES = ("blocks", "bytes_per_block", "commit_seconds", "total", "request
                 "activation_peak", "graph_pools", "other_non_kv", "kv_committed", "kv_padding", "kv_source",
                 "free_after_warmup", "non_kv_after_warmup", "non_kv_sizing", "non_kv_estimate",
                 "non_kv_estimate_parts", "measured_minus_estimate", "over_budget", "activation_reusable",
-                "activation_headroom", "over_budget_at_peak")
+                "activation_headroom", "over_budget_at_peak", "over_budget_phase", "encoder_cache_profiled",
+                "encoder_cache_held", "encoder_cache_items", "encoder_cache_capacity", "speculative_rows",
+                "speculative_step", "speculative_growth", "speculative_over_budget")
 
 
 def _case(b: MemoryBreakdown) -> dict:
