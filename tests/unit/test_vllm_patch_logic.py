@@ -448,59 +448,25 @@ def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(mo
                                      f"{runner.calls}"
 
 
-def test_measure_runs_the_profiled_batch_again_and_sizes_from_what_it_took(monkeypatch):
-    # Note [The peak, brought back and measured]: the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory
-    # drops by that much before it is read); what it gave back, 100 MiB, is the growth still to come.
-    mib = 1 << 20
-    fake = _fake_vllm(monkeypatch)
-    memory = {"reserved": 100 * mib, "max": 100 * mib, "runs": 0}
-
-    def profile_run():
-        memory["runs"] += 1
-        memory["max"] = memory["reserved"] + 300 * mib
-        memory["reserved"] += 200 * mib
-
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
-    monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda *a, **k: (7 * GIB - (memory["reserved"] - 100 * mib), 8 * GIB))
-    patches.install()
-    try:
-        worker = fake.Worker()
-        worker.determine_available_memory()
-        worker.model_runner.profile_run = profile_run
-        state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
-        state.segments = [1, 1]
-        state.allocate(_kv_config(50, 8192))
-        worker.model_runner.kv_cache_config = SimpleNamespace(num_blocks=50)
-        _rpc(fake.WorkerWrapper(worker), "extensible_kv_measure")
-        m = state.measured
-        got = (memory["runs"], m.again_reserved, m.again_retained, m.torch_growth, m.free_now)
-        expected = (1, 300 * mib, 200 * mib, 100 * mib, 7 * GIB - 200 * mib)
-        assert got == expected, f"extensible_kv_measure (runs, reserved, retained, growth, free): expected " \
-                                f"{expected}, got {got}"
-    finally:
-        patches.uninstall()
-        state.buffers.close()
-
-
-def test_measure_sizes_from_the_served_batch_where_it_takes_more(monkeypatch):
-    # Note [The peak, brought back and measured]: the profile run (attention skipped) reserves 100 MiB and keeps it;
-    # the served run (attention on) then reserves 48 MiB more and keeps 16 MiB of it. Free memory is read after
-    # both, and the growth still to come is the served run's give-back, 32 MiB, not the profile's 0.
+@pytest.mark.parametrize("profile,served,growth", [
+    # the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory drops by that much before it is read); what
+    # it gave back, 100 MiB, is the growth still to come; the served run takes nothing more
+    ((300, 200), (0, 0), 100),
+    # the profile run (attention skipped) reserves 100 MiB and keeps it; the served run (attention on) then reserves
+    # 48 MiB more and keeps 16 MiB of it: the growth still to come is the served run's give-back, not the profile's 0
+    ((100, 100), (48, 16), 32),
+], ids=["profile-gives-back", "served-takes-more"])
+def test_measure_runs_the_profiled_batch_again_then_as_served_and_sizes_from_what_they_took(monkeypatch, profile,
+                                                                                             served, growth):
+    # Note [The peak, brought back and measured]; figures in MiB: (reserved at the run's peak, kept after it)
     mib = 1 << 20
     fake = _fake_vllm(monkeypatch)
     memory = {"reserved": 100 * mib, "max": 100 * mib, "order": []}
 
-    def profile_run():
-        memory["order"].append("profile_run")
-        memory["max"] = memory["reserved"] + 100 * mib
-        memory["reserved"] += 100 * mib
-
-    def served():
-        memory["order"].append("served")
-        memory["max"] = memory["reserved"] + 48 * mib
-        memory["reserved"] += 16 * mib
+    def run(name, peak, keep):
+        memory["order"].append(name)
+        memory["max"] = memory["reserved"] + peak * mib
+        memory["reserved"] += keep * mib
 
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
@@ -510,8 +476,8 @@ def test_measure_sizes_from_the_served_batch_where_it_takes_more(monkeypatch):
     try:
         worker = fake.Worker()
         worker.determine_available_memory()
-        runner = _DummyRunner(on_run=served)
-        runner.profile_run, runner.model_memory_usage = profile_run, 1 << 20
+        runner = _DummyRunner(on_run=lambda: run("served", *served))
+        runner.profile_run, runner.model_memory_usage = (lambda: run("profile_run", *profile)), 1 << 20
         runner.kv_cache_config = SimpleNamespace(num_blocks=50)
         worker.model_runner = runner
         state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
@@ -521,8 +487,8 @@ def test_measure_sizes_from_the_served_batch_where_it_takes_more(monkeypatch):
         m = state.measured
         got = (memory["order"], m.again_reserved, m.again_retained, m.served_reserved, m.served_retained,
                m.torch_growth, m.free_now)
-        expected = (["profile_run", "served"], 100 * mib, 100 * mib, 48 * mib, 16 * mib, 32 * mib,
-                    7 * GIB - 116 * mib)
+        expected = (["profile_run", "served"], profile[0] * mib, profile[1] * mib, served[0] * mib, served[1] * mib,
+                    growth * mib, 7 * GIB - (profile[1] + served[1]) * mib)
         assert got == expected, f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, " \
                                 f"growth, free): expected {expected}, got {got}"
     finally:
