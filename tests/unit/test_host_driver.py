@@ -1,13 +1,20 @@
 """The host driver's own construction and probing: defaults, refused arguments (typed, naming the value), the
-probe's reason, the budget's starting figures, and ``accessible`` on addresses it never mapped."""
+probe's reason, the budget's starting figures, and ``accessible`` on addresses it never mapped; its libc binding
+made afresh, the budget's edge, memfds the kernel cannot size or fill, and a forked child's calls."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import fcntl
+import json
 import os
+import warnings
 
 import pytest
 
+from conformance.helpers import kernel_granules, kernel_memfds
 from extensible_kv.drivers import host
 from extensible_kv.drivers.host import PAGE_BYTES, HostDriver
 from extensible_kv.errors import DriverError, DriverOutOfMemory, DriverUnavailable
@@ -290,6 +297,21 @@ def test_an_aligned_reservation_holds_exactly_its_size_in_the_kernel(alignment):
                                           f"kernel PROT_NONE growth, after free) = (0, {3 * PAGE_BYTES}, 0), got {got}"
 
 
+@pytest.mark.parametrize("alignment", [6000, 3 * PAGE_BYTES])
+def test_a_reservation_aligned_off_the_granularity_is_refused_naming_it_and_reserves_nothing(alignment):
+    # Rounded to an alignment the granularity does not divide, the range would start on an unreserved page (6000) or
+    # off a granule (three pages against two-page granules): the driver refuses it, not only the Ledger.
+    driver = HostDriver(granularity=2 * PAGE_BYTES)
+    before = _prot_none_bytes()
+    with pytest.raises(DriverError) as info:
+        driver.reserve(4 * PAGE_BYTES, alignment)
+    got = (info.value.operation, str(info.value), _prot_none_bytes() - before)
+    expected = ("reserve", f"reserve failed: alignment={alignment} is not a multiple of the granularity "
+                           f"{2 * PAGE_BYTES}", 0)
+    assert got == expected, f"HostDriver.reserve(4 pages, alignment {alignment}): expected (op, message, kernel " \
+                            f"PROT_NONE growth) {expected}, got {got}"
+
+
 def test_a_handle_is_not_inherited_across_exec():
     import fcntl
 
@@ -322,3 +344,155 @@ def test_release_twice_and_a_failed_memfd_create_are_typed_errors_naming_the_han
                 errno.EMFILE)
     assert got == expected, f"create with memfd_create failing: expected {expected}, got {got}"
     assert driver.mem_info()[0] == driver.mem_info()[1], f"a failed create holds {driver.mem_info()}"
+
+
+@pytest.mark.parametrize("finds_libc", [True, False], ids=["find_library finds libc", "find_library finds nothing"])
+def test_a_libc_binding_made_afresh_serves_every_operation_at_64_bit_addresses(monkeypatch, finds_libc):
+    # The binding is made once per process; drop it so this test makes it (as the first driver call of a process
+    # does), where ctypes.util.find_library finds libc and where it finds nothing (no ldconfig, no compiler). The
+    # kernel places mappings above 4 GiB on 64-bit Linux, so every address here needs the 64-bit argument types.
+    monkeypatch.setattr(host, "_libc", None)
+    if not finds_libc:
+        monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20)
+    va = driver.reserve(2 * PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    driver.map(va + PAGE_BYTES, PAGE_BYTES, handle, 0)
+    driver.set_access(va + PAGE_BYTES, PAGE_BYTES)
+    got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
+    assert got == ["reserved", "accessible"], \
+        f"HostDriver reserve + map/set_access of the 2nd page at {va:#x}: expected the kernel to map ['reserved', " \
+        f"'accessible'], got {got}"
+    ctypes.memset(va + PAGE_BYTES, 0x5A, PAGE_BYTES)
+    data = os.pread(handle.fd, PAGE_BYTES, 0)
+    assert data == b"\x5a" * PAGE_BYTES, \
+        f"HostDriver map at {va + PAGE_BYTES:#x}: expected a write there to reach the memfd, read {data[:8]!r}..."
+    driver.unmap(va + PAGE_BYTES, PAGE_BYTES)
+    driver.release(handle)
+    got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
+    assert got == ["reserved", "reserved"], f"HostDriver unmap at {va + PAGE_BYTES:#x}: expected the kernel to map " \
+                                            f"['reserved', 'reserved'], got {got}"
+    driver.free(va, 2 * PAGE_BYTES)
+    got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
+    assert got == ["nothing", "nothing"], f"HostDriver free({va:#x}): expected the kernel to map nothing there, " \
+                                          f"got {got}"
+    ctypes.set_errno(0)  # the errno a failed call reports must be the kernel's, not one left from before
+    with pytest.raises(DriverOutOfMemory) as info:
+        driver.reserve(1 << 62, PAGE_BYTES)
+    got = (info.value.operation, info.value.code)
+    assert got == ("reserve", errno.ENOMEM), f"HostDriver reserve(2**62) the kernel refuses: expected " \
+                                             f"('reserve', ENOMEM={errno.ENOMEM}), got {got}"
+
+
+def test_create_may_take_exactly_the_free_budget_and_past_it_is_refused_naming_the_sizes():
+    total = 4 * PAGE_BYTES
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=total)
+    first = driver.create(PAGE_BYTES)
+    before = kernel_memfds()
+    with pytest.raises(DriverOutOfMemory) as info:
+        driver.create(total)
+    e = info.value
+    got = (e.operation, e.detail, e.code)
+    expected = ("create", f"{total} bytes asked, {total - PAGE_BYTES} of {total} bytes free", errno.ENOMEM)
+    assert got == expected, f"HostDriver create({total}) with {PAGE_BYTES} of {total} held: expected {expected}, " \
+                            f"got {got}"
+    after = kernel_memfds()
+    assert after == before, f"HostDriver create refused for the budget: expected the kernel's memfds unchanged " \
+                            f"({before}), got {after}"
+    rest = driver.create(total - PAGE_BYTES)  # exactly what is free
+    try:
+        got = (os.fstat(rest.fd).st_size, driver.mem_info())
+        expected = (total - PAGE_BYTES, (0, total))
+        assert got == expected, f"HostDriver create of exactly the free {total - PAGE_BYTES} bytes: expected (memfd " \
+                                f"size, mem_info) {expected}, got {got}"
+    finally:
+        driver.release(rest)
+        driver.release(first)
+    got = driver.mem_info()
+    assert got == (total, total), f"HostDriver mem_info after releasing both handles: expected {(total, total)}, " \
+                                  f"got {got}"
+
+
+def _sealed_memfd_create(real):
+    """``os.memfd_create`` whose memfds the kernel refuses to grow (``F_SEAL_GROW``): ``ftruncate`` fails EPERM."""
+    def memfd_create(name, flags=os.MFD_CLOEXEC):
+        fd = real(name, flags | os.MFD_ALLOW_SEALING)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+        return fd
+    return memfd_create
+
+
+# A memfd the kernel cannot size (sealed against growth: EPERM, not a lack of memory) or cannot fill (a 2**62-byte
+# memfd sizes, as tmpfs files are sparse, but no address space holds a mapping of it: ENOMEM).
+UNSIZABLE = {
+    "ftruncate refused EPERM": (PAGE_BYTES, True, errno.EPERM, DriverError),
+    "fill mmap refused ENOMEM": (1 << 62, False, errno.ENOMEM, DriverOutOfMemory),
+}
+
+
+@pytest.mark.parametrize("size,sealed,err,kind", UNSIZABLE.values(), ids=UNSIZABLE.keys())
+def test_a_memfd_the_kernel_cannot_size_or_fill_is_a_typed_create_error_naming_errno_and_is_closed(
+        monkeypatch, size, sealed, err, kind):
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=size)
+    if sealed:
+        monkeypatch.setattr(os, "memfd_create", _sealed_memfd_create(os.memfd_create))
+    before = kernel_memfds()
+    with pytest.raises(DriverError) as info:
+        driver.create(size)
+    e = info.value
+    got = (type(e), e.operation, e.code, e.detail)
+    expected = (kind, "create", err, f"ftruncate/fill of a {size}-byte memfd: {OSError(err, os.strerror(err))}")
+    assert got == expected, f"HostDriver create({size}) with the kernel refusing {errno.errorcode[err]}: expected " \
+                            f"{expected}, got {got}"
+    after = kernel_memfds()
+    assert after == before, f"HostDriver create({size}) refused: expected its memfd closed (the kernel's memfds " \
+                            f"{before}), got {after}"
+    got = driver.mem_info()
+    assert got == (size, size), f"HostDriver mem_info after the refused create: expected {(size, size)}, got {got}"
+
+
+def test_a_forked_child_is_refused_every_call_naming_the_operation_and_both_processes():
+    # Note [No use after fork]: the child reports what each call raised through a pipe; the parent keeps its memory.
+    driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20, name="unit-host")
+    va = driver.reserve(PAGE_BYTES, PAGE_BYTES)
+    handle = driver.create(PAGE_BYTES)
+    driver.map(va, PAGE_BYTES, handle, 0)
+    driver.set_access(va, PAGE_BYTES)
+    calls = {"release": lambda: driver.release(handle), "create": lambda: driver.create(PAGE_BYTES),
+             "unmap": lambda: driver.unmap(va, PAGE_BYTES)}
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a multi-threaded process: the child only calls
+        pid = os.fork()
+    if pid == 0:
+        try:
+            seen = {}
+            for op, call in calls.items():
+                try:
+                    call()
+                    seen[op] = "no error"
+                except DriverError as exc:
+                    seen[op] = [type(exc).__name__, exc.operation, exc.detail, exc.code]
+                except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                    seen[op] = f"{type(exc).__name__}: {exc}"
+            os.write(w, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        report = pipe.read()
+    os.waitpid(pid, 0)
+    seen = json.loads(report or "{}")
+    detail = f"unit-host driver built in process {os.getpid()} used from forked process {pid}; build a new driver " \
+             f"in the child"
+    for op in calls:
+        expected = ["DriverError", op, detail, None]
+        assert seen.get(op) == expected, f"HostDriver {op} from a forked child: expected {expected}, got " \
+                                         f"{seen.get(op)!r}"
+    got = (kernel_granules(va, PAGE_BYTES, PAGE_BYTES), os.fstat(handle.fd).st_size, driver.mem_info())
+    expected = (["accessible"], PAGE_BYTES, ((1 << 20) - PAGE_BYTES, 1 << 20))
+    assert got == expected, f"HostDriver in the parent after the child's refused calls: expected (kernel map, memfd " \
+                            f"size, mem_info) {expected}, got {got}"
+    driver.unmap(va, PAGE_BYTES)
+    driver.release(handle)
+    driver.free(va, PAGE_BYTES)

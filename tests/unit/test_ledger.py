@@ -111,6 +111,8 @@ VIOLATIONS = {
                                        "unmap({va+G:#x}, " + f"{G}) is not exactly one live mapping"),
     "unmap more than a mapping": (lambda w: w.ledger.unmap(w.va, 3 * G),
                                   "unmap({va:#x}, " + f"{3 * G}) is not exactly one live mapping"),
+    "reserve off the granularity's alignment": (lambda w: w.ledger.reserve(G, G + G // 2),
+                                                 f"reserve with alignment={G + G // 2}: {NOT_A_MULTIPLE}"),
     "set_access misaligned va": (lambda w: w.ledger.set_access(w.va + 1, G),
                                  "set_access with va={va+1:#x}: " + NOT_A_MULTIPLE),
     "set_access misaligned size": (lambda w: w.ledger.set_access(w.va, G + 1),

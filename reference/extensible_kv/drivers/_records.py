@@ -30,6 +30,13 @@ def check_range(op: str, **values: int) -> None:
                               f"space")
 
 
+def check_alignment(alignment: int, granularity: int) -> None:
+    """Refuse a reservation aligned to anything but a multiple of the granularity (the protocol's ``reserve``):
+    rounding to it would hand out a range whose first granule is not reserved."""
+    if alignment % granularity:
+        raise DriverError("reserve", f"alignment={alignment} is not a multiple of the granularity {granularity}")
+
+
 def check_free(va: int, size: int, is_reservation: bool, mapped: Iterable[int]) -> None:
     """Refuse ``free(va, size)`` unless it is one reservation of the driver (``is_reservation``, as its records
     say) with no mapping starting inside it (``mapped``: the start addresses of its live mappings)."""

@@ -75,7 +75,8 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
-from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
+from ._records import (check_alignment, check_free, check_inside, check_no_overlap, check_one_mapping, check_range,
+                       mapped_parts)
 
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -166,6 +167,7 @@ class HostDriver:
 
     def reserve(self, size: int, alignment: int) -> int:
         self._check("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self._granularity)
         alignment = max(alignment, PAGE_BYTES)
         span = size + alignment
         raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)

@@ -101,7 +101,7 @@ class Ledger:
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._aligned("reserve", size=size)
+        self._aligned("reserve", size=size, alignment=alignment)
         self._record("reserve", size, alignment)
         va = self.inner.reserve(size, alignment)
         if alignment and va % alignment:
