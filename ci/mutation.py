@@ -173,14 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     # started blocks forever in libgomp at its first parallel kernel (seen: count_nonzero over a KV view), and the
     # mutant is counted killed by timeout whatever its tests would have said. One thread: no pool to inherit.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children], cwd=WORK,
-                           stdout=subprocess.DEVNULL, start_new_session=True, env=env)
-    try:
-        run.wait(timeout=args.time_limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)  # mutmut and its forked workers
-        run.wait()
-        print(f"mutmut stopped after {args.time_limit:.0f} s; scoring the mutants tested so far")
+    log = WORK / "mutmut.log"  # mutmut's own output: why it stopped, when it stops early
+    with open(log, "w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children],
+                               cwd=WORK, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            run.wait(timeout=args.time_limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)  # mutmut and its forked workers
+            run.wait()
+            print(f"mutmut stopped after {args.time_limit:.0f} s; scoring the mutants tested so far")
+        else:
+            if run.returncode != 0:  # stats or clean tests failed: the verdicts on disk are not this run's
+                tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-20:]
+                print(f"mutmut run exited {run.returncode} before testing the mutants; nothing scored, "
+                      f"{args.out} left as it was. The end of {log}:", *tail, sep="\n", file=sys.stderr)
+                return run.returncode
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
     report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -46,3 +46,28 @@ def test_merge_joins_runs_over_disjoint_files_and_refuses_a_file_scored_twice(tm
         f"merge(a, b): expected both files and b's survivor, got {merged}"
     with pytest.raises(SystemExit, match=r"granules.py is scored in both .*a.json and .*c.json"):
         mutation.merge([paths[0], paths[2]])
+
+
+def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_is_scored(tmp_path, monkeypatch,
+                                                                                         capsys):
+    # mutmut exits 1 when its stats or clean-test run fails; the verdicts left on disk are then an earlier run's.
+    class FailingRun:
+        def __init__(self, argv, cwd, stdout, stderr, start_new_session, env):
+            stdout.write("Running clean tests\rFAILED tests/unit/test_x.py::test_y\nFailed to run clean test\n")
+            stdout.flush()
+            self.pid, self.returncode = 0, 1
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(mutation, "WORK", tmp_path)
+    monkeypatch.setattr(mutation, "_prepare", lambda files, resume=False: None)
+    monkeypatch.setattr(mutation.subprocess, "Popen", FailingRun)
+    monkeypatch.setattr(mutation, "_results", lambda: pytest.fail("scored the verdicts of a run that did not happen"))
+    out = tmp_path / "score.json"
+    code = mutation.main(["--files", "granules.py", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert (code, out.exists()) == (1, False), f"ci/mutation.py after mutmut exited 1: expected (1, no {out}), got " \
+                                               f"({code}, {out.exists()})"
+    assert "mutmut run exited 1" in err and "Failed to run clean test" in err and "test_x.py::test_y" in err, \
+        f"ci/mutation.py after mutmut exited 1: expected the exit code and mutmut's last lines on stderr, got {err!r}"
