@@ -478,6 +478,7 @@ def test_measure_runs_the_profiled_batch_again_then_as_served_and_sizes_from_wha
         worker.determine_available_memory()
         runner = _DummyRunner(on_run=lambda: run("served", *served))
         runner.profile_run, runner.model_memory_usage = (lambda: run("profile_run", *profile)), 1 << 20
+        runner.reset_mm_cache = lambda: memory["order"].append("reset_mm_cache")
         runner.kv_cache_config = SimpleNamespace(num_blocks=50)
         worker.model_runner = runner
         state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
@@ -487,7 +488,7 @@ def test_measure_runs_the_profiled_batch_again_then_as_served_and_sizes_from_wha
         m = state.measured
         got = (memory["order"], m.again_reserved, m.again_retained, m.served_reserved, m.served_retained,
                m.torch_growth, m.free_now)
-        expected = (["profile_run", "served"], profile[0] * mib, profile[1] * mib, served[0] * mib, served[1] * mib,
+        expected = (["reset_mm_cache", "profile_run", "served"], profile[0] * mib, profile[1] * mib, served[0] * mib, served[1] * mib,
                     growth * mib, 7 * GIB - (profile[1] + served[1]) * mib)
         assert got == expected, f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, " \
                                 f"growth, free): expected {expected}, got {got}"

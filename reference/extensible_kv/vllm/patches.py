@@ -356,7 +356,13 @@ def extensible_kv_measure(self) -> int:
 
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
-    # Note [The peak, brought back and measured]: vLLM's profile batch, then the same batch as a served step runs it
+    # Note [The peak, brought back and measured]: vLLM's profile batch, then the same batch as a served step runs it.
+    # V1's profile of a multimodal model processes its dummy item through a cache that serves only profiling (and
+    # asserts the item is not read back from it); cleared first (vLLM's reset_mm_cache), the profile run again
+    # processes it afresh, as the first one did.
+    reset_mm_cache = getattr(self.model_runner, "reset_mm_cache", None)
+    if reset_mm_cache is not None:
+        reset_mm_cache()
     again = profile_run_reserved_peak(self.model_runner.profile_run)
     served = profile_run_reserved_peak(served_batch(self.model_runner))
     with torch.inference_mode():
