@@ -280,7 +280,8 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
     class Worker:
         def __init__(self):
             self.model_runner = SimpleNamespace(profile_run=lambda: None, model_memory_usage=1 << 20,
-                                                max_num_tokens=8192, is_pooling_model=False,
+                                                max_num_tokens=8192, is_pooling_model=False, max_model_len=2048,
+                                                scheduler_config=SimpleNamespace(max_num_seqs=8),
                                                 _dummy_run=lambda num_tokens, **kwargs: (None, None),
                                                 _dummy_sampler_run=lambda hidden_states: None)
             self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks=None)
@@ -402,8 +403,9 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
 class _DummyRunner:
     """The two methods of a vLLM model runner that ``patches.served_batch`` calls, recording their arguments."""
 
-    def __init__(self, max_num_tokens=16384, is_pooling_model=False, on_run=None):
+    def __init__(self, max_num_tokens=16384, is_pooling_model=False, on_run=None, max_num_seqs=8, max_model_len=4096):
         self.max_num_tokens, self.is_pooling_model, self.on_run = max_num_tokens, is_pooling_model, on_run
+        self.scheduler_config, self.max_model_len = SimpleNamespace(max_num_seqs=max_num_seqs), max_model_len
         self.calls = []
 
     def _dummy_run(self, num_tokens, **kwargs):
@@ -424,23 +426,33 @@ class _V2DummyRunner(_DummyRunner):
         self.is_last_pp_rank, self.pooling_runner = is_last_pp_rank, pooling_runner
 
 
+def _v1_call(tokens, seq_len):
+    return ("_dummy_run", tokens, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE", "force_attention": True,
+                                   "skip_eplb": True, "profile_seq_lens": seq_len})
+
+
 @pytest.mark.parametrize("runner,last_rank,expected", [
-    (_DummyRunner(), True, [("_dummy_run", 16384, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
-                                                    "force_attention": True, "skip_eplb": True}),
-                            ("_dummy_sampler_run", "last hidden")]),
-    (_DummyRunner(is_pooling_model=True), True, [("_dummy_run", 16384, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
-                                                                        "force_attention": True, "skip_eplb": True})]),
-    (_DummyRunner(max_num_tokens=2048), False, [("_dummy_run", 2048, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE",
-                                                                      "force_attention": True, "skip_eplb": True})]),
+    # 16,384 tokens over 8 requests: 2,048 each, the sequence length of a served prefill of that shape
+    (_DummyRunner(), True, [_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
+    (_DummyRunner(is_pooling_model=True), True, [_v1_call(16384, 2048)]),
+    # the last request takes the remainder: 16,376 over 8 is 2,047 + 0, 2,045 over 3 is 681 + 2
+    (_DummyRunner(max_num_tokens=16376, max_model_len=2048), True, [_v1_call(16376, 2047),
+                                                                     ("_dummy_sampler_run", "last hidden")]),
+    (_DummyRunner(max_num_tokens=2045, max_num_seqs=3), False, [_v1_call(2045, 683)]),
+    # never past a block-table row: a request's sequence is at most max_model_len tokens
+    (_DummyRunner(max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False, [_v1_call(16384, 4096)]),
     (_V2DummyRunner(), True, [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
     (_V2DummyRunner(is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
     (_V2DummyRunner(pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
-], ids=["v1", "v1-pooling", "v1-not-last-pp-rank", "v2", "v2-not-last-pp-rank", "v2-pooling"])
+], ids=["v1", "v1-pooling", "v1-remainder", "v1-not-last-pp-rank", "v1-capped-at-max-model-len", "v2",
+        "v2-not-last-pp-rank", "v2-pooling"])
 def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, runner, last_rank,
                                                                              expected):
-    # V1 builds attention metadata only with force_attention (or a FULL graph), and runs eager with mode NONE; V2
-    # skips attention only when asked to (skip_attn). The sampler runs where vLLM's own profile_run runs it: on the
-    # last pipeline rank of a generating model.
+    # V1 builds attention metadata only with force_attention (or a FULL graph), and runs eager with mode NONE; its
+    # dummy requests get the batch's whole token count as sequence length unless profile_seq_lens says otherwise,
+    # which would read past a block-table row. V2 skips attention only when asked to (skip_attn) and gives each
+    # request its own query length. The sampler runs where vLLM's own profile_run runs it: on the last pipeline
+    # rank of a generating model.
     fake = _fake_vllm(monkeypatch)
     fake.pp.is_last_rank = last_rank
     patches.served_batch(runner)()

@@ -270,7 +270,9 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
     """vLLM's profiling batch as a served step runs it: ``max_num_tokens`` tokens over up to ``max_num_seqs`` dummy
     requests *with attention* (``profile_run`` skips attention), on the eager path, then the sampler (at its widest
     speculative step), with the encoder cache held full. Dummy requests write no KV (their slot mappings are
-    padding) and read only blocks already committed. Wrapped in ``profile_run_reserved_peak`` like the profile:
+    padding) and read only blocks already committed: V1's block-table rows are zeros (the null block) and each
+    sequence is at most ``max_model_len`` tokens, one row; V2's rows hold the ids its kernel warmup wrote, which
+    ``warmup_kernels`` committed. Wrapped in ``profile_run_reserved_peak`` like the profile:
     Note [The peak, brought back and measured] in ``sizing``."""
 
     def run() -> None:
@@ -282,9 +284,14 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
             from vllm.config import CUDAGraphMode
             from vllm.distributed import get_pp_group
 
-            hidden, sampled = model_runner._dummy_run(model_runner.max_num_tokens,
-                                                      cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                                      force_attention=True, skip_eplb=True)
+            # V1's dummy gives every request seq_len = all the batch's tokens unless told otherwise, past the width
+            # of a block-table row (max_model_len): each request's own query length, as served, capped by it.
+            tokens = model_runner.max_num_tokens
+            requests = min(tokens, model_runner.scheduler_config.max_num_seqs)
+            seq_len = min(tokens // requests + tokens % requests, model_runner.max_model_len)
+            hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                      force_attention=True, skip_eplb=True,
+                                                      profile_seq_lens=seq_len)
             samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
         if samples:
             _sampler_run(model_runner, sampled)
