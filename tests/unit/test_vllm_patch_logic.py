@@ -622,3 +622,12 @@ def test_sampler_run_adds_the_widest_speculative_step(monkeypatch, k, probabilis
     assert runner.calls == expected, f"_sampler_run with k={k}: expected rejection sampler calls {expected}, got " \
                                      f"{runner.calls}"
     assert runner.rejection_sampler == own, "_sampler_run: the runner's rejection sampler was not put back"
+
+
+def test_sampler_run_widens_nothing_where_vllms_dummy_runs_no_rejection_sampler(monkeypatch):
+    # vLLM's _dummy_sampler_run returns before sampling for an encoder-only multimodal model
+    runner = _SpecRunner(4)
+    runner._dummy_sampler_run = lambda hidden_states: runner.calls.append("returned early")
+    patches._sampler_run(runner, torch.zeros(4, 8))
+    assert runner.calls == ["returned early"], f"_sampler_run after a dummy without rejection sampler: expected " \
+                                               f"no rejection sampler call, got {runner.calls}"

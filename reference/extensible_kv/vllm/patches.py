@@ -256,6 +256,8 @@ def _sampler_run(model_runner: Any, sampled: Any) -> None:
         model_runner._dummy_sampler_run(sampled)
     finally:
         model_runner.rejection_sampler = rejection_sampler
+    if not seen:  # vLLM's dummy ran no rejection sampler (an encoder-only model): no step to widen
+        return
     requests = sampled.shape[0]
     metadata = SpecDecodeMetadata.make_dummy([[0] * k for _ in range(requests)], model_runner.device)
     hidden = torch.rand(requests * (1 + k), sampled.shape[-1], dtype=sampled.dtype, device=sampled.device)
