@@ -241,9 +241,6 @@ def _sampler_run(model_runner: Any, sampled: Any) -> None:
     if k <= 1 or worker_kv.runner_kind(model_runner) == "v2":
         model_runner._dummy_sampler_run(sampled)
         return
-    import torch
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
     rejection_sampler = model_runner.rejection_sampler
     seen: dict = {}
 
@@ -258,6 +255,9 @@ def _sampler_run(model_runner: Any, sampled: Any) -> None:
         model_runner.rejection_sampler = rejection_sampler
     if not seen:  # vLLM's dummy ran no rejection sampler (an encoder-only model): no step to widen
         return
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
     requests = sampled.shape[0]
     metadata = SpecDecodeMetadata.make_dummy([[0] * k for _ in range(requests)], model_runner.device)
     hidden = torch.rand(requests * (1 + k), sampled.shape[-1], dtype=sampled.dtype, device=sampled.device)
