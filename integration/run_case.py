@@ -548,24 +548,11 @@ def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | No
 
 # -- the encoder cache, filled -------------------------------------------------------------------------------------
 def encoder_budget(worker) -> dict | None:
-    """The encoder cache's size as vLLM's scheduler sizes it (``MultiModalBudget``: ``encoder_cache_size`` tokens,
-    tokens per item of the largest modality, items per profiled batch); ``None`` for a model without multimodal
-    inputs."""
-    runner = worker.model_runner
-    if not getattr(runner, "supports_mm_inputs", False):
-        return None
-    budget = getattr(runner, "mm_budget", None)  # V1 keeps one; V2 does not
-    if budget is None:
-        from vllm.multimodal.encoder_budget import MultiModalBudget
+    """The worker's encoder cache as vLLM's scheduler sizes it (``patches.encoder_cache_budget``); ``None`` for a
+    model without multimodal inputs."""
+    from extensible_kv.vllm.patches import encoder_cache_budget
 
-        budget = MultiModalBudget(runner.vllm_config, runner.mm_registry)
-    if not budget.mm_max_toks_per_item:
-        return None
-    modality = budget.get_modality_with_max_tokens()
-    tokens = int(budget.mm_max_toks_per_item[modality])
-    return {"modality": modality, "encoder_cache_size": int(budget.encoder_cache_size), "tokens_per_item": tokens,
-            "capacity_items": int(budget.encoder_cache_size) // tokens,
-            "items_per_batch": int(budget.mm_max_items_per_batch[modality])}
+    return encoder_cache_budget(worker.model_runner)
 
 
 def encoder_cache_now(worker) -> dict | None:

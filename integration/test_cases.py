@@ -468,7 +468,8 @@ def _fake_engine(monkeypatch, image_tokens: int = 576) -> dict:
             runner.supports_mm_inputs = "limit_mm_per_prompt" in kwargs
             runner.mm_budget = types.SimpleNamespace(encoder_cache_size=16384, mm_max_toks_per_item={"image": 576},
                                                      mm_max_items_per_batch={"image": 8},
-                                                     get_modality_with_max_tokens=lambda: "image")
+                                                     get_modality_with_max_tokens=lambda: "image",
+                                                     get_encoder_budget=lambda: 16384)
             self.k = (kwargs.get("speculative_config") or {}).get("num_speculative_tokens", 0)
             if self.k:
                 runner.drafter = _Drafter()

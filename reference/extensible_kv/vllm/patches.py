@@ -198,27 +198,44 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     return run
 
 
+def encoder_cache_budget(model_runner: Any) -> dict | None:
+    """The encoder cache as vLLM's scheduler sizes it (``MultiModalBudget``; V1's runner keeps one, V2's does not):
+    the modality with the most tokens per item, ``encoder_cache_size`` tokens, the items that fit
+    (``capacity_items``) and vLLM's profiled items per batch; ``None`` for a model without multimodal inputs or
+    without an encoder budget. Note [The encoder cache, held whole] in ``sizing``."""
+    if not getattr(model_runner, "supports_mm_inputs", False):
+        return None
+    budget = getattr(model_runner, "mm_budget", None)
+    if budget is None:
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(model_runner.vllm_config, model_runner.mm_registry)
+    if budget.get_encoder_budget() <= 0 or not budget.mm_max_toks_per_item:
+        return None
+    modality = budget.get_modality_with_max_tokens()
+    tokens = int(budget.mm_max_toks_per_item[modality])
+    return {"modality": modality, "encoder_cache_size": int(budget.encoder_cache_size), "tokens_per_item": tokens,
+            "capacity_items": int(budget.encoder_cache_size) // tokens,
+            "items_per_batch": int(budget.mm_max_items_per_batch[modality])}
+
+
 def encoder_cache_held(model_runner: Any) -> list:
-    """Encoder outputs for as many items as the encoder cache may hold at once: ``encoder_cache_size`` tokens of the
-    modality with the most tokens per item, encoded in batches of vLLM's profiled items per batch (so the encoder's
-    own activation peak is the profiled one). ``[]`` for a model without multimodal inputs or with multimodal
-    profiling skipped. Note [The encoder cache, held whole] in ``sizing``."""
+    """Encoder outputs for as many items as the encoder cache may hold at once (``encoder_cache_budget``'s
+    ``capacity_items``), encoded in batches of vLLM's profiled items per batch (so the encoder's own activation peak
+    is the profiled one). ``[]`` for a model without an encoder cache or with multimodal profiling skipped.
+    Note [The encoder cache, held whole] in ``sizing``."""
     if not getattr(model_runner, "supports_mm_inputs", False):
         return []
     model_config = model_runner.vllm_config.model_config
     mm_config = model_config.multimodal_config
     if mm_config is not None and (mm_config.skip_mm_profiling or getattr(mm_config, "mm_encoder_only", False)):
         return []
-    from vllm.multimodal.encoder_budget import MultiModalBudget
+    budget = encoder_cache_budget(model_runner)
+    if budget is None:
+        return []
     from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
-    budget = getattr(model_runner, "mm_budget", None) or MultiModalBudget(model_runner.vllm_config,
-                                                                           model_runner.mm_registry)
-    if budget.get_encoder_budget() <= 0 or not budget.mm_max_toks_per_item:
-        return []
-    modality = budget.get_modality_with_max_tokens()
-    items = budget.encoder_cache_size // budget.mm_max_toks_per_item[modality]
-    per_batch = max(1, budget.mm_max_items_per_batch[modality])
+    modality, items, per_batch = budget["modality"], budget["capacity_items"], max(1, budget["items_per_batch"])
     # no processor cache: an item vLLM's own profile cached would come back empty
     item = model_runner.mm_registry.get_dummy_mm_inputs(model_config, mm_counts={modality: 1})["mm_kwargs"][modality][0]
     held: list = []
