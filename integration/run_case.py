@@ -482,38 +482,55 @@ def peak_batch_lengths(batched_tokens: int, num_seqs: int, max_model_len: int) -
     return [min(n, max_model_len - 1) for n in lengths if n > 0]
 
 
-def _peak_start(worker) -> dict:
-    """Before the batch: count the tokens of every step and restart torch's peak statistics."""
+def _scheduled_tokens(scheduler_output) -> int:
+    return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+
+
+def _phase_start(worker, step: Callable[[object], object]) -> dict:
+    """Before a measured phase (the peak batch, the widest speculative step): ``step(scheduler_output)`` of every
+    step is kept until ``_phase_end``, torch's peak statistics restart; returns the readings now."""
     import torch
 
-    seen: list[int] = []
+    steps: list = []
     original = worker.execute_model
 
     def execute_model(scheduler_output, *args, **kwargs):
-        seen.append(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        steps.append(step(scheduler_output))
         return original(scheduler_output, *args, **kwargs)
 
     worker.execute_model = execute_model  # run_method resolves "execute_model" on this object first
-    worker._peak_step_tokens = seen
+    worker._phase_steps = steps
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
     figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
-               "torch_allocated": int(torch.cuda.memory_allocated()), "kv_backed": _kv_backed(worker)}
+               "torch_allocated": int(torch.cuda.memory_allocated())}
     torch.cuda.reset_peak_memory_stats()
     return figures
 
 
-def _peak_end(worker) -> dict:
+def _phase_end(worker) -> tuple[int, dict, list]:
+    """After a measured phase: (free device memory now, torch's readings since ``_phase_start``, every step's
+    record); the step recorder is removed."""
     import torch
 
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
-    seen = worker._peak_step_tokens
-    del worker.execute_model, worker._peak_step_tokens
-    return {"free_after_batch": int(free), "torch_max_reserved": int(torch.cuda.max_memory_reserved()),
-            "torch_reserved_after": int(torch.cuda.memory_reserved()),
-            "torch_max_allocated": int(torch.cuda.max_memory_allocated()), "kv_backed": _kv_backed(worker),
-            "step_tokens": seen, "pools": pool_summary()}
+    steps = worker._phase_steps
+    del worker.execute_model, worker._phase_steps
+    return int(free), {"torch_max_reserved": int(torch.cuda.max_memory_reserved()),
+                       "torch_reserved_after": int(torch.cuda.memory_reserved()),
+                       "torch_max_allocated": int(torch.cuda.max_memory_allocated())}, steps
+
+
+def _peak_start(worker) -> dict:
+    """Before the batch: count the tokens of every step and restart torch's peak statistics."""
+    return {**_phase_start(worker, _scheduled_tokens), "kv_backed": _kv_backed(worker)}
+
+
+def _peak_end(worker) -> dict:
+    free, readings, steps = _phase_end(worker)
+    return {"free_after_batch": free, **readings, "kv_backed": _kv_backed(worker), "step_tokens": steps,
+            "pools": pool_summary()}
 
 
 def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | None = None
@@ -603,12 +620,17 @@ def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int
 
 
 # -- speculative decoding at its widest step -----------------------------------------------------------------------
+def _draft_counts(scheduler_output) -> list[int]:
+    """A step's [scheduled tokens, requests with drafts, draft tokens]."""
+    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return [_scheduled_tokens(scheduler_output), sum(1 for d in drafts.values() if d),
+            sum(len(d) for d in drafts.values())]
+
+
 def _spec_start(worker, k: int) -> dict:
     """Before the phase: every request proposes exactly ``k`` drafts (its last token repeated) in place of the
     drafter's own, every step's [scheduled tokens, requests with drafts, draft tokens] is counted, torch's peak
     statistics restart."""
-    import torch
-
     drafter = getattr(worker.model_runner, "drafter", None)
     if drafter is None:
         raise RuntimeError(f"speculative phase: the model runner ({type(worker.model_runner).__name__}) has no "
@@ -619,40 +641,18 @@ def _spec_start(worker, k: int) -> dict:
 
     worker._spec_own_propose = vars(drafter).get("propose", _MISSING)
     drafter.propose = propose
-    steps: list[list[int]] = []
-    original = worker.execute_model
-
-    def execute_model(scheduler_output, *args, **kwargs):
-        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        steps.append([int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
-                      sum(1 for d in drafts.values() if d), sum(len(d) for d in drafts.values())])
-        return original(scheduler_output, *args, **kwargs)
-
-    worker.execute_model = execute_model
-    worker._spec_steps = steps
-    torch.cuda.synchronize()
-    free, _ = torch.cuda.mem_get_info()
-    figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
-               "torch_allocated": int(torch.cuda.memory_allocated())}
-    torch.cuda.reset_peak_memory_stats()
-    return figures
+    return _phase_start(worker, _draft_counts)
 
 
 def _spec_end(worker) -> dict:
-    import torch
-
-    torch.cuda.synchronize()
-    free, _ = torch.cuda.mem_get_info()
+    free, readings, steps = _phase_end(worker)
     drafter, own = worker.model_runner.drafter, worker._spec_own_propose
     if own is _MISSING:
         del drafter.propose
     else:
         drafter.propose = own
-    steps = worker._spec_steps
-    del worker.execute_model, worker._spec_steps, worker._spec_own_propose
-    return {"free_after": int(free), "torch_max_reserved": int(torch.cuda.max_memory_reserved()),
-            "torch_reserved_after": int(torch.cuda.memory_reserved()),
-            "torch_max_allocated": int(torch.cuda.max_memory_allocated()), "steps": steps}
+    del worker._spec_own_propose
+    return {"free_after": free, **readings, "steps": steps}
 
 
 def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
