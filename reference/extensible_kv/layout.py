@@ -97,10 +97,15 @@ def block_major(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided(shape, (hidden, 2 * hidden, *tail), view.storage_offset())
 
 
+def mamba_state_bytes(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> int:
+    """Bytes of one block's Mamba states, back to back (its page, unpadded)."""
+    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes))
+
+
 def mamba_state_views(raw: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
                       page_size_bytes: int, num_blocks: int) -> list[torch.Tensor]:
     """Mamba state views: per state, ``(num_blocks, *shape)`` with one page per block, states back to back."""
-    need = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes))
+    need = mamba_state_bytes(shapes, dtypes)
     if need > page_size_bytes:  # refused before any view is built: a view past the page may run past the buffer
         raise LayoutError(f"Mamba states need {need} bytes per block, the page has {page_size_bytes}")
     views, offset = [], 0
@@ -187,7 +192,7 @@ class MambaLayer:
     def page_size_bytes(self) -> int:
         if self.page_size_padded is not None:
             return self.page_size_padded
-        return sum(math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(self.shapes, self.dtypes))
+        return mamba_state_bytes(self.shapes, self.dtypes)
 
     def views(self, raw: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
         return mamba_state_views(raw, self.shapes, self.dtypes, self.page_size_bytes(), num_blocks)

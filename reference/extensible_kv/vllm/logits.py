@@ -61,18 +61,18 @@ class GatheredLogits:
         return self.rows * self.vocab // self.tp * self.itemsize
 
     @property
+    def held(self) -> int:
+        """What stays for the sampler: the full-vocabulary logits."""
+        return self.rows * self.vocab * self.itemsize
+
+    @property
     def gathered(self) -> int:
-        return self.rows * self.vocab * self.itemsize if self.tp > 1 else 0
+        return self.held if self.tp > 1 else 0
 
     @property
     def reordered(self) -> int:
-        return self.rows * self.vocab * self.itemsize if self.tp > 1 and self.rows > 1 else 0
+        return self.held if self.tp > 1 and self.rows > 1 else 0
 
     @property
     def peak(self) -> int:
         return self.shard + self.gathered + self.reordered
-
-    @property
-    def held(self) -> int:
-        """What stays for the sampler: the full-vocabulary logits."""
-        return self.rows * self.vocab * self.itemsize
