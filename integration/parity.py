@@ -61,6 +61,7 @@ if str(ROOT / "reference") not in sys.path:  # a checkout without the package in
     sys.path.append(str(ROOT / "reference"))
 from extensible_kv.measurements import MeasuredPeak
 from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal
+from extensible_kv.vllm.logits import speculative_rows
 
 MIB = 1 << 20
 BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler warmup, small workspaces)
@@ -127,12 +128,13 @@ def speculative_figures(after_warmup: dict, readings: dict) -> dict:
     the peak (Note [Over budget at the measured peak]). ``widest_steps``: the steps in which all ``requests``
     proposed ``k`` drafts each (``rows`` logits rows); a phase without one measured nothing wide."""
     k, requests = readings["k"], readings["requests"]
+    rows = speculative_rows(requests, k)
     before = readings["before"]
     free_at_end, released = free_at_phase_peak(readings["free_after"], readings["torch_max_reserved"],
                                                readings["torch_reserved_after"])
     steps = readings.get("steps") or []
     return {
-        "k": k, "method": readings["method"], "requests": requests, "rows": requests * (1 + k),
+        "k": k, "method": readings["method"], "requests": requests, "rows": rows,
         "vocab": readings["vocab"],
         "step_peak_allocated": readings["torch_max_allocated"] - before["torch_allocated"],
         "step_reserved_growth": readings["torch_max_reserved"] - before["torch_reserved"],
@@ -140,7 +142,7 @@ def speculative_figures(after_warmup: dict, readings: dict) -> dict:
                                                      after_warmup["requested"]),
         "free_at_end": free_at_end, "reserved_released": released,
         "widest_steps": sum(1 for tokens, reqs, drafts in steps
-                            if reqs == requests and drafts == requests * k and tokens == requests * (1 + k)),
+                            if reqs == requests and drafts == requests * k and tokens == rows),
         "steps": steps, "max_tokens": readings.get("max_tokens"), "seconds": readings.get("seconds"),
         "before": before,
     }
