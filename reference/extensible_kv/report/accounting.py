@@ -26,14 +26,9 @@ def _memory(field: str) -> property:
     return property(lambda self: getattr(self.case.data.memory, field))
 
 
-def _peak(field: str) -> property:
-    """A figure of the case's measured peak (``measurements.MeasuredPeak``); ``None`` in runs without one."""
-    return property(lambda self: getattr(self.case.data.memory.peak, field, None))
-
-
 def _part(part: str, field: str) -> property:
-    """A figure of the case's ``memory.encoder_cache`` or ``memory.speculative`` (``measurements``); ``None`` in
-    runs without that part."""
+    """A figure of a part of the case's memory (``measurements.CaseMemory``: ``peak``, ``encoder_cache``,
+    ``speculative``); ``None`` in runs without that part."""
     return property(lambda self: getattr(getattr(self.case.data.memory, part, None), field, None))
 
 
@@ -84,8 +79,8 @@ class MemoryBreakdown:
         return rest if self.graph_pools is None else _sub(rest, self.graph_pools)
 
     # measured at a peak-shaped batch after the final commit, never derived from the profiled peak
-    activation_headroom, over_budget_at_peak = _peak("torch_growth"), _peak("over_budget_measured")
-    over_budget_phase = _peak("over_budget_phase")
+    activation_headroom, over_budget_at_peak = _part("peak", "torch_growth"), _part("peak", "over_budget_measured")
+    over_budget_phase = _part("peak", "over_budget_phase")
     # the memory vLLM's profile does not see: the encoder cache (multimodal) and the widest speculative step
     encoder_cache_profiled, encoder_cache_held = _part("encoder_cache", "profiled_bytes"), _part("encoder_cache",
                                                                                                   "held_bytes")
