@@ -16,6 +16,7 @@ is not a number), NaN and infinity are refused, and fields a model does not name
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -333,10 +334,19 @@ class BadFile(ValueError):
 
 
 def write(path: str | Path, model: BaseModel) -> Path:
-    """``model`` as indented JSON in ``path`` (its folder made if needed)."""
+    """``model`` as indented JSON in ``path`` (its folder made if needed), whole or not at all: written beside it and
+    renamed into place, so a write cut short (an interrupt, a killed call) leaves the file as it was, never
+    truncated (a resumed matrix reads what is there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model.model_dump_json(indent=2, by_alias=True) + "\n")
+    text = model.model_dump_json(indent=2, by_alias=True) + "\n"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 
