@@ -3,6 +3,7 @@ segment derivation, and switching on by environment."""
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -431,22 +432,25 @@ def _v1_call(tokens, seq_len):
                                    "skip_eplb": True, "profile_seq_lens": seq_len})
 
 
-@pytest.mark.parametrize("runner,last_rank,expected", [
+# runners are made in the test: one made at collection keeps the calls of any earlier run of the same item
+@pytest.mark.parametrize("make_runner,last_rank,expected", [
     # 16,384 tokens over 8 requests: 2,048 each, the sequence length of a served prefill of that shape
-    (_DummyRunner(), True, [_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
-    (_DummyRunner(is_pooling_model=True), True, [_v1_call(16384, 2048)]),
+    (partial(_DummyRunner), True, [_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
+    (partial(_DummyRunner, is_pooling_model=True), True, [_v1_call(16384, 2048)]),
     # the last request takes the remainder: 16,376 over 8 is 2,047 + 0, 2,045 over 3 is 681 + 2
-    (_DummyRunner(max_num_tokens=16376, max_model_len=2048), True, [_v1_call(16376, 2047),
-                                                                     ("_dummy_sampler_run", "last hidden")]),
-    (_DummyRunner(max_num_tokens=2045, max_num_seqs=3), False, [_v1_call(2045, 683)]),
+    (partial(_DummyRunner, max_num_tokens=16376, max_model_len=2048), True,
+     [_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")]),
+    (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [_v1_call(2045, 683)]),
     # never past a block-table row: a request's sequence is at most max_model_len tokens
-    (_DummyRunner(max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False, [_v1_call(16384, 4096)]),
-    (_V2DummyRunner(), True, [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
-    (_V2DummyRunner(is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
-    (_V2DummyRunner(pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+    (partial(_DummyRunner, max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False,
+     [_v1_call(16384, 4096)]),
+    (partial(_V2DummyRunner), True,
+     [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
+    (partial(_V2DummyRunner, is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+    (partial(_V2DummyRunner, pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
 ], ids=["v1", "v1-pooling", "v1-remainder", "v1-not-last-pp-rank", "v1-capped-at-max-model-len", "v2",
         "v2-not-last-pp-rank", "v2-pooling"])
-def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, runner, last_rank,
+def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, make_runner, last_rank,
                                                                              expected):
     # V1 builds attention metadata only with force_attention (or a FULL graph), and runs eager with mode NONE; its
     # dummy requests get the batch's whole token count as sequence length unless profile_seq_lens says otherwise,
@@ -455,6 +459,7 @@ def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(mo
     # rank of a generating model.
     fake = _fake_vllm(monkeypatch)
     fake.pp.is_last_rank = last_rank
+    runner = make_runner()
     patches.served_batch(runner)()
     assert runner.calls == expected, f"served_batch on {type(runner).__name__}: expected calls {expected}, got " \
                                      f"{runner.calls}"
