@@ -491,6 +491,8 @@ def _phase_start(worker, step: Callable[[object], object]) -> dict:
     step is kept until ``_phase_end``, torch's peak statistics restart; returns the readings now."""
     import torch
 
+    from extensible_kv.vllm.sizing import largest_free_block, reusable_cache
+
     steps: list = []
     original = worker.execute_model
 
@@ -502,8 +504,11 @@ def _phase_start(worker, step: Callable[[object], object]) -> dict:
     worker._phase_steps = steps
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
+    segments, device = torch.cuda.memory_snapshot(), torch.cuda.current_device()
+    # the cache as the phase finds it (Note [A block displaced] in extensible_kv.vllm.sizing)
     figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
-               "torch_allocated": int(torch.cuda.memory_allocated())}
+               "torch_allocated": int(torch.cuda.memory_allocated()),
+               "torch_reusable": reusable_cache(segments, device), "largest_free": largest_free_block(segments, device)}
     torch.cuda.reset_peak_memory_stats()
     return figures
 

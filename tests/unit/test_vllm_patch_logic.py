@@ -13,6 +13,7 @@ from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.layout import LayoutError, attention_view
 from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
+from extensible_kv.vllm import sizing
 from extensible_kv.vllm.sizing import MemoryState, reusable_cache
 
 GIB = 1 << 30
@@ -47,6 +48,49 @@ def test_sizing_commits_what_the_measured_budget_fits():
 def test_sizing_clamps(overrides, expected):
     s = _state(**overrides)
     assert s.blocks() == expected, f"MemoryState({overrides}).blocks(): expected {expected}, got {s.blocks()}"
+
+
+@pytest.mark.parametrize("cache_after,served_allocated,largest_free,displaced", [
+    # figures in MiB. The sliding-window model on V1: ~95 MiB unused for a 93 MiB peak, 48 MiB largest block: a
+    # long-lived allocation after the measurement can leave the batch short of one 48 MiB block; 2 MiB spare
+    (95, 93, 48, 46),
+    (400, 93, 48, 0),      # spare 307 MiB: room for a displaced block without a new segment
+    (141, 93, 48, 0),      # spare exactly the largest block
+    (140, 93, 48, 1),
+    (50, 93, 48, 48),      # the peak did not fit the cache (it took segments): the whole block, never more
+    (0, 0, 0, 0),          # an empty cache displaces nothing
+])
+def test_sizing_keeps_the_largest_free_block_free_when_the_cache_has_less_to_spare(cache_after, served_allocated,
+                                                                                    largest_free, displaced):
+    # Note [A block displaced]: growth = the larger give-back + what a displaced block can take again
+    mib = 1 << 20
+    s = _state(cache_after=cache_after * mib, served_allocated=served_allocated * mib,
+               largest_free=largest_free * mib)
+    got = (s.displaced, s.torch_growth, s.budget)
+    expected = (displaced * mib, 4 * GIB + displaced * mib, 48 * GIB - displaced * mib)
+    assert got == expected, f"MemoryState(cache_after={cache_after}, served_allocated={served_allocated}, " \
+                            f"largest_free={largest_free} MiB) (displaced, growth, budget): expected {expected}, " \
+                            f"got {got}"
+    assert s.to_dict()["displaced"] == displaced * mib, s.to_dict()
+
+
+def test_largest_free_block_is_the_largest_unused_block_of_this_devices_default_pool():
+    mib = 1 << 20
+
+    def seg(pool, blocks, device=0):
+        return {"device": device, "segment_pool_id": pool, "total_size": sum(b[0] for b in blocks) * mib,
+                "active_size": sum(b[0] for b in blocks if b[1] != "inactive") * mib,
+                "blocks": [{"size": size * mib, "state": state} for size, state in blocks]}
+
+    segments = [seg((0, 0), [(20, "active_allocated"), (28, "inactive")]),
+                seg((0, 0), [(48, "active_allocated")]),                        # in use: no room
+                seg((0, 0), [(30, "active_pending_free"), (2, "inactive")]),    # being freed: not yet room
+                seg((3, 0), [(200, "inactive")]),                               # a graph pool's
+                seg((0, 0), [(90, "inactive")], device=1)]                      # another device's
+    got = sizing.largest_free_block(segments, 0)
+    assert got == 28 * mib, f"largest_free_block on device 0: expected {28 * mib}, got {got}"
+    assert sizing.largest_free_block(segments, 1) == 90 * mib
+    assert sizing.largest_free_block([], 0) == 0
 
 
 def _segment(pool, total, active, device=0):
@@ -206,13 +250,15 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkey
                              model_runner=SimpleNamespace(model_memory_usage=1 * GIB), peak_activation_memory=512 * mib)
     try:
         s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib},
-                       served={"peak_reserved": 70 * mib, "retained": 30 * mib}, margin=mib)
+                       served={"peak_reserved": 70 * mib, "retained": 30 * mib, "peak_allocated": 65 * mib,
+                               "cache_after": 80 * mib, "largest_free": 33 * mib}, margin=mib)
         stats = kv.buffers.stats()
         got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.again_reserved,
                s.again_retained, s.served_reserved, s.served_retained, s.bytes_per_block, s.rounding_bound,
-               s.capacity_blocks, s.committed_blocks, s.margin)
+               s.capacity_blocks, s.committed_blocks, s.margin, s.served_allocated, s.cache_after, s.largest_free)
         expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 300 * mib, 120 * mib,
-                    70 * mib, 30 * mib, 8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib)
+                    70 * mib, 30 * mib, 8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib, 65 * mib,
+                    80 * mib, 33 * mib)
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
@@ -388,16 +434,23 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 100 + 44 * GIB // 10)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 60 + 4 * GIB)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
-        {"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20, "active_size": 16 << 20}])
+    snapshot = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20, "active_size": 16 << 20,
+                 "blocks": [{"size": 16 << 20, "state": "active_allocated"}, {"size": 48 << 20, "state": "inactive"}]}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+
     def profile_run():
         stats["reserved"] = 100 + GIB  # torch keeps 1 GiB of the 4.4 GiB it reserved
+        stats["allocated"] = 70  # and one more long-lived tensor
+        snapshot.append({"device": 0, "segment_pool_id": (0, 0), "total_size": GIB, "active_size": 0,
+                         "blocks": [{"size": 40 << 20, "state": "inactive"},
+                                    {"size": GIB - (40 << 20), "state": "active_allocated"}]})
+        snapshot[-1]["active_size"] = GIB - (40 << 20)
         return "ran"
 
     run = patches.profile_run_reserved_peak(profile_run)
     assert run() == "ran"
     expected = {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB, "retained": GIB,
-                "cache_before": 48 << 20}
+                "cache_before": 48 << 20, "cache_after": 88 << 20, "largest_free": 48 << 20, "allocated_after": 70}
     assert run.figures == expected, f"profile_run figures: expected {expected}, got {run.figures}"
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import DriverUnavailable
 from . import agreement, worker_kv
+from .sizing import largest_free_block, reusable_cache
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -175,7 +176,8 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     vLLM profiles the peak in allocated bytes (``allocated_bytes.all.peak``); the device sees reserved bytes, which
     are more: the allocator rounds every block up and carves blocks from whole segments. After the run ``figures``
     holds ``peak_reserved`` and ``peak_allocated`` (beyond what torch held before), ``retained`` (what torch still
-    holds of it afterwards) and ``cache_before`` (the default pool's unused bytes when the run started). The same
+    holds of it afterwards), ``cache_before`` and ``cache_after`` (the default pool's unused bytes when the run
+    started and ended), ``largest_free`` (the largest of those blocks at the end) and ``allocated_after``. The same
     wrapper measures vLLM's profile and the run again after warmup: Note [The peak, brought back and measured] in
     ``sizing``."""
     figures: dict[str, int] = {}
@@ -189,9 +191,12 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
         torch.cuda.reset_peak_memory_stats()
         result = profile_run()
         torch.cuda.synchronize()
+        segments, device = torch.cuda.memory_snapshot(), torch.cuda.current_device()
         figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
                        peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
-                       retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before)
+                       retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before,
+                       cache_after=reusable_cache(segments, device), largest_free=largest_free_block(segments, device),
+                       allocated_after=int(torch.cuda.memory_allocated()))
         return result
 
     run.figures = figures

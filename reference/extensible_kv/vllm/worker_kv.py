@@ -118,8 +118,9 @@ class WorkerKV:
     def measure(self, worker: object, again: Mapping[str, int], served: Mapping[str, int],
                 margin: int = 0) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
-        ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``) of vLLM's
-        profile run, run again just before, and of the same batch with attention (``patches.served_batch``).
+        ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
+        ``served`` also ``peak_allocated``, ``cache_after`` and ``largest_free``) of vLLM's profile run, run again
+        just before, and of the same batch with attention (``patches.served_batch``).
         Note [The peak, brought back and measured] in ``sizing``."""
         assert self.buffers is not None
         torch.cuda.synchronize()
@@ -142,6 +143,9 @@ class WorkerKV:
             served_reserved=int(served["peak_reserved"]),
             served_retained=int(served["retained"]),
             margin=margin,
+            served_allocated=int(served["peak_allocated"]),
+            cache_after=int(served["cache_after"]),
+            largest_free=int(served["largest_free"]),
         )
         return self.measured
 
