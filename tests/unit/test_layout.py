@@ -78,3 +78,32 @@ def test_a_stride_order_that_does_not_match_the_shape_is_refused_naming_both():
     message = str(info.value)
     for needle in ("WrongOrder", "(0, 1, 2)", "5-d shape (2, 1, 16, 2, 64)"):
         assert needle in message, f"attention_layer(WrongOrder) error: expected {needle!r} in it, got {message!r}"
+
+
+def test_a_layer_defaults_to_the_models_cache_dtype_and_the_plain_layout():
+    KVFirst.calls.clear()
+    layer = _layer(KVFirst)
+    layer.shape_of(3)
+    got = (KVFirst.calls[-1], layer.block_major)
+    expected = ((3, 16, 2, 64, "auto"), False)
+    assert got == expected, f"attention_layer(KVFirst) defaults (shape call, block_major): expected {expected}, " \
+                            f"got {got}"
+
+
+def test_the_refusal_names_the_backend_by_its_name_or_as_given():
+    with pytest.raises(LayoutError) as info:
+        _layer(WrongOrder)
+    expected = "backend WrongOrder: stride order (0, 1, 2) does not match its declared 5-d shape (2, 1, 16, 2, 64)"
+    assert str(info.value) == expected, f"attention_layer(WrongOrder) error: expected {expected!r}, got {info.value}"
+
+    class Unnamed:  # a backend object without __name__ (an instance) is named by its repr
+        get_kv_cache_shape = staticmethod(KVFirst.get_kv_cache_shape)
+        get_kv_cache_stride_order = staticmethod(WrongOrder.get_kv_cache_stride_order)
+
+        def __repr__(self):
+            return "unnamed-backend"
+
+    with pytest.raises(LayoutError) as info:
+        _layer(Unnamed())
+    expected = expected.replace("WrongOrder", "unnamed-backend")
+    assert str(info.value) == expected, f"attention_layer(Unnamed()) error: expected {expected!r}, got {info.value}"

@@ -17,6 +17,7 @@ def _view(shape, stride, nbytes):
     ((2, 4, 16), (64, 16, 1), 1, 128, Segments(2, 64)),     # K/V first: two segments, 64 bytes apart
     ((4, 2, 16), (32, 16, 1), 0, 128, Segments(1, 128)),    # blocks outermost: one segment, the whole buffer
     ((1, 4, 16), (1000, 16, 1), 1, 64, Segments(1, 64)),    # a size-1 outer dim starts no segment
+    ((2, 4, 16), (16, 16, 1), 1, 128, Segments(1, 128)),    # a stride equal to the block dim's is not outside it
     ((3, 2, 4, 8), (64, 32, 8, 1), 2, 192, Segments(6, 32)),  # two outer dims: 3 x 2 segments
 ])
 def test_segments_of_a_view_are_its_outer_dims_tiling_the_buffer(shape, stride, block_dim, nbytes, expected):
@@ -31,6 +32,11 @@ def test_segments_of_a_view_are_its_outer_dims_tiling_the_buffer(shape, stride, 
                                       "100-byte buffer"),
     ((2, 4, 10), (40, 10, 1), 1, 100, "segment starts of view shape (2, 4, 10) strides (40, 10, 1) (outer dims [0]) "
                                       "are [0, 40]..., not multiples of the pitch 50"),
+    # a size-1 dim is not an outer dim, whatever its stride; the message shows the first four starts
+    ((1, 2, 4, 10), (1000, 40, 10, 1), 2, 100, "segment starts of view shape (1, 2, 4, 10) strides (1000, 40, 10, 1) "
+                                               "(outer dims [1]) are [0, 40]..., not multiples of the pitch 50"),
+    ((6, 2, 10), (20, 10, 1), 1, 132, "segment starts of view shape (6, 2, 10) strides (20, 10, 1) (outer dims [0]) "
+                                      "are [0, 20, 40, 60]..., not multiples of the pitch 22"),
 ])
 def test_a_view_whose_segments_do_not_tile_the_buffer_is_refused_naming_it(shape, stride, block_dim, nbytes,
                                                                              message):
