@@ -81,13 +81,18 @@ CASES = _cases()
 
 
 def select(cases: list, only: list[str] | None, part: str | None) -> list:
-    """Cases matching any ``only`` pattern (a group name: that group; else an fnmatch pattern or a substring of the
-    case id), then the ``part`` N/M slice."""
+    """Cases matching any ``only`` pattern (a group name: that group; a case id: that case alone; else an fnmatch
+    pattern or a substring of the case id), then the ``part`` N/M slice."""
     if only:
-        groups = {c.group for c in cases}
+        groups, ids = {c.group for c in cases}, {c.id for c in cases}
+
+        def matches(p: str, c) -> bool:
+            if p in groups:
+                return p == c.group
+            return p == c.id if p in ids else fnmatch.fnmatch(c.id, p) or p in c.id
 
         def hit(c) -> bool:
-            return any(p == c.group if p in groups else fnmatch.fnmatch(c.id, p) or p in c.id for p in only)
+            return any(matches(p, c) for p in only)
         cases = [c for c in cases if hit(c)]
     if part:
         n, m = (int(x) for x in part.split("/"))

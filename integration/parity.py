@@ -168,7 +168,9 @@ def phase_problems(run: dict, mode: str) -> list[str]:
 def budget_terms(case: dict) -> dict | None:
     """What the extensible sizing foresaw after warmup against what the case then took, in bytes; ``None`` without a
     measured peak. ``predicted_torch_growth`` is the sizing's activation growth still to come
-    (``extensible.measured.torch_growth``; legacy: its profiled peak, all of which it set aside)."""
+    (``extensible.measured.torch_growth``; legacy: its profiled peak, all of which it set aside);
+    ``served_allocated`` the sizing's served batch's allocated peak (``None`` where not measured) against
+    ``batch_allocated``, the peak batch's (Note [A served batch's query length] in ``extensible_kv.vllm.sizing``)."""
     memory = case.get("memory") or {}
     peak = memory.get("peak")
     if not peak:
@@ -178,7 +180,10 @@ def budget_terms(case: dict) -> dict | None:
     predicted = measured.get("torch_growth", memory.get("profiled_peak_activation"))
     return {"over_budget_measured": peak["over_budget_measured"], "torch_growth": grown("torch_reserved"),
             "predicted_torch_growth": predicted, "non_torch_growth": grown("non_torch"), "kv_growth": grown("kv"),
-            "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"]))}
+            "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"])),
+            "served_allocated": measured.get("served_allocated"),
+            "batch_allocated": (peak["torch_max_allocated"] - peak["before_batch"]["torch_allocated"]
+                                if "torch_max_allocated" in peak else None)}
 
 
 def check_memory_budget(legacy: dict, ext: dict, tolerance: int = BUDGET_TOLERANCE) -> list[str]:
@@ -405,7 +410,10 @@ def table(rows: Sequence[dict]) -> str:
             notes.append(f"- {r['case']}: since the final commit the extensible run grew torch by "
                          f"{t['torch_growth'] / MIB:.1f} MiB (sizing foresaw "
                          f"{(t['predicted_torch_growth'] or 0) / MIB:.1f}), non-torch by "
-                         f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB")
+                         f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB"
+                         + ("" if t["served_allocated"] is None or t["batch_allocated"] is None else
+                            f"; the sizing's served batch allocated {t['served_allocated'] / MIB:.1f} MiB at its "
+                            f"peak, the peak batch {t['batch_allocated'] / MIB:.1f} MiB"))
         notes += [f"- {r['case']}: {text}" for text in phase_lines(r)]
     return "\n".join(lines + ([""] + notes if notes else []))
 

@@ -491,7 +491,7 @@ def _phase_start(worker, step: Callable[[object], object]) -> dict:
     step is kept until ``_phase_end``, torch's peak statistics restart; returns the readings now."""
     import torch
 
-    from extensible_kv.vllm.sizing import largest_free_block, reusable_cache
+    from extensible_kv.vllm.worker_kv import torch_reusable_now
 
     steps: list = []
     original = worker.execute_model
@@ -504,11 +504,9 @@ def _phase_start(worker, step: Callable[[object], object]) -> dict:
     worker._phase_steps = steps
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
-    segments, device = torch.cuda.memory_snapshot(), torch.cuda.current_device()
-    # the cache as the phase finds it (Note [A block displaced] in extensible_kv.vllm.sizing)
+    # torch's unused cache as the phase finds it (Note [A served batch's query length] in extensible_kv.vllm.sizing)
     figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
-               "torch_allocated": int(torch.cuda.memory_allocated()),
-               "torch_reusable": reusable_cache(segments, device), "largest_free": largest_free_block(segments, device)}
+               "torch_allocated": int(torch.cuda.memory_allocated()), "torch_reusable": torch_reusable_now()}
     torch.cuda.reset_peak_memory_stats()
     return figures
 

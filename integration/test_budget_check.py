@@ -4,8 +4,8 @@ fails each way a run can break it (no GPU needed)."""
 
 from __future__ import annotations
 
-from integration.parity import BUDGET_TOLERANCE, MIB, budget_terms, check_memory_budget, over_budget_measured, \
-    peak_figures
+from integration.parity import BUDGET_TOLERANCE, MIB, Case, budget_terms, check_memory_budget, \
+    over_budget_measured, peak_figures, row, table
 
 BLOCK = 2 * MIB
 TOTAL, INIT_FREE = 140 << 30, 139 << 30
@@ -58,6 +58,20 @@ def test_the_growth_since_the_final_commit_is_split_into_torch_non_torch_and_kv(
     t = budget_terms(_case(50_000, REQUESTED))
     assert (t["torch_growth"], t["predicted_torch_growth"], t["non_torch_growth"]) == (850 * MIB, 700 * MIB,
                                                                                       50 * MIB), t
+
+
+def test_the_terms_set_the_served_batchs_allocated_peak_against_the_peak_batchs():
+    # the peak batch allocated 18 GiB at most from 16 GiB before it; the sizing's served batch 1.5 GiB
+    case = _case(50_000, REQUESTED)
+    assert budget_terms(case)["served_allocated"] is None, "a case without the figure reports None"
+    case["extensible"]["measured"]["served_allocated"] = 1536 * MIB
+    t = budget_terms(case)
+    got = (t["served_allocated"], t["batch_allocated"])
+    assert got == (1536 * MIB, 2048 * MIB), f"budget_terms (served, batch allocated): expected (1.5, 2) GiB, got {got}"
+    legacy = _case(50_000, REQUESTED - 10 * MIB, extensible=False)
+    text = table([row(Case("qwen3-0.6b-shape", "v1"), {"legacy": [legacy, legacy], "extensible": case})])
+    needle = "the sizing's served batch allocated 1536.0 MiB at its peak, the peak batch 2048.0 MiB"
+    assert needle in text, f"parity table: expected {needle!r} in its notes, got {text}"
 
 
 def test_a_run_inside_the_budget_at_its_peak_with_as_many_blocks_as_legacy_passes():

@@ -226,6 +226,10 @@ def test_matrix_selects_by_group_pattern_and_part():
     assert {c.group for c in matrix.select(matrix.CASES, ["swa"], None)} == {"swa"}
     assert [c.id for c in matrix.select(matrix.CASES, ["*fp8-b32"], None)] == [
         "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b32", "qwen3-0.6b-shape-v2-FLASH_ATTN-fp8-b32"]
+    # a case id is that case alone, though other ids begin with it (its speculative variants)
+    exact = [c.id for c in matrix.select(matrix.CASES, ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16"], None)]
+    assert exact == ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16"], f"select by a case id: got {exact}"
+    assert len(matrix.select(matrix.CASES, ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16-"], None)) == 2
     parts = [matrix.select(matrix.CASES, None, f"{n}/4") for n in range(1, 5)]
     assert [c.id for p in parts for c in p] == ids
     with pytest.raises(SystemExit, match="--part 5/4"):

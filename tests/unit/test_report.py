@@ -723,3 +723,18 @@ def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured
            cases["spec-extensible.json"]["over_budget_at_peak"], cases["c-legacy.json"]["speculative_rows"])
     assert got == (e["held_bytes"], s["step_peak_allocated"], -3 * mib, None), \
         f"summary.json (encoder cache held, speculative step, over budget at peak, legacy rows): got {got}"
+
+
+def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_variants():
+    from extensible_kv.measurements import IntegrationCase
+    from extensible_kv.report.run import Case
+
+    def key(**settings):
+        spec = {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": "legacy", **settings}
+        return Case("c.json", IntegrationCase.model_validate({"case": spec})).key
+
+    got = [key(), key(kv_cache_dtype="auto", block_size=16, speculative=None), key(kv_cache_dtype="fp8"),
+           key(speculative="ngram:4", block_size=32), key(mode="extensible", corrupt=True)]
+    expected = ["m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/kv_cache_dtype=fp8/legacy",
+                "m/v1/FLASH_ATTN/block_size=32/speculative=ngram:4/legacy", "m/v1/FLASH_ATTN/extensible+corrupt"]
+    assert got == expected, f"Case.key: expected {expected}, got {got}"

@@ -13,7 +13,6 @@ from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.layout import LayoutError, attention_view
 from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
-from extensible_kv.vllm import sizing
 from extensible_kv.vllm.sizing import MemoryState, reusable_cache
 
 GIB = 1 << 30
@@ -48,49 +47,6 @@ def test_sizing_commits_what_the_measured_budget_fits():
 def test_sizing_clamps(overrides, expected):
     s = _state(**overrides)
     assert s.blocks() == expected, f"MemoryState({overrides}).blocks(): expected {expected}, got {s.blocks()}"
-
-
-@pytest.mark.parametrize("cache_after,served_allocated,largest_free,displaced", [
-    # figures in MiB. The sliding-window model on V1: ~95 MiB unused for a 93 MiB peak, 48 MiB largest block: a
-    # long-lived allocation after the measurement can leave the batch short of one 48 MiB block; 2 MiB spare
-    (95, 93, 48, 46),
-    (400, 93, 48, 0),      # spare 307 MiB: room for a displaced block without a new segment
-    (141, 93, 48, 0),      # spare exactly the largest block
-    (140, 93, 48, 1),
-    (50, 93, 48, 48),      # the peak did not fit the cache (it took segments): the whole block, never more
-    (0, 0, 0, 0),          # an empty cache displaces nothing
-])
-def test_sizing_keeps_the_largest_free_block_free_when_the_cache_has_less_to_spare(cache_after, served_allocated,
-                                                                                    largest_free, displaced):
-    # Note [A block displaced]: growth = the larger give-back + what a displaced block can take again
-    mib = 1 << 20
-    s = _state(cache_after=cache_after * mib, served_allocated=served_allocated * mib,
-               largest_free=largest_free * mib)
-    got = (s.displaced, s.torch_growth, s.budget)
-    expected = (displaced * mib, 4 * GIB + displaced * mib, 48 * GIB - displaced * mib)
-    assert got == expected, f"MemoryState(cache_after={cache_after}, served_allocated={served_allocated}, " \
-                            f"largest_free={largest_free} MiB) (displaced, growth, budget): expected {expected}, " \
-                            f"got {got}"
-    assert s.to_dict()["displaced"] == displaced * mib, s.to_dict()
-
-
-def test_largest_free_block_is_the_largest_unused_block_of_this_devices_default_pool():
-    mib = 1 << 20
-
-    def seg(pool, blocks, device=0):
-        return {"device": device, "segment_pool_id": pool, "total_size": sum(b[0] for b in blocks) * mib,
-                "active_size": sum(b[0] for b in blocks if b[1] != "inactive") * mib,
-                "blocks": [{"size": size * mib, "state": state} for size, state in blocks]}
-
-    segments = [seg((0, 0), [(20, "active_allocated"), (28, "inactive")]),
-                seg((0, 0), [(48, "active_allocated")]),                        # in use: no room
-                seg((0, 0), [(30, "active_pending_free"), (2, "inactive")]),    # being freed: not yet room
-                seg((3, 0), [(200, "inactive")]),                               # a graph pool's
-                seg((0, 0), [(90, "inactive")], device=1)]                      # another device's
-    got = sizing.largest_free_block(segments, 0)
-    assert got == 28 * mib, f"largest_free_block on device 0: expected {28 * mib}, got {got}"
-    assert sizing.largest_free_block(segments, 1) == 90 * mib
-    assert sizing.largest_free_block([], 0) == 0
 
 
 def _segment(pool, total, active, device=0):
@@ -251,14 +207,14 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkey
     try:
         s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib},
                        served={"peak_reserved": 70 * mib, "retained": 30 * mib, "peak_allocated": 65 * mib,
-                               "cache_after": 80 * mib, "largest_free": 33 * mib}, margin=mib)
+                               "cache_after": 80 * mib}, margin=mib)
         stats = kv.buffers.stats()
         got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.again_reserved,
                s.again_retained, s.served_reserved, s.served_retained, s.bytes_per_block, s.rounding_bound,
-               s.capacity_blocks, s.committed_blocks, s.margin, s.served_allocated, s.cache_after, s.largest_free)
+               s.capacity_blocks, s.committed_blocks, s.margin, s.served_allocated, s.cache_after)
         expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 300 * mib, 120 * mib,
                     70 * mib, 30 * mib, 8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib, 65 * mib,
-                    80 * mib, 33 * mib)
+                    80 * mib)
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
@@ -330,6 +286,7 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
                                                 max_num_tokens=8192, is_pooling_model=False, max_model_len=2048,
                                                 scheduler_config=SimpleNamespace(max_num_seqs=8),
                                                 _dummy_run=lambda num_tokens, **kwargs: (None, None),
+                                                _build_attention_metadata=lambda **kwargs: ({}, None),
                                                 _dummy_sampler_run=lambda hidden_states: None)
             self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks=None)
             self.init_snapshot = SimpleNamespace(free_memory=8 * GIB)
@@ -434,23 +391,18 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 100 + 44 * GIB // 10)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 60 + 4 * GIB)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    snapshot = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20, "active_size": 16 << 20,
-                 "blocks": [{"size": 16 << 20, "state": "active_allocated"}, {"size": 48 << 20, "state": "inactive"}]}]
+    snapshot = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20, "active_size": 16 << 20}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
 
     def profile_run():
-        stats["reserved"] = 100 + GIB  # torch keeps 1 GiB of the 4.4 GiB it reserved
-        stats["allocated"] = 70  # and one more long-lived tensor
-        snapshot.append({"device": 0, "segment_pool_id": (0, 0), "total_size": GIB, "active_size": 0,
-                         "blocks": [{"size": 40 << 20, "state": "inactive"},
-                                    {"size": GIB - (40 << 20), "state": "active_allocated"}]})
-        snapshot[-1]["active_size"] = GIB - (40 << 20)
+        stats["reserved"] = 100 + GIB  # torch keeps 1 GiB of the 4.4 GiB it reserved, 40 MiB of it unused
+        snapshot.append({"device": 0, "segment_pool_id": (0, 0), "total_size": GIB, "active_size": GIB - (40 << 20)})
         return "ran"
 
     run = patches.profile_run_reserved_peak(profile_run)
     assert run() == "ran"
     expected = {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB, "retained": GIB,
-                "cache_before": 48 << 20, "cache_after": 88 << 20, "largest_free": 48 << 20, "allocated_after": 70}
+                "cache_before": 48 << 20, "cache_after": 88 << 20}
     assert run.figures == expected, f"profile_run figures: expected {expected}, got {run.figures}"
 
 
@@ -464,9 +416,15 @@ class _DummyRunner:
 
     def _dummy_run(self, num_tokens, **kwargs):
         self.calls.append(("_dummy_run", num_tokens, kwargs))
+        if kwargs.get("force_attention"):  # V1's dummy: the whole batch as the longest query
+            self._build_attention_metadata(num_tokens=num_tokens, num_reqs=1, max_query_len=num_tokens)
         if self.on_run is not None:
             self.on_run()
         return "hidden", "last hidden"
+
+    def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, **kwargs):
+        self.calls.append(("attention max_query_len", max_query_len))
+        return {}, None
 
     def _dummy_sampler_run(self, hidden_states):
         self.calls.append(("_dummy_sampler_run", hidden_states))
@@ -481,22 +439,25 @@ class _V2DummyRunner(_DummyRunner):
 
 
 def _v1_call(tokens, seq_len):
+    """V1's dummy run as served: each request's own sequence and query length (Note [A served batch's query
+    length])."""
     return ("_dummy_run", tokens, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE", "force_attention": True,
-                                   "skip_eplb": True, "profile_seq_lens": seq_len})
+                                   "skip_eplb": True, "profile_seq_lens": seq_len}), \
+        ("attention max_query_len", seq_len)
 
 
 # runners are made in the test: one made at collection keeps the calls of any earlier run of the same item
 @pytest.mark.parametrize("make_runner,last_rank,expected", [
     # 16,384 tokens over 8 requests: 2,048 each, the sequence length of a served prefill of that shape
-    (partial(_DummyRunner), True, [_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
-    (partial(_DummyRunner, is_pooling_model=True), True, [_v1_call(16384, 2048)]),
+    (partial(_DummyRunner), True, [*_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
+    (partial(_DummyRunner, is_pooling_model=True), True, [*_v1_call(16384, 2048)]),
     # the last request takes the remainder: 16,376 over 8 is 2,047 + 0, 2,045 over 3 is 681 + 2
     (partial(_DummyRunner, max_num_tokens=16376, max_model_len=2048), True,
-     [_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")]),
-    (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [_v1_call(2045, 683)]),
+     [*_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")]),
+    (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [*_v1_call(2045, 683)]),
     # never past a block-table row: a request's sequence is at most max_model_len tokens
     (partial(_DummyRunner, max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False,
-     [_v1_call(16384, 4096)]),
+     [*_v1_call(16384, 4096)]),
     (partial(_V2DummyRunner), True,
      [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
     (partial(_V2DummyRunner, is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
@@ -516,17 +477,41 @@ def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(mo
     patches.served_batch(runner)()
     assert runner.calls == expected, f"served_batch on {type(runner).__name__}: expected calls {expected}, got " \
                                      f"{runner.calls}"
+    assert "_build_attention_metadata" not in vars(runner), "served_batch left its metadata builder on the runner"
+
+
+def test_the_served_query_length_is_undone_on_error_and_refused_where_vllm_passes_it_positionally(monkeypatch):
+    _fake_vllm(monkeypatch)
+
+    def fail():
+        raise KeyboardInterrupt
+
+    runner = _DummyRunner(on_run=fail)
+    with pytest.raises(KeyboardInterrupt):
+        patches.served_batch(runner)()
+    assert "_build_attention_metadata" not in vars(runner), "an interrupted served batch left its builder behind"
+
+    class Positional(_DummyRunner):
+        def _dummy_run(self, num_tokens, **kwargs):
+            return self._build_attention_metadata(num_tokens, 1, num_tokens)
+
+    runner = Positional()
+    own = runner._build_attention_metadata = lambda *a, **k: ({}, None)  # an instance's own builder is put back
+    with pytest.raises(ExtensibleKVUnsupported, match="passes max_query_len to _build_attention_metadata positionally"):
+        patches.served_batch(runner)()
+    assert vars(runner)["_build_attention_metadata"] is own, "served_batch did not put the runner's own builder back"
 
 
 @pytest.mark.parametrize("profile,served,growth", [
     # the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory drops by that much before it is read); what
     # it gave back, 100 MiB, is the growth still to come; the served run takes nothing more
     ((300, 200), (0, 0), 100),
-    # the profile run (attention skipped) reserves 100 MiB and keeps it; the served run (attention on) then reserves
-    # 48 MiB more and keeps 16 MiB of it: the growth still to come is the served run's give-back, not the profile's 0
+    # the served run (attention on, first: the profile then reuses its segments) reserves 48 MiB and keeps 16 MiB; the
+    # profile run reserves 100 MiB and keeps it: the growth still to come is the served run's give-back, not the
+    # profile's 0
     ((100, 100), (48, 16), 32),
 ], ids=["profile-gives-back", "served-takes-more"])
-def test_measure_runs_the_profiled_batch_again_then_as_served_and_sizes_from_what_they_took(monkeypatch, profile,
+def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_they_took(monkeypatch, profile,
                                                                                              served, growth):
     # Note [The peak, brought back and measured]; figures in MiB: (reserved at the run's peak, kept after it)
     mib = 1 << 20
@@ -558,8 +543,8 @@ def test_measure_runs_the_profiled_batch_again_then_as_served_and_sizes_from_wha
         m = state.measured
         got = (memory["order"], m.again_reserved, m.again_retained, m.served_reserved, m.served_retained,
                m.torch_growth, m.free_now)
-        expected = (["reset_mm_cache", "profile_run", "served"], profile[0] * mib, profile[1] * mib, served[0] * mib, served[1] * mib,
-                    growth * mib, 7 * GIB - (profile[1] + served[1]) * mib)
+        expected = (["reset_mm_cache", "served", "profile_run"], profile[0] * mib, profile[1] * mib, served[0] * mib,
+                    served[1] * mib, growth * mib, 7 * GIB - (profile[1] + served[1]) * mib)
         assert got == expected, f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, " \
                                 f"growth, free): expected {expected}, got {got}"
     finally:

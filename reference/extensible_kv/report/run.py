@@ -51,7 +51,17 @@ class Case:
     group = property(lambda self: (self.spec.model, self.spec.runner, self.spec.backend))
     folder = property(lambda self: self.path.rpartition("/")[0])
     variant = property(lambda self: self.mode + ("+corrupt" if self.corrupt else ""))
-    key = property(lambda self: "/".join((*self.group, self.variant)))  # matches cases of two runs
+    # the settings that change what a case commits, with their defaults: a case shows those it changes in its key
+    SETTINGS = (("kv_cache_dtype", "auto"), ("block_size", 16), ("speculative", None), ("max_num_seqs", 8),
+                ("num_gpu_blocks_override", None), ("batch_invariant", False), ("throughput", False))
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """``name=value`` for each of ``SETTINGS`` the case sets away from its default (older files lack some)."""
+        return tuple(f"{name}={getattr(self.spec, name, default)}" for name, default in self.SETTINGS
+                     if getattr(self.spec, name, default) != default)
+
+    key = property(lambda self: "/".join((*self.group, *self.settings, self.variant)))  # matches cases of two runs
     label = property(lambda self: " ".join((*self.group, self.variant)) + (f" ({self.folder})" if self.folder else ""))
 
 

@@ -24,13 +24,13 @@ import importlib
 import logging
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DriverUnavailable
 from . import agreement, worker_kv
-from .sizing import largest_free_block, reusable_cache
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -177,7 +177,7 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     are more: the allocator rounds every block up and carves blocks from whole segments. After the run ``figures``
     holds ``peak_reserved`` and ``peak_allocated`` (beyond what torch held before), ``retained`` (what torch still
     holds of it afterwards), ``cache_before`` and ``cache_after`` (the default pool's unused bytes when the run
-    started and ended), ``largest_free`` (the largest of those blocks at the end) and ``allocated_after``. The same
+    started and ended). The same
     wrapper measures vLLM's profile and the run again after warmup: Note [The peak, brought back and measured] in
     ``sizing``."""
     figures: dict[str, int] = {}
@@ -191,12 +191,10 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
         torch.cuda.reset_peak_memory_stats()
         result = profile_run()
         torch.cuda.synchronize()
-        segments, device = torch.cuda.memory_snapshot(), torch.cuda.current_device()
         figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
                        peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
                        retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before,
-                       cache_after=reusable_cache(segments, device), largest_free=largest_free_block(segments, device),
-                       allocated_after=int(torch.cuda.memory_allocated()))
+                       cache_after=worker_kv.torch_reusable_now())
         return result
 
     run.figures = figures
@@ -251,6 +249,31 @@ def encoder_cache_held(model_runner: Any) -> list:
         held.extend(model_runner.model.embed_multimodal(**batch))
         del batch
     return held
+
+
+@contextmanager
+def _served_query_length(model_runner: Any, query_len: int) -> Iterator[None]:
+    """Within the block, V1's attention metadata is built with ``max_query_len`` at most ``query_len`` (this runner
+    instance only). Note [A served batch's query length] in ``sizing``."""
+    build = model_runner._build_attention_metadata
+    own = vars(model_runner).get("_build_attention_metadata", _MISSING)
+
+    def build_as_served(*args, **kwargs):
+        if "max_query_len" not in kwargs:
+            raise ExtensibleKVUnsupported("this vLLM's _dummy_run passes max_query_len to _build_attention_metadata "
+                                          f"positionally (args {len(args)}, keywords {sorted(kwargs)}); the served "
+                                          "batch cannot give attention a request's query length")
+        kwargs["max_query_len"] = min(kwargs["max_query_len"], query_len)
+        return build(*args, **kwargs)
+
+    model_runner._build_attention_metadata = build_as_served
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            del model_runner._build_attention_metadata
+        else:
+            model_runner._build_attention_metadata = own
 
 
 def _sampler_run(model_runner: Any, sampled: Any) -> None:
@@ -309,13 +332,16 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
             from vllm.distributed import get_pp_group
 
             # V1's dummy gives every request seq_len = all the batch's tokens unless told otherwise, past the width
-            # of a block-table row (max_model_len): each request's own query length, as served, capped by it.
+            # of a block-table row (max_model_len): each request's own query length, as served, capped by it. It
+            # also tells attention that the longest query is all the batch's tokens: the served one is a request's
+            # (Note [A served batch's query length] in sizing).
             tokens = model_runner.max_num_tokens
             requests = min(tokens, model_runner.scheduler_config.max_num_seqs)
             seq_len = min(tokens // requests + tokens % requests, model_runner.max_model_len)
-            hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                                      force_attention=True, skip_eplb=True,
-                                                      profile_seq_lens=seq_len)
+            with _served_query_length(model_runner, seq_len):
+                hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                          force_attention=True, skip_eplb=True,
+                                                          profile_seq_lens=seq_len)
             samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
         if samples:
             _sampler_run(model_runner, sampled)
@@ -387,18 +413,19 @@ def extensible_kv_measure(self) -> int:
 
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
-    # Note [The peak, brought back and measured]: vLLM's profile batch, then the same batch as a served step runs it.
-    # V1's profile of a multimodal model processes its dummy item through a cache that serves only profiling (and
-    # asserts the item is not read back from it); cleared first (vLLM's reset_mm_cache), the profile run again
-    # processes it afresh, as the first one did.
+    # Note [The peak, brought back and measured]: vLLM's profile batch as a served step runs it, then as profiled
+    # (the larger batch first: the other then reuses its segments instead of laying out its own). V1's profile of a
+    # multimodal model processes its dummy item through a cache that serves only profiling (and asserts the item is
+    # not read back from it); cleared first (vLLM's reset_mm_cache), the profile run again processes it afresh, as
+    # the first one did.
     reset_mm_cache = getattr(self.model_runner, "reset_mm_cache", None)
     if reset_mm_cache is not None:
         reset_mm_cache()
-    again = profile_run_reserved_peak(self.model_runner.profile_run)
     served = profile_run_reserved_peak(served_batch(self.model_runner))
+    again = profile_run_reserved_peak(self.model_runner.profile_run)
     with torch.inference_mode():
-        again()
         served()
+        again()
     fits = state.measure(self, margin=_margin(), again=again.figures, served=served.figures).blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits

@@ -5,11 +5,10 @@ peak + non-torch memory) - estimated graph memory``. The extensible path reserve
 estimate (an upper bound), warms up and captures graphs with a small committed prefix, then measures what
 everything other than the KV cache really uses and commits the rest:
 
-    (the profiled batch runs again, then as served: Note [The peak, brought back and measured])
+    (the profiled batch runs as served, then again as profiled: Note [The peak, brought back and measured])
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
     growth   = max(0, again_reserved - again_retained,   (what either batch took from the device
                    served_reserved - served_retained)     and torch gave back)
-             + displaced                                 (Note [A block displaced])
     budget   = requested - non_kv - growth - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
@@ -50,16 +49,27 @@ Note [The peak, brought back and measured]
     runs' give-back. CUDA graph private pools never serve eager activations either way (an 8B Llama shape holds
     186 MiB of graph pools on V1, 230 MiB on V2).
 
-Note [A block displaced]
-    The served batch can fit in torch's cache when it is measured and still not fit when it is served. On the
-    sliding-window model on V1 (bf16 KV) the served run reserved nothing new (the profile run just before had left
-    54.5 MiB of segments, and the cache held about 95 MiB unused for a batch whose allocated peak is 93.0 MiB), and
-    the peak batch after the final commit mapped a new 48.0 MiB segment, ending 47.7 MiB over the budget: the
-    engine allocates after the measurement (its first served steps), and a long-lived tensor placed in a block the
-    batch had used leaves one of the batch's large tensors without a block. The allocator then maps a segment as
-    large as that tensor, at most the largest unused block. So the cache is credited only for what it holds beyond
-    the served run's peak (``cache_after - served_allocated``); when that spare is smaller than the largest unused
-    block (``largest_free``), the difference is kept free too (``displaced``).
+    The served run comes first. Run second, it laid out segments of its own beside the profile's: on V2 the
+    sliding-window model's profile run kept 80.0 MiB, the served run 48.0 MiB more, 128.0 MiB for a batch that
+    took 96.0 MiB of new segments on the legacy path, and the extensible run ended 2.3 MiB inside the budget with
+    102.0 MiB less KV than legacy, 30 MiB more than legacy's own overshoot (69.7 MiB) explains
+    (``reports/runs/h200-matrix-served-2026-12-03/``). The profile's batch is the served one without attention,
+    so run second it finds the served run's segments free.
+
+Note [A served batch's query length]
+    V1's dummy batch describes its requests to attention with the batch's whole token count as the longest query
+    (``max_query_len = num_tokens``: 16,376 on the sliding-window model) where served requests of that batch have
+    2,047 each. Measured on the H200 (``reports/runs/h200-matrix-served-2026-12-03/``): on V1 the served dummy's
+    allocated peak was 72.0 MiB (bf16 KV) and 72.0 MiB (fp8), the same as the profile that skips attention, while
+    the real peak batch allocated 93.0 and 89.0 MiB and mapped a new 48.0 MiB segment, ending 35.7 and 47.7 MiB over
+    the budget. V2's dummy gives each request its own query length; its served run allocated 93.0 and 89.0 MiB, as
+    the real batch did, and those runs ended 2.3 MiB inside. Nothing was displaced in between: torch's unused cache
+    before the peak batch was what it was after the served run (95.2 MiB, 123.2 MiB). The query length reaches
+    FlashAttention as ``max_seqlen_q``; outside CUDA graphs vLLM lets FA3's heuristics choose the number of KV splits
+    (``num_splits=0``), and a split run allocates float32 accumulators per split (vLLM's comment in
+    ``v1/attention/backends/flash_attn.py``). So on V1 the served batch's attention metadata gets each request's own
+    query length (``patches.served_batch``); the Qwen3-0.6B shape, whose dummy already allocated the real batch's
+    416.0 MiB, is unchanged by it.
 
 Note [The encoder cache, held whole]
     A multimodal model keeps encoder outputs (an image's embeddings) in the encoder cache until the scheduler needs
@@ -93,22 +103,12 @@ from dataclasses import asdict, dataclass
 DEFAULT_POOL = (0, 0)  # torch's segment_pool_id of the caching allocator's default pool
 
 
-def _default_pool(segments: Iterable[Mapping], device: int) -> list[Mapping]:
-    return [s for s in segments if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL]
-
-
 def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
     """Bytes of ``device``'s default pool that torch holds reserved but unused (``torch.cuda.memory_snapshot()``
     segments; graph private pools and other devices left out). Recorded (``memory.torch_reusable`` of a case, the
     profile's ``cache_before``), never credited: Note [The peak, brought back and measured]."""
-    return sum(int(s["total_size"]) - int(s["active_size"]) for s in _default_pool(segments, device))
-
-
-def largest_free_block(segments: Iterable[Mapping], device: int) -> int:
-    """The largest unused block of ``device``'s default pool (``torch.cuda.memory_snapshot()`` segments, each with
-    its ``blocks``): the most one allocation can take from torch's cache. Note [A block displaced]."""
-    return max((int(b["size"]) for s in _default_pool(segments, device) for b in s["blocks"]
-                if b["state"] == "inactive"), default=0)
+    return sum(int(s["total_size"]) - int(s["active_size"]) for s in segments
+               if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL)
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,8 @@ class MemoryState:
     served_reserved: int  # what torch reserved for the same batch run as served (attention on), after that
     served_retained: int  # of that, what torch still holds after the run (in ``free_now`` already)
     margin: int = 0  # extra bytes kept free on purpose
-    served_allocated: int = 0  # the served run's allocated peak, above what was allocated when it started
-    cache_after: int = 0  # bytes of torch's default pool held unused after the served run
-    largest_free: int = 0  # the largest unused block among them
+    served_allocated: int = 0  # the served run's allocated peak above what was allocated before it (recorded)
+    cache_after: int = 0  # bytes of torch's default pool held unused after the served run (recorded)
 
     @property
     def non_kv(self) -> int:
@@ -142,16 +141,7 @@ class MemoryState:
     def torch_growth(self) -> int:
         """Activation bytes a peak batch may still take from the device: the most that either run of the batch
         (profiled, served) reserved and torch then gave back. Note [The peak, brought back and measured]."""
-        return max(0, self.again_reserved - self.again_retained,
-                   self.served_reserved - self.served_retained) + self.displaced
-
-    @property
-    def displaced(self) -> int:
-        """What the peak batch may take again if an allocation made after the measurement lands in a block of torch's
-        cache that the batch used: the largest unused block, less what the cache held beyond the served run's peak.
-        Note [A block displaced]."""
-        spare = max(0, self.cache_after - self.served_allocated)
-        return max(0, self.largest_free - spare)
+        return max(0, self.again_reserved - self.again_retained, self.served_reserved - self.served_retained)
 
     @property
     def budget(self) -> int:
@@ -163,6 +153,5 @@ class MemoryState:
         return max(self.committed_blocks, min(self.capacity_blocks, fit))
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "non_kv": self.non_kv, "displaced": self.displaced, "torch_growth": self.torch_growth,
-                "budget": self.budget,
+        return {**asdict(self), "non_kv": self.non_kv, "torch_growth": self.torch_growth, "budget": self.budget,
                 "blocks": self.blocks()}

@@ -119,7 +119,7 @@ class WorkerKV:
                 margin: int = 0) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
         ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
-        ``served`` also ``peak_allocated``, ``cache_after`` and ``largest_free``) of vLLM's profile run, run again
+        ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again
         just before, and of the same batch with attention (``patches.served_batch``).
         Note [The peak, brought back and measured] in ``sizing``."""
         assert self.buffers is not None
@@ -145,7 +145,6 @@ class WorkerKV:
             margin=margin,
             served_allocated=int(served["peak_allocated"]),
             cache_after=int(served["cache_after"]),
-            largest_free=int(served["largest_free"]),
         )
         return self.measured
 
