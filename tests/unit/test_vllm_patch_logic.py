@@ -455,14 +455,18 @@ def _v1_call(tokens, seq_len):
     (partial(_DummyRunner, max_num_tokens=16376, max_model_len=2048), True,
      [*_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")]),
     (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [*_v1_call(2045, 683)]),
-    # never past a block-table row: a request's sequence is at most max_model_len tokens
+    # never past a block-table row: a request's sequence is at most max_model_len tokens, and a batch of 2 such
+    # requests at most 8,192 tokens, whatever max_num_batched_tokens allows
     (partial(_DummyRunner, max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False,
-     [*_v1_call(16384, 4096)]),
+     [*_v1_call(8192, 4096)]),
+    # the remainder can still take the last request past max_model_len: capped
+    (partial(_DummyRunner, max_num_tokens=79, max_num_seqs=8, max_model_len=10), False, [*_v1_call(79, 10)]),
     (partial(_V2DummyRunner), True,
      [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
     (partial(_V2DummyRunner, is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
     (partial(_V2DummyRunner, pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
-], ids=["v1", "v1-pooling", "v1-remainder", "v1-not-last-pp-rank", "v1-capped-at-max-model-len", "v2",
+], ids=["v1", "v1-pooling", "v1-remainder", "v1-not-last-pp-rank", "v1-capped-at-max-model-len",
+        "v1-remainder-capped", "v2",
         "v2-not-last-pp-rank", "v2-pooling"])
 def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, make_runner, last_rank,
                                                                              expected):

@@ -332,12 +332,14 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
             from vllm.distributed import get_pp_group
 
             # V1's dummy gives every request seq_len = all the batch's tokens unless told otherwise, past the width
-            # of a block-table row (max_model_len): each request's own query length, as served, capped by it. It
-            # also tells attention that the longest query is all the batch's tokens: the served one is a request's
-            # (Note [A served batch's query length] in sizing).
-            tokens = model_runner.max_num_tokens
-            requests = min(tokens, model_runner.scheduler_config.max_num_seqs)
-            seq_len = min(tokens // requests + tokens % requests, model_runner.max_model_len)
+            # of a block-table row (max_model_len): each request's own query length, as served, capped by it (a
+            # served batch has at most max_model_len tokens per request). It also tells attention that the longest
+            # query is all the batch's tokens: the served one is a request's (Note [A served batch's query length]
+            # in sizing).
+            max_seqs, max_len = model_runner.scheduler_config.max_num_seqs, model_runner.max_model_len
+            tokens = min(model_runner.max_num_tokens, max_seqs * max_len)
+            requests = min(tokens, max_seqs)
+            seq_len = min(tokens // requests + tokens % requests, max_len)
             with _served_query_length(model_runner, seq_len):
                 hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                                           force_attention=True, skip_eplb=True,
