@@ -738,3 +738,30 @@ def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_vari
     expected = ["m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/kv_cache_dtype=fp8/legacy",
                 "m/v1/FLASH_ATTN/block_size=32/speculative=ngram:4/legacy", "m/v1/FLASH_ATTN/extensible+corrupt"]
     assert got == expected, f"Case.key: expected {expected}, got {got}"
+
+
+def test_runs_of_one_case_pair_across_file_versions_and_never_across_kv_dtypes():
+    # A legacy file written before the case recorded ``multimodal`` is the same case as an extensible file that says
+    # False; an fp8 run is another case: no token comparison with it, no bytes per block from it.
+    from extensible_kv.measurements import IntegrationCase
+    from extensible_kv.report.parity import parity_rows
+    from extensible_kv.report.run import Case
+
+    def case(path, mode, bytes_per_block=None, **settings):
+        spec = {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": mode, **settings}
+        data = {"case": spec, "token_ids": [[1, 2]], "memory": {"num_gpu_blocks": 100}}
+        if bytes_per_block:
+            data["extensible"] = {"measured": {"bytes_per_block": bytes_per_block}, "kv": {"committed_bytes": 0}}
+        return Case(path, IntegrationCase.model_validate(data))
+
+    legacy = [case("a-legacy.json", "legacy"), case("a-legacy-r2.json", "legacy")]
+    cases = [*legacy, case("a-extensible.json", "extensible", 4096, multimodal=False),
+             case("b-extensible.json", "extensible", 2048, kv_cache_dtype="fp8", multimodal=False)]
+    rows = {r.case.path: [c.path for c in r.legacy] for r in parity_rows(cases)}
+    expected = {"a-extensible.json": ["a-legacy.json", "a-legacy-r2.json"], "b-extensible.json": []}
+    assert rows == expected, f"parity_rows legacy runs per case: expected {expected}, got {rows}"
+    partners = {b.case.path: (b.kv_partner or b.legacy_partner).path for b in accounting.account(cases)
+                if b.kv_partner or b.legacy_partner}
+    expected = {"a-legacy.json": "a-extensible.json", "a-legacy-r2.json": "a-extensible.json",
+                "a-extensible.json": "a-legacy-r2.json"}  # the first by path
+    assert partners == expected, f"account partners: expected {expected}, got {partners}"

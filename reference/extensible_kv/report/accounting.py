@@ -118,9 +118,10 @@ def _bytes_per_block(case: Case | None) -> int | None:
 
 
 def _partner(case: Case, candidates: list[Case]) -> Case | None:
-    """The candidate of the same model, runner and backend, from the same subfolder if there is one, else the first
-    by path; corrupted runs and entry-point runs only when nothing else is there."""
-    same = [c for c in candidates if c.group == case.group and c is not case]
+    """The candidate of the same case (``Case.same_case``: model, runner, backend, KV dtype, block size, ...), from
+    the same subfolder if there is one, else the first by path; corrupted runs and entry-point runs only when nothing
+    else is there."""
+    same = [c for c in candidates if c.same_case == case.same_case and c is not case]
     return min(same, key=lambda c: (c.folder != case.folder, c.corrupt, c.mode not in ("extensible", "legacy"),
                                     c.path), default=None)
 
@@ -142,7 +143,7 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
             bpb, blocks = _bytes_per_block(partner), case.data.memory.num_gpu_blocks
             committed = blocks * bpb if blocks is not None and bpb else None
             source = (f"num_gpu_blocks x {bpb} bytes per block of integration/{partner.path}" if committed is not None
-                      else "not measured: no extensible run of the same model, runner and backend")
+                      else "not measured: no extensible run of the same case")
             out.append(MemoryBreakdown(case, committed, None, source, bpb, None, partner))
         else:
             kv = case.data.extensible.kv if case.data.extensible else None

@@ -149,7 +149,7 @@ def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
     right.set_title("difference (MiB; blocks and % of legacy)", fontsize=10)
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in ("legacy", "extensible")], loc="lower center",
                ncol=2, fontsize=8, frameon=False)
-    fig.suptitle("KV cache blocks, legacy vs extensible (same model, runner and backend)", fontsize=11)
+    fig.suptitle("KV cache blocks, legacy vs extensible (same case)", fontsize=11)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 

@@ -10,19 +10,11 @@ from dataclasses import dataclass
 from ..parity import Verdict, classify_with_fallback
 from .run import Case
 
-NOT_THE_CASE = ("mode", "corrupt", "batch_invariant")  # what differs between the runs of one case
-
-
 @dataclass(frozen=True)
 class ParityRow:
     case: Case
     legacy: list[Case]  # the baseline's runs (without batch invariance), first run first
     verdict: Verdict
-
-
-def _same_case(case: Case) -> tuple:
-    spec = case.spec.model_dump(by_alias=True)
-    return tuple(sorted((k, repr(v)) for k, v in spec.items() if k not in NOT_THE_CASE))
 
 
 def _run_order(case: Case) -> tuple[str, int]:
@@ -39,12 +31,12 @@ def parity_rows(cases: list[Case]) -> list[ParityRow]:
     """One row per uncorrupted non-legacy run outside batch-invariant mode, in path order."""
     by_case: dict[tuple, list[Case]] = defaultdict(list)
     for c in sorted(cases, key=_run_order):
-        by_case[_same_case(c)].append(c)
+        by_case[c.same_case].append(c)
     rows = []
     for c in sorted(cases, key=lambda c: c.path):
         if c.mode == "legacy" or c.corrupt or _invariant(c):
             continue
-        same = [x for x in by_case[_same_case(c)] if not x.corrupt]
+        same = [x for x in by_case[c.same_case] if not x.corrupt]
         legacy = [x for x in same if x.mode == "legacy" and not _invariant(x)]
         legacy_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == "legacy" and _invariant(x)]
         ext_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == c.mode and _invariant(x)]

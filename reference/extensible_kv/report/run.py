@@ -38,6 +38,9 @@ class Source:
     data: ConformanceSummary | BackendValidation
 
 
+NOT_THE_CASE = ("mode", "corrupt", "batch_invariant")  # what differs between the runs of one case
+
+
 @dataclass(frozen=True)
 class Case:
     """One vLLM case; ``path`` is relative to the run's ``integration/`` folder."""
@@ -62,6 +65,14 @@ class Case:
                      if getattr(self.spec, name, default) != default)
 
     key = property(lambda self: "/".join((*self.group, *self.settings, self.variant)))  # matches cases of two runs
+
+    @property
+    def same_case(self) -> tuple:
+        """What every run of one case shares: its settings but those of ``NOT_THE_CASE``; a setting that is off
+        (``None``, ``False``) counts as absent, so files written before a setting existed still match."""
+        spec = self.spec.model_dump(by_alias=True)
+        return tuple(sorted((k, repr(v)) for k, v in spec.items()
+                            if k not in NOT_THE_CASE and v is not None and v is not False))
     label = property(lambda self: " ".join((*self.group, self.variant)) + (f" ({self.folder})" if self.folder else ""))
 
 
