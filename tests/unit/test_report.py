@@ -763,5 +763,5 @@ def test_runs_of_one_case_pair_across_file_versions_and_never_across_kv_dtypes()
     partners = {b.case.path: (b.kv_partner or b.legacy_partner).path for b in accounting.account(cases)
                 if b.kv_partner or b.legacy_partner}
     expected = {"a-legacy.json": "a-extensible.json", "a-legacy-r2.json": "a-extensible.json",
-                "a-extensible.json": "a-legacy-r2.json"}  # the first by path
+                "a-extensible.json": "a-legacy.json"}  # the first run (-r2 is the second)
     assert partners == expected, f"account partners: expected {expected}, got {partners}"

@@ -119,11 +119,11 @@ def _bytes_per_block(case: Case | None) -> int | None:
 
 def _partner(case: Case, candidates: list[Case]) -> Case | None:
     """The candidate of the same case (``Case.same_case``: model, runner, backend, KV dtype, block size, ...), from
-    the same subfolder if there is one, else the first by path; corrupted runs and entry-point runs only when nothing
-    else is there."""
+    the same subfolder if there is one, else the first run by path (``Case.run_order``); corrupted runs and
+    entry-point runs only when nothing else is there."""
     same = [c for c in candidates if c.same_case == case.same_case and c is not case]
     return min(same, key=lambda c: (c.folder != case.folder, c.corrupt, c.mode not in ("extensible", "legacy"),
-                                    c.path), default=None)
+                                    c.run_order), default=None)
 
 
 def refused(cases: list[Case]) -> list[Case]:

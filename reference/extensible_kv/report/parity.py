@@ -3,24 +3,18 @@ against it, through ``extensible_kv.parity``, with the batch-invariant pair wher
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
 from ..parity import Verdict, classify_with_fallback
 from .run import Case
 
+
 @dataclass(frozen=True)
 class ParityRow:
     case: Case
     legacy: list[Case]  # the baseline's runs (without batch invariance), first run first
     verdict: Verdict
-
-
-def _run_order(case: Case) -> tuple[str, int]:
-    """``x-legacy.json`` before ``x-legacy-r2.json`` (``integration/parity.py`` names repeats ``-rN``)."""
-    m = re.search(r"-r(\d+)\.json$", case.path)
-    return (case.path[:m.start()] + ".json", int(m.group(1))) if m else (case.path, 1)
 
 
 def _invariant(case: Case) -> bool:
@@ -30,7 +24,7 @@ def _invariant(case: Case) -> bool:
 def parity_rows(cases: list[Case]) -> list[ParityRow]:
     """One row per uncorrupted non-legacy run outside batch-invariant mode, in path order."""
     by_case: dict[tuple, list[Case]] = defaultdict(list)
-    for c in sorted(cases, key=_run_order):
+    for c in sorted(cases, key=lambda c: c.run_order):
         by_case[c.same_case].append(c)
     rows = []
     for c in sorted(cases, key=lambda c: c.path):

@@ -7,6 +7,8 @@ Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmar
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +75,14 @@ class Case:
         spec = self.spec.model_dump(by_alias=True)
         return tuple(sorted((k, repr(v)) for k, v in spec.items()
                             if k not in NOT_THE_CASE and v is not None and v is not False))
-    label = property(lambda self: " ".join((*self.group, self.variant)) + (f" ({self.folder})" if self.folder else ""))
+    label = property(lambda self: " ".join((*self.group, *self.settings, self.variant))
+                     + (f" ({self.folder})" if self.folder else ""))
+
+    @property
+    def run_order(self) -> tuple[str, int]:
+        """``x-legacy.json`` before ``x-legacy-r2.json`` (``integration/parity.py`` names repeats ``-rN``)."""
+        m = re.search(r"-r(\d+)\.json$", self.path)
+        return (self.path[:m.start()] + ".json", int(m.group(1))) if m else (self.path, 1)
 
 
 @dataclass
