@@ -416,17 +416,17 @@ def extensible_kv_measure(self) -> int:
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
     # Note [The peak, brought back and measured]: vLLM's profile batch as a served step runs it, then as profiled
-    # (the larger batch first: the other then reuses its segments instead of laying out its own). V1's profile of a
-    # multimodal model processes its dummy item through a cache that serves only profiling (and asserts the item is
-    # not read back from it); cleared first (vLLM's reset_mm_cache), the profile run again processes it afresh, as
-    # the first one did.
-    reset_mm_cache = getattr(self.model_runner, "reset_mm_cache", None)
-    if reset_mm_cache is not None:
-        reset_mm_cache()
+    # (the larger batch first: the other then reuses its segments instead of laying out its own). V1's dummy batches
+    # of a multimodal model process their dummy item through a cache that serves only profiling (and assert the item
+    # is not read back from it); cleared before each run (vLLM's reset_mm_cache), each processes it afresh, as
+    # vLLM's own profile did.
+    reset_mm_cache = getattr(self.model_runner, "reset_mm_cache", None) or (lambda: None)
     served = profile_run_reserved_peak(served_batch(self.model_runner))
     again = profile_run_reserved_peak(self.model_runner.profile_run)
     with torch.inference_mode():
+        reset_mm_cache()
         served()
+        reset_mm_cache()
         again()
     fits = state.measure(self, margin=_margin(), again=again.figures, served=served.figures).blocks()
     group = agreement.vllm_cpu_group()
