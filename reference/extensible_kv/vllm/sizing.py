@@ -64,12 +64,14 @@ Note [A served batch's query length]
     the real peak batch allocated 93.0 and 89.0 MiB and mapped a new 48.0 MiB segment, ending 35.7 and 47.7 MiB over
     the budget. V2's dummy gives each request its own query length; its served run allocated 93.0 and 89.0 MiB, as
     the real batch did, and those runs ended 2.3 MiB inside. Nothing was displaced in between: torch's unused cache
-    before the peak batch was what it was after the served run (95.2 MiB, 123.2 MiB). The query length reaches
-    FlashAttention as ``max_seqlen_q``; outside CUDA graphs vLLM lets FA3's heuristics choose the number of KV splits
-    (``num_splits=0``), and a split run allocates float32 accumulators per split (vLLM's comment in
-    ``v1/attention/backends/flash_attn.py``). So on V1 the served batch's attention metadata gets each request's own
-    query length (``patches.served_batch``); the Qwen3-0.6B shape, whose dummy already allocated the real batch's
-    416.0 MiB, is unchanged by it.
+    before the peak batch was what it was after the served run (95.2 MiB, 123.2 MiB). Read from vLLM's code, not
+    yet measured apart: the query length reaches FlashAttention as ``max_seqlen_q``; outside CUDA graphs vLLM lets
+    FA3's heuristics choose the number of KV splits (``num_splits=0``), and a split run allocates float32
+    accumulators per split (vLLM's comment in ``v1/attention/backends/flash_attn.py``). So on V1 the served batch's
+    attention metadata gets each request's own query length (``patches.served_batch``), and the batch holds at most
+    ``max_num_seqs x max_model_len`` tokens, as a served one does; the Qwen3-0.6B shape, whose dummy already
+    allocated the real batch's 416.0 MiB, should be unchanged by it. Every parity case's table notes set the served
+    batch's allocated peak against the peak batch's, so a dummy that misses part of the real batch shows there.
 
 Note [The encoder cache, held whole]
     A multimodal model keeps encoder outputs (an image's embeddings) in the encoder cache until the scheduler needs
