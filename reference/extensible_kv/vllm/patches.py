@@ -177,9 +177,8 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     are more: the allocator rounds every block up and carves blocks from whole segments. After the run ``figures``
     holds ``peak_reserved`` and ``peak_allocated`` (beyond what torch held before), ``retained`` (what torch still
     holds of it afterwards), ``cache_before`` and ``cache_after`` (the default pool's unused bytes when the run
-    started and ended). The same
-    wrapper measures vLLM's profile and the run again after warmup: Note [The peak, brought back and measured] in
-    ``sizing``."""
+    started and ended). The same wrapper measures vLLM's profile and the runs after warmup: Note [The peak, brought
+    back and measured] in ``sizing``."""
     figures: dict[str, int] = {}
 
     def run():

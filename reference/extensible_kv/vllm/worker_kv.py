@@ -119,9 +119,9 @@ class WorkerKV:
                 margin: int = 0) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
         ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
-        ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again
-        just before, and of the same batch with attention (``patches.served_batch``).
-        Note [The peak, brought back and measured] in ``sizing``."""
+        ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again just before, and of
+        the same batch with attention (``patches.served_batch``), run before that. Note [The peak, brought back and
+        measured] in ``sizing``."""
         assert self.buffers is not None
         torch.cuda.synchronize()
         free_now, _ = torch.cuda.mem_get_info()
