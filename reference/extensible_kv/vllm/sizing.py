@@ -69,8 +69,10 @@ Note [A served batch's query length]
     FA3's heuristics choose the number of KV splits (``num_splits=0``), and a split run allocates float32
     accumulators per split (vLLM's comment in ``v1/attention/backends/flash_attn.py``). So on V1 the served batch's
     attention metadata gets each request's own query length (``patches.served_batch``), and the batch holds at most
-    ``max_num_seqs x max_model_len`` tokens, as a served one does; the Qwen3-0.6B shape, whose dummy already
-    allocated the real batch's 416.0 MiB, should be unchanged by it. Every parity case's table notes set the served
+    ``max_num_seqs x max_model_len`` tokens, as a served one does. With that (and the served run first), V1's served
+    run allocated 93.0 and 89.0 MiB, as the real batch did; the real batch took no new segment and both runs ended
+    0.3 MiB inside the budget (``integration/query-length/`` of the same run folder). The Qwen3-0.6B shape, whose
+    dummy already allocated the real batch's 416.0 MiB, should be unchanged by it. Every parity case's table notes set the served
     batch's allocated peak against the peak batch's, so a dummy that misses part of the real batch shows there.
 
 Note [The encoder cache, held whole]
