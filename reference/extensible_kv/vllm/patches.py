@@ -251,11 +251,24 @@ def encoder_cache_held(model_runner: Any) -> list:
 
 
 @contextmanager
-def _served_query_length(model_runner: Any, query_len: int) -> Iterator[None]:
+def _on_instance(obj: object, name: str, value: object) -> Iterator[None]:
+    """Within the block ``obj.name`` is ``value``, on this instance only; afterwards the instance's own attribute is
+    back, or none where it had none (its class's shows through again)."""
+    own = vars(obj).get(name, _MISSING)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+
+
+def _served_query_length(model_runner: Any, query_len: int):
     """Within the block, V1's attention metadata is built with ``max_query_len`` at most ``query_len`` (this runner
     instance only). Note [A served batch's query length] in ``sizing``."""
     build = model_runner._build_attention_metadata
-    own = vars(model_runner).get("_build_attention_metadata", _MISSING)
 
     def build_as_served(*args, **kwargs):
         if "max_query_len" not in kwargs:
@@ -265,14 +278,7 @@ def _served_query_length(model_runner: Any, query_len: int) -> Iterator[None]:
         kwargs["max_query_len"] = min(kwargs["max_query_len"], query_len)
         return build(*args, **kwargs)
 
-    model_runner._build_attention_metadata = build_as_served
-    try:
-        yield
-    finally:
-        if own is _MISSING:
-            del model_runner._build_attention_metadata
-        else:
-            model_runner._build_attention_metadata = own
+    return _on_instance(model_runner, "_build_attention_metadata", build_as_served)
 
 
 def _sampler_run(model_runner: Any, sampled: Any) -> None:
@@ -292,11 +298,8 @@ def _sampler_run(model_runner: Any, sampled: Any) -> None:
         seen.update(sampling_metadata=sampling_metadata, draft_probs=draft_probs is not None)
         return rejection_sampler(metadata, draft_probs, logits, sampling_metadata)
 
-    model_runner.rejection_sampler = capture  # this instance only, for this call
-    try:
+    with _on_instance(model_runner, "rejection_sampler", capture):
         model_runner._dummy_sampler_run(sampled)
-    finally:
-        model_runner.rejection_sampler = rejection_sampler
     if not seen:  # vLLM's dummy ran no rejection sampler (an encoder-only model): no step to widen
         return
     import torch
@@ -357,16 +360,9 @@ def _determine_available_memory(original: Callable) -> Callable:
 
         bind_worker_rpcs(self)
         runner = self.model_runner
-        own = vars(runner).get("profile_run", _MISSING)
         wrapped = profile_run_reserved_peak(runner.profile_run)
-        runner.profile_run = wrapped  # this instance only, for this call
-        try:
+        with _on_instance(runner, "profile_run", wrapped):
             available = original(self)
-        finally:
-            if own is _MISSING:
-                del runner.profile_run
-            else:
-                runner.profile_run = own
         estimate = getattr(self, "cudagraph_memory_estimate", 0) or 0
         if envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and self.cache_config.kv_cache_memory_bytes is None:
             available += estimate  # reserve the upper bound; the measured graph memory replaces the estimate
