@@ -82,14 +82,14 @@ class MemoryBreakdown:
     activation_headroom, over_budget_at_peak = _part("peak", "torch_growth"), _part("peak", "over_budget_measured")
     over_budget_phase = _part("peak", "over_budget_phase")
     # the memory vLLM's profile does not see: the encoder cache (multimodal) and the widest speculative step
-    encoder_cache_profiled, encoder_cache_held = _part("encoder_cache", "profiled_bytes"), _part("encoder_cache",
-                                                                                                  "held_bytes")
-    encoder_cache_items, encoder_cache_capacity = _part("encoder_cache", "items_held"), _part("encoder_cache",
-                                                                                              "capacity_items")
-    speculative_step, speculative_growth = (_part("speculative", "step_peak_allocated"),
-                                            _part("speculative", "step_reserved_growth"))
-    speculative_rows, speculative_over_budget = _part("speculative", "rows"), _part("speculative",
-                                                                                   "over_budget_measured")
+    encoder_cache_profiled = _part("encoder_cache", "profiled_bytes")
+    encoder_cache_held = _part("encoder_cache", "held_bytes")
+    encoder_cache_items = _part("encoder_cache", "items_held")
+    encoder_cache_capacity = _part("encoder_cache", "capacity_items")
+    speculative_step = _part("speculative", "step_peak_allocated")
+    speculative_growth = _part("speculative", "step_reserved_growth")
+    speculative_rows = _part("speculative", "rows")
+    speculative_over_budget = _part("speculative", "over_budget_measured")
 
     @property
     def tokens_match_legacy(self) -> bool | None:

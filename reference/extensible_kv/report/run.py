@@ -8,7 +8,6 @@ Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmar
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +62,8 @@ class Case:
     @property
     def settings(self) -> tuple[str, ...]:
         """``name=value`` for each of ``SETTINGS`` the case sets away from its default (older files lack some)."""
-        return tuple(f"{name}={getattr(self.spec, name, default)}" for name, default in self.SETTINGS
-                     if getattr(self.spec, name, default) != default)
+        values = ((name, getattr(self.spec, name, default), default) for name, default in self.SETTINGS)
+        return tuple(f"{name}={value}" for name, value, default in values if value != default)
 
     key = property(lambda self: "/".join((*self.group, *self.settings, self.variant)))  # matches cases of two runs
 
@@ -75,6 +74,7 @@ class Case:
         spec = self.spec.model_dump(by_alias=True)
         return tuple(sorted((k, repr(v)) for k, v in spec.items()
                             if k not in NOT_THE_CASE and v is not None and v is not False))
+
     label = property(lambda self: " ".join((*self.group, *self.settings, self.variant))
                      + (f" ({self.folder})" if self.folder else ""))
 
