@@ -23,8 +23,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import (Case, Throughput, row, run_parity, run_subprocess, run_throughput,  # noqa: E402
-                                table, throughput_benchmark)
+from integration.parity import (Case, Throughput, compiled, row, run_parity, run_subprocess,  # noqa: E402
+                                run_throughput, table, throughput_benchmark, throughput_pair)
 from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
@@ -134,7 +134,7 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     rows, pairs = [], {}
     for case in cases:
         if isinstance(case, Throughput):
-            pairs[case.id] = {m: read(case.run_name(m), None, None, False) for m in ("legacy", "extensible")}
+            pairs[case.id] = throughput_pair(case, lambda name: read(name, None, None, False))
         else:
             rows.append(row(case, run_parity(case, read)))
     return rows, pairs
@@ -145,6 +145,11 @@ def _state(run: dict | None) -> str:
     if not run:
         return "not run"
     return run["error"] if "error" in run else refusal(run) or "built, no throughput"
+
+
+def _compile_state(run: dict) -> str:
+    state = compiled(run)
+    return "compile cache not recorded" if state is None else "compiled" if state else "loaded the compile cache"
 
 
 def throughput_lines(pairs: dict, out: Path) -> list[str]:
@@ -159,11 +164,14 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
         path = out / f"serving-{cid}.json"
         path.write_text(json.dumps(bench, indent=2))
         r = bench["ratio"]
+        low, high = r["decode_range"]
+        start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else (
+            f"not comparable: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)")
         lines.append(f"- {cid}: decode {ext['throughput']['tokens_per_s']:.0f} vs "
-                     f"{legacy['throughput']['tokens_per_s']:.0f} tokens/s (extensible/legacy "
-                     f"{r['decode_tokens_per_s']:.3f}, target >= 0.99), engine start "
-                     f"{ext['engine_seconds']:.1f} vs {legacy['engine_seconds']:.1f} s (ratio "
-                     f"{r['engine_seconds']:.2f}), blocks {legacy['memory']['num_gpu_blocks']} / "
+                     f"{legacy['throughput']['tokens_per_s']:.0f} tokens/s, extensible/legacy "
+                     f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows, "
+                     f"{low:.3f} to {high:.3f}; target >= 0.99), engine start {ext['engine_seconds']:.1f} vs "
+                     f"{legacy['engine_seconds']:.1f} s ({start}), blocks {legacy['memory']['num_gpu_blocks']} / "
                      f"{ext['memory']['num_gpu_blocks']}; {path.name}")
     return lines
 

@@ -683,7 +683,9 @@ def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
 # -- steady-state decode throughput --------------------------------------------------------------------------------
 def run_throughput(llm, vocab: int, num_seqs: int, warm_steps: int, steps: int, windows: int) -> dict:
     """Generated tokens per second over ``windows`` windows of ``steps`` engine steps, once all ``num_seqs``
-    sequences decode (after ``warm_steps`` tokens each): decode only, no prefill in any window."""
+    sequences decode (after ``warm_steps`` tokens each): decode only, no prefill in any window. ``tokens_per_s`` is
+    all windows' tokens over all their seconds; each window is kept, in order, for the paired comparison (Note
+    [Decode windows are paired] in ``integration/parity.py``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -707,10 +709,23 @@ def run_throughput(llm, vocab: int, num_seqs: int, warm_steps: int, steps: int, 
         results.append({"tokens": tokens, "seconds": time.perf_counter() - start})
     while engine.has_unfinished_requests():
         engine.step()
-    rates = sorted(r["tokens"] / r["seconds"] for r in results)
     return {"num_seqs": num_seqs, "prompt_len": THROUGHPUT_PROMPT_LEN, "warm_steps": warm_steps,
             "steps_per_window": steps, "windows": results, "warm_seconds": round(warm_seconds, 3),
-            "tokens_per_s": rates[len(rates) // 2]}
+            "tokens_per_s": sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)}
+
+
+def compile_cache_files() -> int | None:
+    """Files under vLLM's torch.compile cache (``$VLLM_CACHE_ROOT/torch_compile_cache``), or None where vLLM does
+    not say where it is. Counted before and after the engine is built: files written means this engine compiled,
+    none means it loaded what an earlier engine compiled, which takes seconds off its start (Note [A start time
+    needs the same compile cache] in ``integration/parity.py``)."""
+    try:
+        import vllm.envs as envs
+
+        root = Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache"
+    except (ImportError, AttributeError):
+        return None
+    return sum(len(files) for _dir, _dirs, files in os.walk(root))
 
 
 # -- the case ------------------------------------------------------------------------------------------------------
@@ -750,6 +765,7 @@ def run(args: argparse.Namespace) -> dict:
     in_process = args.mode != "plugin" and args.tp == 1  # the worker runs in this process
     if in_process:
         record_runner_memory()
+    compiled_before = compile_cache_files()
     start = time.perf_counter()
     try:
         with extensible_kv_cache() if args.mode == "extensible" else nullcontext():
@@ -757,6 +773,7 @@ def run(args: argparse.Namespace) -> dict:
     except _refusal_types() as exc:
         return refused_result(args, exc, time.perf_counter() - start)
     engine_seconds = time.perf_counter() - start
+    compiled_after = compile_cache_files()
     # After the block has exited: an engine keeps its RPCs (Note [An engine keeps its RPCs]).
     reports = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" else None
     extensible = reports[0] if reports else None
@@ -783,6 +800,8 @@ def run(args: argparse.Namespace) -> dict:
         "token_ids": tokens, "num_cached_tokens": cached, "corrupted_elements": corrupted,
         "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
         "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
+        "compile_cache_files_written": None if compiled_before is None or compiled_after is None
+        else compiled_after - compiled_before,
         "ranks": {"memory": all_figures, "extensible": ranks},
     }
     if multimodal:

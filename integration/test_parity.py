@@ -168,19 +168,77 @@ def test_row_and_table_report_every_column():
     assert "must read 2 cached KV blocks per prompt (32 tokens), got [0, 0]" in parity.table([r])
 
 
+def throughput_run(mode, seconds, engine=80.0, written=0):
+    """A ``--throughput`` case file: one window of 25,600 tokens per entry of ``seconds``."""
+    rate = 25600 * len(seconds) / sum(seconds)
+    return {"case": {"model": "llama-8b-shape", "runner": "v2", "mode": mode}, "engine_seconds": engine,
+            "memory": {"num_gpu_blocks": 16384}, "compile_cache_files_written": written,
+            "throughput": {"tokens_per_s": rate, "num_seqs": 256, "steps_per_window": 100,
+                           "windows": [{"tokens": 25600, "seconds": s} for s in seconds]}}
+
+
 def test_throughput_json_is_pytest_benchmark_shaped_with_the_ratio():
-    def run(mode, rate, engine):
-        return {"case": {"model": "llama-8b-shape", "runner": "v2", "mode": mode}, "engine_seconds": engine,
-                "memory": {"num_gpu_blocks": 16384},
-                "throughput": {"tokens_per_s": rate, "num_seqs": 256, "steps_per_window": 100,
-                               "windows": [{"tokens": 25600, "seconds": 25600 / rate}] * 3}}
-    bench = parity.throughput_benchmark(run("legacy", 8000.0, 80.0), run("extensible", 7960.0, 60.0))
+    bench = parity.throughput_benchmark(throughput_run("legacy", [3.2] * 3, 80.0),
+                                        throughput_run("extensible", [3.2 / 0.995] * 3, 60.0))
     assert [b["extra_info"]["key"] for b in bench["benchmarks"]] == ["serve/decode/legacy", "serve/decode/extensible"]
     stats = bench["benchmarks"][1]["stats"]
     assert stats["rounds"] == 3 and stats["median"] == pytest.approx(1 / 7960.0) and stats["ops"] == \
         pytest.approx(7960.0)
     assert bench["ratio"]["decode_tokens_per_s"] == pytest.approx(0.995)
     assert bench["ratio"]["engine_seconds"] == pytest.approx(0.75) and bench["ratio"]["same_block_count"]
+
+
+def test_decode_ratio_pairs_windows_at_the_same_context_length():
+    # The H200's V2 pair (Note [Decode windows are paired]): windows slow down as the context grows, and legacy's
+    # second window was slow; taken window by window the runs are within 1%, run median against run median 6% apart.
+    legacy = throughput_run("legacy", [1.024, 1.263, 1.227, 1.285, 1.362])
+    ext = throughput_run("extensible", [1.028, 1.103, 1.189, 1.277, 1.369])
+    ratio = parity.throughput_benchmark(legacy, ext)["ratio"]
+    paired = [l_ / e for l_, e in zip([1.024, 1.263, 1.227, 1.285, 1.362], [1.028, 1.103, 1.189, 1.277, 1.369])]
+    assert ratio["decode_window_ratios"] == pytest.approx(paired), ratio
+    assert ratio["decode_tokens_per_s"] == pytest.approx(1.285 / 1.277), ratio  # the median pair
+    assert ratio["decode_range"] == pytest.approx([1.362 / 1.369, 1.263 / 1.103]), ratio
+
+
+def test_decode_ratio_refuses_runs_with_different_window_counts():
+    with pytest.raises(ValueError, match="legacy timed 3 windows, extensible 2"):
+        parity.throughput_benchmark(throughput_run("legacy", [1.0] * 3), throughput_run("extensible", [1.0] * 2))
+
+
+@pytest.mark.parametrize("legacy_written,ext_written,comparable", [
+    (12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, False), (0, None, False)])
+def test_start_ratio_is_comparable_only_from_the_same_compile_cache(legacy_written, ext_written, comparable):
+    ratio = parity.throughput_benchmark(throughput_run("legacy", [1.0] * 3, 51.0, legacy_written),
+                                        throughput_run("extensible", [1.0] * 3, 21.9, ext_written))["ratio"]
+    assert ratio["engine_seconds_comparable"] is comparable, (legacy_written, ext_written, ratio)
+
+
+@pytest.mark.parametrize("written,expected", [
+    ({"legacy": 12, "extensible": 0}, ["legacy", "extensible", "legacy-warm"]),
+    ({"legacy": 0, "extensible": 9}, ["legacy", "extensible", "extensible-warm"]),
+    ({"legacy": 12, "extensible": 9}, ["legacy", "extensible"]),
+    ({"legacy": 0, "extensible": 0}, ["legacy", "extensible"]),
+    ({"legacy": 12, "extensible": None}, ["legacy", "extensible"])])
+def test_run_throughput_runs_again_the_mode_that_alone_compiled(written, expected):
+    case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
+    calls = []
+
+    def runner(name, args, timeout, cut):
+        calls.append(name.removeprefix(case.id + "-"))
+        mode = args[args.index("--mode") + 1]
+        return {**throughput_run(mode, [1.0]), "compile_cache_files_written": 0 if calls[-1].endswith("-warm")
+                else written[mode], "name": name}
+
+    runs = parity.run_throughput(case, runner)
+    assert calls == expected, (written, calls)
+    for mode in ("legacy", "extensible"):  # the pair is the last run of each mode
+        assert runs[mode]["name"] == case.id + "-" + [c for c in calls if c.startswith(mode)][-1]
+
+
+def test_throughput_pair_reads_a_warm_run_first():
+    case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
+    files = {f"{case.id}-legacy": "cold", f"{case.id}-legacy-warm": "warm", f"{case.id}-extensible": "ext"}
+    assert parity.throughput_pair(case, files.get) == {"legacy": "warm", "extensible": "ext"}
 
 
 # -- running processes ---------------------------------------------------------------------------------------------
@@ -400,7 +458,23 @@ def test_run_throughput_times_decode_steps_only(monkeypatch):
     tp = run_case.run_throughput(llm, vocab=1000, num_seqs=4, warm_steps=3, steps=5, windows=2)
     assert [w["tokens"] for w in tp["windows"]] == [20, 20], tp["windows"]
     assert not llm.llm_engine.requests, "every request runs to its end"
-    assert tp["tokens_per_s"] > 0 and tp["num_seqs"] == 4
+    assert tp["tokens_per_s"] == pytest.approx(40 / sum(w["seconds"] for w in tp["windows"])) and tp["num_seqs"] == 4
+
+
+def test_compile_cache_files_counts_what_vllm_cached(tmp_path, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm.envs", types.SimpleNamespace(VLLM_CACHE_ROOT=str(tmp_path)))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(envs=sys.modules["vllm.envs"]))
+    assert run_case.compile_cache_files() == 0
+    graph = tmp_path / "torch_compile_cache" / "472991a6db" / "rank_0_0"
+    graph.mkdir(parents=True)
+    for name in ("a.py", "b.bin"):
+        (graph / name).write_text("x")
+    (tmp_path / "other.txt").write_text("not the compile cache")
+    assert run_case.compile_cache_files() == 2
+    monkeypatch.setitem(sys.modules, "vllm.envs", None)  # vLLM absent: nothing to say
+    assert run_case.compile_cache_files() is None
 
 
 @pytest.mark.parametrize("block,expected", [(None, 40), (16, 40), (32, 72), (64, 136)])

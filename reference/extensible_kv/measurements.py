@@ -320,6 +320,7 @@ class IntegrationCase(Record):
     num_cached_tokens: list[int | None] | None = None
     corrupted_elements: Count | None = None
     engine_seconds: Number | None = None
+    compile_cache_files_written: Count | None = None  # 0: the engine loaded an earlier engine's torch.compile output
     memory: CaseMemory | None = None  # None when vLLM refused the combination
     extensible: ExtensibleFigures | None = None
     refused: str | None = None  # vLLM's reason for refusing the combination
