@@ -56,6 +56,13 @@ Note [The peak, brought back and measured]
     (``reports/runs/h200-matrix-served-2026-12-03/``). The profile's batch is the served one without attention,
     so run second it finds the served run's segments free.
 
+    With the sizing as it stands, every parity case on the H200 ended inside the budget at its measured peak
+    (``reports/runs/h200-matrix-current-2026-12-03/``, MiB over, extensible / legacy): Qwen3-0.6B shape V1 bf16
+    -22.3 / +425.7, V1 fp8 -48.3 / +399.7, V2 bf16 -4.3 / +499.7, V2 fp8 -32.3 / +415.7, V1 block 32 -48.3 /
+    +423.7; sliding-window model V1 bf16 and fp8 -0.3 / +43.7 and +39.7, V2 bf16 and fp8 -2.3 / +69.7; the 8B Llama
+    shape at 256 sequences with vLLM's default capture sizes V1 -48.3 / +1,487.7, V2 -56.3 / +1,671.7. In each the
+    served batch allocated what the peak batch did (416.0, 93.0 and 89.0, 1,728.0 MiB).
+
 Note [A served batch's query length]
     V1's dummy batch describes its requests to attention with the batch's whole token count as the longest query
     (``max_query_len = num_tokens``: 16,376 on the sliding-window model) where served requests of that batch have
@@ -72,8 +79,9 @@ Note [A served batch's query length]
     ``max_num_seqs x max_model_len`` tokens, as a served one does. With that (and the served run first), V1's served
     run allocated 93.0 and 89.0 MiB, as the real batch did; the real batch took no new segment and both runs ended
     0.3 MiB inside the budget (``integration/query-length/`` of the same run folder). The Qwen3-0.6B shape, whose
-    dummy already allocated the real batch's 416.0 MiB, should be unchanged by it. Every parity case's table notes set the served
-    batch's allocated peak against the peak batch's, so a dummy that misses part of the real batch shows there.
+    dummy already allocated the real batch's 416.0 MiB, was unchanged by it: 72,237 blocks and 22.3 MiB inside on
+    V1 bf16, as before (``reports/runs/h200-matrix-current-2026-12-03/``). Every parity case's table notes set the
+    served batch's allocated peak against the peak batch's, so a dummy that misses part of the real batch shows there.
 
 Note [The encoder cache, held whole]
     A multimodal model keeps encoder outputs (an image's embeddings) in the encoder cache until the scheduler needs
@@ -85,7 +93,11 @@ Note [The encoder cache, held whole]
     therefore runs with the cache held full (``patches.encoder_cache_held``: ``encoder_cache_size // tokens per
     item`` dummy items, encoded in batches of vLLM's profiled items per batch), and what that took is in
     ``served_reserved`` / ``served_retained``. The integration case ``tiny-mm`` (a Qwen2-VL shape, 576 tokens of
-    1024 x bf16 per image: 1,179,648 bytes) records the cache's bytes at the profile and at its own peak.
+    1024 x bf16 per image: 1,179,648 bytes) records the cache's bytes at the profile and at its own peak. On the
+    H200 (``reports/runs/h200-matrix-current-2026-12-03/``) the cache held 31.5 MiB at most (28 of 28 items, full at
+    the measured peak) against 9.0 MiB during V1's profile and none during V2's. The served batch with the cache held
+    allocated 389.1 MiB at its peak, the real peak batch 371.1 MiB; the extensible runs ended 0.3 MiB (V1) and
+    2.3 MiB (V2) inside the budget, legacy 241.7 and 339.7 MiB over, tokens identical.
 
 Note [The speculative step, at its widest]
     With ``k`` speculative tokens a decode step computes logits for ``S x (1 + k)`` rows (``S`` requests, drafts plus
@@ -96,7 +108,12 @@ Note [The speculative step, at its widest]
     ``k=3``, ``V=151,936``. So with ``k > 1`` the served batch's sampler run adds the widest step (``_sampler_run``:
     every request proposing ``k`` drafts, logits through the LM head and its tensor-parallel all-gather, the
     rejection sampler with vLLM's own dummy sampling parameters), measured like the rest. Every tensor-parallel rank
-    holds the full-vocabulary logits of that step: ``extensible_kv.vllm.logits``.
+    holds the full-vocabulary logits of that step: ``extensible_kv.vllm.logits``. On the H200 (Qwen3-0.6B shape, V1,
+    ngram with 4 drafts, 8 sequences: 40 rows x 151,936, ``reports/runs/h200-matrix-current-2026-12-03/``) the
+    widest step ran in 15 of 16 steps and torch's allocated peak in it was 55.8 MiB, well under the profiled
+    activation peak (448 to 508 MiB): at 8 sequences the prefill, not the step, sets the peak. The extensible run
+    ended 36.3 MiB inside the budget, legacy 465.7 MiB over, tokens identical. At 64 sequences (320 rows, case
+    ``...-ngram4-s64``) the reading above gives about 668 MiB, more than that profiled peak; not yet run.
 """
 
 from __future__ import annotations
