@@ -183,7 +183,8 @@ def report(session: nox.Session) -> None:
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     latest = ROOT / "reports" / "out"
-    latest = latest if latest.is_dir() and any(latest.rglob("*.json")) else None
+    measured = ("conformance-*.json", "bench*.json", "validate-backend*.json", "serving-*.json", "integration/**/*.json")
+    latest = latest if latest.is_dir() and any(any(latest.glob(p)) for p in measured) else None
     if not runs and latest is None:
         session.error("no run folders under reports/runs/ and no reports/out/")
     for run in runs:

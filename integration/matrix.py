@@ -165,8 +165,11 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
         path.write_text(json.dumps(bench, indent=2))
         r = bench["ratio"]
         low, high = r["decode_range"]
-        start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else (
-            f"not comparable: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)")
+        start = f"ratio {r['engine_seconds']:.2f}"
+        if r["engine_seconds_comparable"] is None:
+            start += ", compile cache not recorded"
+        elif not r["engine_seconds_comparable"]:
+            start = f"not comparable: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)"
         lines.append(f"- {cid}: decode {ext['throughput']['tokens_per_s']:.0f} vs "
                      f"{legacy['throughput']['tokens_per_s']:.0f} tokens/s, extensible/legacy "
                      f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows, "

@@ -512,7 +512,7 @@ def throughput_benchmark(legacy: dict, ext: dict, machine: dict | None = None) -
                       "decode_window_ratios": ratios, "decode_range": [min(ratios), max(ratios)],
                       "target_decode": 0.99,
                       "engine_seconds": ext["engine_seconds"] / legacy["engine_seconds"],
-                      "engine_seconds_comparable": lc is not None and lc == ec,
+                      "engine_seconds_comparable": None if lc is None or ec is None else lc == ec,
                       "same_block_count": legacy["memory"]["num_gpu_blocks"] == ext["memory"]["num_gpu_blocks"]}}
 
 

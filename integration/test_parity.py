@@ -206,7 +206,7 @@ def test_decode_ratio_refuses_runs_with_different_window_counts():
 
 
 @pytest.mark.parametrize("legacy_written,ext_written,comparable", [
-    (12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, False), (0, None, False)])
+    (12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, None), (0, None, None)])
 def test_start_ratio_is_comparable_only_from_the_same_compile_cache(legacy_written, ext_written, comparable):
     ratio = parity.throughput_benchmark(throughput_run("legacy", [1.0] * 3, 51.0, legacy_written),
                                         throughput_run("extensible", [1.0] * 3, 21.9, ext_written))["ratio"]

@@ -91,6 +91,49 @@ class BackendValidation(Record):
     results: list[BackendResult]
 
 
+# -- serving-*.json ----------------------------------------------------------------------------------------------
+class ServingRun(Record):
+    """One mode's throughput run in a serving-speed file (its benchmark's ``extra_info``)."""
+
+    tokens_per_s: Number
+    num_seqs: Count | None = None
+    num_gpu_blocks: Count | None = None
+    engine_seconds: Number | None = None
+    compiled: bool | None = None  # wrote into vLLM's compile cache at start; None: not recorded
+    model: str | None = None
+    runner: str | None = None
+
+
+class ServingBenchmark(Record):
+    name: str
+    param: str  # the mode: legacy or extensible
+    extra_info: ServingRun
+
+
+class ServingRatio(Record):
+    """Extensible over legacy (``integration.parity.throughput_benchmark``)."""
+
+    decode_tokens_per_s: Number  # the median of the window-by-window ratios
+    decode_window_ratios: list[Number] | None = None
+    decode_range: list[Number] | None = None
+    target_decode: Number
+    engine_seconds: Number | None = None
+    engine_seconds_comparable: bool | None = None  # both engines compiled, or both loaded the compile cache
+    same_block_count: bool
+
+
+class ServingSpeed(Record):
+    """``serving-*.json``: a legacy and an extensible throughput run at the same block count, pytest-benchmark
+    shaped, with the ratio on top."""
+
+    benchmarks: list[ServingBenchmark]
+    ratio: ServingRatio
+    datetime: str | None = None
+
+    def mode(self, name: str) -> ServingRun | None:
+        return next((b.extra_info for b in self.benchmarks if b.param == name), None)
+
+
 # -- environment.json --------------------------------------------------------------------------------------------
 class Environment(Record):
     """Where a run ran. ``packages``: versions of the optional packages that matter here (cuda-bindings, vllm, ...)."""

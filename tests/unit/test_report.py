@@ -371,7 +371,7 @@ def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp
     assert not (tmp_path / "out").exists()
     doc = document.run_document(load_run(run))
     md, summary = doc.markdown, doc.summary
-    assert len(summary["not_measured"]) == 4, summary["not_measured"]
+    assert len(summary["not_measured"]) == 5, summary["not_measured"]
     for title in ("Conformance", "Commit benchmarks", "vLLM integration: memory accounting", "Backend validation"):
         assert "not measured" in section(md, title), title
     assert summary["run"] == "empty-run" and not [f for f in doc.figures.drawn.values() if f.png is not None]
@@ -427,7 +427,8 @@ def test_comparison_computes_exact_deltas(tmp_path):
     gone_rows = [r for t in md_tables(md) for r in t if r.get("figure") == "KV blocks" and r["run: after"] ==
                  "not measured"]
     assert len(gone_rows) == 1 and gone_rows[0]["delta"] == "-"
-    assert summary["not_measured"] == {"run": [], "baseline": []}
+    no_serving = ["serving speed: no serving-*.json in the run folder"]  # the fixture runs have no serving pair
+    assert summary["not_measured"] == {"run": no_serving, "baseline": no_serving}, summary["not_measured"]
 
 
 def test_deltas_of_identical_runs_are_zero():
@@ -765,3 +766,62 @@ def test_runs_of_one_case_pair_across_file_versions_and_never_across_kv_dtypes()
     expected = {"a-legacy.json": "a-extensible.json", "a-legacy-r2.json": "a-extensible.json",
                 "a-extensible.json": "a-legacy.json"}  # the first run (-r2 is the second)
     assert partners == expected, f"account partners: expected {expected}, got {partners}"
+
+
+def serving_file(legacy_rate, ext_rate, windows, legacy_compiled, ext_compiled, legacy_start=51.0, ext_start=21.9):
+    """A ``serving-*.json`` as ``integration.parity.throughput_benchmark`` writes it."""
+    def bench(mode, rate, start, compiled):
+        return {"name": f"decode_throughput[{mode}]", "param": mode, "group": "serve/decode",
+                "stats": {"median": 1 / rate}, "extra_info": {
+                    "tokens_per_s": rate, "num_seqs": 256, "num_gpu_blocks": 16384, "engine_seconds": start,
+                    "compiled": compiled, "model": "llama-8b-shape", "runner": "v1"}}
+    comparable = None if legacy_compiled is None or ext_compiled is None else legacy_compiled == ext_compiled
+    return {"benchmarks": [bench("legacy", legacy_rate, legacy_start, legacy_compiled),
+                           bench("extensible", ext_rate, ext_start, ext_compiled)],
+            "ratio": {"decode_tokens_per_s": sorted(windows)[len(windows) // 2], "decode_window_ratios": windows,
+                      "decode_range": [min(windows), max(windows)], "target_decode": 0.99,
+                      "engine_seconds": ext_start / legacy_start, "engine_seconds_comparable": comparable,
+                      "same_block_count": True}}
+
+
+def test_serving_speed_shows_the_paired_decode_ratio_and_a_start_ratio_only_from_the_same_compile_cache(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    files = {"serving-a.json": serving_file(21444.2, 21161.3, [0.949, 0.98, 0.987, 0.992, 1.003], True, False),
+             "serving-b.json": serving_file(20263.4, 21527.0, [0.995, 1.145, 1.032, 1.006, 0.996], False, False,
+                                            16.9, 16.71),
+             "serving-c.json": serving_file(8000.0, 8000.0, [1.0], None, False, 40.0, 20.0)}
+    for name, data in files.items():
+        (run / name).write_text(json.dumps(data))
+    md, summary, _ = render(run, tmp_path / "out")
+    rows = md_tables(section(md, "Serving speed"))[0]
+    got = [(r["file"], r["decode tokens/s, legacy"], r["extensible / legacy"], r["window ratios"], r["met?"],
+            r["engine start s, legacy / extensible"], r["start ratio"], r["start"]) for r in rows]
+    expected = [
+        ("serving-a.json", "21,444", "0.987", "0.949 to 1.003 (5 windows)", "NO", "51.00 / 21.90", "-",
+         "not comparable: legacy compiled, extensible loaded the compile cache"),
+        ("serving-b.json", "20,263", "1.006", "0.995 to 1.145 (5 windows)", "yes", "16.90 / 16.71",
+         f"{16.71 / 16.9:.4g}", "both loaded the compile cache"),
+        ("serving-c.json", "8,000", "1", "1 to 1 (1 window)", "yes", "40.00 / 20.00", "0.5",
+         "compile cache not recorded")]
+    assert got == expected, f"serving speed rows: expected {expected}, got {got}"
+    glance = [line for line in section(md, "At a glance").splitlines() if line.startswith("- Serving speed")]
+    assert glance[0] == ("- Serving speed (serving-a.json): decode extensible / legacy 0.987 (target >= 0.99: NOT "
+                         "met); engine start ratio not shown (not comparable: legacy compiled, extensible loaded the "
+                         "compile cache)."), glance
+    s = {e["source"]: e for e in summary["serving"]}
+    assert (s["serving-a.json"]["decode_target_met"], s["serving-b.json"]["decode_target_met"],
+            s["serving-b.json"]["extensible"]["tokens_per_s"], s["serving-a.json"]["engine_seconds_comparable"]) == \
+        (False, True, 21527.0, False), f"summary.json serving: got {summary['serving']}"
+
+
+def test_a_run_without_serving_files_reads_serving_speed_not_measured(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "serving-bad.json").write_text(json.dumps({"benchmarks": [], "ratio": {"target_decode": 0.99}}))
+    assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2, "a serving file without its ratio is refused"
+    (run / "serving-bad.json").unlink()
+    (run / "conformance-host.json").write_text(json.dumps({"exitstatus": 0, "drivers": [], "tests": []}))
+    md, summary, _ = render(run, tmp_path / "out")
+    assert section(md, "Serving speed").strip() == "not measured: no `serving-*.json` in the run folder.", md
+    assert "- Serving speed: not measured." in section(md, "At a glance") and summary["serving"] == []

@@ -15,6 +15,7 @@ from .document import Document
 from .numbers import scaled
 from .rendering import Figures, html, markdown
 from .run import ENVIRONMENT_NAMES, Run
+from .serving import serving_rows
 from .summary import summary
 
 Metric = tuple[str, str, str, object]  # group, name, unit, value
@@ -84,7 +85,7 @@ def deltas(run_summary: dict, baseline_summary: dict) -> list[Delta]:
 
 def summary_of(run: Run) -> dict:
     breakdowns = accounting.account(run.cases)
-    return summary(run, breakdowns, accounting.block_pairs(breakdowns))
+    return summary(run, breakdowns, accounting.block_pairs(breakdowns), serving_rows(run.serving))
 
 
 def comparison_document(run: Run, baseline: Run, figures: Figures | None = None) -> Document:

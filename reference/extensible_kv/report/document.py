@@ -12,6 +12,7 @@ from .matrix import cell_text, matrix_cells, skip_reasons
 from .numbers import number
 from .rendering import Figures, html, markdown
 from .run import ENVIRONMENT_NAMES, Run
+from .serving import serving_rows
 from .summary import summary
 
 
@@ -39,7 +40,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
                "breakdowns": breakdowns, "refused": accounting.refused(run.cases),
                "parity": parity.parity_rows(run.cases), "pairs": pairs, "groups": accounting.groups(breakdowns),
                "a": accounting,
-               "segments": segments_text, "consistency": checks(run, breakdowns)}
+               "segments": segments_text, "consistency": checks(run, breakdowns),
+               "serving": serving_rows(run.serving)}
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))
-    return Document(md, page, summary(run, breakdowns, pairs), figures)
+    return Document(md, page, summary(run, breakdowns, pairs, context["serving"]), figures)

@@ -1,7 +1,7 @@
 """A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
 
 Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmark), ``validate-backend*.json``,
-``integration/**/*.json`` and ``environment.json`` (top level and beside the cases). What a run lacks is listed in
+``integration/**/*.json``, ``serving-*.json`` (the serving-speed pairs) and ``environment.json`` (top level and beside the cases). What a run lacks is listed in
 ``Run.missing`` and reads "not measured"; a file that is there but not in its format is a ``BadFile``.
 """
 
@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..measurements import BackendValidation, ConformanceSummary, Environment, IntegrationCase, RuleOutcome, read
+from ..measurements import (BackendValidation, ConformanceSummary, Environment, IntegrationCase, RuleOutcome,
+                            ServingSpeed, read)
 from .benchmarks import Bench
 from .numbers import number
 
@@ -36,7 +37,7 @@ class Source:
     """A measurement file of the run (its name in the run folder) and what it holds."""
 
     source: str
-    data: ConformanceSummary | BackendValidation
+    data: ConformanceSummary | BackendValidation | ServingSpeed
 
 
 NOT_THE_CASE = ("mode", "corrupt", "batch_invariant")  # what differs between the runs of one case
@@ -93,12 +94,13 @@ class Run:
     bench: list[Bench]
     cases: list[Case]
     backends: list[Source]
+    serving: list[Source]
     environment: dict[str, tuple[str | None, str | None]]  # item -> (value, the file it came from)
     missing: list[str]
 
     @property
     def measured(self) -> bool:
-        return bool(self.conformance or self.bench or self.cases or self.backends)
+        return bool(self.conformance or self.bench or self.cases or self.backends or self.serving)
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -112,11 +114,13 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
               [Bench.load(p) for p in sorted(folder.glob("bench*.json"))],
               [Case(p.relative_to(integration).as_posix(), read(p, IntegrationCase)) for p in cases],
               [Source(p.name, read(p, BackendValidation)) for p in sorted(folder.glob("validate-backend*.json"))],
+              [Source(p.name, read(p, ServingSpeed)) for p in sorted(folder.glob("serving-*.json"))],
               {}, [])
     run.missing = [f"{what}: no {files} in the run folder" for found, what, files in (
         (run.conformance, "conformance", "conformance-*.json"), (run.bench, "benchmarks", "bench*.json"),
         (run.cases, "vLLM integration", "integration/**/*.json"),
-        (run.backends, "backend validation", "validate-backend*.json")) if not found]
+        (run.backends, "backend validation", "validate-backend*.json"),
+        (run.serving, "serving speed", "serving-*.json")) if not found]
     envs = [p for p in [folder / "environment.json", *sorted(integration.rglob("environment.json"))] if p.is_file()]
     run.environment = environment(run, [(p.relative_to(folder).as_posix(), read(p, Environment)) for p in envs])
     return run

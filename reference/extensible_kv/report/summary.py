@@ -31,7 +31,7 @@ def _case(b: MemoryBreakdown) -> dict:
             "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments]}
 
 
-def summary(run: Run, breakdowns: list[MemoryBreakdown], pairs: list[BlockPair]) -> dict:
+def summary(run: Run, breakdowns: list[MemoryBreakdown], pairs: list[BlockPair], serving: list[dict]) -> dict:
     rules, columns, cells = matrix_cells(run.conformance)
     return {
         "run": run.name, "run_folder": run.path.as_posix(),
@@ -50,6 +50,10 @@ def summary(run: Run, breakdowns: list[MemoryBreakdown], pairs: list[BlockPair])
             "pairs": [{"legacy": p.legacy.case.path, "other": p.other.case.path, "legacy_blocks": p.legacy.blocks,
                        "blocks": p.other.blocks, "delta_blocks": p.delta_blocks, "delta_percent": p.delta_percent,
                        "delta_bytes": p.delta_bytes} for p in pairs]},
+        "serving": [{"source": r["source"], "model": r["model"], "runner": r["runner"],
+                     "legacy": r["legacy"] and r["legacy"].model_dump(), "extensible": r["extensible"] and
+                     r["extensible"].model_dump(), **r["ratio"].model_dump(), "decode_target_met": r["met"],
+                     "start_note": r["start_note"]} for r in serving],
         "backend_validation": [{"source": f.source, **r.model_dump(exclude={"checks"}),
                                 "checks_not_ok": [c.name for c in r.checks if not c.ok]}
                                for f in run.backends for r in f.data.results],
