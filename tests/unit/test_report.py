@@ -825,3 +825,30 @@ def test_a_run_without_serving_files_reads_serving_speed_not_measured(tmp_path):
     md, summary, _ = render(run, tmp_path / "out")
     assert section(md, "Serving speed").strip() == "not measured: no `serving-*.json` in the run folder.", md
     assert "- Serving speed: not measured." in section(md, "At a glance") and summary["serving"] == []
+
+
+def test_consistency_checks_flag_what_disagrees_and_group_repeats_by_every_setting(tmp_path):
+    run = tmp_path / "run"
+    (run / "integration").mkdir(parents=True)
+    legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
+    blocks = legacy["memory"]["num_gpu_blocks"]
+
+    def variant(data, **changes):
+        return dict(data, case=dict(data["case"], **changes))
+    files = {
+        "a-legacy.json": legacy,
+        "a-legacy-r2.json": dict(legacy, memory=dict(legacy["memory"], num_gpu_blocks=blocks + 7)),  # a repeat
+        "b-legacy.json": variant(dict(legacy, memory=dict(legacy["memory"], num_gpu_blocks=blocks - 50)),
+                                 gpu_memory_utilization=0.5),  # another case: not a repeat of a-
+        "a-extensible.json": dict(ext, extensible=dict(ext["extensible"], measured=dict(
+            ext["extensible"]["measured"], blocks=ext["extensible"]["measured"]["blocks"] + 1)))}
+    for name, data in files.items():
+        (run / "integration" / name).write_text(json.dumps(data))
+    md, _, _ = render(run, tmp_path / "out")
+    rows = [(r["check"], r["result"], r["detail"]) for r in md_tables(section(md, "Consistency of the inputs"))[0]]
+    repeats = [r for r in rows if r[0] == "a repeated case gives the same blocks"]
+    assert [(r[1], sorted(re.findall(r"\S+\.json", r[2]))) for r in repeats] == \
+        [("differs", ["a-legacy-r2.json", "a-legacy.json"])], f"repeated-case rows: {repeats}"
+    agree = [r for r in rows if r[0] == "block counts agree (memory, kv, measured)"]
+    assert [r[1] for r in agree] == ["differs"] and "a-extensible.json" in agree[0][2], \
+        f"the extensible run's measured blocks differ from its memory blocks: {agree}"

@@ -27,14 +27,15 @@ def checks(run: Run, breakdowns: list[MemoryBreakdown]) -> list[tuple[str, bool,
             rows.append(("non-KV at sizing = non-KV after warmup (nothing allocated after the final commit)",
                          b.non_kv_sizing == b.non_kv_after_warmup,
                          f"{path}: {number(b.non_kv_sizing, 'MiB')} vs {number(b.non_kv_after_warmup, 'MiB')} MiB"))
-    same: dict[str, list[MemoryBreakdown]] = {}
-    for b in breakdowns:
-        same.setdefault(b.case.key, []).append(b)
-    for key, members in same.items():
+    same: dict[tuple, list[MemoryBreakdown]] = {}
+    for b in breakdowns:  # repeats: every setting the same (Case.same_case), and the same mode and variant
+        same.setdefault((b.case.same_case, b.case.variant, bool(getattr(b.case.spec, "batch_invariant", False))),
+                        []).append(b)
+    for members in same.values():
         if len(members) > 1:
             blocks = {m.case.path: m.blocks for m in members}
             rows.append(("a repeated case gives the same blocks", len(set(blocks.values())) == 1,
-                         f"{key}: " + ", ".join(f"{p} {number(v)}" for p, v in blocks.items())))
+                         f"{members[0].case.key}: " + ", ".join(f"{p} {number(v)}" for p, v in blocks.items())))
     rate = next(((b.summary["commit"]["paths"].get("extensible", {}).get("gbps"), b.source) for b in run.bench), None)
     for c in run.conformance:
         for d in c.data.drivers:
