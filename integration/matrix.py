@@ -128,7 +128,10 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
         path = cases_dir / f"{name}.json"
         err = cases_dir / f"{name}.error.txt"
         if path.exists():
-            return json.loads(path.read_text())
+            try:
+                return json.loads(path.read_text())
+            except ValueError as exc:  # cut short by a killed call: the table says so, and a rerun replaces it
+                return {"error": f"{path.name} is not JSON ({exc})"}
         return {"error": err.read_text().strip()} if err.exists() else None
 
     rows, pairs = [], {}

@@ -310,6 +310,18 @@ def test_matrix_table_from_files_marks_missing_runs_not_run(tmp_path):
     assert set(pairs) == {"throughput-llama-8b-shape-v2", "throughput-llama-8b-shape-v1"}
 
 
+def test_matrix_table_from_files_names_a_case_file_that_is_not_json(tmp_path):
+    cases = tmp_path / "integration"
+    cases.mkdir()
+    first = matrix.CASES[0]
+    for name in (first.run_name("legacy"), first.run_name("legacy", 1)):
+        (cases / f"{name}.json").write_text(json.dumps(_case_json(A, 10, 0)))
+    (cases / f"{first.run_name('extensible')}.json").write_text('{"case": {"model": "qwen3')  # a killed write
+    rows, _ = matrix.rows_from_files(matrix.CASES, cases)
+    text = parity.table(rows[:1])
+    assert f"{first.run_name('extensible')}.json is not JSON" in text, f"matrix table for a cut-short file: {text}"
+
+
 def _python(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
