@@ -23,8 +23,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import (Case, Throughput, compiled, row, run_parity, run_subprocess,  # noqa: E402
-                                run_throughput, table, throughput_benchmark, throughput_pair)
+from integration.parity import (Case, Throughput, compiled, measured, row, run_parity,  # noqa: E402
+                                run_subprocess, run_throughput, table, throughput_benchmark, throughput_pair)
 from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
@@ -147,6 +147,8 @@ def _state(run: dict | None) -> str:
     """Why a throughput run has no figures: not run, its error, vLLM's refusal, or built without measuring."""
     if not run:
         return "not run"
+    if measured(run):
+        return "measured"
     return run["error"] if "error" in run else refusal(run) or "built, no throughput"
 
 
@@ -163,18 +165,19 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
             state = "; ".join(f"{m}: {_state(r)}" for m, r in runs.items())
             lines.append(f"- {cid}: {state}")
             continue
-        bench = throughput_benchmark(legacy, ext)
+        try:
+            bench = throughput_benchmark(legacy, ext)
+        except ValueError as exc:  # windows that do not pair: said, and the rest of the table still written
+            lines.append(f"- {cid}: not compared: {exc}")
+            continue
         path = out / f"serving-{cid}.json"
         path.write_text(json.dumps(bench, indent=2))
         r = bench["ratio"]
         low, high = r["decode_range"]
-        start = f"ratio {r['engine_seconds']:.2f}"
-        if r["engine_seconds_comparable"] is None:
-            start += ", compile cache not recorded"
-        elif not r["engine_seconds_comparable"]:
-            start = f"not comparable: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)"
-        lines.append(f"- {cid}: decode {ext['throughput']['tokens_per_s']:.0f} vs "
-                     f"{legacy['throughput']['tokens_per_s']:.0f} tokens/s, extensible/legacy "
+        start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else \
+            f"no ratio: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)"
+        rates = [b["extra_info"]["tokens_per_s"] for b in bench["benchmarks"]]  # legacy, extensible
+        lines.append(f"- {cid}: decode {rates[1]:.0f} vs {rates[0]:.0f} tokens/s, extensible/legacy "
                      f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows, "
                      f"{low:.3f} to {high:.3f}; target >= 0.99), engine start {ext['engine_seconds']:.1f} vs "
                      f"{legacy['engine_seconds']:.1f} s ({start}), blocks {legacy['memory']['num_gpu_blocks']} / "

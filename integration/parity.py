@@ -475,12 +475,22 @@ def compiled(run: dict | None) -> bool | None:
     return None if written is None else written > 0
 
 
+def tokens_per_s(windows: list[dict]) -> float:
+    """A run's decode rate: all its windows' tokens over all their seconds."""
+    return sum(w["tokens"] for w in windows) / sum(w["seconds"] for w in windows)
+
+
 def window_ratios(legacy: dict, ext: dict) -> list[float]:
-    """Extensible over legacy tokens/s, window by window (Note [Decode windows are paired])."""
+    """Extensible over legacy tokens/s, window by window (Note [Decode windows are paired]); ValueError naming
+    what does not pair (different window counts, no windows, a window without time)."""
     lw, ew = legacy["throughput"]["windows"], ext["throughput"]["windows"]
-    if len(lw) != len(ew):
+    if len(lw) != len(ew) or not lw:
         raise ValueError(f"throughput pair: legacy timed {len(lw)} windows, extensible {len(ew)}; "
                          "the windows are compared pairwise")
+    if any(w["seconds"] <= 0 or w["tokens"] <= 0 for w in lw + ew):
+        raise ValueError("throughput pair: a window with no tokens or no time: "
+                         f"legacy {[(w['tokens'], w['seconds']) for w in lw]}, "
+                         f"extensible {[(w['tokens'], w['seconds']) for w in ew]}")
     return [(e["tokens"] / e["seconds"]) / (w["tokens"] / w["seconds"]) for w, e in zip(lw, ew)]
 
 
@@ -489,6 +499,7 @@ def throughput_benchmark(legacy: dict, ext: dict, machine: dict | None = None) -
     window, its time the seconds per generated token (``ops`` = tokens/s); ``extra_info`` carries tokens/s, the
     block count and engine start seconds; the top-level ``ratio`` the extensible/legacy figures: decode as the median
     of the window-by-window ratios (target >= 0.99), engine start with whether the two engines are comparable."""
+    ratios = window_ratios(legacy, ext)  # first: refuses windows that do not pair
     benches = []
     for mode, run in (("legacy", legacy), ("extensible", ext)):
         tp = run["throughput"]
@@ -499,12 +510,11 @@ def throughput_benchmark(legacy: dict, ext: dict, machine: dict | None = None) -
             "fullname": f"integration/run_case.py::decode_throughput[{case['model']}-{case['runner']}-{mode}]",
             "params": {"mode": mode}, "param": mode, "options": {"timer": "time.perf_counter"},
             "stats": _stats(per_token),
-            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tp["tokens_per_s"],
+            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tokens_per_s(tp["windows"]),
                            "num_seqs": tp["num_seqs"], "steps_per_window": tp["steps_per_window"],
                            "num_gpu_blocks": run["memory"]["num_gpu_blocks"],
                            "engine_seconds": run["engine_seconds"], "compiled": compiled(run),
                            "model": case["model"], "runner": case["runner"]}})
-    ratios = window_ratios(legacy, ext)
     lc, ec = compiled(legacy), compiled(ext)
     return {"machine_info": machine or {}, "commit_info": {}, "benchmarks": benches,
             "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"), "version": "5.2.3",
@@ -545,9 +555,19 @@ class Throughput:
         return f"{self.id}-{mode}" + ("-warm" if warm else "")
 
 
+def measured(run: dict | None) -> bool:
+    """Whether a throughput run has its figures (not a failure, a refusal or a run not made)."""
+    return bool(run) and "throughput" in run
+
+
 def throughput_pair(case: Throughput, read: Callable[[str], dict | None]) -> dict:
-    """The pair a throughput case compares: each mode's ``-warm`` run where there is one, else its first run."""
-    return {m: read(case.run_name(m, warm=True)) or read(case.run_name(m)) for m in ("legacy", "extensible")}
+    """The pair a throughput case compares: each mode's ``-warm`` run where it measured, else its first run (the
+    decode figures do not depend on the compile cache, so a failed ``-warm`` run leaves the first one usable)."""
+    pair = {}
+    for m in ("legacy", "extensible"):
+        warm = read(case.run_name(m, warm=True))
+        pair[m] = warm if measured(warm) else read(case.run_name(m))
+    return pair
 
 
 def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
@@ -561,5 +581,6 @@ def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], 
     runs = {mode: run(mode) for mode in ("legacy", "extensible")}
     cold = [m for m in runs if compiled(runs[m])]
     if len(cold) == 1 and compiled(runs[[m for m in runs if m not in cold][0]]) is False:
-        runs[cold[0]] = run(cold[0], warm=True) or runs[cold[0]]
+        warm = run(cold[0], warm=True)
+        runs[cold[0]] = warm if measured(warm) else runs[cold[0]]
     return runs

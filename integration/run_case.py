@@ -86,7 +86,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # python integration/run_case.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import peak_figures, speculative_figures  # noqa: E402 - after the path fix above
+from integration.parity import peak_figures, speculative_figures, tokens_per_s  # noqa: E402 - after the path fix above
 from extensible_kv.measurements import EncoderCacheFigures, SpeculativeFigures  # noqa: E402 - parity adds the path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -711,7 +711,7 @@ def run_throughput(llm, vocab: int, num_seqs: int, warm_steps: int, steps: int, 
         engine.step()
     return {"num_seqs": num_seqs, "prompt_len": THROUGHPUT_PROMPT_LEN, "warm_steps": warm_steps,
             "steps_per_window": steps, "windows": results, "warm_seconds": round(warm_seconds, 3),
-            "tokens_per_s": sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)}
+            "tokens_per_s": tokens_per_s(results)}
 
 
 def compile_cache_files() -> int | None:
@@ -801,7 +801,7 @@ def run(args: argparse.Namespace) -> dict:
         "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
         "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
         "compile_cache_files_written": None if compiled_before is None or compiled_after is None
-        else compiled_after - compiled_before,
+        or compiled_after < compiled_before else compiled_after - compiled_before,  # fewer: pruned meanwhile
         "ranks": {"memory": all_figures, "extensible": ranks},
     }
     if multimodal:

@@ -170,7 +170,7 @@ def test_row_and_table_report_every_column():
 
 def throughput_run(mode, seconds, engine=80.0, written=0):
     """A ``--throughput`` case file: one window of 25,600 tokens per entry of ``seconds``."""
-    rate = 25600 * len(seconds) / sum(seconds)
+    rate = 25600 * len(seconds) / sum(seconds) if seconds else 0.0
     return {"case": {"model": "llama-8b-shape", "runner": "v2", "mode": mode}, "engine_seconds": engine,
             "memory": {"num_gpu_blocks": 16384}, "compile_cache_files_written": written,
             "throughput": {"tokens_per_s": rate, "num_seqs": 256, "steps_per_window": 100,
@@ -235,10 +235,43 @@ def test_run_throughput_runs_again_the_mode_that_alone_compiled(written, expecte
         assert runs[mode]["name"] == case.id + "-" + [c for c in calls if c.startswith(mode)][-1]
 
 
-def test_throughput_pair_reads_a_warm_run_first():
+def test_throughput_pair_reads_a_warm_run_first_where_it_measured():
     case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
-    files = {f"{case.id}-legacy": "cold", f"{case.id}-legacy-warm": "warm", f"{case.id}-extensible": "ext"}
-    assert parity.throughput_pair(case, files.get) == {"legacy": "warm", "extensible": "ext"}
+    cold, warm, ext = (throughput_run(m, [1.0]) for m in ("legacy", "legacy", "extensible"))
+    files = {f"{case.id}-legacy": cold, f"{case.id}-legacy-warm": warm, f"{case.id}-extensible": ext}
+    got = parity.throughput_pair(case, files.get)
+    assert got["legacy"] is warm and got["extensible"] is ext, got
+    files[f"{case.id}-legacy-warm"] = {"error": "exit 1 after 30 s: CUDA out of memory"}  # the decode pair stands
+    assert parity.throughput_pair(case, files.get)["legacy"] is cold
+
+
+def test_a_warm_rerun_that_fails_leaves_the_first_run_in_the_pair():
+    case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
+    first = {**throughput_run("legacy", [1.0]), "compile_cache_files_written": 12}
+
+    def runner(name, args, timeout, cut):
+        if name.endswith("-warm"):
+            return {"error": "exit 1 after 30 s: CUDA out of memory"}
+        return first if "legacy" in name else throughput_run("extensible", [1.0])
+
+    assert parity.run_throughput(case, runner)["legacy"] is first
+
+
+def test_throughput_lines_say_what_did_not_pair_and_write_the_rest(tmp_path):
+    pairs = {"a": {"legacy": throughput_run("legacy", [1.0] * 4), "extensible": throughput_run("extensible", [1.0] * 5)},
+             "b": {"legacy": throughput_run("legacy", []), "extensible": throughput_run("extensible", [])},
+             "c": {"legacy": throughput_run("legacy", [2.0, 2.0]), "extensible": None},
+             "d": {"legacy": throughput_run("legacy", [1.0, 1.2]), "extensible": throughput_run("extensible", [1.1, 1.2])}}
+    lines = matrix.throughput_lines(pairs, tmp_path)
+    assert lines[0] == "- a: not compared: throughput pair: legacy timed 4 windows, extensible 5; the windows are " \
+        "compared pairwise", lines
+    assert lines[1].startswith("- b: not compared: throughput pair: legacy timed 0 windows"), lines
+    assert lines[2] == "- c: legacy: measured; extensible: not run", lines
+    # d: tokens/s from the windows (2 x 25,600 tokens over 2.2 and 2.3 s), the ratio from the pairs (1/1.1, 1)
+    assert lines[3].startswith(f"- d: decode {51200 / 2.3:.0f} vs {51200 / 2.2:.0f} tokens/s, extensible/legacy "
+                               f"{(1 / 1.1 + 1) / 2:.3f} (median of 2 paired windows"), lines
+    assert "no ratio: loaded the compile cache (legacy), loaded the compile cache (extensible)" not in lines[3]
+    assert "ratio 1.00" in lines[3] and not (tmp_path / "serving-a.json").exists(), lines[3]
 
 
 # -- running processes ---------------------------------------------------------------------------------------------

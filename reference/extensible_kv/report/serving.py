@@ -29,6 +29,6 @@ def serving_rows(sources: list[Source]) -> list[dict]:
                      "legacy": legacy, "extensible": ext, "ratio": r,
                      "windows": len(r.decode_window_ratios) if r.decode_window_ratios else None,
                      "met": r.decode_tokens_per_s >= r.target_decode,
-                     "start_ratio": None if r.engine_seconds_comparable is False else r.engine_seconds,
+                     "start_ratio": r.engine_seconds if r.engine_seconds_comparable else None,
                      "start_note": note})
     return rows
