@@ -23,8 +23,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import (Case, Throughput, compiled, measured, row, run_parity,  # noqa: E402
-                                run_subprocess, run_throughput, table, throughput_benchmark, throughput_pair)
+from integration.parity import (THROUGHPUT_ORDER, Case, Throughput, compiled, measured,  # noqa: E402
+                                measured_pairs, row, run_parity, run_subprocess, run_throughput, table,
+                                throughput_benchmark, throughput_pair)
 from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
@@ -36,7 +37,8 @@ MM = dict(model="tiny-mm", max_model_len=4096, max_num_seqs=8, seconds=75, timeo
 # Qwen3-0.6B shape with ngram speculation, 4 drafts: the widest step is S x 5 logits rows x 151,936 vocab.
 SPEC = dict(QWEN, speculative="ngram:4", seconds=90)
 # Llama-3-8B at 256 sequences and vLLM's default CUDA graph capture sizes for them (up to 512), 8K context.
-LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=150,
+# Per run 75 s: on the H200 its three runs took 147 s with the compile cache warm.
+LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=75,
                 timeout=540)
 
 
@@ -104,8 +106,9 @@ def select(cases: list, only: list[str] | None, part: str | None) -> list:
 
 
 def estimate_seconds(case) -> int:
-    """Expected wall time of a case with every run still to do (three runs for a parity case, two for throughput)."""
-    return case.seconds * (2 if isinstance(case, Throughput) else case.baseline_runs + 1)
+    """Expected wall time of a case with every run still to do (three runs for a parity case, four for
+    throughput)."""
+    return case.seconds * (len(THROUGHPUT_ORDER) if isinstance(case, Throughput) else case.baseline_runs + 1)
 
 
 class Clock:
@@ -158,11 +161,13 @@ def _compile_state(run: dict) -> str:
 
 
 def throughput_lines(pairs: dict, out: Path) -> list[str]:
+    """One line per throughput case (its runs by mode, in pairing order), writing ``serving-<id>.json`` for each
+    case with at least one pair measured on both sides."""
     lines = []
     for cid, runs in pairs.items():
-        legacy, ext = runs.get("legacy"), runs.get("extensible")
-        if not (legacy and ext and "throughput" in legacy and "throughput" in ext):
-            state = "; ".join(f"{m}: {_state(r)}" for m, r in runs.items())
+        legacy, ext = measured_pairs(runs)
+        if not legacy:
+            state = "; ".join(f"{m}: {_state(r[0])}" for m, r in runs.items())
             lines.append(f"- {cid}: {state}")
             continue
         try:
@@ -175,13 +180,14 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
         r = bench["ratio"]
         low, high = r["decode_range"]
         start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else \
-            f"no ratio: {_compile_state(legacy)} (legacy), {_compile_state(ext)} (extensible)"
+            f"no ratio: {_compile_state(legacy[-1])} (legacy), {_compile_state(ext[-1])} (extensible)"
         rates = [b["extra_info"]["tokens_per_s"] for b in bench["benchmarks"]]  # legacy, extensible
         lines.append(f"- {cid}: decode {rates[1]:.0f} vs {rates[0]:.0f} tokens/s, extensible/legacy "
-                     f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows, "
-                     f"{low:.3f} to {high:.3f}; target >= 0.99), engine start {ext['engine_seconds']:.1f} vs "
-                     f"{legacy['engine_seconds']:.1f} s ({start}), blocks {legacy['memory']['num_gpu_blocks']} / "
-                     f"{ext['memory']['num_gpu_blocks']}; {path.name}")
+                     f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows "
+                     f"from {r['pairs']} pair{'s' * (r['pairs'] > 1)}, {low:.3f} to {high:.3f}; target >= 0.99), "
+                     f"engine start {ext[-1]['engine_seconds']:.1f} vs {legacy[-1]['engine_seconds']:.1f} s "
+                     f"({start}), blocks {legacy[-1]['memory']['num_gpu_blocks']} / "
+                     f"{ext[-1]['memory']['num_gpu_blocks']}; {path.name}")
     return lines
 
 

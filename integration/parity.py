@@ -462,13 +462,19 @@ def _stats(data: Sequence[float]) -> dict:
 #
 # Note [A start time needs the same compile cache]
 # vLLM compiles the model with torch.compile at engine start and caches the result on disk; an engine that finds
-# the cache loads it instead (on the H200, 8B shape: 25.7 s compiling, 5.7 s loading). In a throughput pair the
-# first engine compiles and the second loads, so the raw start ratio measures the cache, not the KV cache (the
-# first H200 pair read 0.43). Each run records how many files it wrote into the cache
-# (``compile_cache_files_written``); the start ratio is comparable only when both engines compiled or both loaded,
-# and ``run_throughput`` runs a mode again (``-warm``) when it alone compiled.
-
-
+# the cache loads it instead (on the H200, 8B shape: 25.7 s compiling, 5.7 s loading). In a throughput case the
+# first engine compiles and the later ones load, so a start ratio against the first engine measures the cache, not
+# the KV cache (the first H200 pairs, one engine each way, read 0.43 and 0.42). Each run records how many files it
+# wrote into the cache (``compile_cache_files_written``); the start ratio is taken between each mode's last run
+# (both after the first engine compiled) and is shown only when both recorded the same state.
+#
+# Note [Legacy, extensible, extensible, legacy]
+# The engines of a throughput case run one after the other on one GPU, and whatever drifts over the minutes of a
+# case (clocks as the GPU warms, caches on disk) favours one order. The first H200 pairs ran legacy then extensible
+# once each: V1's window ratios read 0.949 to 1.003, rising window by window. So a case runs the modes in the order
+# legacy, extensible, extensible, legacy and pairs the first legacy run with the first extensible one and the second
+# with the second: a drift that slows the later runs slows the extensible side of the first pair and the legacy
+# side of the second, and the median over both pairs' windows cancels it to first order.
 def compiled(run: dict | None) -> bool | None:
     """Whether the engine compiled the model at start (wrote into vLLM's compile cache); None if not recorded."""
     written = (run or {}).get("compile_cache_files_written")
@@ -494,36 +500,44 @@ def window_ratios(legacy: dict, ext: dict) -> list[float]:
     return [(e["tokens"] / e["seconds"]) / (w["tokens"] / w["seconds"]) for w, e in zip(lw, ew)]
 
 
-def throughput_benchmark(legacy: dict, ext: dict, machine: dict | None = None) -> dict:
-    """pytest-benchmark-compatible JSON of two ``--throughput`` runs: one benchmark per mode, each round a timed
-    window, its time the seconds per generated token (``ops`` = tokens/s); ``extra_info`` carries tokens/s, the
-    block count and engine start seconds; the top-level ``ratio`` the extensible/legacy figures: decode as the median
-    of the window-by-window ratios (target >= 0.99), engine start with whether the two engines are comparable."""
-    ratios = window_ratios(legacy, ext)  # first: refuses windows that do not pair
+def throughput_benchmark(legacy: dict | list[dict], ext: dict | list[dict], machine: dict | None = None) -> dict:
+    """pytest-benchmark-compatible JSON of ``--throughput`` runs, the i-th legacy run paired with the i-th
+    extensible one (a run, or a list of runs): one benchmark per mode, each round a timed window, its time the
+    seconds per generated token (``ops`` = tokens/s); ``extra_info`` carries tokens/s over all the mode's windows, the
+    block count and the engine start seconds of its last run; the top-level ``ratio`` the extensible/legacy figures:
+    decode as the median of the window-by-window ratios of every pair (target >= 0.99), engine start of the last runs
+    with whether they are comparable (Notes [Decode windows are paired], [A start time needs the same compile cache],
+    [Legacy, extensible, extensible, legacy])."""
+    legacy_runs, ext_runs = ([r] if isinstance(r, dict) else list(r) for r in (legacy, ext))
+    if not legacy_runs or len(legacy_runs) != len(ext_runs):
+        raise ValueError(f"throughput pair: {len(legacy_runs)} legacy and {len(ext_runs)} extensible runs; the "
+                         "runs are compared in pairs")
+    ratios = [x for lr, er in zip(legacy_runs, ext_runs) for x in window_ratios(lr, er)]  # first: refuses bad pairs
     benches = []
-    for mode, run in (("legacy", legacy), ("extensible", ext)):
-        tp = run["throughput"]
-        per_token = [w["seconds"] / w["tokens"] for w in tp["windows"]]
-        case = run["case"]
+    for mode, runs in (("legacy", legacy_runs), ("extensible", ext_runs)):
+        windows = [w for r in runs for w in r["throughput"]["windows"]]
+        last, case = runs[-1], runs[-1]["case"]
         benches.append({
             "group": "serve/decode", "name": f"decode_throughput[{mode}]",
             "fullname": f"integration/run_case.py::decode_throughput[{case['model']}-{case['runner']}-{mode}]",
             "params": {"mode": mode}, "param": mode, "options": {"timer": "time.perf_counter"},
-            "stats": _stats(per_token),
-            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tokens_per_s(tp["windows"]),
-                           "num_seqs": tp["num_seqs"], "steps_per_window": tp["steps_per_window"],
-                           "num_gpu_blocks": run["memory"]["num_gpu_blocks"],
-                           "engine_seconds": run["engine_seconds"], "compiled": compiled(run),
+            "stats": _stats([w["seconds"] / w["tokens"] for w in windows]),
+            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tokens_per_s(windows), "runs": len(runs),
+                           "num_seqs": last["throughput"]["num_seqs"],
+                           "steps_per_window": last["throughput"]["steps_per_window"],
+                           "num_gpu_blocks": last["memory"]["num_gpu_blocks"],
+                           "engine_seconds": last["engine_seconds"], "compiled": compiled(last),
                            "model": case["model"], "runner": case["runner"]}})
-    lc, ec = compiled(legacy), compiled(ext)
+    lc, ec = compiled(legacy_runs[-1]), compiled(ext_runs[-1])
+    blocks = {r["memory"]["num_gpu_blocks"] for r in legacy_runs + ext_runs}
     return {"machine_info": machine or {}, "commit_info": {}, "benchmarks": benches,
             "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"), "version": "5.2.3",
-            "ratio": {"decode_tokens_per_s": statistics.median(ratios),
+            "ratio": {"decode_tokens_per_s": statistics.median(ratios), "pairs": len(legacy_runs),
                       "decode_window_ratios": ratios, "decode_range": [min(ratios), max(ratios)],
                       "target_decode": 0.99,
-                      "engine_seconds": ext["engine_seconds"] / legacy["engine_seconds"],
+                      "engine_seconds": ext_runs[-1]["engine_seconds"] / legacy_runs[-1]["engine_seconds"],
                       "engine_seconds_comparable": None if lc is None or ec is None else lc == ec,
-                      "same_block_count": legacy["memory"]["num_gpu_blocks"] == ext["memory"]["num_gpu_blocks"]}}
+                      "same_block_count": len(blocks) == 1}}
 
 
 @dataclass(frozen=True)
@@ -536,7 +550,7 @@ class Throughput:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     capture_sizes: str = ""
-    seconds: int = 150
+    seconds: int = 90  # per run; on the H200 (8B shape): 81 s compiling, 66 s loading the compile cache
     timeout: int = 540
     group: str = "throughput"
     extra: tuple[str, ...] = field(default=())
@@ -551,8 +565,8 @@ class Throughput:
                 "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
                 "--capture-sizes", self.capture_sizes, *self.extra]
 
-    def run_name(self, mode: str, warm: bool = False) -> str:
-        return f"{self.id}-{mode}" + ("-warm" if warm else "")
+    def run_name(self, mode: str, repeat: int = 0) -> str:
+        return f"{self.id}-{mode}" + (f"-r{repeat + 1}" if repeat else "")
 
 
 def measured(run: dict | None) -> bool:
@@ -560,27 +574,31 @@ def measured(run: dict | None) -> bool:
     return bool(run) and "throughput" in run
 
 
+# The order of a throughput case's runs: Note [Legacy, extensible, extensible, legacy].
+THROUGHPUT_ORDER = (("legacy", 0), ("extensible", 0), ("extensible", 1), ("legacy", 1))
+
+
 def throughput_pair(case: Throughput, read: Callable[[str], dict | None]) -> dict:
-    """The pair a throughput case compares: each mode's ``-warm`` run where it measured, else its first run (the
-    decode figures do not depend on the compile cache, so a failed ``-warm`` run leaves the first one usable)."""
-    pair = {}
-    for m in ("legacy", "extensible"):
-        warm = read(case.run_name(m, warm=True))
-        pair[m] = warm if measured(warm) else read(case.run_name(m))
-    return pair
+    """A throughput case's runs as ``read`` finds them, by mode, in pairing order (first, second)."""
+    runs: dict = {"legacy": [None, None], "extensible": [None, None]}
+    for mode, repeat in THROUGHPUT_ORDER:
+        runs[mode][repeat] = read(case.run_name(mode, repeat))
+    return runs
+
+
+def measured_pairs(runs: dict) -> tuple[list[dict], list[dict]]:
+    """The legacy and extensible runs of the pairs where both measured (first with first, second with second)."""
+    both = [(lr, er) for lr, er in zip(runs["legacy"], runs["extensible"]) if measured(lr) and measured(er)]
+    return [lr for lr, _ in both], [er for _, er in both]
 
 
 def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
-    """Legacy, then extensible; then, if exactly one of them compiled the model at start, that mode again
-    (``-warm``), so both start from the same compile cache (Note [A start time needs the same compile cache])."""
-    def run(mode: str, warm: bool = False) -> dict | None:
+    """The runs in the order legacy, extensible, extensible, legacy (Note [Legacy, extensible, extensible, legacy]);
+    by mode, in pairing order."""
+    runs: dict = {"legacy": [None, None], "extensible": [None, None]}
+    for mode, repeat in THROUGHPUT_ORDER:
         timeout = budget(case.seconds)
-        return None if timeout is None else runner(case.run_name(mode, warm), case.args(mode),
-                                                   min(timeout, case.timeout), timeout < case.timeout)
-
-    runs = {mode: run(mode) for mode in ("legacy", "extensible")}
-    cold = [m for m in runs if compiled(runs[m])]
-    if len(cold) == 1 and compiled(runs[[m for m in runs if m not in cold][0]]) is False:
-        warm = run(cold[0], warm=True)
-        runs[cold[0]] = warm if measured(warm) else runs[cold[0]]
+        if timeout is not None:
+            runs[mode][repeat] = runner(case.run_name(mode, repeat), case.args(mode), min(timeout, case.timeout),
+                                        timeout < case.timeout)
     return runs

@@ -213,55 +213,58 @@ def test_start_ratio_is_comparable_only_from_the_same_compile_cache(legacy_writt
     assert ratio["engine_seconds_comparable"] is comparable, (legacy_written, ext_written, ratio)
 
 
-@pytest.mark.parametrize("written,expected", [
-    ({"legacy": 12, "extensible": 0}, ["legacy", "extensible", "legacy-warm"]),
-    ({"legacy": 0, "extensible": 9}, ["legacy", "extensible", "extensible-warm"]),
-    ({"legacy": 12, "extensible": 9}, ["legacy", "extensible"]),
-    ({"legacy": 0, "extensible": 0}, ["legacy", "extensible"]),
-    ({"legacy": 12, "extensible": None}, ["legacy", "extensible"])])
-def test_run_throughput_runs_again_the_mode_that_alone_compiled(written, expected):
+def test_run_throughput_runs_legacy_extensible_extensible_legacy_and_pairs_first_with_first():
     case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
     calls = []
 
     def runner(name, args, timeout, cut):
         calls.append(name.removeprefix(case.id + "-"))
-        mode = args[args.index("--mode") + 1]
-        return {**throughput_run(mode, [1.0]), "compile_cache_files_written": 0 if calls[-1].endswith("-warm")
-                else written[mode], "name": name}
+        return {**throughput_run(args[args.index("--mode") + 1], [1.0]), "name": calls[-1]}
 
     runs = parity.run_throughput(case, runner)
-    assert calls == expected, (written, calls)
-    for mode in ("legacy", "extensible"):  # the pair is the last run of each mode
-        assert runs[mode]["name"] == case.id + "-" + [c for c in calls if c.startswith(mode)][-1]
+    assert calls == ["legacy", "extensible", "extensible-r2", "legacy-r2"], calls
+    got = {m: [r["name"] for r in rs] for m, rs in runs.items()}
+    assert got == {"legacy": ["legacy", "legacy-r2"], "extensible": ["extensible", "extensible-r2"]}, got
+    files = {f"{case.id}-{r['name']}": r for rs in runs.values() for r in rs}
+    assert parity.throughput_pair(case, files.get) == runs, "read back from files, the same runs in the same order"
 
 
-def test_throughput_pair_reads_a_warm_run_first_where_it_measured():
-    case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
-    cold, warm, ext = (throughput_run(m, [1.0]) for m in ("legacy", "legacy", "extensible"))
-    files = {f"{case.id}-legacy": cold, f"{case.id}-legacy-warm": warm, f"{case.id}-extensible": ext}
-    got = parity.throughput_pair(case, files.get)
-    assert got["legacy"] is warm and got["extensible"] is ext, got
-    files[f"{case.id}-legacy-warm"] = {"error": "exit 1 after 30 s: CUDA out of memory"}  # the decode pair stands
-    assert parity.throughput_pair(case, files.get)["legacy"] is cold
+def test_two_pairs_cancel_a_drift_that_one_pair_takes_for_a_difference():
+    # Every run 2% slower than the one before it, the two modes equally fast: one pair (legacy first) reads 0.98,
+    # the order legacy, extensible, extensible, legacy reads 0.98 and 1/0.98 around 1 (Note [Legacy, extensible,
+    # extensible, legacy]).
+    base = [1.0, 1.1, 1.2]
+    run = [[s * 1.02 ** i for s in base] for i in range(4)]  # in the order the runs ran
+    legacy = [throughput_run("legacy", run[0]), throughput_run("legacy", run[3])]
+    ext = [throughput_run("extensible", run[1]), throughput_run("extensible", run[2])]
+    one = parity.throughput_benchmark(legacy[0], ext[0])["ratio"]
+    both = parity.throughput_benchmark(legacy, ext)["ratio"]
+    assert one["decode_tokens_per_s"] == pytest.approx(1 / 1.02), one
+    assert both["pairs"] == 2 and len(both["decode_window_ratios"]) == 6, both
+    assert both["decode_tokens_per_s"] == pytest.approx((1 / 1.02 + 1.02) / 2), both  # the even median: the middle two
+    assert abs(both["decode_tokens_per_s"] - 1) < abs(one["decode_tokens_per_s"] - 1) / 50, (one, both)
 
 
-def test_a_warm_rerun_that_fails_leaves_the_first_run_in_the_pair():
-    case = parity.Throughput("llama-8b-shape", "v1", num_gpu_blocks_override=16384)
-    first = {**throughput_run("legacy", [1.0]), "compile_cache_files_written": 12}
-
-    def runner(name, args, timeout, cut):
-        if name.endswith("-warm"):
-            return {"error": "exit 1 after 30 s: CUDA out of memory"}
-        return first if "legacy" in name else throughput_run("extensible", [1.0])
-
-    assert parity.run_throughput(case, runner)["legacy"] is first
+def test_the_start_ratio_is_taken_between_each_modes_last_run():
+    legacy = [throughput_run("legacy", [1.0], 51.0, 12), throughput_run("legacy", [1.0], 17.0, 0)]
+    ext = [throughput_run("extensible", [1.0], 21.9, 0), throughput_run("extensible", [1.0], 17.85, 0)]
+    bench = parity.throughput_benchmark(legacy, ext)
+    r = bench["ratio"]
+    assert (r["engine_seconds"], r["engine_seconds_comparable"]) == (pytest.approx(17.85 / 17.0), True), r
+    assert [b["extra_info"]["runs"] for b in bench["benchmarks"]] == [2, 2]
+    with pytest.raises(ValueError, match="2 legacy and 1 extensible runs"):
+        parity.throughput_benchmark(legacy, ext[:1])
 
 
 def test_throughput_lines_say_what_did_not_pair_and_write_the_rest(tmp_path):
-    pairs = {"a": {"legacy": throughput_run("legacy", [1.0] * 4), "extensible": throughput_run("extensible", [1.0] * 5)},
-             "b": {"legacy": throughput_run("legacy", []), "extensible": throughput_run("extensible", [])},
-             "c": {"legacy": throughput_run("legacy", [2.0, 2.0]), "extensible": None},
-             "d": {"legacy": throughput_run("legacy", [1.0, 1.2]), "extensible": throughput_run("extensible", [1.1, 1.2])}}
+    def pair(legacy, ext, second=(None, None)):
+        return {"legacy": [legacy, second[0]], "extensible": [ext, second[1]]}
+    failed = {"error": "exit 1 after 30 s: CUDA out of memory"}
+    pairs = {"a": pair(throughput_run("legacy", [1.0] * 4), throughput_run("extensible", [1.0] * 5)),
+             "b": pair(throughput_run("legacy", []), throughput_run("extensible", [])),
+             "c": pair(throughput_run("legacy", [2.0, 2.0]), None),
+             "d": pair(throughput_run("legacy", [1.0, 1.2]), throughput_run("extensible", [1.1, 1.2]),
+                       (failed, throughput_run("extensible", [1.0, 1.0])))}  # a second pair that failed: left out
     lines = matrix.throughput_lines(pairs, tmp_path)
     assert lines[0] == "- a: not compared: throughput pair: legacy timed 4 windows, extensible 5; the windows are " \
         "compared pairwise", lines
@@ -269,9 +272,8 @@ def test_throughput_lines_say_what_did_not_pair_and_write_the_rest(tmp_path):
     assert lines[2] == "- c: legacy: measured; extensible: not run", lines
     # d: tokens/s from the windows (2 x 25,600 tokens over 2.2 and 2.3 s), the ratio from the pairs (1/1.1, 1)
     assert lines[3].startswith(f"- d: decode {51200 / 2.3:.0f} vs {51200 / 2.2:.0f} tokens/s, extensible/legacy "
-                               f"{(1 / 1.1 + 1) / 2:.3f} (median of 2 paired windows"), lines
-    assert "no ratio: loaded the compile cache (legacy), loaded the compile cache (extensible)" not in lines[3]
-    assert "ratio 1.00" in lines[3] and not (tmp_path / "serving-a.json").exists(), lines[3]
+                               f"{(1 / 1.1 + 1) / 2:.3f} (median of 2 paired windows from 1 pair,"), lines
+    assert "(ratio 1.00)" in lines[3] and not (tmp_path / "serving-a.json").exists(), lines[3]
 
 
 # -- running processes ---------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class ServingRun(Record):
     """One mode's throughput run in a serving-speed file (its benchmark's ``extra_info``)."""
 
     tokens_per_s: Number
+    runs: Count | None = None
     num_seqs: Count | None = None
     num_gpu_blocks: Count | None = None
     engine_seconds: Number | None = None
@@ -114,6 +115,7 @@ class ServingRatio(Record):
     """Extensible over legacy (``integration.parity.throughput_benchmark``)."""
 
     decode_tokens_per_s: Number  # the median of the window-by-window ratios
+    pairs: Count | None = None  # legacy/extensible run pairs (legacy, extensible, extensible, legacy: two)
     decode_window_ratios: list[Number] | None = None
     decode_range: list[Number] | None = None
     target_decode: Number
