@@ -852,3 +852,21 @@ def test_consistency_checks_flag_what_disagrees_and_group_repeats_by_every_setti
     agree = [r for r in rows if r[0] == "block counts agree (memory, kv, measured)"]
     assert [r[1] for r in agree] == ["differs"] and "a-extensible.json" in agree[0][2], \
         f"the extensible run's measured blocks differ from its memory blocks: {agree}"
+
+
+def test_comparison_sets_the_serving_ratios_side_by_side(tmp_path):
+    before, after = tmp_path / "before", tmp_path / "after"
+    for folder, ext_rate, windows, compiled in ((before, 21048.0, [0.949, 0.987, 1.003], None),
+                                                (after, 21300.0, [0.995, 0.998, 1.001], False)):
+        folder.mkdir()
+        (folder / "serving-throughput-llama-8b-shape-v1.json").write_text(json.dumps(
+            serving_file(21402.0, ext_rate, windows, compiled, compiled, 17.0, 17.85)))
+    md, summary, _ = render(after, tmp_path / "out", "--compare", str(before))
+    d = {x["name"]: x for x in summary["deltas"] if x["group"] == "serving (serving-throughput-llama-8b-shape-v1.json)"}
+    got = {name: (d[name]["run"], d[name]["baseline"]) for name in d}
+    expected = {"decode extensible / legacy": (0.998, 0.987), "decode tokens/s, legacy": (21402.0, 21402.0),
+                "decode tokens/s, extensible": (21300.0, 21048.0),
+                "engine start extensible / legacy (same compile cache)": (pytest.approx(17.85 / 17.0), None)}
+    assert got == expected, f"serving deltas: expected {expected}, got {got}"
+    row = md_row(md, "figure", "decode extensible / legacy")
+    assert row["delta"] == f"{0.998 - 0.987:+.4g}", row

@@ -72,6 +72,12 @@ def metrics(s: dict) -> list[Metric]:
         seen[case["key"]] = seen.get(case["key"], 0) + 1
         group = f"vLLM {case['key']}" + (f" #{seen[case['key']]}" if seen[case["key"]] > 1 else "")
         out += [(group, name, unit, case[field]) for name, unit, field in CASE_METRICS]
+    for e in s["serving"]:
+        g, start = f"serving ({e['source']})", e["engine_seconds"] if e["engine_seconds_comparable"] else None
+        out += [(g, "decode extensible / legacy", "ratio", e["decode_tokens_per_s"]),
+                *((g, f"decode tokens/s, {mode}", "tokens/s", e[mode] and e[mode]["tokens_per_s"])
+                  for mode in ("legacy", "extensible")),
+                (g, "engine start extensible / legacy (same compile cache)", "ratio", start)]
     return [(g, n, u, None if isinstance(v, bool) else v) for g, n, u, v in out]
 
 
