@@ -53,6 +53,9 @@ def md_tables(md: str) -> list[list[dict[str, str]]]:
     while i < len(lines):
         if lines[i].startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("| ---"):
             head = [c.strip() for c in lines[i].strip().strip("|").split(" | ")]
+            rule = lines[i + 1].strip().strip("|").split("|")
+            # A delimiter row of another width is no table to a Markdown renderer: the lines stay a paragraph.
+            assert len(rule) == len(head), f"table {head}: {len(head)} headers, {len(rule)} delimiter cells"
             rows, i = [], i + 2
             while i < len(lines) and lines[i].startswith("|"):
                 cells = [c.strip() for c in lines[i].strip().strip("|").split(" | ")]
@@ -562,6 +565,9 @@ def test_committed_runs_load_and_render(tmp_path):
         assert run.measured and run.environment["gpu"][0], f"{folder.name}: expected measurements and a GPU name"
         doc = document.run_document(run, rendering.Figures(None, "not drawn in this test"))
         assert "| case file |" in doc.markdown or not run.cases, folder.name
+        tables = len(md_tables(doc.markdown))  # each a table in the HTML too, none left a paragraph of pipes
+        assert doc.html.count("<table") == tables and "<p>|" not in doc.html, \
+            f"{folder.name}: {tables} Markdown tables, {doc.html.count('<table')} HTML tables"
 
 
 # -- the rendering -------------------------------------------------------------------------------------------------
