@@ -27,6 +27,7 @@ from integration.parity import (THROUGHPUT_ORDER, Case, Throughput, compiled, me
                                 measured_pairs, row, run_parity, run_subprocess, run_throughput, table,
                                 throughput_benchmark, throughput_pair)
 from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
+from extensible_kv.report.serving import start_state  # noqa: E402
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
@@ -155,11 +156,6 @@ def _state(run: dict | None) -> str:
     return run["error"] if "error" in run else refusal(run) or "built, no throughput"
 
 
-def _compile_state(run: dict) -> str:
-    state = compiled(run)
-    return "compile cache not recorded" if state is None else "compiled" if state else "loaded the compile cache"
-
-
 def throughput_lines(pairs: dict, out: Path) -> list[str]:
     """One line per throughput case (its runs by mode, in pairing order), writing ``serving-<id>.json`` for each
     case with at least one pair measured on both sides."""
@@ -180,7 +176,7 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
         r = bench["ratio"]
         low, high = r["decode_range"]
         start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else \
-            f"no ratio: {_compile_state(legacy[-1])} (legacy), {_compile_state(ext[-1])} (extensible)"
+            f"no ratio: {start_state(compiled(legacy[-1]))} (legacy), {start_state(compiled(ext[-1]))} (extensible)"
         rates = [b["extra_info"]["tokens_per_s"] for b in bench["benchmarks"]]  # legacy, extensible
         lines.append(f"- {cid}: decode {rates[1]:.0f} vs {rates[0]:.0f} tokens/s, extensible/legacy "
                      f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows "
