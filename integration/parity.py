@@ -500,15 +500,14 @@ def window_ratios(legacy: dict, ext: dict) -> list[float]:
     return [(e["tokens"] / e["seconds"]) / (w["tokens"] / w["seconds"]) for w, e in zip(lw, ew)]
 
 
-def throughput_benchmark(legacy: dict | list[dict], ext: dict | list[dict], machine: dict | None = None) -> dict:
+def throughput_benchmark(legacy_runs: Sequence[dict], ext_runs: Sequence[dict], machine: dict | None = None) -> dict:
     """pytest-benchmark-compatible JSON of ``--throughput`` runs, the i-th legacy run paired with the i-th
-    extensible one (a run, or a list of runs): one benchmark per mode, each round a timed window, its time the
+    extensible one: one benchmark per mode, each round a timed window, its time the
     seconds per generated token (``ops`` = tokens/s); ``extra_info`` carries tokens/s over all the mode's windows, the
     block count and the engine start seconds of its last run; the top-level ``ratio`` the extensible/legacy figures:
     decode as the median of the window-by-window ratios of every pair (target >= 0.99), engine start of the last runs
     with whether they are comparable (Notes [Decode windows are paired], [A start time needs the same compile cache],
     [Legacy, extensible, extensible, legacy])."""
-    legacy_runs, ext_runs = ([r] if isinstance(r, dict) else list(r) for r in (legacy, ext))
     if not legacy_runs or len(legacy_runs) != len(ext_runs):
         raise ValueError(f"throughput pair: {len(legacy_runs)} legacy and {len(ext_runs)} extensible runs; the "
                          "runs are compared in pairs")

@@ -178,8 +178,8 @@ def throughput_run(mode, seconds, engine=80.0, written=0):
 
 
 def test_throughput_json_is_pytest_benchmark_shaped_with_the_ratio():
-    bench = parity.throughput_benchmark(throughput_run("legacy", [3.2] * 3, 80.0),
-                                        throughput_run("extensible", [3.2 / 0.995] * 3, 60.0))
+    bench = parity.throughput_benchmark([throughput_run("legacy", [3.2] * 3, 80.0)],
+                                        [throughput_run("extensible", [3.2 / 0.995] * 3, 60.0)])
     assert [b["extra_info"]["key"] for b in bench["benchmarks"]] == ["serve/decode/legacy", "serve/decode/extensible"]
     stats = bench["benchmarks"][1]["stats"]
     assert stats["rounds"] == 3 and stats["median"] == pytest.approx(1 / 7960.0) and stats["ops"] == \
@@ -193,7 +193,7 @@ def test_decode_ratio_pairs_windows_at_the_same_context_length():
     # second window was slow; taken window by window the runs are within 1%, run median against run median 6% apart.
     legacy = throughput_run("legacy", [1.024, 1.263, 1.227, 1.285, 1.362])
     ext = throughput_run("extensible", [1.028, 1.103, 1.189, 1.277, 1.369])
-    ratio = parity.throughput_benchmark(legacy, ext)["ratio"]
+    ratio = parity.throughput_benchmark([legacy], [ext])["ratio"]
     paired = [l_ / e for l_, e in zip([1.024, 1.263, 1.227, 1.285, 1.362], [1.028, 1.103, 1.189, 1.277, 1.369])]
     assert ratio["decode_window_ratios"] == pytest.approx(paired), ratio
     assert ratio["decode_tokens_per_s"] == pytest.approx(1.285 / 1.277), ratio  # the median pair
@@ -202,14 +202,14 @@ def test_decode_ratio_pairs_windows_at_the_same_context_length():
 
 def test_decode_ratio_refuses_runs_with_different_window_counts():
     with pytest.raises(ValueError, match="legacy timed 3 windows, extensible 2"):
-        parity.throughput_benchmark(throughput_run("legacy", [1.0] * 3), throughput_run("extensible", [1.0] * 2))
+        parity.throughput_benchmark([throughput_run("legacy", [1.0] * 3)], [throughput_run("extensible", [1.0] * 2)])
 
 
 @pytest.mark.parametrize("legacy_written,ext_written,comparable", [
     (12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, None), (0, None, None)])
 def test_start_ratio_is_comparable_only_from_the_same_compile_cache(legacy_written, ext_written, comparable):
-    ratio = parity.throughput_benchmark(throughput_run("legacy", [1.0] * 3, 51.0, legacy_written),
-                                        throughput_run("extensible", [1.0] * 3, 21.9, ext_written))["ratio"]
+    ratio = parity.throughput_benchmark([throughput_run("legacy", [1.0] * 3, 51.0, legacy_written)],
+                                        [throughput_run("extensible", [1.0] * 3, 21.9, ext_written)])["ratio"]
     assert ratio["engine_seconds_comparable"] is comparable, (legacy_written, ext_written, ratio)
 
 
@@ -237,7 +237,7 @@ def test_two_pairs_cancel_a_drift_that_one_pair_takes_for_a_difference():
     run = [[s * 1.02 ** i for s in base] for i in range(4)]  # in the order the runs ran
     legacy = [throughput_run("legacy", run[0]), throughput_run("legacy", run[3])]
     ext = [throughput_run("extensible", run[1]), throughput_run("extensible", run[2])]
-    one = parity.throughput_benchmark(legacy[0], ext[0])["ratio"]
+    one = parity.throughput_benchmark(legacy[:1], ext[:1])["ratio"]
     both = parity.throughput_benchmark(legacy, ext)["ratio"]
     assert one["decode_tokens_per_s"] == pytest.approx(1 / 1.02), one
     assert both["pairs"] == 2 and len(both["decode_window_ratios"]) == 6, both
