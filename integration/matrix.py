@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     text = table(done or rows) + "\n" + "\n".join(throughput_lines(pairs, out))
     (out / "table.md").write_text(text + "\n")
     (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    left = [c.id for c in selected if any(r["case"] == c.id and r["outcome"] == "not run" for r in rows)]
+    left = [c.id for c in selected if any(r["case"] == c.id and r["outcome"] == "not run" for r in rows)
+            or c.id in pairs and None in pairs[c.id]["legacy"] + pairs[c.id]["extensible"]]
     print(text)
     if left:
         print(f"\n{len(left)} selected case(s) not run yet (time budget): run the same command again")

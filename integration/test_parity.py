@@ -357,6 +357,22 @@ def test_matrix_table_from_files_names_a_case_file_that_is_not_json(tmp_path):
     assert f"{first.run_name('extensible')}.json is not JSON" in text, f"matrix table for a cut-short file: {text}"
 
 
+def test_matrix_table_only_counts_a_throughput_case_with_runs_missing_as_not_run(tmp_path, capsys):
+    case = next(c for c in matrix.CASES if isinstance(c, parity.Throughput))
+    cases = tmp_path / "integration"
+    cases.mkdir()
+    for mode, repeat in parity.THROUGHPUT_ORDER[:2]:  # the first pair only, as before the second pair existed
+        (cases / f"{case.run_name(mode, repeat)}.json").write_text(json.dumps(throughput_run(mode, [1.0])))
+    assert matrix.main([str(tmp_path), "--table-only", "--only", case.id]) == 0
+    out = capsys.readouterr().out
+    assert "1 selected case(s) not run yet" in out, f"matrix --only {case.id} with its second pair missing: {out}"
+    for mode, repeat in parity.THROUGHPUT_ORDER[2:]:
+        (cases / f"{case.run_name(mode, repeat)}.json").write_text(json.dumps(throughput_run(mode, [1.0])))
+    assert matrix.main([str(tmp_path), "--table-only", "--only", case.id]) == 0
+    out = capsys.readouterr().out
+    assert "not run yet" not in out and "from 2 pairs" in out, f"matrix --only {case.id} with all four runs: {out}"
+
+
 def _python(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
