@@ -5,6 +5,8 @@
 - ``bench-<driver>.json``: ``BenchmarkFile``, pytest-benchmark over ``bench/`` (``bench/conftest.py`` adds
   ``machine_info.environment``);
 - ``integration/**/<case>.json``: ``IntegrationCase``, by ``integration/run_case.py``;
+- ``serving-<case>.json``: ``ServingSpeed``, by ``python -m integration.matrix`` (``integration.parity
+  .throughput_benchmark``);
 - ``environment.json``: ``Environment``, by ``python -m extensible_kv environment OUT`` and beside the files of the
   conformance, bench and integration runs.
 
@@ -23,12 +25,13 @@ import subprocess
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 
 Count = NonNegativeInt
 Number = int | float  # kept as written: 32 stays 32, 0.5 stays 0.5
+Positive = Annotated[Number, Field(gt=0)]  # a rate or a ratio of rates: a zero or negative one was never measured
 
 
 class Record(BaseModel):
@@ -95,7 +98,7 @@ class BackendValidation(Record):
 class ServingRun(Record):
     """One mode's throughput run in a serving-speed file (its benchmark's ``extra_info``)."""
 
-    tokens_per_s: Number
+    tokens_per_s: Positive
     runs: Count | None = None
     num_seqs: Count | None = None
     num_gpu_blocks: Count | None = None
@@ -107,19 +110,19 @@ class ServingRun(Record):
 
 class ServingBenchmark(Record):
     name: str
-    param: str  # the mode: legacy or extensible
+    param: Literal["legacy", "extensible"]  # the mode
     extra_info: ServingRun
 
 
 class ServingRatio(Record):
     """Extensible over legacy (``integration.parity.throughput_benchmark``)."""
 
-    decode_tokens_per_s: Number  # the median of the window-by-window ratios
+    decode_tokens_per_s: Positive  # the median of the window-by-window ratios
     pairs: Count | None = None  # legacy/extensible run pairs (legacy, extensible, extensible, legacy: two)
-    decode_window_ratios: list[Number] | None = None
-    decode_range: list[Number] | None = None
-    target_decode: Number
-    engine_seconds: Number | None = None
+    decode_window_ratios: list[Positive] | None = None
+    decode_range: Annotated[list[Positive], Field(min_length=2, max_length=2)] | None = None  # lowest, highest
+    target_decode: Positive
+    engine_seconds: Positive | None = None
     engine_seconds_comparable: bool | None = None  # both engines compiled, or both loaded the compile cache
     same_block_count: bool
 
@@ -134,6 +137,19 @@ class ServingSpeed(Record):
 
     def mode(self, name: str) -> ServingRun | None:
         return next((b.extra_info for b in self.benchmarks if b.param == name), None)
+
+    @model_validator(mode="after")
+    def _start_compared_like_with_like(self) -> ServingSpeed:
+        """``engine_seconds_comparable`` is what the two modes' ``compiled`` say: unknown if either is, else
+        whether they agree (Note [A start time needs the same compile cache] in ``integration/parity.py``)."""
+        legacy, ext = self.mode("legacy"), self.mode("extensible")
+        if legacy and ext:
+            states = (legacy.compiled, ext.compiled)
+            expected = None if None in states else states[0] == states[1]
+            if self.ratio.engine_seconds_comparable != expected:
+                raise ValueError(f"ratio.engine_seconds_comparable is {self.ratio.engine_seconds_comparable}, but "
+                                 f"compiled is {states[0]} (legacy) and {states[1]} (extensible): expected {expected}")
+        return self
 
 
 # -- environment.json --------------------------------------------------------------------------------------------
@@ -432,6 +448,8 @@ def _first_error(exc: ValidationError) -> str:
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "the top level"
     if err["type"] == "missing":
         return f"{where} is missing"
+    if err["type"] == "value_error":  # a check across fields (a model validator): its own words say it all
+        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
     value = err.get("input")
     shown = {list: "a list", dict: "an object", type(None): "null"}.get(type(value)) or json.dumps(value)[:60]
     return f"{where} should be {wanted}, got {shown}" if wanted else f"{where}: {err['msg']}, got {shown}"

@@ -833,6 +833,27 @@ def test_a_run_without_serving_files_reads_serving_speed_not_measured(tmp_path):
     assert "- Serving speed: not measured." in section(md, "At a glance") and summary["serving"] == []
 
 
+@pytest.mark.parametrize("where,value,field", [
+    ("legacy rate", -1, "extra_info.tokens_per_s"), ("legacy rate", 0, "extra_info.tokens_per_s"),
+    ("ratio", -0.5, "ratio.decode_tokens_per_s"), ("range", [1.0], "ratio.decode_range"),
+    ("windows", [1.0, 0], "ratio.decode_window_ratios[1]"), ("mode", "fast", "param"),
+    ("start compared", None, "engine_seconds_comparable")])
+def test_a_serving_file_with_an_impossible_figure_is_refused_naming_the_field(tmp_path, capsys, where, value, field):
+    data = serving_file(21444.2, 21161.3, [0.949, 1.003], True, True)
+    target = {"legacy rate": (data["benchmarks"][0]["extra_info"], "tokens_per_s"),
+              "ratio": (data["ratio"], "decode_tokens_per_s"), "range": (data["ratio"], "decode_range"),
+              "windows": (data["ratio"], "decode_window_ratios"), "mode": (data["benchmarks"][0], "param"),
+              "start compared": (data["benchmarks"][0]["extra_info"], "compiled")}[where]  # compared, yet unknown
+    target[0][target[1]] = value
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "serving-x.json").write_text(json.dumps(data))
+    assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2, f"serving file with {where} = {value!r}"
+    err = capsys.readouterr().err
+    assert "serving-x.json" in err and field in err, f"refusal of {where} = {value!r} names the file and {field}: {err}"
+    assert not (tmp_path / "out").exists(), "nothing written for a refused run folder"
+
+
 def test_consistency_checks_flag_what_disagrees_and_group_repeats_by_every_setting(tmp_path):
     run = tmp_path / "run"
     (run / "integration").mkdir(parents=True)
