@@ -524,6 +524,45 @@ def test_run_throughput_times_decode_steps_only(monkeypatch):
     assert tp["tokens_per_s"] == pytest.approx(40 / sum(w["seconds"] for w in tp["windows"])) and tp["num_seqs"] == 4
 
 
+def test_run_throughput_collects_garbage_before_the_windows_and_times_what_the_collector_takes_in_each(
+        monkeypatch):
+    import gc
+    import types
+
+    class Engine:
+        def __init__(self):
+            self.requests, self.steps = {}, 0
+
+        def add_request(self, rid, prompt, params):
+            self.requests[rid] = params["max_tokens"]
+
+        def step(self):
+            self.steps += 1
+            if self.steps == 3 + 5 + 2:  # inside the second window: a full collection, as Python might start one
+                gc.collect()
+            outs = [types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])])
+                    for rid in self.requests]
+            self.requests = {rid: n - 1 for rid, n in self.requests.items() if n > 1}
+            return outs
+
+        def has_unfinished_requests(self):
+            return bool(self.requests)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **k: k))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params",
+                        types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(DELTA="delta")))
+    engine = Engine()
+    collected_at = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collected_at.append(engine.steps) or collect(*a))
+    tp = run_case.run_throughput(types.SimpleNamespace(llm_engine=engine), vocab=1000, num_seqs=4, warm_steps=3,
+                                 steps=5, windows=2)
+    assert collected_at[0] == 3, f"gc.collect() after the 3 warm steps and before the first window: {collected_at}"
+    full = [w["gc_full_collections"] for w in tp["windows"]]
+    assert full == [0, 1], f"full collections per window: expected [0, 1], got {full}"
+    assert tp["windows"][1]["gc_seconds"] > 0 and tp["windows"][0]["gc_seconds"] >= 0, tp["windows"]
+
+
 def test_compile_cache_files_counts_what_vllm_cached(tmp_path, monkeypatch):
     import types
 
