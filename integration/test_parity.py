@@ -491,72 +491,58 @@ def test_run_peak_reads_memory_after_the_peak_shaped_batch(monkeypatch):
     assert figures["peak_shaped"] and figures["growth"]["during_batch"]["torch_reserved"] == 900 * parity.MIB
 
 
-def test_run_throughput_times_decode_steps_only(monkeypatch):
+class _DecodeEngine:
+    """vLLM's LLMEngine as ``run_case.run_throughput`` drives it: every request gains one token a step until its
+    ``max_tokens``; ``on_step(step)`` runs at the start of each step."""
+
+    def __init__(self, on_step=lambda step: None):
+        self.requests, self.steps, self.on_step = {}, 0, on_step
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = params["max_tokens"]
+
+    def step(self):
+        import types
+
+        self.steps += 1
+        self.on_step(self.steps)
+        outs = [types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])])
+                for rid in self.requests]
+        self.requests = {rid: n - 1 for rid, n in self.requests.items() if n > 1}  # one token per request per step
+        return outs
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+
+def _run_throughput(monkeypatch, engine, **kwargs) -> dict:
+    """``run_case.run_throughput`` on ``engine`` with vLLM's sampling classes stood in."""
     import types
-
-    class Engine:
-        def __init__(self):
-            self.requests, self.steps = {}, 0
-
-        def add_request(self, rid, prompt, params):
-            self.requests[rid] = params["max_tokens"]
-
-        def step(self):
-            self.steps += 1
-            outs = []
-            for rid in list(self.requests):
-                self.requests[rid] -= 1  # one token per request per step
-                outs.append(types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])]))
-                if self.requests[rid] == 0:
-                    del self.requests[rid]
-            return outs
-
-        def has_unfinished_requests(self):
-            return bool(self.requests)
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **k: k))
     monkeypatch.setitem(sys.modules, "vllm.sampling_params",
                         types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(DELTA="delta")))
-    llm = types.SimpleNamespace(llm_engine=Engine())
-    tp = run_case.run_throughput(llm, vocab=1000, num_seqs=4, warm_steps=3, steps=5, windows=2)
+    return run_case.run_throughput(types.SimpleNamespace(llm_engine=engine), vocab=1000, **kwargs)
+
+
+def test_run_throughput_times_decode_steps_only(monkeypatch):
+    engine = _DecodeEngine()
+    tp = _run_throughput(monkeypatch, engine, num_seqs=4, warm_steps=3, steps=5, windows=2)
     assert [w["tokens"] for w in tp["windows"]] == [20, 20], tp["windows"]
-    assert not llm.llm_engine.requests, "every request runs to its end"
+    assert not engine.requests, "every request runs to its end"
     assert tp["tokens_per_s"] == pytest.approx(40 / sum(w["seconds"] for w in tp["windows"])) and tp["num_seqs"] == 4
 
 
 def test_run_throughput_collects_garbage_before_the_windows_and_times_what_the_collector_takes_in_each(
         monkeypatch):
     import gc
-    import types
 
-    class Engine:
-        def __init__(self):
-            self.requests, self.steps = {}, 0
-
-        def add_request(self, rid, prompt, params):
-            self.requests[rid] = params["max_tokens"]
-
-        def step(self):
-            self.steps += 1
-            if self.steps == 3 + 5 + 2:  # inside the second window: a full collection, as Python might start one
-                gc.collect()
-            outs = [types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])])
-                    for rid in self.requests]
-            self.requests = {rid: n - 1 for rid, n in self.requests.items() if n > 1}
-            return outs
-
-        def has_unfinished_requests(self):
-            return bool(self.requests)
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **k: k))
-    monkeypatch.setitem(sys.modules, "vllm.sampling_params",
-                        types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(DELTA="delta")))
-    engine = Engine()
+    # inside the second window: a full collection, as Python might start one
+    engine = _DecodeEngine(on_step=lambda step: step == 3 + 5 + 2 and gc.collect())
     collected_at = []
     collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: collected_at.append(engine.steps) or collect(*a))
-    tp = run_case.run_throughput(types.SimpleNamespace(llm_engine=engine), vocab=1000, num_seqs=4, warm_steps=3,
-                                 steps=5, windows=2)
+    tp = _run_throughput(monkeypatch, engine, num_seqs=4, warm_steps=3, steps=5, windows=2)
     assert collected_at[0] == 3, f"gc.collect() after the 3 warm steps and before the first window: {collected_at}"
     full = [w["gc_full_collections"] for w in tp["windows"]]
     assert full == [0, 1], f"full collections per window: expected [0, 1], got {full}"
