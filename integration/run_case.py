@@ -684,10 +684,10 @@ def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
 # -- steady-state decode throughput --------------------------------------------------------------------------------
 # Note [No garbage from the engine's start in a window]
 # Building an engine leaves Python garbage behind, and the extensible engine's sizing (the batches run again after
-# warmup) leaves more of it, so a full collection of Python's garbage collector is more likely to fall into the
-# extensible run's first timed window than into legacy's: a cost of the process, not of the KV cache. On the H200
-# the first V1 pair's first window took 1.091 s extensible against 1.035 s legacy, the four after it within 2%
-# (``reports/runs/h200-matrix-current-2026-12-03/``); whether a collection caused it was not recorded then. So both
+# warmup) may leave more of it; a full collection of Python's garbage collector falling into a timed window would
+# then be a cost of the process, not of the KV cache. On the H200 the first V1 pair's first window took 1.091 s
+# extensible against 1.035 s legacy, the four after it within 2% (``reports/runs/h200-matrix-current-2026-12-03/``);
+# whether a collection caused it was not recorded then (a suspect, read from the code, not measured). So both
 # modes collect once after the warm steps, before the first window, and each window records the time the collector
 # took in it and its full collections (``gc_seconds``, ``gc_full_collections``, through ``gc.callbacks``).
 class _CollectorTime:
