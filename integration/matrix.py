@@ -141,7 +141,7 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     rows, pairs = [], {}
     for case in cases:
         if isinstance(case, Throughput):
-            pairs[case.id] = throughput_pair(case, lambda name: read(name, None, None, False))
+            pairs[case.id] = throughput_pair(lambda mode, repeat: read(case.run_name(mode, repeat), None, None, False))
         else:
             rows.append(row(case, run_parity(case, read)))
     return rows, pairs

@@ -60,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "reference") not in sys.path:  # a checkout without the package installed (the GPU machine)
     sys.path.append(str(ROOT / "reference"))
-from extensible_kv.measurements import MeasuredPeak
+from extensible_kv.measurements import MeasuredPeak, start_comparable
 from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal
 from extensible_kv.vllm.logits import speculative_rows
 
@@ -527,7 +527,6 @@ def throughput_benchmark(legacy_runs: Sequence[dict], ext_runs: Sequence[dict], 
                            "num_gpu_blocks": last["memory"]["num_gpu_blocks"],
                            "engine_seconds": last["engine_seconds"], "compiled": compiled(last),
                            "model": case["model"], "runner": case["runner"]}})
-    lc, ec = compiled(legacy_runs[-1]), compiled(ext_runs[-1])
     blocks = {r["memory"]["num_gpu_blocks"] for r in legacy_runs + ext_runs}
     return {"machine_info": machine or {}, "commit_info": {}, "benchmarks": benches,
             "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"), "version": "5.2.3",
@@ -535,7 +534,8 @@ def throughput_benchmark(legacy_runs: Sequence[dict], ext_runs: Sequence[dict], 
                       "decode_window_ratios": ratios, "decode_range": [min(ratios), max(ratios)],
                       "target_decode": 0.99,
                       "engine_seconds": ext_runs[-1]["engine_seconds"] / legacy_runs[-1]["engine_seconds"],
-                      "engine_seconds_comparable": None if lc is None or ec is None else lc == ec,
+                      "engine_seconds_comparable": start_comparable(compiled(legacy_runs[-1]),
+                                                                    compiled(ext_runs[-1])),
                       "same_block_count": len(blocks) == 1}}
 
 
@@ -577,11 +577,12 @@ def measured(run: dict | None) -> bool:
 THROUGHPUT_ORDER = (("legacy", 0), ("extensible", 0), ("extensible", 1), ("legacy", 1))
 
 
-def throughput_pair(case: Throughput, read: Callable[[str], dict | None]) -> dict:
-    """A throughput case's runs as ``read`` finds them, by mode, in pairing order (first, second)."""
+def throughput_pair(read: Callable[[str, int], dict | None]) -> dict:
+    """A throughput case's runs, ``read(mode, repeat)`` called in ``THROUGHPUT_ORDER``: by mode, in pairing order
+    (first, second)."""
     runs: dict = {"legacy": [None, None], "extensible": [None, None]}
     for mode, repeat in THROUGHPUT_ORDER:
-        runs[mode][repeat] = read(case.run_name(mode, repeat))
+        runs[mode][repeat] = read(mode, repeat)
     return runs
 
 
@@ -594,10 +595,9 @@ def measured_pairs(runs: dict) -> tuple[list[dict], list[dict]]:
 def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
     """The runs in the order legacy, extensible, extensible, legacy (Note [Legacy, extensible, extensible, legacy]);
     by mode, in pairing order."""
-    runs: dict = {"legacy": [None, None], "extensible": [None, None]}
-    for mode, repeat in THROUGHPUT_ORDER:
+    def run(mode: str, repeat: int) -> dict | None:
         timeout = budget(case.seconds)
-        if timeout is not None:
-            runs[mode][repeat] = runner(case.run_name(mode, repeat), case.args(mode), min(timeout, case.timeout),
-                                        timeout < case.timeout)
-    return runs
+        return None if timeout is None else runner(case.run_name(mode, repeat), case.args(mode),
+                                                   min(timeout, case.timeout), timeout < case.timeout)
+
+    return throughput_pair(run)

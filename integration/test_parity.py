@@ -226,7 +226,8 @@ def test_run_throughput_runs_legacy_extensible_extensible_legacy_and_pairs_first
     got = {m: [r["name"] for r in rs] for m, rs in runs.items()}
     assert got == {"legacy": ["legacy", "legacy-r2"], "extensible": ["extensible", "extensible-r2"]}, got
     files = {f"{case.id}-{r['name']}": r for rs in runs.values() for r in rs}
-    assert parity.throughput_pair(case, files.get) == runs, "read back from files, the same runs in the same order"
+    read_back = parity.throughput_pair(lambda mode, repeat: files.get(case.run_name(mode, repeat)))
+    assert read_back == runs, "read back from files, the same runs in the same order"
 
 
 def test_two_pairs_cancel_a_drift_that_one_pair_takes_for_a_difference():

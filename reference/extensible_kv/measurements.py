@@ -127,6 +127,13 @@ class ServingRatio(Record):
     same_block_count: bool
 
 
+def start_comparable(legacy_compiled: bool | None, ext_compiled: bool | None) -> bool | None:
+    """Whether two engine starts compare like with like: unknown if either engine's compile-cache state is, else
+    whether both compiled or both loaded the cache (Note [A start time needs the same compile cache] in
+    ``integration/parity.py``)."""
+    return None if legacy_compiled is None or ext_compiled is None else legacy_compiled == ext_compiled
+
+
 class ServingSpeed(Record):
     """``serving-*.json``: a legacy and an extensible throughput run at the same block count, pytest-benchmark
     shaped, with the ratio on top."""
@@ -140,15 +147,14 @@ class ServingSpeed(Record):
 
     @model_validator(mode="after")
     def _start_compared_like_with_like(self) -> ServingSpeed:
-        """``engine_seconds_comparable`` is what the two modes' ``compiled`` say: unknown if either is, else
-        whether they agree (Note [A start time needs the same compile cache] in ``integration/parity.py``)."""
+        """``engine_seconds_comparable`` is what the two modes' ``compiled`` say (``start_comparable``)."""
         legacy, ext = self.mode("legacy"), self.mode("extensible")
         if legacy and ext:
-            states = (legacy.compiled, ext.compiled)
-            expected = None if None in states else states[0] == states[1]
+            expected = start_comparable(legacy.compiled, ext.compiled)
             if self.ratio.engine_seconds_comparable != expected:
                 raise ValueError(f"ratio.engine_seconds_comparable is {self.ratio.engine_seconds_comparable}, but "
-                                 f"compiled is {states[0]} (legacy) and {states[1]} (extensible): expected {expected}")
+                                 f"compiled is {legacy.compiled} (legacy) and {ext.compiled} (extensible): "
+                                 f"expected {expected}")
         return self
 
 

@@ -1,8 +1,9 @@
 """A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
 
 Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmark), ``validate-backend*.json``,
-``integration/**/*.json``, ``serving-*.json`` (the serving-speed pairs) and ``environment.json`` (top level and beside the cases). What a run lacks is listed in
-``Run.missing`` and reads "not measured"; a file that is there but not in its format is a ``BadFile``.
+``integration/**/*.json``, ``serving-*.json`` (the serving-speed pairs) and ``environment.json`` (top level and
+beside the cases). What a run lacks is listed in ``Run.missing`` and reads "not measured"; a file that is there but
+not in its format is a ``BadFile``.
 """
 
 from __future__ import annotations
