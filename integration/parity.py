@@ -62,7 +62,6 @@ if str(ROOT / "reference") not in sys.path:  # a checkout without the package in
     sys.path.append(str(ROOT / "reference"))
 from extensible_kv.measurements import MeasuredPeak, start_comparable
 from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal
-from extensible_kv.vllm.logits import speculative_rows
 
 MIB = 1 << 20
 BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler warmup, small workspaces)
@@ -129,7 +128,7 @@ def speculative_figures(after_warmup: dict, readings: dict) -> dict:
     the peak (Note [Over budget at the measured peak]). ``widest_steps``: the steps in which all ``requests``
     proposed ``k`` drafts each (``rows`` logits rows); a phase without one measured nothing wide."""
     k, requests = readings["k"], readings["requests"]
-    rows = speculative_rows(requests, k)
+    rows = requests * (1 + k)  # each request's drafts plus its bonus token
     before = readings["before"]
     free_at_end, released = free_at_phase_peak(readings["free_after"], readings["torch_max_reserved"],
                                                readings["torch_reserved_after"])

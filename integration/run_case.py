@@ -307,7 +307,7 @@ def corrupt_kv(worker) -> int:
     """Overwrite every committed block of every attention KV tensor with large noise; return elements written."""
     import torch
 
-    from extensible_kv.vllm.worker_kv import block_dim
+    from extensible_kv.layout import block_dim
 
     # The prompts' cached blocks come first out of the block pool: the first CORRUPT_BLOCKS cover them.
     n = min(worker.model_runner.kv_cache_config.num_blocks, CORRUPT_BLOCKS)
@@ -316,7 +316,7 @@ def corrupt_kv(worker) -> int:
     for t in worker.model_runner.kv_caches:
         if not isinstance(t, torch.Tensor):
             continue  # Mamba state lists
-        part = t.narrow(block_dim(t), 0, n)
+        part = t.narrow(block_dim(t.shape, "KV cache tensor", num_blocks=max(t.shape)), 0, n)  # the most blocks
         if part.element_size() == 1:  # fp8 caches (uint8 or float8 views): random bytes
             part.view(torch.uint8).random_(0, 256, generator=gen)
         else:

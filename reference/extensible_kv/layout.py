@@ -24,11 +24,23 @@ import torch
 from .errors import ExtensibleKVError
 
 BLOCK_SENTINEL = 1234567
-"""Block count passed to ``get_kv_cache_shape`` to find the block dimension (vLLM's own trick)."""
+"""Block count of a shape or view built only to find its block dimension (``block_dim``): vLLM's own trick with
+``get_kv_cache_shape``, and the block count of the ``meta`` dry run of vLLM's reshape."""
 
 
 class LayoutError(ExtensibleKVError, ValueError):
     """A layout cannot be split into lockstep segments, or its parts disagree; the message names the values."""
+
+
+def block_dim(shape: Sequence[int], what: str = "shape", num_blocks: int = BLOCK_SENTINEL) -> int:
+    """The block dimension of ``shape``, built for ``num_blocks`` blocks (``BLOCK_SENTINEL`` by default): the one
+    dimension of that size. Refused (``LayoutError`` naming ``what`` and the shape) when none or several are: the
+    block dimension would be a guess. The one way this package finds a block dimension."""
+    shape = tuple(shape)
+    if shape.count(num_blocks) != 1:
+        raise LayoutError(f"{what}: the shape {shape} for num_blocks={num_blocks} has "
+                          f"{shape.count(num_blocks)} block dims, expected 1")
+    return shape.index(num_blocks)
 
 
 @dataclass(frozen=True)
@@ -157,11 +169,7 @@ class AttentionLayer:
 
     @property
     def block_dim(self) -> int:
-        shape = tuple(self.shape_of(BLOCK_SENTINEL))
-        if shape.count(BLOCK_SENTINEL) != 1:
-            raise LayoutError(f"layer {self.name}: the declared shape {shape} for num_blocks={BLOCK_SENTINEL} has "
-                              f"{shape.count(BLOCK_SENTINEL)} block dims, expected 1")
-        return shape.index(BLOCK_SENTINEL)
+        return block_dim(self.shape_of(BLOCK_SENTINEL), f"layer {self.name}")
 
     def page_size_bytes(self) -> int:
         item = torch.empty(0, dtype=self.dtype).element_size()

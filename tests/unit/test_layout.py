@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extensible_kv.layout import AttentionLayer, LayoutError, attention_layer, backend_stride_order
+from extensible_kv.layout import (BLOCK_SENTINEL, AttentionLayer, LayoutError, attention_layer, backend_stride_order,
+                                  block_dim)
 
 
 class KVFirst:
@@ -107,3 +108,15 @@ def test_the_refusal_names_the_backend_by_its_name_or_as_given():
         _layer(Unnamed())
     expected = expected.replace("WrongOrder", "unnamed-backend")
     assert str(info.value) == expected, f"attention_layer(Unnamed()) error: expected {expected!r}, got {info.value}"
+
+
+@pytest.mark.parametrize("shape,expected", [((2, BLOCK_SENTINEL, 16, 8, 64), 1), ((BLOCK_SENTINEL, 2, 16), 0),
+                                            ((4, 16, BLOCK_SENTINEL), 2)])
+def test_block_dim_is_the_one_dimension_of_the_sentinel_block_count(shape, expected):
+    assert block_dim(shape) == expected, f"block_dim{shape}: expected {expected}, got {block_dim(shape)}"
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 8), (BLOCK_SENTINEL, BLOCK_SENTINEL, 2), ()])
+def test_block_dim_with_no_or_several_block_dimensions_is_refused_naming_the_shape(shape):
+    with pytest.raises(LayoutError, match=rf"view: the shape {__import__('re').escape(str(shape))} .* expected 1"):
+        block_dim(shape, "view")

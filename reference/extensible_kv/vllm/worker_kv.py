@@ -24,28 +24,20 @@ import torch
 
 from ..errors import ExtensibleKVError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
-from ..layout import agreed_segments
+from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
 from .sizing import MemoryState, reusable_cache
 
 logger = logging.getLogger("extensible_kv.vllm")
-
-SENTINEL_BLOCKS = 65537
-"""Block count of the meta dry run: the block dimension is the largest one in every view it yields."""
 
 
 class ExtensibleKVUnsupported(ExtensibleKVError, RuntimeError):
     """This vLLM configuration cannot use the extensible KV cache; the message says why."""
 
 
-def block_dim(view: torch.Tensor) -> int:
-    """The block dimension of an attention view sized for many blocks: its largest dimension."""
-    return max(range(view.dim()), key=lambda d: view.shape[d])
-
-
 def _views(value: object) -> list[tuple[torch.Tensor, int]]:
     """(view, block dim) pairs of one layer's KV cache value: a tensor (attention) or a list (Mamba states)."""
     if isinstance(value, torch.Tensor):
-        return [(value, block_dim(value))]
+        return [(value, block_dim(value.shape, "attention view"))]
     return [(v, 0) for v in value]
 
 
@@ -64,14 +56,14 @@ def derive_segments(kv_cache_config: object, reshape: Callable[[dict[str, torch.
                                           f"{num_blocks} blocks")
         page = tensor.size // num_blocks
         pages.append(page)
-        meta = torch.empty(page * SENTINEL_BLOCKS, dtype=torch.int8, device="meta")
+        meta = torch.empty(page * BLOCK_SENTINEL, dtype=torch.int8, device="meta")
         for name in tensor.shared_by:
             raw[name] = meta
     views = reshape(raw)
     counts = []
     for tensor, page in zip(kv_cache_config.kv_cache_tensors, pages):
         seg = agreed_segments(((name, view, dim) for name in tensor.shared_by if name in views
-                               for view, dim in _views(views[name])), page * SENTINEL_BLOCKS)
+                               for view, dim in _views(views[name])), page * BLOCK_SENTINEL)
         counts.append(seg.count if seg else 1)
     return counts
 
