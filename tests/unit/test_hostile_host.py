@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from extensible_kv import ExtensibleTensor, Ledger
+from extensible_kv.drivers import get_driver
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.errors import DriverError, DriverLoadError, InvalidArgumentError
 
@@ -130,7 +131,8 @@ SMALL_MISTAKES = {
                                      InvalidArgumentError, "dtype must be a torch.dtype"),
     "full_view dtype None": (lambda: ExtensibleTensor(4096, driver="host-4k").full_view(None),
                              InvalidArgumentError, "dtype must be a torch.dtype"),
-    "Ledger(42)": (lambda: Ledger(42), DriverLoadError, "driver=42 is a int"),
+    "Ledger(42)": (lambda: Ledger(42), DriverLoadError, r"Ledger\(42\): a int, which lacks the protocol's granularity"),
+    "Ledger('host-4k')": (lambda: Ledger("host-4k"), DriverLoadError, r"Ledger\('host-4k'\): a str, which lacks"),
 }
 
 
@@ -140,7 +142,8 @@ def test_small_mistakes_get_typed_errors(call, error, needle):
         call()
 
 
-def test_a_ledger_accepts_a_driver_spec():
-    ledger = Ledger("host-4k")
-    got = (ledger.name, ledger.granularity())
-    assert got == ("host-4k", 4096), f"Ledger('host-4k'): expected ('host-4k', 4096), got {got}"
+def test_a_ledger_wraps_the_driver_object_it_is_given():
+    inner = get_driver("host-4k")
+    ledger = Ledger(inner)
+    got = (ledger.inner, ledger.name, ledger.granularity())
+    assert got == (inner, "host-4k", 4096), f"Ledger(host-4k driver): expected ({inner!r}, 'host-4k', 4096), got {got}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from extensible_kv import ExtensibleTensor
-from extensible_kv.drivers import Ledger
+from extensible_kv.drivers import Ledger, get_driver
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 
 from conformance import layouts
@@ -68,7 +68,7 @@ def test_a_refused_copy_names_the_class_that_owns_the_memory(how):
 
 
 def test_the_ledger_refuses_faults_it_cannot_inject_naming_them():
-    ledger = Ledger("host-4k")
+    ledger = Ledger(get_driver("host-4k"))
     _expect_words("Ledger.fail('mmap')", _message(lambda: ledger.fail("mmap")), "ValueError", "'mmap'", "'reserve'",
                   "'synchronize'")
     _expect_words("Ledger.fail('map', 0)", _message(lambda: ledger.fail("map", 0)), "ValueError", "nth must be >= 1",

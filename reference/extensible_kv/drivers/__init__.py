@@ -18,7 +18,7 @@ from . import cuda as _cuda
 from . import hip as _hip
 from . import host as _host
 from ._device_array import DeviceArray
-from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, protocol_methods
+from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, conforming, protocol_methods
 from .ledger import Ledger
 
 __all__ = ["Driver", "Handle", "Ledger", "DeviceArray", "register", "registered", "probe", "get_driver",
@@ -75,7 +75,7 @@ def get_driver(spec: str) -> Driver:
         if reason:
             raise DriverUnavailable(f"driver {spec!r} is unavailable: {reason}")
         driver = _REGISTRY[spec].factory()
-        return _check_driver(f"driver {spec!r} built {type(driver).__name__}", driver)
+        return conforming(f"driver {spec!r} built {type(driver).__name__}", driver)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise DriverLoadError(f"driver spec {spec!r} must look like 'package.module:factory'")
@@ -87,7 +87,7 @@ def get_driver(spec: str) -> Driver:
     if factory is None or not callable(factory):
         raise DriverLoadError(f"driver spec {spec!r}: {module_name} has no callable {attr!r}")
     driver = factory()
-    return _check_driver(f"driver spec {spec!r} built {type(driver).__name__}", driver)
+    return conforming(f"driver spec {spec!r} built {type(driver).__name__}", driver)
 
 
 def resolve(driver: Driver | str | None) -> Driver:
@@ -97,16 +97,7 @@ def resolve(driver: Driver | str | None) -> Driver:
         driver = best_available()
     if isinstance(driver, str):
         return get_driver(driver)
-    return _check_driver(f"driver={driver!r} is a {type(driver).__name__}", driver)
-
-
-def _check_driver(what: str, driver: object) -> Driver:
-    """``driver`` if it has every protocol method and attribute; ``what`` says where it came from."""
-    missing = [m for m in DRIVER_METHODS if not callable(getattr(driver, m, None))]
-    missing += [a for a in DRIVER_ATTRIBUTES if not hasattr(driver, a)]
-    if missing:
-        raise DriverLoadError(f"{what}, which lacks the protocol's {', '.join(missing)}")
-    return driver  # type: ignore[return-value]
+    return conforming(f"driver={driver!r} is a {type(driver).__name__}", driver)
 
 
 register("host", lambda: _host.HostDriver(budget_bytes=1 << 30), _host.probe, gpu=False)

@@ -48,6 +48,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import DriverLoadError
+
 Handle = Any
 """A physical allocation handle; opaque to callers (an int on CUDA, a file descriptor record on the host)."""
 
@@ -203,3 +205,13 @@ class Driver(Protocol):
         test_create_past_free_memory_raises_driver_out_of_memory_and_leaks_nothing,
         test_committing_past_the_device_memory_raises_commit_out_of_memory.
         """
+
+
+def conforming(what: str, driver: object) -> Driver:
+    """``driver`` if it has every protocol method (callable) and attribute, else ``DriverLoadError`` naming what it
+    lacks; ``what`` says where the object came from (the registry's specs, ``driver=`` arguments, ``Ledger``)."""
+    missing = [m for m in DRIVER_METHODS if not callable(getattr(driver, m, None))]
+    missing += [a for a in DRIVER_ATTRIBUTES if not hasattr(driver, a)]
+    if missing:
+        raise DriverLoadError(f"{what}, which lacks the protocol's {', '.join(missing)}")
+    return driver  # type: ignore[return-value]

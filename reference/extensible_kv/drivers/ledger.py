@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, ProtocolViolation
-from ._protocol import DRIVER_METHODS, Driver, Handle, protocol_methods
+from ._protocol import DRIVER_METHODS, Driver, Handle, conforming, protocol_methods
 
 # The queries read a driver's state without changing it: a Ledger passes them through, neither recorded nor failed.
 QUERIES = protocol_methods("granularity", "tensor", "accessible", "mem_info")
@@ -50,10 +50,10 @@ class Outstanding:
 class Ledger:
     """A recording, checking, fault-injecting wrapper around a driver (see the module docstring)."""
 
-    def __init__(self, inner: Driver | str) -> None:
-        from . import resolve  # noqa: PLC0415 - the registry imports this module
-
-        inner = resolve(inner)
+    def __init__(self, inner: Driver) -> None:
+        """``inner``: a driver object (``extensible_kv.drivers.get_driver`` builds one from a registered name or a
+        ``module:factory`` spec); anything else is refused with ``DriverLoadError`` naming what it lacks."""
+        inner = conforming(f"Ledger({inner!r}): a {type(inner).__name__}", inner)
         self.inner = inner
         self.name = inner.name
         self.device = inner.device
