@@ -12,7 +12,8 @@
 
 Writers build a model and ``write`` it; readers ``read`` a file into its model, and every problem (unreadable, empty,
 not JSON, a field of the wrong type) is one ``BadFile`` naming the file and the field path. Types are strict (``"80"``
-is not a number), NaN and infinity are refused, and fields a model does not name are kept as they are.
+is not a number), NaN and infinity are refused, every number is bounded (Note [Numbers a device can hold]), and
+fields a model does not name are kept as they are.
 """
 
 from __future__ import annotations
@@ -27,15 +28,50 @@ from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Count = NonNegativeInt
-Number = int | float  # kept as written: 32 stays 32, 0.5 stays 0.5
+# Note [Numbers a device can hold]
+# Every number of a file is bounded by what hardware can hold, so a corrupt or hostile file is refused here, naming
+# the file and the field, and never reaches a formatter as 10**400 (an OverflowError on its way to a float) or as
+# infinity. Bytes and counts are non-negative and below 2**63, signed figures (differences of bytes) within +/-2**63:
+# no device addresses more. Block counts are below 2**40, 67,000 times the most any run committed (16.4M blocks,
+# tiny-llama-swa fp8 on an H200, h200-matrix-current-2026-12-03). Floats are finite and within +/-2**63, so a unit
+# conversion of one stays finite. Fields a model does not name, and ``Any`` fields, are kept as written and bounded
+# the same way (``Record``).
+LIMIT, BLOCK_LIMIT = 2**63, 2**40
+LIMIT_NAMES = {LIMIT: "2**63", BLOCK_LIMIT: "2**40", -LIMIT: "-2**63"}
+Int = Annotated[int, Field(gt=-LIMIT, lt=LIMIT)]  # a signed figure: a difference of bytes, an exit status, an id
+Count = Annotated[int, Field(ge=0, lt=LIMIT)]  # bytes or a count
+Blocks = Annotated[int, Field(ge=0, lt=BLOCK_LIMIT)]  # KV cache blocks
+Number = Int | Annotated[float, Field(gt=-LIMIT, lt=LIMIT)]  # kept as written: 32 stays 32, 0.5 stays 0.5
 Positive = Annotated[Number, Field(gt=0)]  # a rate or a ratio of rates: a zero or negative one was never measured
+
+
+def _beyond_limit(value: object, where: str) -> str | None:
+    """The path of the first number in ``value`` (JSON as loaded) that is not finite or not within ``LIMIT``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if abs(value) < LIMIT else where  # NaN compares false: refused too
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _beyond_limit(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")):
+            return found
+    return None
+
+
+class OutOfBounds(ValueError):
+    """A number beyond ``LIMIT`` where no field type bounds it; the message starts with its path in the model."""
 
 
 class Record(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _numbers_within_limit(self) -> Record:
+        """The numbers no field type bounds (fields the model does not name, ``Any``) are bounded too."""
+        for name, value in {**self.__dict__, **(self.__pydantic_extra__ or {})}.items():
+            if (where := _beyond_limit(value, name)) is not None:
+                raise OutOfBounds(f"{where} should be a finite number of magnitude less than 2**63")
+        return self
 
 
 # -- conformance-<driver>.json -----------------------------------------------------------------------------------
@@ -62,7 +98,7 @@ class RuleOutcome(Record):
 
 
 class ConformanceSummary(Record):
-    exitstatus: int | None = None
+    exitstatus: Int | None = None
     torch: str | None = None
     drivers: list[DriverResult] = []
     tests: list[RuleOutcome] = []
@@ -81,11 +117,11 @@ class BackendResult(Record):
     backend: str
     kv_layout: str | None = None
     driver: str = "-"
-    shape: list[int] | None = None
-    stride_order: list[int] | None = None
-    block_dim: int | None = None
+    shape: list[Count] | None = None
+    stride_order: list[Int] | None = None
+    block_dim: Int | None = None
     segments: Count | None = None
-    page_size_bytes: int | None = None
+    page_size_bytes: Int | None = None
     checks: list[BackendCheckItem] = []
     ok: bool
 
@@ -101,7 +137,7 @@ class ServingRun(Record):
     tokens_per_s: Positive
     runs: Count | None = None
     num_seqs: Count | None = None
-    num_gpu_blocks: Count | None = None
+    num_gpu_blocks: Blocks | None = None
     engine_seconds: Number | None = None
     compiled: bool | None = None  # wrote into vLLM's compile cache at start; None: not recorded
     model: str | None = None
@@ -294,9 +330,9 @@ class SpeculativeFigures(Record):
     requests: Count
     rows: Count
     vocab: Count
-    step_peak_allocated: int | None = None
-    step_reserved_growth: int | None = None
-    over_budget_measured: int | None = None
+    step_peak_allocated: Int | None = None
+    step_reserved_growth: Int | None = None
+    over_budget_measured: Int | None = None
     widest_steps: Count | None = None
 
 
@@ -305,12 +341,12 @@ class MeasuredPeak(Record):
     ``over_budget_measured`` = (init_free - free_at_peak) - requested; ``growth`` holds what torch, non-torch memory
     and the KV cache took since warmup (``before_batch``, ``during_batch``), in bytes."""
 
-    over_budget_measured: int | None = None  # the larger of the phases' (over_budget_phase says which)
-    over_budget_prefill: int | None = None  # the peak-shaped batch's own, where a speculative phase ran too
+    over_budget_measured: Int | None = None  # the larger of the phases' (over_budget_phase says which)
+    over_budget_prefill: Int | None = None  # the peak-shaped batch's own, where a speculative phase ran too
     over_budget_phase: str | None = None  # "prefill" or "speculative"
     free_at_peak: Count | None = None
     peak_shaped: bool | None = None
-    growth: dict[str, dict[str, int]] | None = None
+    growth: dict[str, dict[str, Int]] | None = None
 
     def grown(self, part: str) -> int | None:
         """Bytes ``part`` (``torch_reserved``, ``non_torch`` or ``kv``) took since warmup, up to and through the peak
@@ -337,7 +373,7 @@ class CaseMemory(Record):
     available_kv_cache_memory: Count | None = None
     torch_reserved: Count | None = None
     torch_reusable: Count | None = None
-    num_gpu_blocks: Count | None = None
+    num_gpu_blocks: Blocks | None = None
     cudagraph_memory: Count | None = None
     runner: str | None = None
     peak: MeasuredPeak | None = None  # at the measured peak (integration/parity.py); older runs lack it
@@ -350,8 +386,8 @@ class KVFigures(Record):
     committed_bytes: Count | None = None
     backed_bytes: Count | None = None
     waste_bytes: Count | None = None
-    max_num_blocks: Count | None = None
-    num_blocks: Count | None = None
+    max_num_blocks: Blocks | None = None
+    num_blocks: Blocks | None = None
     granularity: Count | None = None
     buffers: list[dict[str, Any]] = []
 
@@ -359,16 +395,16 @@ class KVFigures(Record):
 class SizingFigures(Record):
     """What the extensible sizing measured (``extensible_kv.vllm``)."""
 
-    blocks: Count | None = None
+    blocks: Blocks | None = None
     bytes_per_block: Count | None = None
-    non_kv: int | None = None
+    non_kv: Int | None = None
 
 
 class GrowthEvent(Record):
     event: str | None = None
     reason: str | None = None
-    from_: Count | None = Field(None, alias="from")
-    to: Count | None = None
+    from_: Blocks | None = Field(None, alias="from")
+    to: Blocks | None = None
 
 
 class ExtensibleFigures(Record):
@@ -383,8 +419,8 @@ class ExtensibleFigures(Record):
 
 class IntegrationCase(Record):
     case: CaseSpec
-    token_ids: list[list[int]] | None = None
-    num_cached_tokens: list[int | None] | None = None
+    token_ids: list[list[Int]] | None = None
+    num_cached_tokens: list[Count | None] | None = None
     corrupted_elements: Count | None = None
     engine_seconds: Number | None = None
     compile_cache_files_written: Count | None = None  # 0: the engine loaded an earlier engine's torch.compile output
@@ -443,19 +479,31 @@ def read(path: str | Path, model: type[M]) -> M:
 _WANTED = {"model_type": "an object", "dict_type": "an object", "model_attributes_type": "an object",
            "list_type": "a list", "int_type": "an integer", "int_from_float": "an integer",
            "float_type": "a number", "string_type": "a string", "bool_type": "true or false",
-           "greater_than_equal": "a non-negative integer"}
+           "greater_than_equal": "a non-negative integer", "finite_number": "a finite number"}
+_BRANCHES = ("int", "float", "constrained-int", "constrained-float")  # the branches of a Number (int | float)
 
 
 def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
+    errors = exc.errors()
+    err = errors[0]
+    if err["loc"] and err["loc"][-1] in _BRANCHES:  # the branch that says more than "not an int"
+        err = next((e for e in errors if e["loc"][:-1] == err["loc"][:-1] and not e["type"].endswith("_type")), err)
     loc, wanted = list(err["loc"]), _WANTED.get(err["type"])
-    if loc and loc[-1] in ("int", "float"):  # the int branch of a Number (int | float)
-        loc, wanted = loc[:-1], "a number"
+    if loc and loc[-1] in _BRANCHES:
+        loc, wanted = loc[:-1], wanted if err["type"] != "int_type" else "a number"
+    bound = {**err.get("ctx", {})}
+    if err["type"] in ("less_than", "greater_than"):
+        limit = next(iter(bound.values()))
+        wanted = f"{err['type'].replace('_', ' ')} {LIMIT_NAMES.get(limit, limit)}"
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "the top level"
     if err["type"] == "missing":
         return f"{where} is missing"
     if err["type"] == "value_error":  # a check across fields (a model validator): its own words say it all
-        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+        sep = "." if isinstance(bound.get("error"), OutOfBounds) else ": "
+        return f"{where}{sep}{err['msg'].removeprefix('Value error, ')}".removeprefix("the top level" + sep)
     value = err.get("input")
-    shown = {list: "a list", dict: "an object", type(None): "null"}.get(type(value)) or json.dumps(value)[:60]
+    shown = {list: "a list", dict: "an object", type(None): "null"}.get(type(value))
+    if shown is None and isinstance(value, int) and abs(value) >= 10**20:
+        shown = f"a number of {len(str(abs(value)))} digits"
+    shown = shown or json.dumps(value)[:60]
     return f"{where} should be {wanted}, got {shown}" if wanted else f"{where}: {err['msg']}, got {shown}"

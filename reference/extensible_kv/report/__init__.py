@@ -1,10 +1,11 @@
 """Memory-accounting reports of the measurement files a run wrote (read through ``extensible_kv.measurements``).
 
-    python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME] [--compare OTHER_RUN_DIR]
+    python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME]
     python -m extensible_kv report reports/out --name latest     # the run CI or a GPU job just made
 
-writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into ``reports/<run-name>/``
-(``reports/<run-name>-vs-<baseline-name>/`` when comparing). What a run lacks reads "not measured".
+writes ``report.md``, a self-contained ``report.html``, ``summary.json`` and the PNG plots into
+``reports/rendered/<run-name>/``, a folder git ignores: a run folder keeps only its measurement files and README.
+The report starts with its verdict (``verdict``); what a run lacks reads "not measured".
 ``python -m extensible_kv bench-summary FILE [--json]`` prints the benchmark tables of one pytest-benchmark file.
 """
 
@@ -18,36 +19,26 @@ from pathlib import Path
 from ..measurements import BadFile
 from .run import RunFolderError, load_run
 
-__all__ = ["add_arguments", "main", "register", "run_command"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. reports/runs/h200-2026-12-02")
-    parser.add_argument("--out", help="output folder (default: reports/<run-name>/, or "
-                                      "reports/<run-name>-vs-<baseline>/ with --compare)")
-    parser.add_argument("--name", help="the run's name in the report (default: RUN_DIR's basename)")
-    parser.add_argument("--compare", metavar="OTHER_RUN_DIR",
-                        help="a baseline run folder: report both side by side, deltas = RUN_DIR - OTHER_RUN_DIR")
+__all__ = ["RENDERED", "register", "run_command"]
+RENDERED = Path("reports") / "rendered"  # the default output folder, in .gitignore
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """The ``report`` command; 2 when a run folder is missing, holds no measurement file or a file that cannot be
-    read, or when the output folder cannot be written."""
+    """The ``report`` command: writes the report and prints the run's verdict; 2 when the run folder is missing,
+    holds no measurement file or a file that cannot be read, or when the output folder cannot be written."""
     try:
-        runs = [load_run(args.run_dir, name=args.name)] + ([load_run(args.compare)] if args.compare else [])
+        run = load_run(args.run_dir, name=args.name)
     except (RunFolderError, BadFile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for r in runs:
-        if not r.measured:
-            print(f"error: no measurement files in {r.path}", file=sys.stderr)
-            return 2
-    from .comparison import comparison_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
-    from .document import run_document  # noqa: PLC0415
+    if not run.measured:
+        print(f"error: no measurement files in {run.path}", file=sys.stderr)
+        return 2
+    from .document import run_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
     from .rendering import write  # noqa: PLC0415
 
-    doc = run_document(*runs) if len(runs) == 1 else comparison_document(*runs)
-    out = Path(args.out) if args.out else Path("reports") / "-vs-".join(r.name for r in runs)
+    doc = run_document(run)
+    out = Path(args.out) if args.out else RENDERED / run.name
     try:
         write(out, doc.markdown, doc.html, doc.summary, doc.figures)
     except OSError as exc:
@@ -57,6 +48,7 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
           f"{len(doc.figures.drawn) - len(undrawn)} PNG"
           + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""))
+    print(f"{run.name}: {doc.summary['verdict']['run']}")
     return 0
 
 
@@ -75,17 +67,14 @@ def _bench_summary(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``report`` and ``bench-summary`` to ``python -m extensible_kv``'s subparsers."""
-    add_arguments(parser := subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) "
-                                                               "of a run folder, or two run folders side by side"))
+    parser = subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run "
+                                                  "folder, with its verdict")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. reports/runs/h200-2026-12-02")
+    parser.add_argument("--out", help="output folder (default: reports/rendered/<run-name>/)")
+    parser.add_argument("--name", help="the run's name in the report (default: RUN_DIR's basename)")
     parser.set_defaults(run=run_command)
     parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
                                                          "pytest-benchmark JSON file of bench/")
     parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
     parser.set_defaults(run=_bench_summary)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extensible_kv report", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_command(parser.parse_args(argv))

@@ -13,11 +13,6 @@ UNITS = {"count": (1, ","), "GiB": (1 / GIB, ",.3f"), "MiB": (1 / MIB, ",.2f"), 
          "%": (1, ".3f")}
 
 
-def scaled(value: float | None, unit: str) -> float | None:
-    """``value`` (bytes, seconds or a plain number) in ``unit``."""
-    return None if value is None or unit not in UNITS else value * UNITS[unit][0] if UNITS[unit][0] != 1 else value
-
-
 def number(value: object, unit: str = "count", signed: bool = False, missing: str = NOT_MEASURED) -> str:
     """``value`` in ``unit`` (one of ``UNITS``; any other unit shows the value as it is)."""
     if value is None:
@@ -26,5 +21,6 @@ def number(value: object, unit: str = "count", signed: bool = False, missing: st
         return "yes" if value else "no"
     if unit not in UNITS or not isinstance(value, (int, float)):
         return str(value)
-    text = format(scaled(value, unit), ("+" if signed else "") + UNITS[unit][1])
+    factor, spec = UNITS[unit]
+    text = format(value * factor if factor != 1 else value, ("+" if signed else "") + spec)
     return f"{text} %" if unit == "%" else text

@@ -12,8 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..measurements import (BackendValidation, ConformanceSummary, Environment, IntegrationCase, RuleOutcome,
-                            ServingSpeed, read)
+from ..measurements import BackendValidation, ConformanceSummary, Environment, IntegrationCase, ServingSpeed, read
 from .benchmarks import Bench
 from .numbers import number
 
@@ -26,11 +25,6 @@ ENVIRONMENT_NAMES = {"gpu": "GPU", "gpu_memory": "GPU memory", "gpu_driver": "GP
 
 class RunFolderError(Exception):
     """The run folder does not exist or is not a folder."""
-
-
-def rule(t: RuleOutcome) -> str:
-    """A test without its parameters and folder: ``test_kv_cache.py::test_ensure_blocks_...``."""
-    return t.test.split("[", 1)[0].rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -56,6 +50,9 @@ class Case:
     corrupt = property(lambda self: self.spec.corrupt)
     group = property(lambda self: (self.spec.model, self.spec.runner, self.spec.backend))
     folder = property(lambda self: self.path.rpartition("/")[0])
+    # the block count a run was given (the throughput runs): the extensible path did not size it
+    fixed_blocks = property(lambda self: getattr(self.spec, "num_gpu_blocks_override", None))
+    batch_invariant = property(lambda self: bool(getattr(self.spec, "batch_invariant", False)))
     variant = property(lambda self: self.mode + ("+corrupt" if self.corrupt else ""))
     # the settings that change what a case commits, with their defaults: a case shows those it changes in its key
     SETTINGS = (("kv_cache_dtype", "auto"), ("block_size", 16), ("speculative", None), ("max_num_seqs", 8),
