@@ -16,7 +16,8 @@ import torch
 
 from extensible_kv.backend_check import resolve_backend, validate_backend
 from extensible_kv.errors import ExtensibleKVError
-from extensible_kv.layout import AttentionLayer, MambaLayer, attention_layer, buffer_segments, segments_of
+from extensible_kv.layout import (AttentionLayer, MambaLayer, attention_layer, block_dim, buffer_segments,
+                                  segments_of)
 
 if os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401 - a missing vllm must fail here
@@ -257,7 +258,7 @@ def test_two_kv_cache_groups_sharing_buffers_commit_in_lockstep(backend_name, kv
                     f"layers {tensor.shared_by} of one KVCacheTensor must view the same bytes the same way"
             state.ensure_blocks(5, reason="test")
             for name, view in views.items():  # every layer of either group writes its committed blocks
-                assert worker_kv.block_dim(view) == 0, (name, tuple(view.shape))
+                assert block_dim(view.shape, name, num_blocks=config.num_blocks) == 0, (name, tuple(view.shape))
                 view.narrow(0, 0, 5).fill_(1.0)
             assert state.buffers.num_blocks == 5 and state.buffers.max_num_blocks == config.num_blocks == 300
         finally:

@@ -68,9 +68,9 @@ _PLATFORM_CUDA = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")
 
 
 @pytest.mark.parametrize("config,platform,needle", [
-    (SimpleNamespace(kv_transfer_config=object(), model_config=None), _PLATFORM_CUDA, "KV connector"),
-    (SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(enable_sleep_mode=True)), _PLATFORM_CUDA,
-     "sleep mode"),
+    (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector"),
+                     model_config=SimpleNamespace(enable_sleep_mode=True)), _PLATFORM_CUDA,
+     r"KV connector OffloadingConnector with sleep mode \(enable_sleep_mode\)"),
     (SimpleNamespace(kv_transfer_config=None, model_config=None),
      SimpleNamespace(is_cuda_alike=lambda: False, device_name="xpu"), "neither CUDA nor ROCm"),
 ])
@@ -79,9 +79,12 @@ def test_unsupported_configurations_are_refused_with_the_reason(config, platform
         patches.check_supported(config, platform)
 
 
-def test_supported_configuration_passes():
-    patches.check_supported(SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(
-        enable_sleep_mode=False)), _PLATFORM_CUDA)
+@pytest.mark.parametrize("connector,sleep", [(None, False), (None, True), ("OffloadingConnector", False)],
+                         ids=["plain", "sleep mode", "a connector"])
+def test_supported_configuration_passes(connector, sleep):
+    ktc = SimpleNamespace(kv_connector=connector) if connector else None
+    patches.check_supported(SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(
+        enable_sleep_mode=sleep)), _PLATFORM_CUDA)
 
 
 def _output(new=(), cached=()):

@@ -9,8 +9,14 @@ In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
 Across processes (``vllm serve``, multiprocess engines, TP workers): the ``vllm.general_plugins`` entry point
 ``extensible_kv`` installs the patches in every vLLM process when ``EXTENSIBLE_KV_CACHE=1``.
 
-Refused with ``ExtensibleKVUnsupported``: KV connectors, sleep mode, platforms other than CUDA and ROCm, packed
-(cross-layer) KV layouts.
+Sleep mode (``enable_sleep_mode=True``) stays on the extensible path: ``sleep(level=1|2)`` releases the KV pages,
+``wake_up()`` and ``wake_up(tags=["kv_cache"])`` recommit them, zeroed, at the same addresses (``sleep``).
+
+KV connectors (``kv_transfer_config``) are registered after the final commit, with views of exactly the committed
+blocks at stable addresses (``connector``, Note [The contract for connector authors]).
+
+Refused with ``ExtensibleKVUnsupported``: platforms other than CUDA and ROCm; packed KV layouts; a KV connector
+together with sleep mode, with a K/V-split layout (ROCM_ATTN alone), or asked to grow after registration.
 """
 
 from __future__ import annotations

@@ -3,12 +3,16 @@
 Worker side (runs in each worker process):
 
 - V1 ``GPUModelRunner.initialize_kv_cache_tensors`` derives the segments (dry run of ``_reshape_kv_cache_tensors``
-  on meta tensors), then ``GPUModelRunner._allocate_kv_cache_tensors`` allocates the extensible buffers.
+  on meta tensors), then ``GPUModelRunner._allocate_kv_cache_tensors`` allocates the extensible buffers (a
+  connector's cross-layer blocks: ``connector.cross_layer_allocator``).
 - V2 ``gpu.model_runner.init_kv_cache`` derives the segments (dry run of ``attn_utils._reshape_kv_cache``), then
   ``gpu.attn_utils._allocate_kv_cache`` allocates them.
+- Both: a KV connector's registration is recorded (``connector.defer``) and replayed by ``extensible_kv_commit``
+  after the final commit, with views of exactly the committed blocks (``connector.register``).
 - ``gpu_worker.warmup_kernels`` (V2 only): before every warmup step, commits the block ids that step references.
 - ``Worker.determine_available_memory`` adds back the CUDA graph estimate, so vLLM sizes the reservation as the
-  upper bound; the measured graph memory replaces the estimate later.
+  upper bound; the measured graph memory replaces the estimate later. With sleep mode on it also wraps the worker's
+  sleep-mode backend, so ``sleep`` releases the KV pages and ``wake_up`` recommits them (``sleep.bind``).
 - ``Worker.extensible_kv_measure`` / ``Worker.extensible_kv_commit`` / ``Worker.extensible_kv_report``: new RPCs.
   ``determine_available_memory`` also binds them on the worker instance, with the worker's own ``WorkerKV``: an
   engine keeps the RPCs it was built with after the patches are removed (Note [An engine keeps its RPCs]).
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DriverUnavailable
-from . import agreement, worker_kv
+from . import agreement, connector, sleep, worker_kv
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -40,13 +44,7 @@ MARGIN_ENV = "EXTENSIBLE_KV_CACHE_MARGIN_BYTES"
 
 def check_supported(vllm_config: Any, platform: Any) -> None:
     """Raise ExtensibleKVUnsupported, naming the reason, for configurations the extensible path refuses."""
-    reasons = []
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        reasons.append("a KV connector is configured (kv_transfer_config): connectors register and transfer the "
-                       "KV memory, which the extensible path does not support")
-    model_config = getattr(vllm_config, "model_config", None)
-    if getattr(model_config, "enable_sleep_mode", False):
-        reasons.append("sleep mode is enabled (enable_sleep_mode): its CuMem allocator pool would own the KV memory")
+    reasons = connector.unsupported_reasons(vllm_config)  # a KV connector is registered after the final commit
     if not platform.is_cuda_alike():
         reasons.append(f"platform {getattr(platform, 'device_name', type(platform).__name__)} is neither CUDA nor "
                        f"ROCm")
@@ -110,12 +108,15 @@ def _v1_initialize_kv_cache_tensors(original: Callable) -> Callable:
         from vllm.platforms import current_platform
 
         check_supported(self.vllm_config, current_platform)
-        if self.use_uniform_kv_cache(self.attn_groups):
-            raise ExtensibleKVUnsupported("the uniform cross-layer KV cache path (a connector preferring "
-                                          "cross-layer blocks) is not supported")
         state = worker_kv.start(_platform_driver())
+        if self.use_uniform_kv_cache(self.attn_groups):  # Note [Cross-layer blocks on the extensible path]
+            connector.defer(state)
+            allocate = connector.cross_layer_allocator(state, self.allocate_uniform_kv_caches)
+            with _on_instance(self, "allocate_uniform_kv_caches", allocate):
+                return original(self, kv_cache_config, kernel_block_sizes)
         state.segments = worker_kv.derive_segments(
             kv_cache_config, lambda raw: self._reshape_kv_cache_tensors(raw, kernel_block_sizes))
+        connector.defer(state)  # register_kv_caches waits for the final commit (connector.py)
         return original(self, kv_cache_config, kernel_block_sizes)
 
     return initialize_kv_cache_tensors
@@ -123,7 +124,8 @@ def _v1_initialize_kv_cache_tensors(original: Callable) -> Callable:
 
 def _v1_allocate_kv_cache_tensors(original: Callable) -> Callable:
     def _allocate_kv_cache_tensors(self, kv_cache_config):
-        return worker_kv.active().allocate(kv_cache_config)
+        with sleep.nothing_in_pool("the extensible KV allocation"):  # Note [Nothing of ours in vLLM's pool]
+            return worker_kv.active().allocate(kv_cache_config)
 
     return _allocate_kv_cache_tensors
 
@@ -141,6 +143,7 @@ def _v2_init_kv_cache(original: Callable) -> Callable:
         state.segments = worker_kv.derive_segments(kv_cache_config, lambda raw: attn_utils._reshape_kv_cache(
             attn_groups=flat, kv_cache_raw_tensors=raw, kernel_block_sizes=kernel_block_sizes,
             cache_dtype=cache_dtype, shared_kv_cache_layers=shared, kv_cache_config=kv_cache_config))
+        connector.defer(state)  # register_kv_caches waits for the final commit (connector.py)
         return original(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device, cache_dtype,
                         kernel_block_sizes, vllm_config)
 
@@ -149,7 +152,8 @@ def _v2_init_kv_cache(original: Callable) -> Callable:
 
 def _v2_allocate_kv_cache(original: Callable) -> Callable:
     def _allocate_kv_cache(kv_cache_config, shared_kv_cache_layers, device):
-        raw = worker_kv.active().allocate(kv_cache_config)
+        with sleep.nothing_in_pool("the extensible KV allocation"):  # Note [Nothing of ours in vLLM's pool]
+            raw = worker_kv.active().allocate(kv_cache_config)
         return {name: t for name, t in raw.items() if name not in shared_kv_cache_layers}
 
     return _allocate_kv_cache
@@ -359,6 +363,7 @@ def _determine_available_memory(original: Callable) -> Callable:
         from vllm import envs
 
         bind_worker_rpcs(self)
+        sleep.bind(self)  # sleep mode releases and recommits the KV pages (sleep.py)
         runner = self.model_runner
         wrapped = profile_run_reserved_peak(runner.profile_run)
         with _on_instance(runner, "profile_run", wrapped):
@@ -433,7 +438,9 @@ def extensible_kv_commit(self, num_blocks: int) -> dict:
     state = _state_of(self)
     if state is None or state.buffers is None:
         state = _worker_kv()  # raises, naming the reason
+    connector.check_resize(state, num_blocks, "extensible_kv_commit")  # Note [Registered once] in connector
     state.commit(num_blocks)
+    connector.register(state)  # a KV connector sees exactly the committed blocks, from now on
     self.model_runner.kv_cache_config.num_blocks = num_blocks
     self.cache_config.num_gpu_blocks = num_blocks
     return extensible_kv_report(self)
@@ -445,6 +452,7 @@ def extensible_kv_report(self) -> dict:
     report = state.report() if state is not None else {}
     report["profile"] = getattr(self, "_extensible_kv_profile", None)
     report["runner"] = worker_kv.runner_kind(self.model_runner)
+    report["connector"] = connector.report(state)
     return report
 
 
