@@ -497,3 +497,23 @@ def test_extents_count_each_storage_once():
         assert math.prod(rows[0]["shape"]) * 2 == COMMITTED * page, rows[0]
     finally:
         state.buffers.close()
+
+
+def test_the_scheduler_is_built_from_the_legacy_configuration_of_the_committed_blocks(monkeypatch):
+    """The engine's KVCacheConfig (the scheduler's, and the scheduler side of a connector, which sizes its CPU tier
+    from the bytes per block) says the committed count and the tensor sizes of that count, not the reserved ones."""
+    page = ATTN_PAGE
+    config = SimpleNamespace(num_blocks=RESERVED, kv_cache_groups=[],
+                             kv_cache_tensors=[SimpleNamespace(size=RESERVED * page, shared_by=["l0"])])
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(
+        current_platform=SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")))
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine", types.SimpleNamespace(core=SimpleNamespace()))
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", SimpleNamespace())
+    rpcs = {"extensible_kv_measure": [COMMITTED], "extensible_kv_commit": [{}]}
+    engine = SimpleNamespace(model_executor=SimpleNamespace(collective_rpc=lambda name, args=(): rpcs[name]))
+    vllm_config = SimpleNamespace(kv_transfer_config=None, model_config=None, cache_config=SimpleNamespace())
+    got = patches._initialize_kv_caches(lambda self, cfg: config)(engine, vllm_config)
+    seen = (got.num_blocks, [t.size for t in got.kv_cache_tensors], vllm_config.cache_config.num_gpu_blocks)
+    want = (COMMITTED, [COMMITTED * page], COMMITTED)
+    assert seen == want, f"engine KVCacheConfig after the final commit (num_blocks, tensor sizes, num_gpu_blocks): " \
+                         f"expected {want}, got {seen}"

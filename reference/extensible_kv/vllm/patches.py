@@ -468,7 +468,9 @@ def _initialize_kv_caches(original: Callable) -> Callable:
         fits = self.model_executor.collective_rpc("extensible_kv_measure")
         final = min(min(fits), reserved)
         reports = self.model_executor.collective_rpc("extensible_kv_commit", args=(final,))
-        config.num_blocks = final
+        # The scheduler (and its side of a KV connector, which sizes e.g. its CPU tier from the bytes per block)
+        # is built from this config: the legacy configuration of ``final`` blocks, tensor sizes included.
+        connector.tell_committed_count(config, final)
         vllm_config.cache_config.num_gpu_blocks = final
         if config.kv_cache_groups:
             tokens, concurrency = core.get_kv_cache_capacity(vllm_config, config)
