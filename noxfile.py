@@ -59,6 +59,12 @@ def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
     session.install(*args)
 
 
+def _extras(*names: str) -> str:
+    """``[a,b]`` of the extras ``names`` (each a name or ``[name]``, empty ones left out)."""
+    kept = [n.strip("[]") for n in names if n.strip("[]")]
+    return f"[{','.join(kept)}]" if kept else ""
+
+
 def _gpu_extra(driver: str | None) -> str:
     """The extra that brings the bindings of ``driver`` (or of the GPU this machine has)."""
     if driver in ("cuda", "hip"):
@@ -100,9 +106,10 @@ GPU_MACHINE = bool(_gpu_extra(None))
 @nox.session(venv_backend="virtualenv", tags=["cpu"])
 def tests(session: nox.Session) -> None:
     """Rules on host and host-4k, unit and meta tests (the wheel too), bench smoke, integration's CPU parts."""
-    _install(session, "-e", ".[report]", *TEST_DEPS)
+    _install(session, "-e", ".[conformance,report]", *TEST_DEPS)
+    # bench/ runs here as a smoke test (each benchmark once, untimed); `nox -s bench` times them.
     _pytest(session, "conformance", "tests", "bench", "integration", "--driver", "host,host-4k", "-n", "2",
-            *session.posargs)
+            "--benchmark-disable", *session.posargs)
 
 
 # On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
@@ -112,7 +119,7 @@ def conformance(session: nox.Session) -> None:
     `extensible-kv check-driver` (a pytest-xdist worker: a driver that faults fails that rule and the run goes on)."""
     args = list(session.posargs)
     driver = args.pop(0) if args and not args[0].startswith("-") else None
-    _install(session, "-e", f".{_gpu_extra(driver)}", *TEST_DEPS)
+    _install(session, "-e", f".{_extras('conformance', _gpu_extra(driver))}", *TEST_DEPS)
     if driver is None:
         driver = _run_python(session, "-c", "from extensible_kv.drivers import best_available as b; print(b())",
                              silent=True).strip()
@@ -123,16 +130,17 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])
 def layouts(session: nox.Session) -> None:
-    """Segment derivation against vLLM 0.26.0's real attention backends and reshape code (CPU is enough)."""
+    """Segment derivation and the views a KV connector is handed, against vLLM 0.26.0's real attention backends,
+    reshape code and connectors (CPU is enough)."""
     _install(session, "-e", ".[vllm]", *TEST_DEPS, own_torch=False)
     session.env["EXTENSIBLE_KV_REQUIRE_VLLM"] = "1"
-    _pytest(session, "integration/test_backend_layouts.py", *session.posargs)
+    _pytest(session, "integration/test_backend_layouts.py", "integration/test_connector_views.py", *session.posargs)
 
 
 @nox.session(venv_backend="virtualenv")
 def stress(session: nox.Session) -> None:
     """The stateful hostile-use rule at 10,000 examples per driver (default: host,host-4k; `-- --driver cuda`)."""
-    _install(session, "-e", ".", *TEST_DEPS)
+    _install(session, "-e", ".[conformance]", *TEST_DEPS)
     session.env["EXTENSIBLE_KV_STATEFUL_EXAMPLES"] = "10000"
     _pytest(session, "conformance/test_stateful_use.py", "--driver", "host,host-4k", "-p", "no:cacheprovider",
             *session.posargs)
@@ -142,14 +150,14 @@ def stress(session: nox.Session) -> None:
 def mutation(session: nox.Session) -> None:
     """Mutation testing of the reference core (mutmut) against the rules and unit tests; score and survivors in
     reports/mutation.json (`-- --files tensor.py,granules.py` for a subset). Not part of `tests`: it takes long."""
-    _install(session, "-e", ".", *TEST_DEPS, "mutmut>=3.8")
+    _install(session, "-e", ".[conformance]", *TEST_DEPS, "mutmut>=3.8")
     _run_python(session, "ci/mutation.py", *session.posargs)
 
 
 @nox.session(tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
     """Commit-path benchmarks on the best available driver; JSON in reports/out/, the summary table at the end."""
-    _install(session, "-e", f".{_gpu_extra(None)}", *TEST_DEPS)
+    _install(session, "-e", f".{_extras('conformance', _gpu_extra(None))}", *TEST_DEPS)
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     out = "reports/out/bench.json"
     _pytest(session, "bench", "--benchmark-enable", f"--benchmark-json={out}", *session.posargs)
@@ -175,11 +183,12 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
 def report(session: nox.Session) -> None:
-    """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/<run-name>/, and the
-    run CI or a GPU job just made in reports/out/ (the conformance, bench and integration sessions write there), where
-    it holds JSON, into reports/latest/.
+    """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/rendered/<run-name>/,
+    and the run CI or a GPU job just made in reports/out/ (the conformance, bench and integration sessions write
+    there), where it holds JSON, into reports/rendered/latest/. git ignores reports/rendered/: the checkout stays
+    clean.
 
-    `nox -s report -- --compare reports/runs/<baseline>` passes its arguments to every run's report."""
+    `nox -s report -- ARGS` passes ARGS to every run's report."""
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     latest = ROOT / "reports" / "out"

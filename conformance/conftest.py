@@ -1,9 +1,10 @@
 """What the rules of this folder need before they are collected.
 
-The suite's pytest plugin (``plugin/``: ``--driver``, the ``driver`` fixture, the leak guard, the summary) is loaded
-once per run. Installed, pytest has loaded it through its ``pytest11`` entry point before any conftest, and this file
-leaves it at that; in a source checkout that is not installed, this file registers it under the entry point's name
-(``load_plugin``). Either way its hooks run once, also when an installed copy and a checkout's rules meet in one run.
+The suite's pytest plugin (``plugin/``: ``--driver``, the ``driver`` fixture, the time limits, the leak guard, the
+summary) is loaded once per run. No entry point loads it into every pytest run of a machine: this file registers it
+(``load_plugin``) where the rules are collected (``pytest conformance``, ``check-driver``), unless ``-p
+extensible_kv_conformance.plugin`` (needed with ``--pyargs``, where pytest reads ``--driver`` before it finds this
+file) registered a copy already. Either way its hooks run once.
 
 The rules' Hypothesis profile is loaded here, so it applies where the rules run (not to every project that has the
 package installed), unless ``--hypothesis-profile`` names another one.

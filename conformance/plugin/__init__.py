@@ -2,13 +2,14 @@
 
 - ``selection``: ``--driver``, which drivers the rules run on, the ``driver`` fixture, the report header;
 - ``leaks``: the leak guard the ``driver`` fixture runs after each rule;
+- ``watchdog``: ``--build-timeout`` and ``--rule-timeout`` in pytest-xdist workers;
 - ``summary``: each rule's outcome per driver, and the end-of-run table and ``--summary-json``.
 
-Installed, pytest loads it in every run through the ``pytest11`` entry point ``extensible_kv_conformance``
-(``NAME``); in a source checkout ``conformance/conftest.py`` registers it under the same name. In a run that does not
-ask for the rules it stays out of the way: only a test that takes its ``driver`` fixture is parametrized over drivers,
-and the header and the GPU check speak only when ``--driver`` is given or the rules' folder is among the paths.
-Its state lives in ``pytest.StashKey``s on the config, never in module globals.
+No entry point loads it into every pytest run: the rules' ``conftest.py`` registers it under ``NAME``, and elsewhere
+``-p extensible_kv_conformance.plugin`` names it. In a run that does not ask for the rules it stays out of the way:
+only a test that takes its ``driver`` fixture is parametrized over drivers, and the header and the GPU check speak
+only when ``--driver`` is given or the rules' folder is among the paths. Its state lives in ``pytest.StashKey``s on the
+config, never in module globals.
 """
 
 from __future__ import annotations
@@ -24,4 +25,4 @@ settings.register_profile("extensible-kv", max_examples=25)
 settings.register_profile("extensible-kv-meta", max_examples=5, phases=[Phase.explicit, Phase.generate],
                           database=None, derandomize=True)
 
-pytest_plugins = [f"{__name__}.selection", f"{__name__}.summary"]
+pytest_plugins = [f"{__name__}.watchdog", f"{__name__}.selection", f"{__name__}.summary"]  # each before its importers

@@ -4,6 +4,9 @@
 picked by default that cannot run here is skipped with its probe's reason; a driver named explicitly that cannot
 run fails. Every test that takes the ``driver`` fixture runs once per selected driver, on the driver wrapped in a
 fresh ``Ledger``; after the test the leak guard (``leaks``) fails it if anything is left reserved, held or mapped.
+Where the rules run in pytest-xdist workers, only the workers build a driver named by spec, each build within
+``--build-timeout`` (``watchdog``): the controller never imports or calls it (Note [Who builds the driver under test]
+in ``preflight``), and its header says so.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import extensible_kv
 from extensible_kv import drivers
 from extensible_kv.errors import DriverLoadError, DriverUnavailable
 
-from . import leaks
+from . import leaks, watchdog
 
 REQUIRE_GPU_ENV = "EXTENSIBLE_KV_REQUIRE_GPU"
 RULES = Path(__file__).resolve().parents[1]  # the folder of the rules this plugin came with
@@ -66,12 +69,14 @@ def build(config: pytest.Config, spec: str) -> object:
     spec that does not load, or a factory that raised or returned something that is not a driver."""
     sel = selection(config)
     if spec not in sel.built:
-        try:
-            sel.built[spec] = drivers.get_driver(spec)
-        except (DriverUnavailable, DriverLoadError) as exc:
-            sel.built[spec] = str(exc)
-        except Exception as exc:  # the factory itself failed
-            sel.built[spec] = f"driver {spec!r}: its factory raised {type(exc).__name__}: {exc}"
+        limit_s = config.getoption("build_timeout", default=0)
+        with watchdog.limit(config, f"building driver {spec!r} ran past --build-timeout={limit_s:g} s", limit_s):
+            try:
+                sel.built[spec] = drivers.get_driver(spec)
+            except (DriverUnavailable, DriverLoadError) as exc:
+                sel.built[spec] = str(exc)
+            except Exception as exc:  # the factory itself failed
+                sel.built[spec] = f"driver {spec!r}: its factory raised {type(exc).__name__}: {exc}"
     return sel.built[spec]
 
 
@@ -125,6 +130,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     sel = selection(config)
     lines = [f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
     for spec in sel.specs:
+        if sel.explicit and watchdog.is_controller(config):
+            lines.append(f"driver {spec}: named explicitly; built only in the pytest-xdist workers (every rule fails "
+                         f"if it cannot run)")
+            continue
         if sel.explicit:  # built now, so a spec that does not load is named once, here
             built = build(config, spec)
             reason = built if isinstance(built, str) else None

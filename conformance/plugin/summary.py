@@ -3,6 +3,9 @@ throughput, as a table in the terminal and, with ``--summary-json``, as JSON for
 
 Each rule's report carries its driver spec (a user property), so the summary also works where the tests ran in
 pytest-xdist workers (crash isolation: a driver that faults kills a worker, fails that rule, and the run goes on).
+There the figures come from the workers too: each measures the drivers it built as its session ends (within
+``--rule-timeout``) and hands them back in ``workeroutput``; the controller builds nothing (Note [Who builds the
+driver under test] in ``preflight``), and a figure no worker lived to measure reads "-".
 The outcomes are kept by a ``Summary`` object registered for the run and stashed on the config.
 """
 
@@ -16,9 +19,12 @@ import torch
 
 import extensible_kv
 
+from .. import table
 from .selection import build, selection
+from .watchdog import is_controller, limit
 
 _DRIVER_PROPERTY = "extensible_kv_driver"
+_FIGURES = "extensible_kv_figures"  # workeroutput key: spec -> the figures a worker measured
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +71,27 @@ def _commit_throughput(driver: object, nbytes: int) -> float:
     return nbytes / elapsed / 1e9
 
 
+def _figures(config: pytest.Config, spec: str) -> dict:
+    """The summary's figures of the driver this process built for ``spec``: its granularity and one timed commit,
+    or why it could not be built; nothing when it was never built here."""
+    built = selection(config).built.get(spec)
+    if built is None:
+        return {}
+    if isinstance(built, str):
+        return {"unavailable": built}
+    probe_bytes = config.getoption("--commit-probe-bytes") or (8 << 30 if built.device.type == "cuda" else 256 << 20)
+    limit_s = config.getoption("rule_timeout", default=0)
+    figures: dict = {}
+    try:  # a driver that failed its rules may fail here too: the table then shows what could be measured
+        with limit(config, f"the summary's commit probe on driver {spec} ran past --rule-timeout={limit_s:g} s",
+                   limit_s):
+            figures["granularity"] = built.granularity()
+            rate = _commit_throughput(built, probe_bytes)
+    except Exception:  # noqa: BLE001 - the rules report the driver's faults; the summary shows "-"
+        return figures
+    return {**figures, "commit_bytes": probe_bytes, "commit_gb_per_s": round(rate, 2)}
+
+
 class Summary:
     """The outcome of each rule per driver in this run, and the table and JSON made from them at its end."""
 
@@ -72,6 +99,17 @@ class Summary:
         self.config = config
         self.outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
         self.reasons: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> why it was skipped
+        self.figures: dict[str, dict] = {}  # driver spec -> figures a pytest-xdist worker measured (the last one)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        self.figures.update((getattr(node, "workeroutput", None) or {}).get(_FIGURES, {}))
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        output = getattr(session.config, "workeroutput", None)
+        if output is not None:  # a pytest-xdist worker: its figures go back to the controller
+            output[_FIGURES] = {spec: _figures(session.config, spec) for spec in selection(session.config).specs
+                                if spec in selection(session.config).built}
 
     def _spec_of(self, report: pytest.TestReport) -> str | None:
         for key, value in getattr(report, "user_properties", ()):
@@ -98,33 +136,28 @@ class Summary:
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
         sel = selection(config)
         outcomes = self.outcomes
+        controller = is_controller(config)
         rows = []
         for spec in sel.specs:
             counts = {"passed": 0, "failed": 0, "skipped": 0}
             for (s, _), outcome in outcomes.items():
                 if s == spec:
                     counts[outcome] = counts.get(outcome, 0) + 1
-            built = build(config, spec) if sum(counts.values()) else sel.built.get(spec)
-            row = {"driver": spec, **counts, "granularity": None, "commit_gb_per_s": None, "commit_bytes": None,
-                   "unavailable": built if isinstance(built, str) else None}
-            if built is not None and not isinstance(built, str) and sum(counts.values()):
-                probe_bytes = config.getoption("--commit-probe-bytes") or \
-                    (8 << 30 if built.device.type == "cuda" else 256 << 20)
-                row["granularity"] = built.granularity()
-                row["commit_bytes"] = probe_bytes
-                row["commit_gb_per_s"] = round(_commit_throughput(built, probe_bytes), 2)
-            rows.append(row)
+            if controller:  # measured by the workers; this process never builds the driver
+                figures = self.figures.get(spec, {})
+            elif sum(counts.values()):
+                build(config, spec)
+                figures = _figures(config, spec)
+            else:
+                built = sel.built.get(spec)
+                figures = {"unavailable": built} if isinstance(built, str) else {}
+            rows.append(table.row(spec, **counts, **figures))
         if not any(sum(r[k] for k in ("passed", "failed", "skipped")) for r in rows):
             return
         tr = terminalreporter
-        tr.section("extensible-kv conformance summary")
-        tr.write_line(f"{'driver':<24} {'passed':>6} {'failed':>6} {'skipped':>7} {'granularity':>12} "
-                      f"{'commit GB/s':>12}")
-        for r in rows:
-            gran = f"{r['granularity'] >> 10} KiB" if r["granularity"] else "-"
-            rate = f"{r['commit_gb_per_s']:.1f}" if r["commit_gb_per_s"] is not None else "-"
-            tr.write_line(f"{r['driver']:<24} {r['passed']:>6} {r['failed']:>6} {r['skipped']:>7} {gran:>12} "
-                          f"{rate:>12}" + (f"   ({r['unavailable']})" if r["unavailable"] else ""))
+        tr.section(table.TITLE)
+        for line in table.lines(rows):
+            tr.write_line(line)
         path = config.getoption("--summary-json")
         if path:
             from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415

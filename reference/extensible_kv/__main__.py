@@ -1,15 +1,25 @@
-"""Command line: ``python -m extensible_kv drivers | check-driver | validate-backend | environment | report |
-bench-summary``."""
+"""Command line: ``extensible-kv`` (or ``python -m extensible_kv``) ``drivers | check-driver | validate-backend |
+environment | report | bench-summary``; without a command it lists them.
+
+The runtime needs torch and numpy only: what a command needs beyond them (the conformance suite and pytest for
+``check-driver``, pydantic for the measurement files, the renderers for ``report``) is looked for when that command
+runs, and its absence is one line naming the extra that installs it.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
+import os
 import sys
+from pathlib import Path
 
 import torch
 
 from . import drivers
+
+SCRIPT = "extensible-kv"  # the console script (pyproject.toml)
+SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra brings and the rules import
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,26 +56,57 @@ def _drivers(_: argparse.Namespace) -> int:
     return 0
 
 
-def _rules():
-    """The conformance suite's package: installed (``extensible_kv_conformance``) or, in a source checkout whose root
-    is on the path, ``conformance``; ``None`` when neither is importable."""
-    for name in ("extensible_kv_conformance", "conformance"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if callable(getattr(module, "check_driver", None)):
-            return module
+def _find(name: str):
+    """``importlib.util.find_spec(name)`` for a top-level name, which runs no code of it; ``None`` if absent."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def suite() -> str | None:
+    """The module name of the conformance suite, found without importing it: installed (``extensible_kv_conformance``)
+    or, in a source checkout, the ``conformance`` folder beside ``reference/`` (only that one: another project's
+    package of that name is not the suite); ``None`` when neither is there."""
+    found = _find("extensible_kv_conformance")
+    if found is not None and found.origin:
+        return "extensible_kv_conformance"
+    found = _find("conformance")
+    checkout = Path(__file__).resolve().parents[2] / "conformance"
+    if found is not None and found.origin and Path(found.origin).resolve() == checkout / "__init__.py":
+        return "conformance"
     return None
 
 
 def _check_driver(args: argparse.Namespace) -> int:
-    rules = _rules()
-    if rules is None:
-        print("error: the conformance rules are not importable: install the package (pip install extensible-kv) or "
-              "put the checkout's root on PYTHONPATH", file=sys.stderr)
+    """Hand over to the suite's own command (``python -m <suite>``) in this process: the runtime never imports the
+    suite, and the suite's command, not this one, owns the children it starts and the signals it is sent."""
+    name = suite()
+    missing = [m for m in SUITE_NEEDS if _find(m) is None]
+    if name is None or missing:
+        what = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed" if missing else \
+            "the conformance suite is not installed"
+        print(f"error: check-driver needs the conformance extra ({what}): "
+              f"{drivers.install_command('conformance')}", file=sys.stderr)
         return 2
-    return rules.check_driver(args.driver, args.pytest_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", name, args.driver, *args.pytest_args])
+    except OSError as exc:
+        print(f"error: cannot start {sys.executable} -m {name}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 2  # not reached: execv replaced this process
+
+
+REPORT_NEEDS = ("pydantic", "matplotlib", "jinja2", "markdown_it", "mdit_py_plugins")  # the report extra's modules
+
+
+def _needs_extra(exc: ModuleNotFoundError, command: str) -> int:
+    """One line for a command whose extra is not installed."""
+    print(f"error: {command} needs {exc.name}, which is not installed: {drivers.install_command('report')}",
+          file=sys.stderr)
+    return 2
 
 
 def _validate_backend(args: argparse.Namespace) -> int:
@@ -75,6 +116,8 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if not isinstance(dtype, torch.dtype):
         print(f"error: --dtype {args.dtype!r} is not a torch dtype", file=sys.stderr)
         return 2
+    if args.json and _find("pydantic") is None:
+        return _needs_extra(ModuleNotFoundError(name="pydantic"), "validate-backend --json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
     reports = validate_many(args.backend, layouts, driver=args.driver, num_kv_heads=args.num_kv_heads,
                             head_size=args.head_size, block_size=args.block_size, dtype=dtype,
@@ -115,17 +158,45 @@ def _environment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_report(sub: argparse._SubParsersAction) -> None:
+    """``report`` and ``bench-summary``; without the report extra, each answers with the line that says so."""
+    try:
+        from .report import register  # noqa: PLC0415 - pydantic loads here, matplotlib only when it draws
+    except ModuleNotFoundError as exc:
+        if exc.name not in REPORT_NEEDS:
+            raise
+        for name in ("report", "bench-summary"):
+            stub = sub.add_parser(name, help=f"(needs the report extra: {drivers.install_command('report')})")
+            stub.add_argument("args", nargs=argparse.REMAINDER)
+            stub.set_defaults(run=lambda args, exc=exc, name=name: _needs_extra(exc, name))
+        return
+    register(sub)
+
+
+def prog() -> str:
+    """How this command was started: ``extensible-kv`` (the console script) or ``python -m extensible_kv``."""
+    return SCRIPT if Path(sys.argv[0]).name == SCRIPT else "python -m extensible_kv"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m extensible_kv")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """Run a command; without one, list the commands on stdout and return 2 (nothing was run)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _Parser(prog=prog(), description="Growable, virtual-memory-backed tensors and KV caches: the drivers, "
+                                              "their conformance rules, backend checks and measurement reports.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(
         run=_drivers)
     cd = sub.add_parser("check-driver", help="run every conformance rule on a driver (exit 0: conformant)",
-                        description="Run every conformance rule on DRIVER in a pytest-xdist worker (a driver that "
-                                    "faults fails the rule it faulted in, the run goes on); the exit status is "
-                                    "pytest's: 0 when every rule passes.")
+                        description="Build DRIVER once in a child process (within --build-timeout, default 60 s), "
+                                    "then run every conformance rule on it in a pytest-xdist worker: a driver that "
+                                    "faults or runs past --rule-timeout (default 300 s) fails the rule it was in and "
+                                    "the run goes on to its summary. This process never imports DRIVER's module. "
+                                    "Exit status: 0 when every rule passes, 1 when one fails or the driver cannot be "
+                                    "built, 2 for a spec that names no driver. Needs the conformance extra.")
     cd.add_argument("driver", help="registered driver name (host, host-4k, cuda, hip) or module:factory")
-    rest = cd.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest (e.g. -k zero, -x, -q)")
+    rest = cd.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                           help="passed to pytest (e.g. -k zero, -x, -q, --build-timeout 30, --rule-timeout 120, "
+                                "--summary-json PATH)")
     rest.required = False  # none is fine; argparse would name it among the missing arguments beside the driver
     cd.set_defaults(run=_check_driver)
     vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
@@ -147,11 +218,20 @@ def main(argv: list[str] | None = None) -> int:
                                              "platform (extensible_kv.measurements.Environment)")
     env.add_argument("out_dir", metavar="OUT_DIR")
     env.set_defaults(run=_environment)
-    from .report import register as register_report  # noqa: PLC0415 - matplotlib loads only when it draws
-
-    register_report(sub)  # report, bench-summary
+    _register_report(sub)
+    if not argv:
+        print(parser.format_help(), end="")
+        return 2
     args = parser.parse_args(argv)
-    return args.run(args)
+    if getattr(args, "run", None) is None:  # options but no command
+        print(parser.format_help(), end="")
+        return 2
+    try:
+        return args.run(args)
+    except ModuleNotFoundError as exc:
+        if exc.name not in REPORT_NEEDS:
+            raise
+        return _needs_extra(exc, args.command)
 
 
 if __name__ == "__main__":

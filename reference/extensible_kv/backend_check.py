@@ -171,13 +171,32 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
     except LayoutError as exc:
         report.add("segments", False, str(exc))
         return report
+    except ExtensibleKVError as exc:  # the reservation does not fit the driver
+        report.add("fits the driver", False, _does_not_fit(driver, page, max_blocks, exc))
+        return report
     try:
         _exercise(report, cache, block_dim, page, max_blocks, ledger)
+    except ExtensibleKVError as exc:  # a commit the driver cannot hold (CommitOutOfMemory) or refuses
+        report.add("fits the driver", False, _does_not_fit(driver, page, max_blocks, exc))
     finally:
-        cache.close()
+        try:
+            cache.close()
+        except ExtensibleKVError as exc:
+            report.add("close", False, f"{type(exc).__name__}: {exc}")
     left = ledger.outstanding()
     report.add("no leaks", not left, f"after close: {left}")
     return report
+
+
+def _does_not_fit(driver: Driver, page: int, max_blocks: int, exc: Exception) -> str:
+    """One line: the page size, the block count and the driver's limit, and the error that said so."""
+    try:
+        free, total = driver.mem_info()
+        limit = f"{total} bytes ({free} free)"
+    except Exception as info_exc:  # noqa: BLE001 - the driver's own call; the size error is the finding
+        limit = f"unknown (mem_info raised {type(info_exc).__name__})"
+    return " ".join(f"page {page} bytes x {max_blocks} blocks = {page * max_blocks} bytes reserved; driver "
+                    f"{driver.name} holds {limit}: {type(exc).__name__}: {exc}".split())
 
 
 def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim: int, page: int, max_blocks: int,

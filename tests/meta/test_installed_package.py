@@ -1,11 +1,17 @@
-"""The suite as an installed product: the wheel holds the reference package and the rules, and none of the project's
-own tests; installed (not editable) into a fresh venv and run from another folder, ``extensible-kv check-driver`` and
-``pytest --pyargs extensible_kv_conformance`` pass the rules on ``host-4k`` and fail a broken driver; a checkout's
-rules run beside the installed plugin with its hooks once; and the build leaves no metadata on a checkout's path.
+"""The package as users install it, one fresh venv per profile, run from another folder:
 
-The venv gets no network: the wheel is installed with ``--no-deps --no-index``, and its requirements (torch, pytest,
-hypothesis, pytest-xdist and theirs) are the ones this interpreter already has, linked into a folder the venv puts on
-its path; ``pip check`` then proves that they satisfy what the wheel declares.
+- the runtime (``pip install extensible-kv``): torch and numpy only; pytest is not importable, the command line lists
+  its commands without a warning, ``check-driver`` says in one line which extra it needs, install hints name the
+  index, not a checkout;
+- the suite (``pip install 'extensible-kv[conformance]'``): ``extensible-kv check-driver`` passes the rules on
+  ``host-4k`` and fails a broken driver, ``pytest -p extensible_kv_conformance.plugin --pyargs
+  extensible_kv_conformance`` runs them, no pytest run of another project loads any plugin of this package
+  (``--trace-config``), and a checkout's ``pytest conformance`` runs with nothing but the suite's requirements.
+
+The venvs get no network: the wheel is installed with ``--no-deps --no-index``, and its requirements for the profile
+(torch and numpy, plus pytest, hypothesis, pytest-xdist and pydantic for the suite, and theirs) are the ones this
+interpreter already has, linked into a folder the venv puts on its path (torch's CPU build stays the one here);
+``pip check`` then proves that they satisfy what the wheel declares.
 """
 
 from __future__ import annotations
@@ -23,8 +29,6 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from conformance import rule_paths
-
 pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +37,11 @@ RULES = ("test_zero_sets_exactly_the_range or test_reserve_is_aligned_and_not_ac
          "test_segments_grow_in_lockstep")
 SUMMARY = "extensible-kv conformance summary"
 TIMEOUT_S = 600
+RUNTIME = {"torch", "numpy"}
+SUITE = {"pytest", "hypothesis", "pytest-xdist", "pydantic"}
 
 
-def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def _run(cmd: list, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """``cmd`` in ``cwd`` with nothing of this checkout or this pytest run in its environment."""
     clean = {k: v for k, v in os.environ.items()
              if k != "PYTHONPATH" and not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
@@ -45,6 +51,10 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 def _output(proc: subprocess.CompletedProcess) -> str:
     return (proc.stdout + proc.stderr)[-4000:]
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +82,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory, checkout: Path) -> Path:
     return wheels[0]
 
 
-def _requirements(dist: importlib.metadata.Distribution) -> list[str]:
-    """Names of what ``dist`` requires, extras left out, markers evaluated here."""
-    names = []
-    for line in dist.requires or ():
-        req = Requirement(line)
-        if req.marker is None or req.marker.evaluate({"extra": ""}):
-            names.append(req.name)
-    return names
+def _requires(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        return [Requirement(line.split(":", 1)[1].strip()) for line in zf.read(metadata).decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+
+
+def _needed(requires: list[Requirement], extra: str) -> list[str]:
+    """Names of the requirements that apply with ``extra`` ('' for none), markers evaluated here."""
+    return [r.name for r in requires if r.marker is None or r.marker.evaluate({"extra": extra})]
 
 
 def _link_requirements(names: list[str], into: Path) -> list[str]:
@@ -90,36 +102,26 @@ def _link_requirements(names: list[str], into: Path) -> list[str]:
     todo = list(names)
     while todo:
         name = todo.pop()
-        key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in linked:
+        if _key(name) in linked:
             continue
         dist = importlib.metadata.distribution(name)
-        linked[key] = dist
+        linked[_key(name)] = dist
         tops = {f.parts[0] for f in dist.files or () if f.parts[0] not in ("..", "__pycache__")}
         for top in sorted(tops):
             target = Path(dist.locate_file(top))
             if target.exists() and not (into / top).exists():
                 (into / top).symlink_to(target)
-        todo += _requirements(dist)
+        todo += _needed([Requirement(line) for line in dist.requires or ()], "")
     return sorted(linked)
 
 
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
-    """A fresh venv with the wheel installed (not editable) and its requirements linked in."""
-    base = tmp_path_factory.mktemp("venv")
+def _venv(base: Path, wheel: Path, extra: str) -> Path:
+    """A fresh venv with the wheel installed (not editable) and what it requires with ``extra`` linked in."""
     env = base / "env"
     proc = _run([sys.executable, "-m", "venv", "--without-pip", env], cwd=base)
     assert proc.returncode == 0, f"python -m venv: exit {proc.returncode}\n{_output(proc)}"
     python = env / "bin" / "python"
-    with zipfile.ZipFile(wheel) as zf:
-        metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        requires = [Requirement(line.split(":", 1)[1].strip()) for line in zf.read(metadata).decode().splitlines()
-                    if line.startswith("Requires-Dist:")]
-    names = [r.name for r in requires if r.marker is None or r.marker.evaluate({"extra": ""})]
-    # numpy too, which the wheel does not need: torch warns on import without it, and the checkout's ini
-    # (filterwarnings = error) would make that warning an error where a checkout's rules run in this venv.
-    _link_requirements([*names, "numpy"], base / "requirements")
+    _link_requirements(_needed(_requires(wheel), extra), base / "requirements")
     purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=base)
     (Path(purelib.stdout.strip()) / "requirements.pth").write_text(f"{base / 'requirements'}\n")
     pip = [sys.executable, "-m", "pip", "--python", python]
@@ -128,6 +130,18 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     proc = _run([*pip, "check"], cwd=base, PIP_DISABLE_PIP_VERSION_CHECK="1")
     assert proc.returncode == 0, f"pip check: the wheel's requirements are not all met\n{_output(proc)}"
     return env
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """``pip install extensible-kv``."""
+    return _venv(tmp_path_factory.mktemp("runtime"), wheel, "")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """``pip install 'extensible-kv[conformance]'``."""
+    return _venv(tmp_path_factory.mktemp("suite"), wheel, "conformance")
 
 
 @pytest.fixture
@@ -146,27 +160,70 @@ def elsewhere(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_the_wheel_holds_the_reference_and_the_rules_and_no_tests_of_the_project(wheel: Path):
+def test_the_wheel_is_the_runtime_with_the_suite_as_an_extra_and_no_pytest_plugin(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     reference = ROOT / "reference"
     want = {p.relative_to(reference).as_posix() for p in (reference / "extensible_kv").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts}  # modules and package data (the report's templates)
     want |= {f"extensible_kv_conformance/{p.relative_to(ROOT / 'conformance').as_posix()}"
              for p in [*(ROOT / "conformance").glob("*.py"), *(ROOT / "conformance" / "plugin").glob("*.py")]}
-    missing = sorted(want - names)
     tests = sorted(n for n in names if n.startswith(("tests/", "extensible_kv_conformance/unit/",
                                                      "extensible_kv_conformance/meta/", "conformance/")))
     entry_points = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    got = {"missing": missing, "tests of the project": tests,
-           "pytest11 entry point": "extensible_kv_conformance = extensible_kv_conformance.plugin" in entry_points,
-           "console script": "extensible-kv = extensible_kv.__main__:main" in entry_points}
-    want_got = {"missing": [], "tests of the project": [], "pytest11 entry point": True, "console script": True}
+    requires = _requires(wheel)
+    got = {"missing": sorted(want - names), "tests of the project": tests,
+           "pytest11 entry point": "pytest11" in entry_points,
+           "console script": "extensible-kv = extensible_kv.__main__:main" in entry_points,
+           "runtime requires": sorted({_key(n) for n in _needed(requires, "")}),
+           "conformance adds": sorted({_key(n) for n in _needed(requires, "conformance")} - RUNTIME),
+           "link from reference/ to the suite": (ROOT / "reference" / "extensible_kv_conformance").exists()}
+    want_got = {"missing": [], "tests of the project": [], "pytest11 entry point": False, "console script": True,
+                "runtime requires": sorted(RUNTIME), "conformance adds": sorted(SUITE),
+                "link from reference/ to the suite": False}
     assert got == want_got, f"{wheel.name}: expected {want_got}, got {got}"
 
 
-def test_check_driver_from_the_installed_package_passes_the_rules_on_host_4k(venv: Path, elsewhere: Path):
+def test_the_runtime_alone_has_no_pytest_and_its_commands_say_what_they_need(runtime: Path, elsewhere: Path):
+    bin_ = runtime / "bin"
+    pytest_import = _run([bin_ / "python", "-c", "import pytest"], cwd=elsewhere)
+    listing = _run([bin_ / "python", "-m", "extensible_kv"], cwd=elsewhere)
+    usage = _run([bin_ / "extensible-kv", "--help"], cwd=elsewhere)
+    drivers = _run([bin_ / "extensible-kv", "drivers"], cwd=elsewhere)
+    check = _run([bin_ / "extensible-kv", "check-driver", "host"], cwd=elsewhere)
+    got = {
+        "import pytest fails": pytest_import.returncode != 0 and "No module named 'pytest'" in pytest_import.stderr,
+        "no command: exit, commands listed, stderr": (listing.returncode, "check-driver" in listing.stdout,
+                                                      listing.stderr),
+        "--help names": usage.stdout.split(" [")[0],
+        "drivers: exit, host available, hint from the index": (
+            drivers.returncode, "host       available" in drivers.stdout,
+            "(pip install 'extensible-kv[cuda]')" in drivers.stdout and "-e " not in drivers.stdout),
+        "check-driver: exit, stderr lines, names the extra": (
+            check.returncode, len(check.stderr.splitlines()),
+            "pip install 'extensible-kv[conformance]'" in check.stderr),
+    }
+    want = {"import pytest fails": True, "no command: exit, commands listed, stderr": (2, True, ""),
+            "--help names": "usage: extensible-kv",
+            "drivers: exit, host available, hint from the index": (0, True, True),
+            "check-driver: exit, stderr lines, names the extra": (2, 1, True)}
+    assert got == want, f"the runtime profile: expected {want}, got {got}\n{_output(listing)}\n{_output(drivers)}\n" \
+                        f"{_output(check)}"
+
+
+def test_no_pytest_run_of_another_project_loads_a_plugin_of_the_package(suite: Path, elsewhere: Path):
+    (elsewhere / "test_theirs.py").write_text("def test_theirs():\n    pass\n")
+    proc = _run([suite / "bin" / "python", "-m", "pytest", "--trace-config", "-p", "no:cacheprovider",
+                 "test_theirs.py"], cwd=elsewhere)
+    registered = [line for line in proc.stdout.splitlines() if "registered" in line or line.startswith("PLUGIN")]
+    ours = [line for line in registered if "extensible" in line]
+    got = (proc.returncode, bool(registered), ours)
+    assert got == (0, True, []), f"pytest --trace-config in another project with the suite installed: expected " \
+                                 f"(exit 0, plugins listed, none of this package), got {got}\n{_output(proc)}"
+
+
+def test_check_driver_from_the_installed_package_passes_the_rules_on_host_4k(suite: Path, elsewhere: Path):
     summary = elsewhere / "out" / "conformance-host-4k.json"
-    proc = _run([venv / "bin" / "extensible-kv", "check-driver", "host-4k", "-k", RULES, "-v",
+    proc = _run([suite / "bin" / "extensible-kv", "check-driver", "host-4k", "-k", RULES, "-v",
                  f"--summary-json={summary}"], cwd=elsewhere)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY),
@@ -176,8 +233,8 @@ def test_check_driver_from_the_installed_package_passes_the_rules_on_host_4k(ven
                                             f"summary, the installed rules, the summary JSON), got {got}\n{out}"
 
 
-def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Path, elsewhere: Path):
-    proc = _run([venv / "bin" / "extensible-kv", "check-driver", "broken_vmm:make", "-k", RULES], cwd=elsewhere,
+def test_check_driver_from_the_installed_package_fails_a_broken_driver(suite: Path, elsewhere: Path):
+    proc = _run([suite / "bin" / "extensible-kv", "check-driver", "broken_vmm:make", "-k", RULES], cwd=elsewhere,
                 PYTHONPATH=str(elsewhere))
     out = _output(proc)
     got = (proc.returncode, "test_zero_sets_exactly_the_range" in out and "FAILED" in out, "2 passed" in out)
@@ -185,37 +242,25 @@ def test_check_driver_from_the_installed_package_fails_a_broken_driver(venv: Pat
                                    f"failed, 2 passed), got {got}\n{out}"
 
 
-def test_the_pytest_plugin_runs_the_installed_rules_from_any_folder(venv: Path, elsewhere: Path):
-    proc = _run([venv / "bin" / "python", "-m", "pytest", "--pyargs", "extensible_kv_conformance", "--driver",
-                 "host-4k", "-k", RULES, "-p", "no:cacheprovider", "--strict-markers"], cwd=elsewhere)
+def test_pytest_runs_the_installed_rules_from_any_folder_when_named(suite: Path, elsewhere: Path):
+    proc = _run([suite / "bin" / "python", "-m", "pytest", "-p", "extensible_kv_conformance.plugin", "--pyargs",
+                 "extensible_kv_conformance", "--driver", "host-4k", "-k", RULES, "-p", "no:cacheprovider",
+                 "--strict-markers"], cwd=elsewhere)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY), "driver host-4k: available" in out)
     assert got == (0, True, 1, True), \
-        f"pytest --pyargs extensible_kv_conformance --driver host-4k: expected (exit 0, 3 passed, one summary, the " \
-        f"driver in the header), got {got}\n{out}"
+        f"pytest -p extensible_kv_conformance.plugin --pyargs extensible_kv_conformance --driver host-4k: expected " \
+        f"(exit 0, 3 passed, one summary, the driver in the header), got {got}\n{out}"
 
 
-def test_a_checkouts_rules_beside_the_installed_plugin_run_once(venv: Path, elsewhere: Path):
-    # The checkout's conftest finds the installed plugin registered and leaves it at that: one set of hooks.
-    proc = _run([venv / "bin" / "python", "-m", "pytest", *rule_paths(), "--driver", "host-4k", "-k", RULES, "-v",
-                 "-p", "no:cacheprovider", "-o", "addopts="], cwd=elsewhere)
+def test_a_checkouts_rules_run_with_plain_pytest_and_only_the_suites_requirements(suite: Path, checkout: Path):
+    # The checkout's own pytest settings (pyproject.toml) apply: they must not need pytest-benchmark or anything
+    # else the suite does not bring; the rules' conftest registers the checkout's plugin.
+    proc = _run([suite / "bin" / "python", "-m", "pytest", "conformance", "--driver", "host-4k", "-k", RULES, "-v",
+                 "-p", "no:cacheprovider"], cwd=checkout)
     out = _output(proc)
     got = (proc.returncode, "3 passed" in out, out.count(SUMMARY),
            "conformance/test_driver_contract.py::test_zero_sets_exactly_the_range[host-4k] PASSED" in out)
-    assert got == (0, True, 1, True), f"pytest {' '.join(rule_paths())} with the package installed: expected (exit 0, " \
-                                      f"3 passed, one summary, the checkout's rules), got {got}\n{out}"
-
-
-def test_a_built_checkout_runs_its_rules_with_the_builds_metadata_on_its_path(checkout: Path, wheel: Path):
-    # A build leaves its metadata, pytest11 entry point included, in reference/: on the PYTHONPATH of a checkout's
-    # runs (reference:.), where the entry point's extensible_kv_conformance must resolve (reference/ links it to
-    # conformance/) and the rules' conftest must leave the plugin it loads at that.
-    metadata = sorted(p.name for p in (checkout / "reference").glob("*.egg-info"))
-    proc = _run([sys.executable, "-m", "pytest", "conformance", "--driver", "host-4k",
-                 "-k", RULES, "-p", "no:cacheprovider"], cwd=checkout,
-                PYTHONPATH=os.pathsep.join([str(checkout / "reference"), str(checkout)]))
-    out = _output(proc)
-    got = (metadata, proc.returncode, "3 passed" in out, out.count(SUMMARY))
-    assert got == (["extensible_kv.egg-info"], 0, True, 1), \
-        f"pytest conformance in a built checkout: expected (the build's metadata in reference/, exit 0, 3 passed, " \
-        f"one summary), got {got}\n{out}"
+    assert got == (0, True, 1, True), f"pytest conformance --driver host-4k in a checkout, the suite installed: " \
+                                      f"expected (exit 0, 3 passed, one summary, the checkout's rules), got " \
+                                      f"{got}\n{out}"

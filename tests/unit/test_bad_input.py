@@ -23,7 +23,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 BAD_CLI = {
-    "no_command": ((), 2, "required"),
+    "no_command": ((), 2, "check-driver"),  # lists the commands
     "unknown_command": (("frobnicate",), 2, "invalid choice"),
     "bad_dtype": (("validate-backend", "x:y", "--dtype", "float7"), 2, "--dtype 'float7' is not a torch dtype"),
     "bad_layout": (("validate-backend", "x:y", "--layout", "XYZ"), 2, "invalid choice"),

@@ -6,7 +6,6 @@ Each run of the rules happens in a fresh interpreter, so the suite's pytest sess
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conformance import rule_paths
+from extensible_kv import __main__ as cli
 from extensible_kv.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,20 +65,15 @@ def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, ex
                                     f"expected (exit {expected}, a summary), got {got}:\n{output}"
 
 
-def test_the_command_line_without_the_rules_importable_says_so_in_one_line(monkeypatch, capsys):
-    real_import = importlib.import_module
-
-    def import_module(name, package=None):
-        if name in ("extensible_kv_conformance", "conformance"):
-            raise ModuleNotFoundError(f"No module named {name!r}")
-        return real_import(name, package)
-
-    monkeypatch.setattr(importlib, "import_module", import_module)
+@pytest.mark.parametrize("absent", ["extensible_kv_conformance", "pytest"])
+def test_the_command_line_without_the_conformance_extra_says_so_in_one_line(monkeypatch, capsys, absent):
+    real_find = cli._find
+    monkeypatch.setattr(cli, "_find", lambda name: None if name in (absent, "conformance") else real_find(name))
     code = main(["check-driver", "host-4k"])
     err = capsys.readouterr().err
-    got = (code, len(err.splitlines()), "conformance rules are not importable" in err)
-    assert got == (2, 1, True), f"check-driver with neither rules package importable: expected (exit 2, one line, " \
-                                f"naming the missing rules), got {got}:\n{err}"
+    got = (code, len(err.splitlines()), "needs the conformance extra" in err, "[conformance]" in err)
+    assert got == (2, 1, True, True), f"check-driver without {absent}: expected (exit 2, one line, naming the " \
+                                      f"conformance extra and how to install it), got {got}:\n{err}"
 
 
 def test_the_command_line_names_the_missing_driver_and_nothing_else(capsys):

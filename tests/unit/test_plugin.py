@@ -1,10 +1,10 @@
-"""The suite's pytest plugin in a project that is not the suite: installed, pytest loads it in every run of every
-project, so there it must change nothing. Another project's own ``driver`` fixture and its tests are left alone
-(not parametrized over drivers), its Hypothesis settings keep their defaults, and the header and the summary stay
-silent unless ``--driver`` asks for the rules.
+"""The suite's pytest plugin in a project that is not the suite: no entry point loads it there, but a project that
+names it (``-p extensible_kv_conformance.plugin``) to run the rules beside its own tests must see nothing else change.
+Another project's own ``driver`` fixture and its tests are left alone (not parametrized over drivers), its Hypothesis
+settings keep their defaults, and the header and the summary stay silent unless ``--driver`` asks for the rules.
 
-Each run is a fresh pytest in a subprocess on a small project, with the checkout's plugin loaded as an installed copy
-is (``-p``, before any conftest).
+Each run is a fresh pytest in a subprocess on a small project, with the checkout's plugin loaded by ``-p``, before any
+conftest.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         (tmp_path / name).write_text("\n".join(line[8:] for line in text.splitlines()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
     path = os.pathsep.join([str(ROOT / "reference"), str(ROOT)])
-    # The checkout's copy, loaded once: an installed copy (an editable install in the nox session) is blocked.
+    # The checkout's copy, loaded once (an install made before the suite's entry point was dropped is blocked).
     plugin = ["-p", "no:extensible_kv_conformance", "-p", "conformance.plugin"]
     return subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "-v", "-s", *args],
                           cwd=tmp_path, env={**env, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)

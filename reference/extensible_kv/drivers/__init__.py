@@ -4,14 +4,17 @@ A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``, 
 ``factory`` is a zero-argument callable in an importable module that returns a driver. ``get_driver`` resolves
 both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the GPU driver when one
 works and the host driver otherwise; ``resolve`` turns a ``driver=`` argument (a driver, a spec or ``None``) into a
-driver.
+driver. ``install_command`` says how to install the extra a driver needs, the way this copy was installed.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import DriverLoadError, DriverUnavailable
 from . import cuda as _cuda
@@ -22,7 +25,7 @@ from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, confor
 from .ledger import Ledger
 
 __all__ = ["Driver", "Handle", "Ledger", "DeviceArray", "register", "registered", "probe", "get_driver",
-           "best_available", "resolve", "DRIVER_METHODS", "DRIVER_ATTRIBUTES", "protocol_methods"]
+           "best_available", "resolve", "install_command", "DRIVER_METHODS", "DRIVER_ATTRIBUTES", "protocol_methods"]
 
 
 @dataclass(frozen=True)
@@ -30,16 +33,36 @@ class _Entry:
     factory: Callable[[], Driver]
     probe: Callable[[], str | None]
     gpu: bool
+    extra: str | None = None  # the package extra that brings the driver's bindings
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool) -> None:
-    """Register a driver under ``name``; ``probe()`` returns ``None`` when it can run, else the reason."""
+def register(name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool,
+             extra: str | None = None) -> None:
+    """Register a driver under ``name``; ``probe()`` returns ``None`` when it can run, else the reason. ``extra``
+    names the extra of this package that installs what the driver needs (its probe's reason then ends with the
+    command that installs it)."""
     if not name or ":" in name:
         raise DriverLoadError(f"driver names must be non-empty and contain no ':', got {name!r}")
-    _REGISTRY[name] = _Entry(factory, probe, gpu)
+    _REGISTRY[name] = _Entry(factory, probe, gpu, extra)
+
+
+def _checkout() -> Path | None:
+    """The source checkout this package runs from (its ``pyproject.toml`` two folders up, as in ``reference/``), or
+    ``None`` where it was installed from a wheel."""
+    root = Path(__file__).resolve().parents[3]
+    return root if (root / "pyproject.toml").is_file() and (root / "reference" / "extensible_kv").is_dir() else None
+
+
+def install_command(extra: str) -> str:
+    """The command that installs ``extra``: from an index, or, running from a source checkout, editable from it."""
+    root = _checkout()
+    if root is None:
+        return f"pip install 'extensible-kv[{extra}]'"
+    where = "." if Path(os.getcwd()).resolve() == root else str(root)
+    return f"pip install -e '{where}[{extra}]'"
 
 
 def registered() -> list[str]:
@@ -51,7 +74,17 @@ def probe(name: str) -> str | None:
     """Why the registered driver ``name`` cannot run here, or ``None`` when it can."""
     if name not in _REGISTRY:
         raise DriverLoadError(f"unknown driver {name!r}; registered: {', '.join(registered())}")
-    return _REGISTRY[name].probe()
+    entry = _REGISTRY[name]
+    return _with_install_command(entry.probe(), entry.extra)
+
+
+def _with_install_command(reason: str | None, extra: str | None) -> str | None:
+    """``reason``, where it asks for ``extra``, ending with the command that installs it here (in place of any
+    command the driver's probe named)."""
+    if reason is None or extra is None or f"'{extra}' extra" not in reason:
+        return reason
+    reason = re.sub(r"\s*\(pip install [^)]*\)", "", reason)
+    return f"{reason} ({install_command(extra)})"
 
 
 def best_available() -> str:
@@ -103,6 +136,6 @@ def resolve(driver: Driver | str | None) -> Driver:
 register("host", lambda: _host.HostDriver(budget_bytes=1 << 30), _host.probe, gpu=False)
 register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k", budget_bytes=1 << 30),
          _host.probe, gpu=False)
-register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True)
-register("hip", _hip.HipDriver, _hip.probe, gpu=True)
+register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True, extra="cuda")
+register("hip", _hip.HipDriver, _hip.probe, gpu=True, extra="rocm")
 

@@ -1,0 +1,176 @@
+"""The preflight: build the driver under test once, in a child process with a time limit, before any rule runs.
+
+Note [Who builds the driver under test]
+    A ``module:factory`` spec names code from outside this project: importing its module or calling its factory may
+    raise, crash the interpreter, hang, or return something that is not a driver. So the process a user starts
+    (``extensible-kv check-driver``, ``check_driver``) and pytest's controller never import, build or call it: the
+    preflight builds it in a child of its own process group, killed on ``--build-timeout``, and the rules build it
+    again in pytest-xdist workers, where the plugin's watchdog bounds each build and each rule. A driver that cannot
+    be built is then one message and no rule runs (exit status 1), instead of the same error once per rule; a spec
+    that names no driver (bad syntax, no such module, no such factory) is one line and exit status 2. The preflight
+    resolves the module with ``importlib.util.find_spec`` before importing it, so "no such module" and "the module
+    raised on import" are told apart. The header and summary figures (granularity, commit throughput) come from the
+    workers too (``plugin/summary.py``).
+
+Run as ``python -m <suite>.preflight SPEC``: the last line on stdout is ``PREFIX`` and a JSON object with ``status``
+(``ok``, ``bad-spec``, ``unbuildable``) and ``message`` or ``facts``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import json
+import re
+import signal
+import sys
+import sysconfig
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from . import process_group
+
+PREFIX = "extensible-kv-preflight: "
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(rf"{_NAME.pattern}(\.{_NAME.pattern})*")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the preflight found: ``status`` is ``ok`` (with ``facts``), ``bad-spec`` or ``unbuildable``."""
+
+    status: str
+    message: str = ""
+    facts: dict = field(default_factory=dict)
+
+
+class _BadSpec(Exception):
+    pass
+
+
+class _Unbuildable(Exception):
+    pass
+
+
+def syntax_error(spec: str) -> str | None:
+    """Why ``spec`` is neither a driver name nor ``package.module:factory`` (read, not imported), or ``None``."""
+    module, colon, attr = spec.partition(":")
+    if not colon:
+        if spec and spec.strip() == spec and not any(c.isspace() for c in spec):
+            return None
+    elif _MODULE.fullmatch(module) and _NAME.fullmatch(attr):
+        return None
+    return f"driver spec {spec!r} is neither a registered driver name nor 'package.module:factory'"
+
+
+def _build(spec: str) -> dict:
+    """Build the driver ``spec`` names here and return what the run's header shows of it."""
+    from extensible_kv import drivers  # noqa: PLC0415 - after faulthandler, so a crash in torch's import is named
+    from extensible_kv.errors import DriverLoadError, DriverUnavailable  # noqa: PLC0415
+
+    if ":" not in spec:
+        if spec not in drivers.registered():
+            raise _BadSpec(f"unknown driver {spec!r}; registered: {', '.join(drivers.registered())}")
+        try:
+            driver = drivers.get_driver(spec)
+        except (DriverUnavailable, DriverLoadError) as exc:
+            raise _Unbuildable(str(exc)) from None
+        except Exception as exc:
+            raise _Unbuildable(f"building it raised {type(exc).__name__}: {exc}") from None
+    else:
+        module_name, _, attr = spec.partition(":")
+        try:
+            found = importlib.util.find_spec(module_name)
+        except ImportError as exc:  # a parent package that does not exist
+            raise _BadSpec(f"driver spec {spec!r}: no module named {exc.name or module_name!r}") from None
+        except Exception as exc:  # a parent package that raised on import
+            raise _Unbuildable(f"importing {module_name.rpartition('.')[0]} raised {type(exc).__name__}: {exc}") \
+                from None
+        if found is None:
+            raise _BadSpec(f"driver spec {spec!r}: no module named {module_name!r}")
+        try:
+            module = importlib.import_module(module_name)
+        except BaseException as exc:  # noqa: BLE001 - its code: SystemExit and KeyboardInterrupt are its failures too
+            raise _Unbuildable(f"importing {module_name} raised {type(exc).__name__}: {exc}") from None
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise _BadSpec(f"driver spec {spec!r}: module {module_name} has no callable {attr!r}")
+        try:
+            built = factory()
+        except BaseException as exc:  # noqa: BLE001
+            raise _Unbuildable(f"its factory raised {type(exc).__name__}: {exc}") from None
+        try:
+            driver = drivers.resolve(built)
+        except DriverLoadError as exc:
+            raise _Unbuildable(f"its factory returned {type(built).__name__}, not a driver: {exc}") from None
+    try:
+        return {"name": str(driver.name), "type": type(driver).__qualname__, "device": str(driver.device),
+                "granularity": int(driver.granularity())}
+    except BaseException as exc:  # noqa: BLE001
+        raise _Unbuildable(f"the built driver's name, device or granularity() raised {type(exc).__name__}: {exc}") \
+            from None
+
+
+def _say(status: str, **payload: object) -> None:
+    sys.stdout.flush()
+    print(PREFIX + json.dumps({"status": status, **payload}), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """The child: build ``argv[0]`` and say how it went (exit 0, 2 for a bad spec, 1 for a driver not built)."""
+    faulthandler.enable()  # a crash while building names the frame it happened in, on stderr
+    if len(argv) != 1:
+        _say("bad-spec", message=f"the preflight takes one driver spec, got {argv!r}")
+        return 2
+    try:
+        facts = _build(argv[0])
+    except _BadSpec as exc:
+        _say("bad-spec", message=str(exc))
+        return 2
+    except _Unbuildable as exc:
+        _say("unbuildable", message=" ".join(str(exc).split()))
+        return 1
+    _say("ok", facts=facts)
+    return 0
+
+
+def _crash_frame(stderr: str) -> str:
+    """The innermost frame of the faulthandler dump in ``stderr`` (most recent call first) outside Python's own
+    library (the factory's line, not ctypes'), else the innermost one; '' without a dump."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [m for m in (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in stderr.splitlines()) if m]
+    frame = next((m for m in frames if not m[1].startswith(stdlib)), frames[0] if frames else None)
+    return f" in {frame[3]} ({frame[1]}:{frame[2]})" if frame else ""
+
+
+def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> Outcome:
+    """Run the preflight of ``spec`` in a child (``python -m {package}.preflight``) for at most ``timeout`` seconds
+    (0: no limit)."""
+    done = process_group.run([sys.executable, "-m", f"{package}.preflight", spec], env=env,
+                             timeout=timeout or None, capture=True)
+    if done.timed_out:
+        return Outcome("unbuildable", f"building it did not finish within {timeout:g} s (--build-timeout; the "
+                                      f"process was killed)")
+    said = [line[len(PREFIX):] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
+    if said:
+        try:
+            answer = json.loads(said[-1])
+        except ValueError:
+            answer = {}
+        if answer.get("status") in ("ok", "bad-spec", "unbuildable"):
+            return Outcome(answer["status"], str(answer.get("message", "")), dict(answer.get("facts") or {}))
+    code = done.returncode or 0
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return Outcome("unbuildable", f"building it ended the process with {name}{_crash_frame(done.stderr)}")
+    last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
+    return Outcome("unbuildable", f"building it ended the process with exit status {code} before it said how it "
+                                  f"went ({last[:200]})")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""Driver factories that misbehave, for the tests of ``check-driver``'s trust boundary (``tests/unit/
+test_check_driver_boundary.py``), loaded by spec (``tests.unit._hostile_factories:...``).
+
+Importing this module records which process imported it: with ``IMPORTED_BY`` set to a folder, each importing
+process writes a file named by its pid holding its parent's pid, so a test can tell the processes that imported the
+driver's module (the preflight child, the pytest-xdist workers) from those that must not (the command and pytest's
+controller, the workers' parent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+
+from extensible_kv.drivers.host import HostDriver
+
+IMPORTED_BY = "HOSTILE_FACTORIES_IMPORTED_BY"
+
+if os.environ.get(IMPORTED_BY):
+    (Path(os.environ[IMPORTED_BY]) / str(os.getpid())).write_text(str(os.getppid()))
+
+
+def segfault() -> HostDriver:
+    """Reads address 0 while building: the process dies of SIGSEGV."""
+    ctypes.string_at(0)
+    raise AssertionError("ctypes.string_at(0) returned")
+
+
+def hang() -> HostDriver:
+    """Never returns."""
+    while True:
+        time.sleep(60)
+
+
+class _HangInZero(HostDriver):
+    """zero() never returns: any rule that commits memory hangs in it."""
+
+    def zero(self, va: int, size: int) -> None:
+        while True:
+            time.sleep(60)
+
+
+def hang_in_zero() -> HostDriver:
+    return _HangInZero(granularity=4096, name="hang-in-zero")

@@ -1,0 +1,120 @@
+"""``extensible-kv check-driver`` against drivers that misbehave while being built or while a rule runs: the command
+never imports the driver's module itself (nor does pytest's controller), every build and rule has a time limit, a
+driver that cannot be built is one message and a summary, and ending the command ends every process it started.
+
+Each case runs the command line in a child of its own session, killed as a group if the case's limit passes, so a
+regression shows as a failure here and leaves nothing running. The factories are in ``_hostile_factories.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FACTORIES = "tests.unit._hostile_factories"
+IMPORTED_BY = "HOSTILE_FACTORIES_IMPORTED_BY"  # _hostile_factories.IMPORTED_BY (tests do not import each other)
+TWO_RULES = "test_zero_sets_exactly_the_range or test_reserve_is_aligned_and_not_accessible"
+LIMIT_S = 240  # per command; the slowest case here takes about 30 s on a 2-core machine
+TITLE = "extensible-kv conformance summary"
+
+
+def _env(markers: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "reference"), str(ROOT)])
+    if markers is not None:
+        env[IMPORTED_BY] = str(markers)
+    return env
+
+
+def _start(*args: str, markers: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "extensible_kv", "check-driver", *args], cwd=ROOT,
+                            env=_env(markers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, what: str, limit_s: float = LIMIT_S) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{what}: expected it to end within {limit_s} s, it did not (killed)\n{(out + err)[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _importers(markers: Path) -> dict[int, int]:
+    """pid -> parent pid of every process that imported the factories' module."""
+    return {int(p.name): int(p.read_text() or 0) for p in markers.iterdir()}
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, ended and waiting to be reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.parametrize(("factory", "options", "words"), [
+    ("segfault", [], ["ended the process with SIGSEGV", "in segfault"]),
+    ("hang", ["--build-timeout", "2"], ["did not finish within 2 s", "--build-timeout"]),
+], ids=["segfaults", "hangs"])
+def test_a_driver_that_cannot_be_built_is_one_line_a_summary_and_exit_1(factory, options, words):
+    spec = f"{FACTORIES}:{factory}"
+    code, out, err = _finish(_start(spec, *options), f"check-driver {spec}")
+    lines = err.splitlines()
+    got = {"exit": code, "stderr lines": len(lines), "names why": all(w in err for w in words),
+           "summary": TITLE in out and spec in out, "pytest ran": "test session starts" in out}
+    want = {"exit": 1, "stderr lines": 1, "names why": True, "summary": True, "pytest ran": False}
+    assert got == want, f"check-driver {spec} {' '.join(options)}: expected {want}, got {got}\n{out[-2000:]}{err}"
+
+
+def test_a_hung_rule_fails_naming_its_limit_and_no_controller_imports_the_driver(tmp_path):
+    spec = f"{FACTORIES}:hang_in_zero"
+    proc = _start(spec, "--rule-timeout", "3", "-k", TWO_RULES, markers=tmp_path)
+    code, out, err = _finish(proc, f"check-driver {spec} --rule-timeout 3")
+    importers = _importers(tmp_path)
+    parents = set(importers.values())  # the command (parent of the preflight) and pytest's controller (of workers)
+    got = {"exit": code, "names the limit": "ran past --rule-timeout=3 s" in out,
+           "the other rule passed": "1 failed, 1 passed" in out, "summary": TITLE in out,
+           "imported in a child and a worker": len(importers) >= 2,
+           "imported by a parent": sorted(parents & set(importers))}
+    want = {"exit": 1, "names the limit": True, "the other rule passed": True, "summary": True,
+            "imported in a child and a worker": True, "imported by a parent": []}
+    assert got == want, f"check-driver {spec} --rule-timeout 3 (command pid {proc.pid}, importers pid -> parent " \
+                        f"{importers}): expected {want}, got {got}\n{(out + err)[-3000:]}"
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_check_driver_ends_every_process_it_started(tmp_path, sig, status):
+    spec = f"{FACTORIES}:hang_in_zero"
+    proc = _start(spec, "-k", "test_zero_sets_exactly_the_range", markers=tmp_path)
+    deadline = time.monotonic() + LIMIT_S
+    while not any(parent != proc.pid for parent in _importers(tmp_path).values()):  # a worker has the driver
+        if time.monotonic() > deadline or proc.poll() is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"check-driver {spec}: no worker imported the driver within {LIMIT_S} s (exit "
+                        f"{proc.poll()})\n{proc.communicate()[1][-2000:]}")
+        time.sleep(0.5)
+    os.kill(proc.pid, sig)  # the command alone, as `kill` or a terminal's Ctrl-C reaching its process does
+    code, out, err = _finish(proc, f"check-driver {spec} after {sig.name}", limit_s=60)
+    started = {pid for pair in _importers(tmp_path).items() for pid in pair} - {proc.pid}
+    end = time.monotonic() + 10  # a killed process's parent may take a moment to reap it
+    while any(_running(p) for p in started) and time.monotonic() < end:
+        time.sleep(0.2)
+    left = sorted(p for p in started if _running(p))
+    for pid in left:  # leave nothing behind, whatever the result
+        os.kill(pid, signal.SIGKILL)
+    got = {"exit": code, "left running": left}
+    want = {"exit": status, "left running": []}
+    assert got == want, f"{sig.name} to check-driver {spec} (pid {proc.pid}; preflight, controller and workers " \
+                        f"{sorted(started)}): expected {want}, got {got}\n{(out + err)[-2000:]}"
