@@ -37,26 +37,39 @@ TORCH_INDEX_ENV = "EXTENSIBLE_KV_TORCH_INDEX"
 PIP_SOURCES = ("PIP_CONSTRAINT", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")
 
 
-def torch_index(environ: Mapping[str, str], gpu: bool) -> str | None:
-    """The index the sessions install torch from before the project, or None to leave torch to pip's own
-    configuration: Note [torch's CPU build on a machine without a GPU]."""
+def torch_source(environ: Mapping[str, str], gpu: bool) -> tuple[str | None, str]:
+    """The index the sessions install torch from before the project (None: torch is left to pip's own
+    configuration), and why, in words for the session's log: Note [torch's CPU build on a machine without a GPU]."""
     if TORCH_INDEX_ENV in environ:
-        return environ[TORCH_INDEX_ENV] or None
-    if gpu or any(environ.get(name) for name in PIP_SOURCES):
-        return None
-    return CPU_TORCH_INDEX
+        named = environ[TORCH_INDEX_ENV]
+        return (named, f"{TORCH_INDEX_ENV} names it") if named else (None, f"{TORCH_INDEX_ENV} is set empty")
+    if gpu:
+        return None, "this machine has a GPU: pip's own torch, a build with its CUDA libraries"
+    sources = [name for name in PIP_SOURCES if environ.get(name)]
+    if sources:
+        return None, f"this machine names its own pip sources ({', '.join(sources)})"
+    return CPU_TORCH_INDEX, f"no GPU here: torch's CPU build ({TORCH_INDEX_ENV}= to leave torch to pip)"
+
+
+def torch_index(environ: Mapping[str, str], gpu: bool) -> str | None:
+    """The index of ``torch_source``."""
+    return torch_source(environ, gpu)[0]
 
 
 def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
     """Install into the session's venv (torch's CPU build first where Note [torch's CPU build on a machine without
-    a GPU] says so, unless the session's packages pin their own torch); with --no-venv, assume it is all there."""
+    a GPU] says so, unless the session's packages pin their own torch); with --no-venv, assume it is all there. The
+    log says where torch came from, why, and which build was installed."""
     if session.venv_backend == "none":
         return
-    index = torch_index(os.environ, GPU_MACHINE) if own_torch else None
+    index, why = torch_source(os.environ, GPU_MACHINE) if own_torch else (None, "the packages pin their own torch")
+    session.log(f"torch from {index or 'pip'}: {why}")
     if index:
-        session.log(f"no GPU here: torch's CPU build from {index} ({TORCH_INDEX_ENV}= to leave torch to pip)")
         session.install("--index-url", index, "torch")
     session.install(*args)
+    build = session.run("python", "-c", "import torch; print(torch.__version__, 'CUDA', torch.version.cuda)",
+                        silent=True, log=False)
+    session.log(f"torch installed: {str(build).strip()}")
 
 
 def _extras(*names: str) -> str:

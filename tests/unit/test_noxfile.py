@@ -38,3 +38,16 @@ def test_the_sessions_take_torch_from_the_cpu_index_only_on_a_machine_without_gp
         sys.path.remove(str(ROOT))
     got = noxfile.torch_index(environ, gpu)
     assert got == expected, f"torch_index({environ}, gpu={gpu}): expected {expected!r}, got {got!r}"
+
+
+@pytest.mark.parametrize(("environ", "gpu", "words"), [
+    ({}, False, "no GPU here"), ({}, True, "has a GPU"), ({"PIP_FIND_LINKS": "/w"}, False, "PIP_FIND_LINKS"),
+    ({"EXTENSIBLE_KV_TORCH_INDEX": ""}, False, "set empty")], ids=["cpu", "gpu", "find-links", "off"])
+def test_the_sessions_say_why_they_take_torch_from_where_they_do(environ, gpu, words):
+    sys.path.insert(0, str(ROOT))
+    try:
+        import noxfile  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT))
+    index, why = noxfile.torch_source(environ, gpu)
+    assert words in why, f"torch_source({environ}, gpu={gpu}): expected a reason naming {words!r}, got {why!r}"
