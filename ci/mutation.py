@@ -57,8 +57,18 @@ pytest_add_cli_args = ["--driver", "host-4k", "-p", "no:cacheprovider", "-q", "-
                        "--hypothesis-profile=extensible-kv-meta"]
 timeout_multiplier = 4.0
 timeout_constant = 10.0
-pytest_add_cli_args_test_selection = ["conformance", "tests/unit", {ignored}]
+pytest_add_cli_args_test_selection = [{selection}, {ignored}]
 """
+RULES_ONLY_FILES = ("drivers/host.py", "drivers/_records.py")
+"""What ``--rules-only`` mutates by default: the host driver and its record checks, the code a backend team's driver
+stands in for. Note [The rules alone]."""
+
+# Note [The rules alone]
+#     ``check-driver`` runs the rules of ``conformance/`` and nothing else: a team's driver never meets the unit
+#     tests in ``tests/unit``. A mutant of the host driver that only a unit test kills is a broken driver the rules
+#     would pass. ``--rules-only`` scores the rules as ``check-driver`` runs them: the test selection is
+#     ``conformance`` alone (the stateful rules included), and the result is written under ``rules_only`` in
+#     ``reports/mutation.json``, beside the full run's files.
 
 
 def _module_file(mutant: str) -> str:
@@ -67,7 +77,7 @@ def _module_file(mutant: str) -> str:
     return "/".join(mutant.split(".")[1:-1]) + ".py"
 
 
-def _prepare(files: list[str], resume: bool = False) -> None:
+def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -> None:
     """A fresh work folder; with ``resume``, only the package, the rules and the tests are copied again (the
     ``mutants/`` folder keeps its verdicts; mutmut tests again the mutants of functions that changed)."""
     if WORK.exists() and not resume:
@@ -82,8 +92,10 @@ def _prepare(files: list[str], resume: bool = False) -> None:
         shutil.copytree(ROOT / path, WORK / path, ignore=shutil.ignore_patterns("__pycache__"))
     pyproject = (ROOT / "pyproject.toml").read_text().replace('{"" = "reference",', '{"" = "src",')
     only = json.dumps([f"src/extensible_kv/{f}" for f in files])
-    ignored = ", ".join(f'"--ignore", "{path}"' for path in NOT_UNDER_MUTMUT)
-    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored,
+    skipped = [path for path in NOT_UNDER_MUTMUT if not (rules_only and path.startswith("conformance/"))]
+    ignored = ", ".join(f'"--ignore", "{path}"' for path in skipped)
+    selection = '"conformance"' if rules_only else '"conformance", "tests/unit"'  # Note [The rules alone]
+    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored, selection=selection,
                                                                    copied=json.dumps(list(COPIED))))
 
 
@@ -147,7 +159,10 @@ def merge(paths: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/mutation.py")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join results of runs over disjoint files")
-    parser.add_argument("--files", default=",".join(FILES), help="files under reference/extensible_kv to mutate")
+    parser.add_argument("--files", default=None, help="files under reference/extensible_kv to mutate (default: the "
+                                                      "reference core; with --rules-only, the host driver's files)")
+    parser.add_argument("--rules-only", action="store_true", help="kill mutants with the rules alone, as "
+                                                                  "check-driver runs them (Note [The rules alone])")
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
     parser.add_argument("--time-limit", type=float, default=None, help="stop mutmut after this many seconds")
@@ -161,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"{len(report['files'])} file(s) from {len(args.merge)} run(s); written {args.out}")
         return 0
-    files = [f.strip() for f in args.files.split(",") if f.strip()]
+    default = RULES_ONLY_FILES if args.rules_only else FILES
+    files = [f.strip() for f in (args.files or ",".join(default)).split(",") if f.strip()]
     unknown = [f for f in files if not (ROOT / "reference" / "extensible_kv" / f).is_file()]
     if unknown:
         parser.error(f"no such file under reference/extensible_kv: {', '.join(unknown)}")
-    _prepare(files, resume=args.resume)
+    _prepare(files, resume=args.resume, rules_only=args.rules_only)
     if args.retest_survivors:
         _forget_survivors()
     # Note [OpenMP does not survive fork]: mutmut runs the tests once in its own process (to map tests to functions),
@@ -191,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                 return run.returncode
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
     report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.rules_only:  # beside the full run's result, in the same file
+        out = Path(args.out)
+        whole = json.loads(out.read_text()) if out.exists() else {}
+        whole["rules_only"] = {**report, "selection": "conformance"}
+        Path(args.out).write_text(json.dumps(whole, indent=2) + "\n")
+    else:
+        kept = json.loads(Path(args.out).read_text()).get("rules_only") if Path(args.out).exists() else None
+        Path(args.out).write_text(json.dumps({**report, **({"rules_only": kept} if kept else {})}, indent=2) + "\n")
     for f, row in report["files"].items():
         print(f"{f:<20} {row['mutants']:>5} mutants {row['killed']:>5} killed {row['equivalent']:>4} equivalent "
               f"score {row['score']}")

@@ -61,7 +61,7 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
             return self.returncode
 
     monkeypatch.setattr(mutation, "WORK", tmp_path)
-    monkeypatch.setattr(mutation, "_prepare", lambda files, resume=False: None)
+    monkeypatch.setattr(mutation, "_prepare", lambda files, resume=False, rules_only=False: None)
     monkeypatch.setattr(mutation.subprocess, "Popen", FailingRun)
     monkeypatch.setattr(mutation, "_results", lambda: pytest.fail("scored the verdicts of a run that did not happen"))
     out = tmp_path / "score.json"
@@ -71,3 +71,14 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
                                                f"({code}, {out.exists()})"
     assert "mutmut run exited 1" in err and "Failed to run clean test" in err and "test_x.py::test_y" in err, \
         f"ci/mutation.py after mutmut exited 1: expected the exit code and mutmut's last lines on stderr, got {err!r}"
+
+
+@pytest.mark.parametrize("rules_only,selection", [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')])
+def test_the_rules_only_mode_selects_the_rules_alone(tmp_path, monkeypatch, rules_only, selection):
+    monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
+    monkeypatch.setattr(mutation, "COPIED", ())  # the package only: the selection is what is checked
+    mutation._prepare(["drivers/host.py"], rules_only=rules_only)
+    config = (tmp_path / "work" / "pyproject.toml").read_text()
+    line = next(x for x in config.splitlines() if x.startswith("pytest_add_cli_args_test_selection"))
+    assert selection in line, f"_prepare(rules_only={rules_only}): expected the test selection to start " \
+                              f"{selection!r}, got {line!r}"
