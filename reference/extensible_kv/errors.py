@@ -28,6 +28,12 @@ class BusyError(ExtensibleKVError, RuntimeError):
     """The object cannot be closed: views of its memory are still alive."""
 
 
+class FailedStateError(ExtensibleKVError, RuntimeError):
+    """The object is in its failed state: a ``close()`` or a growth step's rollback did not finish, so it may hold
+    memory that is no longer mapped as its size says. It refuses views and growth; ``close()`` retried returns
+    everything it still holds. The message names the operation refused and what did not finish."""
+
+
 class DriverUnavailable(ExtensibleKVError, RuntimeError):
     """A driver cannot run here (no library, no device, no VMM support); the message says which."""
 

@@ -9,6 +9,12 @@ Per-layer views come in two kinds: ``layer_views`` at the full upper-bound shape
 (what captured CUDA graphs and vLLM's forward context hold), and ``committed_layer_views`` over exactly the
 committed blocks. Legacy mode commits everything at construction: the path when the feature is off.
 After ``close()`` every method but ``close`` raises ``ClosedError``; the buffers cannot be copied or pickled.
+
+States (``state``): ``open``; ``failed`` when a ``close()`` did not finish or a buffer is ``failed`` (a rollback of
+growth could not unmap what the step made; ``ExtensibleTensor``'s module docstring): views and growth are refused
+with ``FailedStateError``, no block counts as committed, and ``close()`` retried returns everything; ``closed``.
+A growth step is interrupt-safe as each buffer's is: the block count is set inside the step's ``try`` and every
+buffer grown in it is retracted on any exception before it returns.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ import torch
 
 from .drivers import Driver, resolve
 from .drivers._records import MAX_BYTES
-from .errors import ClosedError, InvalidSizeError
+from .errors import ClosedError, FailedStateError, InvalidSizeError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, Unshareable, _check_int
+from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class KVCacheStats:
     backed_bytes: int
     waste_bytes: int
     buffers: tuple[BufferStats, ...]
+    state: str = "open"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,23 +146,31 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     @property
     def num_blocks(self) -> int:
-        """Blocks committed in every segment of every buffer."""
-        return self._num_blocks
+        """Blocks committed in every segment of every buffer; 0 unless open."""
+        return self._num_blocks if self.state == "open" else 0
 
     @property
     def buffers(self) -> tuple[KVBuffer, ...]:
         return self._buffers
 
     @property
+    def state(self) -> str:
+        """``open``, ``failed`` (a close did not finish or a buffer is failed: retry ``close()``) or ``closed``."""
+        tensors = self._tensors.values()
+        if self._closed:
+            return "closed" if all(t.closed for t in tensors) else "failed"
+        return "failed" if any(t.state == "failed" for t in tensors) else "open"
+
+    @property
     def closed(self) -> bool:
-        return self._closed
+        return self.state == "closed"
 
     def raw(self, buffer: str) -> torch.Tensor:
         """The whole buffer as a 1-D int8 tensor at its upper-bound size (what vLLM's runners reshape)."""
         return self.tensor(buffer).full_view(torch.int8)
 
     def tensor(self, buffer: str) -> ExtensibleTensor:
-        self._check_open("tensor")
+        self._check_open("tensor", failed_too=False)
         if buffer not in self._tensors:
             raise InvalidSizeError(f"unknown buffer {buffer!r}; buffers: {sorted(self._tensors)}")
         return self._tensors[buffer]
@@ -173,23 +188,26 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if num_blocks > self._max_num_blocks:
             raise InvalidSizeError(f"num_blocks={num_blocks} exceeds the reserved upper bound "
                                    f"max_num_blocks={self._max_num_blocks}")
-        with self._lock:
-            self._check_open("ensure_blocks")
-            if num_blocks <= self._num_blocks:
-                return self._num_blocks
-            marks = []
-            try:
-                for b in self._buffers:
-                    t = self._tensors[b.name]
-                    marks.append((t, t._mark()))
-                    t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments), zero_new=zero_new)
-            except BaseException:
-                for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
-                    if not t.closed:
-                        t._retract(mark)
-                raise
+        with self._lock: return self._ensure(num_blocks, zero_new)  # one line: Note [Locked sections ...] in reaper
+
+    def _ensure(self, num_blocks: int, zero_new: bool) -> int:
+        self._check_open("ensure_blocks")
+        old = self._num_blocks
+        if num_blocks <= old:
+            return old
+        marks = []
+        try:
+            for b in self._buffers:
+                t = self._tensors[b.name]
+                marks.append((t, t._mark()))
+                t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments), zero_new=zero_new)
             self._num_blocks = num_blocks
             return num_blocks
+        except BaseException:
+            self._num_blocks = old
+            for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
+                t._retract(mark)  # what it could not undo leaves it (and so these buffers) failed
+            raise
 
     # -- views -------------------------------------------------------------------------------------------------
     def layer_views(self, layer: str) -> list[torch.Tensor]:
@@ -211,28 +229,49 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     # -- accounting and lifetime -------------------------------------------------------------------------------
     def stats(self) -> KVCacheStats:
-        self._check_open("stats")
+        """The accounting; in the ``failed`` state it says so and counts no block as committed (a buffer already
+        closed counts nothing)."""
+        self._check_open("stats", failed_too=False)
         rows = []
         for b in self._buffers:
-            s = self._tensors[b.name].stats()
+            t = self._tensors[b.name]
+            s = t.stats() if not t.closed else TensorStats(0, 0, 0, 0, t.segment_bytes, t.num_segments,
+                                                          t.granularity, 0, "closed")
             rows.append(BufferStats(b.name, tuple(layer.name for layer in b.layers), s.num_segments,
                                     b.page_size_bytes, s.reserved_bytes, s.committed_bytes, s.backed_bytes,
                                     s.waste_bytes))
         return KVCacheStats(
             driver=self._driver.name, granularity=self._driver.granularity(), max_num_blocks=self._max_num_blocks,
-            num_blocks=self._num_blocks, reserved_bytes=sum(r.reserved_bytes for r in rows),
+            num_blocks=self.num_blocks, reserved_bytes=sum(r.reserved_bytes for r in rows),
             committed_bytes=sum(r.committed_bytes for r in rows), backed_bytes=sum(r.backed_bytes for r in rows),
-            waste_bytes=sum(r.waste_bytes for r in rows), buffers=tuple(rows))
+            waste_bytes=sum(r.waste_bytes for r in rows), buffers=tuple(rows), state=self.state)
 
     def close(self) -> None:
-        """Drop the views this object holds and close every buffer (forcing: callers promise not to use views)."""
-        with self._lock:
-            self._closed = True
-            self._views = {}
-            for t in self._tensors.values():
-                t.close(force=True)
+        """Drop the views this object holds and close every buffer (forcing: callers promise not to use views). A
+        buffer whose close fails is tried again by the next ``close()``; the others are closed meanwhile, and the
+        first failure is raised."""
+        with self._lock: return self._close()  # one line: Note [Locked sections are one line] in ``reaper``
 
-    def _check_open(self, op: str) -> None:
-        if self._closed:
+    def _close(self) -> None:
+        self._closed = True
+        self._views = {}
+        failures = []
+        for t in self._tensors.values():
+            try:
+                t.close(force=True)
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    def _check_open(self, op: str, *, failed_too: bool = True) -> None:
+        state = self.state
+        if state == "closed":
             raise ClosedError(f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
                               f"max_num_blocks={self._max_num_blocks})")
+        if state == "failed" and failed_too:
+            failed = [name for name, t in self._tensors.items() if t.state == "failed"]
+            what = "close() did not finish" if self._closed else f"buffer(s) {failed} could not undo a growth step"
+            raise FailedStateError(f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                                   f"max_num_blocks={self._max_num_blocks}): {what}; retry close() to return the "
+                                   f"memory they hold")

@@ -1,64 +1,118 @@
-"""The reaper: where memory of a garbage-collected tensor goes back to its driver.
+"""The reaper: where the memory of a garbage-collected tensor goes back to its driver, and the sections inside which
+it must not.
 
 Note [Finalizers never wait on a driver lock]
     A cyclic-garbage collection can start inside any allocation, including one made while this thread is inside a
-    driver call that holds the driver's (non-reentrant) lock. A finalizer that called the driver there would wait
-    on the lock its own thread holds, forever. So every driver call this package makes runs inside ``busy()``, and
-    so does the host driver's own locked work; a finalizer that fires in a thread that is inside one does not call
-    the driver but queues the teardown on that thread, which runs it as soon as its outermost ``busy()`` section
-    ends (no lock held, same thread, so the result is as deterministic as a direct call). Outside a section the
-    teardown runs at once, as it always did.
+    driver call that holds the driver's (non-reentrant) lock. A finalizer that called the driver there would wait on
+    the lock its own thread holds, forever. So every driver call this package makes runs inside ``busy()``, and so
+    does the host driver's own locked work; a sweep started in a thread that is inside one returns at once and the
+    memory waits, still owned, for the next sweep: the one that ends the growth, construction or ``close()`` that was
+    running, or the next collection. Outside a section the sweep runs at once, as a teardown always did.
+
+Note [Memory is owned from before it exists]
+    A record of memory to give back is in one table (``own``) from before its first native effect until its
+    teardown has returned everything (``disown``). A tensor's finalizer carries no record: it only starts a
+    ``sweep``, which tears down every record whose owner is gone. So a finalizer interrupted at its first line (the
+    interpreter swallows the exception, and a finalizer never runs twice), or a teardown interrupted halfway, loses
+    nothing: the record stays in the table, owned, and the next sweep returns the rest.
+
+Note [Locked sections are one line]
+    ``busy()`` is this thread's RLock: its recursion count is the section depth, and C code takes and gives it back,
+    so an exception landing anywhere leaves the depth right (the generator-based manager this replaced, interrupted
+    as it resumed to exit, kept its lock and its count). A C-level ``with`` is not enough on its own: CPython (3.10
+    and later) reports the exit of a ``with`` block as a new line event on the ``with`` line, outside the block's
+    handler, so a trace hook (or a debugger) raising there leaves the lock held. Every section that holds a lock is
+    therefore one line, ``with lock: return work()``: the exit is on the line already running, and an exception
+    inside ``work`` leaves through the handler. A signal handler runs only where the interpreter checks for pending
+    calls (after a call returns, at a loop's backward jump, at a function's start), which on this line is after the
+    lock's C ``__exit__`` has run.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import weakref
+
+from .errors import ExtensibleKVError
 
 _local = threading.local()
+_owned: dict[int, Owned] = {}
+_sweeping = threading.Lock()
 
 
-def _depth() -> int:
-    return getattr(_local, "depth", 0)
+def _after_fork_in_child() -> None:
+    global _sweeping
+    _sweeping = threading.Lock()  # a thread of the parent may have held it; in the child nothing does
 
 
-@contextmanager
-def busy() -> Iterator[None]:
-    """Mark this thread as inside a driver call; teardowns queued meanwhile run when the outermost section ends."""
-    depth = _depth()
-    _local.depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
-        if depth == 0:
-            _drain()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def reap(teardown: Callable[..., None], *args: object) -> None:
-    """Run ``teardown(*args)`` now, or, inside a ``busy()`` section of this thread, when that section ends."""
-    if _depth():
-        pending = getattr(_local, "pending", None)
-        if pending is None:
-            pending = _local.pending = []
-        pending.append((teardown, args))
-        return
-    teardown(*args)
+def busy() -> threading.RLock:
+    """This thread's section lock: ``with busy():`` marks the thread as inside a driver call (Note [Finalizers never
+    wait on a driver lock]). Taken and given back in C, so no exception leaves it wrong (Note [Locked sections are
+    one line])."""
+    section = getattr(_local, "section", None)
+    if section is None:
+        section = _local.section = threading.RLock()
+    return section
 
 
-def _drain() -> None:
-    queue = getattr(_local, "pending", None)
-    while queue:
-        teardown, args = queue.pop(0)
-        _local.depth = 1
-        try:
-            teardown(*args)
-        except Exception as exc:  # a finalizer's failure is reported, as the interpreter reports one
-            sys.unraisablehook(_Unraisable(exc, teardown))
-        finally:
-            _local.depth = 0
+def inside_section() -> bool:
+    """Whether this thread is inside a ``busy()`` section."""
+    section = getattr(_local, "section", None)
+    return section is not None and section._is_owned()
+
+
+class Owned:
+    """A record of memory to give back (Note [Memory is owned from before it exists]): ``owner`` is a weak reference
+    to the object that uses it, ``pid`` the process that made it (a forked child owns nothing of it). Subclasses
+    define ``teardown``, which returns everything the record holds and, after an exception, picks up where it
+    stopped."""
+
+    def __init__(self, owner: object) -> None:
+        self.owner = weakref.ref(owner)
+        self.pid = os.getpid()
+        self.reported = False
+
+    def teardown(self) -> None:
+        raise NotImplementedError
+
+
+def own(record: Owned) -> None:
+    _owned[id(record)] = record
+
+
+def disown(record: Owned) -> None:
+    _owned.pop(id(record), None)
+
+
+def sweep() -> None:
+    """Tear down every owned record whose owner is gone, unless this thread is inside a section (then the next
+    sweep does). A teardown the driver fails (``ExtensibleKVError``) is reported once through
+    ``sys.unraisablehook``, as the interpreter reports a failed finalizer, and retried by later sweeps; any other
+    exception (an interrupt) leaves the record owned and propagates."""
+    if _owned and not inside_section():
+        with busy(), _sweeping: return _sweep_locked()  # one line: Note [Locked sections are one line]
+
+
+def _sweep_locked() -> None:
+    pid = os.getpid()
+    for record in list(_owned.values()):
+        if record.pid != pid:  # Note [Forked children] in ``tensor``: the parent's memory is the parent's to return
+            disown(record)
+        elif record.owner() is None:
+            try:
+                record.teardown()
+            except ExtensibleKVError as exc:  # the driver's failure; anything else (an interrupt) propagates
+                if not record.reported:
+                    record.reported = True
+                    sys.unraisablehook(_Unraisable(exc, record))
+            else:
+                disown(record)
 
 
 class _Unraisable:

@@ -6,14 +6,36 @@ mapped in granules (the driver's granularity); each growth step maps one handle 
 (split only where the driver caps handle size) and grants access once per run, so growing by 32 GiB is a handful
 of driver calls, not one per 2 MiB. A granule that straddles a segment boundary is mapped once.
 
-A growth step is all-or-nothing: if a driver call fails, everything the step mapped is unmapped and released, the
-tensor keeps its previous size and stays usable, and ``CommitError`` names the operation and the sizes.
+A growth step is all-or-nothing: if a driver call fails, or any exception lands before the step returns, everything
+the step mapped is unmapped and released, the tensor keeps its previous size and stays usable, and ``CommitError``
+names the operation and the sizes (other exceptions, KeyboardInterrupt included, are re-raised as they are).
+
+States (``state``): ``open``; ``failed`` when a ``close()`` or a growth step's rollback did not finish (a driver call
+failed in it, or an exception interrupted it): the tensor then refuses views and growth with ``FailedStateError``,
+counts no byte as committed, and ``close()`` retried returns everything it still holds; ``closed``.
 
 Lifetimes: every tensor this object hands out (``segment_view``, ``full_view``) keeps it alive, so views may
-outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or by
-garbage collection, through a ``weakref.finalize`` that holds the memory record, not the object, so no callback
-ever drops the last reference to the object that is running it. ``close()`` refuses while views are alive.
-A tensor cannot be copied or pickled (``TypeError``): a copy would be a second owner of the same memory.
+outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or,
+after garbage collection, by the reaper's sweep (``extensible_kv.reaper``), which owns the memory record from
+before the reservation exists; the tensor's ``weakref.finalize`` only starts a sweep. ``close()`` refuses while views
+are alive. A tensor cannot be copied or pickled (``TypeError``): a copy would be a second owner of the same memory.
+
+Note [Intent, effect, record]
+    An exception may land on any line, so every driver call that changes what the tensor holds (``map``,
+    ``unmap``, ``release``, ``free``) is recorded as an intent before the call and in the records after it; the
+    records then lag the driver by at most the intent's one target. A driver error from the call itself means
+    nothing changed (the protocol's rule), so the intent is dropped there. Rollback, and ``close()`` as soon as
+    anything interrupts it, settle an intent whose target the records may have wrong by asking the driver to undo
+    that target once more: the driver refuses what is not there (``DriverError``; ``ProtocolViolation`` through a
+    Ledger) and changes nothing, so success and refusal both mean it is gone, and nothing is undone twice or
+    missed. What ``create`` and ``reserve`` return is stored by C as they return (``handles.extend(map(
+    driver.create, ...))``: Note [A result is stored by C] in ``drivers/host.py``), so no exception falls between a
+    new handle or reservation and its record. Locked sections are one line (Note [Locked sections are one line] in
+    ``reaper``).
+    What remains: a driver that fails the settling call natively after an interrupt is taken as having refused it
+    (two faults at once); a ``free`` is settled inside the same ``close()`` call, so only another thread reserving
+    the very same range, at the same size, in that instant would have its reservation freed; a second exception
+    landing inside a rollback or a settling call leaves the tensor ``failed`` with the rest for ``close()``.
 
 Note [Nothing is unmapped at interpreter exit]
     At exit the interpreter runs finalizers while daemon threads may still write through views; unmapping there
@@ -39,7 +61,8 @@ import gc
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -47,8 +70,8 @@ from . import granules
 from .drivers import Driver, resolve
 from .drivers._records import MAX_BYTES
 from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
-    InvalidArgumentError, InvalidSizeError
-from .reaper import busy, reap
+    FailedStateError, InvalidArgumentError, InvalidSizeError, ProtocolViolation
+from .reaper import Owned, busy, disown, own, sweep
 
 
 def _check_int(name: str, value: object) -> int:
@@ -81,47 +104,136 @@ class Unshareable:
         self._refuse()
 
 
-@dataclass
-class _Memory:
-    """What must be returned to the driver: the reservation, the live mappings (va, size) and the handles a
-    rollback could not release, made in process ``pid`` (a forked child does not own it)."""
-
-    driver: Driver
-    base: int
-    reserved: int
-    mappings: list[tuple[int, int]] = field(default_factory=list)
-    unreleased: list[object] = field(default_factory=list)
-    pid: int = field(default_factory=os.getpid)
+_REFUSED = (DriverError, ProtocolViolation)
+"""What a driver raises when it refuses or fails a call, having changed nothing (the protocol's rule; ``Ledger``
+refuses a caller's misuse with ``ProtocolViolation``)."""
 
 
-def _unmap_down_to(memory: _Memory, count: int) -> None:
-    """Unmap the newest mappings until ``count`` remain (the device synchronized first)."""
-    memory.driver.synchronize()
-    while len(memory.mappings) > count:
-        va, size = memory.mappings[-1]
-        memory.driver.unmap(va, size)
-        memory.mappings.pop()
+def _remove(items: list, item: object) -> None:
+    """Remove ``item`` itself (not an equal one) from ``items``."""
+    del items[next(i for i, x in enumerate(items) if x is item)]
+
+
+def _undo(call: Callable[..., None], *args: object) -> None:
+    """Undo the target of an intent that may already be undone: Note [Intent, effect, record]."""
+    try:
+        call(*args)
+    except _REFUSED:
+        pass
+
+
+class _Memory(Owned):
+    """What must be returned to the driver: the reservation (``reservation``, its base address once ``reserve``
+    returned, empty again after ``free``), the live mappings ``(va, size)``, the handles created and not yet
+    released, and the one effect whose record may be a step behind (``intent``): Note [Intent, effect, record].
+    Owned from before the reservation exists (Note [Memory is owned from before it exists] in ``reaper``); a forked
+    child owns none of it."""
+
+    def __init__(self, owner: object, driver: Driver, reserved: int) -> None:
+        super().__init__(owner)
+        self.driver = driver
+        self.reserved = reserved
+        self.reservation: list[int] = []
+        self.mappings: list[tuple[int, int]] = []
+        self.handles: list[object] = []
+        self.intent: tuple | None = None
+
+    @property
+    def base(self) -> int | None:
+        return self.reservation[0] if self.reservation else None
+
+    # -- effects: the intent, the driver call, the record ----------------------------------------------------------
+    def reserve(self, alignment: int) -> None:
+        self.reservation.extend(map(self.driver.reserve, [self.reserved], [alignment]))  # stored by C: Note [Intent...]
+
+    def create(self, size: int) -> object:
+        self.handles.extend(map(self.driver.create, [size]))  # stored by C: Note [Intent, effect, record]
+        return self.handles[-1]
+
+    def _call(self, intent: tuple, call: Callable[..., None], *args: object) -> None:
+        self.intent = intent
+        try:
+            call(*args)
+        except _REFUSED:  # the driver changed nothing and said so: nothing is uncertain
+            self.intent = None
+            raise
+
+    def map(self, va: int, size: int, handle: object) -> None:
+        self._call(("map", va, size), self.driver.map, va, size, handle, 0)
+        self.mappings.append((va, size))
+
+    def unmap(self, va: int, size: int) -> None:
+        self._call(("unmap", va, size), self.driver.unmap, va, size)
+        self.mappings.remove((va, size))
+
+    def release(self, handle: object) -> None:
+        self._call(("release", handle), self.driver.release, handle)
+        _remove(self.handles, handle)
+
+    def free(self) -> None:
+        self._call(("free", self.base), self.driver.free, self.base, self.reserved)
+        self.reservation.clear()
+
+    # -- reconciling -------------------------------------------------------------------------------------------------
+    def uncertain(self) -> bool:
+        """Whether the intent's target may differ from the records: made and not yet recorded (``map``), or undone
+        and still recorded (``unmap``, ``release``, ``free``)."""
+        if self.intent is None:
+            return False
+        kind, target = self.intent[0], self.intent[1:]
+        if kind == "map":
+            return target not in self.mappings
+        if kind == "unmap":
+            return target in self.mappings
+        if kind == "release":
+            return any(h is target[0] for h in self.handles)
+        return self.base is not None and self.base == target[0]
+
+    def settle(self) -> None:
+        """Make the records say what the driver holds for the intent's target (Note [Intent, effect, record])."""
+        if self.uncertain():
+            kind, target = self.intent[0], self.intent[1:]
+            if kind == "release":
+                _undo(self.driver.release, target[0])
+                _remove(self.handles, target[0])
+            elif kind == "free":
+                _undo(self.driver.free, self.base, self.reserved)
+                self.reservation.clear()
+            else:
+                _undo(self.driver.unmap, *target)
+                if kind == "unmap":
+                    self.mappings.remove(target)
+        self.intent = None
+
+    def teardown(self) -> None:
+        """Return everything: settle the intent, unmap (the device synchronized first), release, free. Raises the
+        first failure, with the intent settled at once (so a ``free`` is never asked again after the address could
+        have been reserved anew); called again, it picks up where it stopped."""
+        if self.pid != os.getpid():  # Note [Forked children]
+            return
+        try:
+            with busy(): return _teardown(self)  # one line: Note [Locked sections are one line] in ``reaper``
+        except BaseException:
+            with busy(): self.settle()
+            raise
 
 
 def _teardown(memory: _Memory) -> None:
-    if memory.pid != os.getpid():  # Note [Forked children]
-        return
-    with busy():
-        _unmap_down_to(memory, 0)
-        while memory.unreleased:
-            memory.driver.release(memory.unreleased[-1])
-            memory.unreleased.pop()
-        memory.driver.free(memory.base, memory.reserved)
-
-
-def _collected(memory: _Memory) -> None:
-    """The finalizer: see Note [Finalizers never wait on a driver lock] in ``reaper``."""
-    reap(_teardown, memory)
+    """What ``_Memory.teardown`` does inside its section (a function of its own, which the meta tests replace)."""
+    memory.driver.synchronize()
+    memory.settle()
+    while memory.mappings:
+        memory.unmap(*memory.mappings[-1])
+    while memory.handles:
+        memory.release(memory.handles[-1])
+    if memory.base is not None:
+        memory.free()
 
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Plain accounting of one ExtensibleTensor, in bytes."""
+    """Plain accounting of one ExtensibleTensor, in bytes. In the ``failed`` state nothing is committed and
+    ``backed_bytes`` is what is still mapped."""
 
     reserved_bytes: int
     committed_bytes: int
@@ -131,6 +243,7 @@ class TensorStats:
     num_segments: int
     granularity: int
     mappings: int
+    state: str = "open"
 
     @property
     def waste_bytes(self) -> int:
@@ -185,13 +298,19 @@ class ExtensibleTensor(Unshareable):
         self._segment_bytes = segment_bytes
         self._alignment = alignment
         self._per_segment = 0
+        self._state = "open"
+        self._failure = ""
+        self._op = "create"
         self._lock = threading.Lock()
         self._views: weakref.WeakSet[_ViewKeeper] = weakref.WeakSet()
-        with busy():
-            base = driver.reserve(reserved, g)
-        self._memory = _Memory(driver, base, reserved)
-        self._finalizer = weakref.finalize(self, _collected, self._memory)
+        sweep()
+        # Owned first, then reserved into: Note [Memory is owned from before it exists] in ``reaper``.
+        self._memory = _Memory(self, driver, reserved)
+        own(self._memory)
+        self._finalizer = weakref.finalize(self, sweep)
         self._finalizer.atexit = False  # Note [Nothing is unmapped at interpreter exit]
+        with busy(): self._memory.reserve(g)  # one line: Note [Locked sections are one line] in ``reaper``
+        self._base = self._memory.base
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -204,9 +323,11 @@ class ExtensibleTensor(Unshareable):
 
     @property
     def base_address(self) -> int:
-        """The first byte of the reservation; it never changes while the tensor is open."""
-        self._check_open("base_address")
-        return self._memory.base
+        """The first byte of the reservation; it never changes until the tensor is closed (also in the failed
+        state, which may have given the reservation back already)."""
+        if self._state == "closed":
+            self._check_open("base_address")
+        return self._base
 
     @property
     def max_num_bytes(self) -> int:
@@ -223,34 +344,51 @@ class ExtensibleTensor(Unshareable):
 
     @property
     def bytes_per_segment(self) -> int:
-        """Committed bytes in each segment (the same in all of them)."""
-        return self._per_segment
+        """Committed bytes in each segment (the same in all of them); 0 unless open."""
+        return self._per_segment if self._state == "open" else 0
 
     @property
     def granularity(self) -> int:
         return self._granularity
 
     @property
+    def state(self) -> str:
+        """``open``, ``failed`` (a close or a rollback did not finish: retry ``close()``) or ``closed``."""
+        return self._state
+
+    @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._state == "closed"
 
     def stats(self) -> TensorStats:
-        self._check_open("stats")
-        backed = granules.backed_granules(self._segment_bytes, self._num_segments, self._per_segment,
-                                          self._granularity)
+        """The accounting; in the ``failed`` state it says so, counts nothing as committed and reports what is
+        still mapped as backed."""
+        with self._lock: return self._stats()  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _stats(self) -> TensorStats:
+        if self._state == "closed":
+            self._check_open("stats")
+        memory = self._memory
+        if self._state == "failed":
+            backed = sum(size for _, size in memory.mappings)
+        else:
+            runs = granules.backed_granules(self._segment_bytes, self._num_segments, self._per_segment,
+                                            self._granularity)
+            backed = sum(hi - lo for lo, hi in runs) * self._granularity
         return TensorStats(
-            reserved_bytes=self._memory.reserved,
-            committed_bytes=self._per_segment * self._num_segments,
-            backed_bytes=sum(hi - lo for lo, hi in backed) * self._granularity,
-            bytes_per_segment=self._per_segment,
+            reserved_bytes=memory.reserved if memory.base is not None else 0,
+            committed_bytes=self.bytes_per_segment * self._num_segments,
+            backed_bytes=backed,
+            bytes_per_segment=self.bytes_per_segment,
             segment_bytes=self._segment_bytes,
             num_segments=self._num_segments,
             granularity=self._granularity,
-            mappings=len(self._memory.mappings),
+            mappings=len(memory.mappings),
+            state=self._state,
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{self._per_segment}/{self._segment_bytes} bytes per segment"
+        state = self._state if self._state != "open" else f"{self._per_segment}/{self._segment_bytes} bytes per segment"
         return (f"ExtensibleTensor({self._max_num_bytes} bytes, {self._num_segments} segment(s), {state}, "
                 f"driver={self._driver.name})")
 
@@ -263,59 +401,42 @@ class ExtensibleTensor(Unshareable):
         committed before are never touched. The base address never changes.
         """
         nbytes = _check_int("nbytes", nbytes)
-        with self._lock:
-            self._check_open("resize_per_segment_")
-            old = self._per_segment
-            if nbytes <= 0:
-                raise InvalidSizeError(f"resize_per_segment_ needs a positive size, got nbytes={nbytes}")
-            if nbytes < old:
-                raise InvalidSizeError(f"ExtensibleTensor is grow-only: cannot shrink from {old} to {nbytes} "
-                                       f"bytes per segment")
-            if nbytes > self._segment_bytes:
-                raise InvalidSizeError(f"nbytes={nbytes} per segment exceeds the segment capacity "
-                                       f"{self._segment_bytes} (max_num_bytes={self._max_num_bytes}, "
-                                       f"num_segments={self._num_segments})")
-            if nbytes % self._alignment:
-                raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment="
-                                       f"{self._alignment}")
-            if nbytes > old:
-                self._grow(old, nbytes, zero_new)
-                self._per_segment = nbytes
-        return self
+        with self._lock: return self._resize(nbytes, zero_new)  # one line: Note [Locked sections are one line]
 
-    def _grow(self, old: int, new: int, zero_new: bool) -> None:
-        """One all-or-nothing growth step. Each mapping is on record (``_memory.mappings``) the moment it exists, so
-        an exception of any kind, KeyboardInterrupt included, at any point rolls back exactly what was made."""
-        driver, g, memory = self._driver, self._granularity, self._memory
-        runs = granules.new_granule_runs(self._segment_bytes, self._num_segments, old, new, g)
-        cap = driver.max_handle_bytes
-        max_granules = max(cap // g, 1) if cap else None
-        mark = len(memory.mappings)
-        pending = None  # a handle created and not yet released
-        op = "create"
+    def _resize(self, nbytes: int, zero_new: bool) -> ExtensibleTensor:
+        self._check_open("resize_per_segment_")
+        old = self._per_segment
+        if nbytes <= 0:
+            raise InvalidSizeError(f"resize_per_segment_ needs a positive size, got nbytes={nbytes}")
+        if nbytes < old:
+            raise InvalidSizeError(f"ExtensibleTensor is grow-only: cannot shrink from {old} to {nbytes} "
+                                   f"bytes per segment")
+        if nbytes > self._segment_bytes:
+            raise InvalidSizeError(f"nbytes={nbytes} per segment exceeds the segment capacity "
+                                   f"{self._segment_bytes} (max_num_bytes={self._max_num_bytes}, "
+                                   f"num_segments={self._num_segments})")
+        if nbytes % self._alignment:
+            raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment="
+                                   f"{self._alignment}")
+        return self._grow(old, nbytes, zero_new) if nbytes > old else self
+
+    def _grow(self, old: int, new: int, zero_new: bool) -> ExtensibleTensor:
+        """One all-or-nothing growth step. The new size is set inside the ``try`` and the rollback sets the old one
+        back, so an exception of any kind, KeyboardInterrupt included, landing on any line before the step returns
+        rolls back exactly what was made (Note [Intent, effect, record])."""
+        runs = granules.new_granule_runs(self._segment_bytes, self._num_segments, old, new, self._granularity)
+        mark = len(self._memory.mappings)
+        self._op = "create"
         try:
-            with busy():
-                for lo, hi in runs:
-                    for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
-                        va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
-                        op = "create"
-                        pending = driver.create(size)
-                        op = "map"
-                        driver.map(va, size, pending, 0)
-                        memory.mappings.append((va, size))
-                        op = "release"
-                        driver.release(pending)  # the mapping keeps the memory alive
-                        pending = None
-                    op = "set_access"
-                    driver.set_access(memory.base + lo * g, (hi - lo) * g)
-                if zero_new:
-                    op = "zero"
-                    for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
-                        driver.zero(memory.base + lo, hi - lo)
+            with busy(): self._back(runs, old, new, zero_new)  # one line: Note [Locked sections are one line]
+            sweep()  # what a collection inside the step left to the reaper: Note [Finalizers never wait ...]
+            self._per_segment = new
+            return self
         except BaseException as exc:
-            problems = self._rollback(mark, pending)
+            problems = self._rollback(mark, old)
             if not isinstance(exc, DriverError):
                 raise
+            op = self._op
             kind = CommitOutOfMemory if isinstance(exc, DriverOutOfMemory) else CommitError
             detail = f"; rollback also failed: {'; '.join(problems)}" if problems else ""
             raise kind(f"growing {self._driver.name} ExtensibleTensor from {old} to {new} bytes per segment "
@@ -323,43 +444,77 @@ class ExtensibleTensor(Unshareable):
                        f"{op}: {exc}; kept {old} bytes per segment{detail}",
                        operation=op, requested=new, committed=old) from exc
 
-    def _rollback(self, mark: int, pending: object) -> list[str]:
-        """Unmap the mappings made since ``mark`` (newest first) and release ``pending``; a mapping whose unmap
-        fails, and a handle whose release fails, stay on record so ``close()`` retries them. Returns what could not
-        be undone."""
-        problems = []
-        driver, mappings = self._driver, self._memory.mappings
-        with busy():
-            if len(mappings) > mark:
-                driver.synchronize()
-            kept = []
-            while len(mappings) > mark:
-                va, size = mappings[-1]
-                try:
-                    driver.unmap(va, size)
-                except Exception as exc:
-                    kept.append((va, size))
-                    problems.append(f"unmap({va:#x}, {size}): {exc}")
-                mappings.pop()
-            mappings.extend(reversed(kept))
-            if pending is not None:
-                try:
-                    driver.release(pending)
-                except Exception as exc:
-                    self._memory.unreleased.append(pending)
-                    problems.append(f"release: {exc}")
+    def _back(self, runs: list[tuple[int, int]], old: int, new: int, zero_new: bool) -> None:
+        """Map, grant and zero the new granules ``runs`` (inside ``busy()``); each handle is on record from the line
+        that creates it until the line after its release, each mapping from its intent on."""
+        driver, g, memory = self._driver, self._granularity, self._memory
+        cap = driver.max_handle_bytes
+        max_granules = max(cap // g, 1) if cap else None
+        for lo, hi in runs:
+            for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
+                va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
+                self._op = "create"
+                handle = memory.create(size)
+                self._op = "map"
+                memory.map(va, size, handle)
+                self._op = "release"
+                memory.release(handle)  # the mapping keeps the memory alive
+            self._op = "set_access"
+            driver.set_access(memory.base + lo * g, (hi - lo) * g)
+        if zero_new:
+            self._op = "zero"
+            for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
+                driver.zero(memory.base + lo, hi - lo)
+
+    def _rollback(self, count: int, old: int) -> list[str]:
+        """Set the size back to ``old`` and undo what was made since the memory held ``count`` mappings: settle the
+        intent, unmap (newest first), release the handles not yet released. The tensor is ``failed`` until that is
+        done, and stays so when a mapping could not be unmapped (``close()`` retries it); a handle that could not be
+        released stays on record for ``close()``. Returns what could not be undone."""
+        memory, failure = self._memory, f"undoing a growth step from {old} bytes per segment did not finish"
+        self._state, self._failure, self._per_segment = "failed", failure, old  # one step: the state says it first
+        with busy(): problems = self._undo_since(count)  # one line: Note [Locked sections are one line]
+        if len(memory.mappings) > count or memory.uncertain():
+            self._failure = f"undoing a growth step from {old} bytes per segment failed: {'; '.join(problems)}"
+            return problems
+        self._state = "open"
+        return problems
+
+    def _undo_since(self, count: int) -> list[str]:
+        """What ``_rollback`` undoes; a driver's failure is noted and the rest still undone, anything else (an
+        interrupt) stops it there, leaving the tensor failed."""
+        memory, problems = self._memory, []
+        try:
+            if len(memory.mappings) > count or memory.uncertain():
+                memory.driver.synchronize()
+            memory.settle()
+        except _REFUSED as exc:
+            problems.append(f"{exc}")
+        for va, size in reversed(memory.mappings[count:]):
+            try:
+                memory.unmap(va, size)
+            except _REFUSED as exc:
+                problems.append(f"unmap({va:#x}, {size}): {exc}")
+        for handle in reversed(list(memory.handles)):
+            try:
+                memory.release(handle)
+            except _REFUSED as exc:
+                problems.append(f"release: {exc}")
         return problems
 
     def _mark(self) -> tuple[int, int]:
         """A point to ``_retract`` to: the size per segment and the number of mappings now."""
         return self._per_segment, len(self._memory.mappings)
 
-    def _retract(self, mark: tuple[int, int]) -> None:
-        """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step)."""
-        per_segment, count = mark
-        with self._lock, busy():
-            _unmap_down_to(self._memory, count)
-            self._per_segment = per_segment
+    def _retract(self, mark: tuple[int, int]) -> list[str]:
+        """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step); a tensor
+        that is not open is left as it is. Returns what could not be undone (the tensor is then ``failed``)."""
+        with self._lock: return self._retract_to(*mark)  # one line: Note [Locked sections are one line]
+
+    def _retract_to(self, per_segment: int, count: int) -> list[str]:
+        if self._state != "open" or (self._per_segment, len(self._memory.mappings)) == (per_segment, count):
+            return []
+        return self._rollback(count, per_segment)
 
     # -- views -------------------------------------------------------------------------------------------------
     def segment_view(self, index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -368,13 +523,15 @@ class ExtensibleTensor(Unshareable):
         itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
             raise InvalidSizeError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
+        with self._lock: return self._segment_view(index, dtype, itemsize)  # one line: see ``reaper``
+
+    def _segment_view(self, index: int, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
+        self._check_open("segment_view")
         start = index * self._segment_bytes
-        with self._lock:
-            self._check_open("segment_view")
-            if start % itemsize or self._per_segment % itemsize:
-                raise InvalidSizeError(f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
-                                       f"not a whole number of {dtype} elements of {itemsize} bytes")
-            return self._view(start, self._per_segment, dtype)
+        if start % itemsize or self._per_segment % itemsize:
+            raise InvalidSizeError(f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
+                                   f"not a whole number of {dtype} elements of {itemsize} bytes")
+        return self._view(start, self._per_segment, dtype)
 
     def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not.
@@ -386,17 +543,18 @@ class ExtensibleTensor(Unshareable):
         if self._max_num_bytes % itemsize:
             raise InvalidSizeError(f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} "
                                    f"elements of {itemsize} bytes")
-        with self._lock:
-            self._check_open("full_view")
-            return self._view(0, self._max_num_bytes, dtype)
+        with self._lock: return self._full_view(dtype)  # one line: Note [Locked sections are one line]
+
+    def _full_view(self, dtype: torch.dtype) -> torch.Tensor:
+        self._check_open("full_view")
+        return self._view(0, self._max_num_bytes, dtype)
 
     def _view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A view of ``[offset, offset+nbytes)``; called with the lock held, so ``close()`` cannot run meanwhile."""
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self._driver.device)
         keeper = _ViewKeeper(self)
-        with busy():
-            raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)
+        with busy(): raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)  # one line: ``reaper``
         self._views.add(keeper)
         return raw.view(dtype)
 
@@ -409,26 +567,31 @@ class ExtensibleTensor(Unshareable):
         """Unmap everything and free the reservation. A second call does nothing.
 
         Refuses with ``BusyError`` while views are alive (they would point at freed memory), unless ``force``:
-        then the caller promises no view is used again.
+        then the caller promises no view is used again. If it does not finish (a driver call fails, an exception
+        lands), the tensor is ``failed`` and ``close()`` again returns the rest.
         """
-        with self._lock:
-            if self.closed:
-                return
-            if self._views and not force:
-                gc.collect()
-            if self._views and not force:
-                raise BusyError(f"cannot close {self!r}: {len(self._views)} view(s) of its memory are alive; drop "
-                                f"them first or pass force=True")
-            if not self._finalizer.detach():
-                return
-            try:  # always now, never deferred: the caller waits for the memory to go
-                _teardown(self._memory)
-            except BaseException:  # what was returned is off the record; close() again retries the rest
-                self._finalizer = weakref.finalize(self, _collected, self._memory)
-                self._finalizer.atexit = False
-                raise
+        sweep()
+        with self._lock: return self._close(force)  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _close(self, force: bool) -> None:
+        if self._state == "closed":
+            return
+        if self._views and not force:
+            gc.collect()
+        if self._views and not force:
+            raise BusyError(f"cannot close {self!r}: {len(self._views)} view(s) of its memory are alive; drop "
+                            f"them first or pass force=True")
+        self._state, self._failure = "failed", "close() did not finish"  # until everything is returned
+        self._memory.teardown()  # always now, never deferred: the caller waits for the memory to go
+        disown(self._memory)
+        self._finalizer.detach()
+        self._state = "closed"
 
     def _check_open(self, op: str) -> None:
-        if self.closed:
+        if self._state == "closed":
             raise ClosedError(f"{op} on a closed ExtensibleTensor ({self._max_num_bytes} bytes, "
                               f"{self._num_segments} segment(s), driver={self._driver.name})")
+        if self._state == "failed":
+            raise FailedStateError(f"{op} on a failed ExtensibleTensor ({self._max_num_bytes} bytes, "
+                                   f"{self._num_segments} segment(s), driver={self._driver.name}): {self._failure}; "
+                                   f"retry close() to return the memory it still holds")

@@ -7,7 +7,7 @@ import torch
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.errors import ClosedError, InvalidSizeError
+from extensible_kv.errors import ClosedError, CommitError, FailedStateError, InvalidSizeError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from extensible_kv.layout import AttentionLayer, LayoutError, Segments
 
@@ -148,3 +148,33 @@ def test_the_block_major_re_stride_refuses_a_layout_that_is_not_kv_first_naming_
         _kv_first("three", 3).views(raw, 4)
     expected = "layer three: block-major re-stride needs a (2, num_blocks, ...) layout, got shape (3, 4, 8)"
     assert str(info.value) == expected, f"block-major over (3, 4, 8): expected {expected!r}, got {info.value}"
+
+
+def test_kv_buffers_whose_growth_could_not_be_undone_refuse_views_and_growth_until_close_returns_everything():
+    ledger = Ledger(HostDriver(granularity=4096))
+    cache = ExtensibleKVCacheBuffers([KVBuffer("a", layouts.PAGE, (_layer("la"),)),
+                                      KVBuffer("b", layouts.PAGE, (_layer("lb"),))], 8, driver=ledger)
+    cache.ensure_blocks(1)
+    ledger.fail("zero", 2)  # buffer b's step fails after its map ...
+    ledger.fail("unmap", 1)  # ... and its rollback cannot unmap it
+    with pytest.raises(CommitError, match="rollback also failed"):
+        cache.ensure_blocks(4)
+    outcomes = {}
+    for what, call in {"ensure_blocks": lambda: cache.ensure_blocks(2), "raw": lambda: cache.raw("b"),
+                       "committed_layer_views": lambda: cache.committed_layer_views("la")}.items():
+        try:
+            call()
+            outcomes[what] = "handed out"
+        except FailedStateError as exc:
+            outcomes[what] = "refused" if "retry close()" in str(exc) else f"message: {exc}"
+    refused = dict.fromkeys(("ensure_blocks", "raw", "committed_layer_views"), "refused")
+    assert outcomes == refused, f"KV buffers after a growth whose rollback could not unmap: expected growth and " \
+                                f"views {refused}, got {outcomes}"
+    got = (cache.state, cache.num_blocks, cache.stats().state, cache.tensor("a").bytes_per_segment)
+    want = ("failed", 0, "failed", layouts.PAGE)
+    assert got == want, f"KV buffers after a growth whose rollback could not unmap (buffer a retracted, buffer b " \
+                        f"failed): expected (state, num_blocks, stats state, a's bytes per segment) {want}, got {got}"
+    cache.close()
+    got = (cache.state, bool(ledger.outstanding()))
+    assert got == ("closed", False), f"KV buffers close() from the failed state: expected (closed, nothing " \
+                                     f"outstanding), got {got}"

@@ -1,7 +1,8 @@
 """``ExtensibleTensor.close()`` and ``full_view``: a tensor with live views refuses to close unless forced (after a
-collection, which runs only then), a tensor whose close failed returns its memory when collected, one still open
-at interpreter exit stays mapped, ``full_view`` refuses a dtype that does not tile the reservation (each refusal
-with its whole message), and views are on the driver's device, empty ones included."""
+collection, which runs only then), a tensor whose close failed returns its memory when collected, one whose close or
+rollback half-failed is in its failed state (refusing views and growth, counting nothing as committed) until close()
+is retried, one still open at interpreter exit stays mapped, ``full_view`` refuses a dtype that does not tile the
+reservation (each refusal with its whole message), and views are on the driver's device, empty ones included."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import extensible_kv
 from conformance.helpers import kernel_granules
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.errors import BusyError, ClosedError, DriverError, InvalidSizeError
+from extensible_kv.errors import BusyError, ClosedError, CommitError, DriverError, FailedStateError, InvalidSizeError
 from extensible_kv.tensor import ExtensibleTensor
 
 G = 4096
@@ -63,6 +64,68 @@ def test_a_tensor_whose_close_failed_returns_its_memory_when_collected():
     del tensor
     gc.collect()
     assert not ledger.outstanding(), f"a tensor whose close failed, collected: left {ledger.outstanding()}"
+
+
+def _refusals(tensor: ExtensibleTensor) -> dict[str, str]:
+    """What views and growth of ``tensor`` do: ``FailedStateError`` naming the call and saying to retry close(),
+    or what else they did."""
+    outcomes = {}
+    for what, call in {"segment_view": lambda: tensor.segment_view(0), "full_view": tensor.full_view,
+                       "resize_per_segment_": lambda: tensor.resize_per_segment_(tensor.segment_bytes)}.items():
+        try:
+            call()
+            outcomes[what] = "handed out"
+        except FailedStateError as exc:
+            outcomes[what] = "refused" if what in str(exc) and "retry close()" in str(exc) else f"message: {exc}"
+    return outcomes
+
+
+REFUSED = dict.fromkeys(("segment_view", "full_view", "resize_per_segment_"), "refused")
+
+
+def test_a_close_that_unmapped_everything_and_failed_to_free_leaves_a_failed_tensor_until_close_is_retried():
+    tensor, ledger = _tensor(4 * G)
+    base = tensor.base_address
+    ledger.fail("free")
+    with pytest.raises(DriverError):
+        tensor.close()
+    got = _refusals(tensor)  # a view now would be of unmapped memory: reading it faults
+    assert got == REFUSED, f"HostDriver views and growth after close() unmapped everything and failed at free: " \
+                           f"expected {REFUSED}, got {got}"
+    stats = tensor.stats()
+    got = (tensor.state, tensor.closed, stats.state, stats.committed_bytes, stats.backed_bytes, stats.mappings,
+           tensor.bytes_per_segment)
+    assert got == ("failed", False, "failed", 0, 0, 0, 0), \
+        f"HostDriver tensor whose close() failed at free: expected (state, closed, stats state, committed, backed, " \
+        f"mappings, bytes_per_segment) ('failed', False, 'failed', 0, 0, 0, 0), got {got}"
+    tensor.close()
+    got = (tensor.state, bool(ledger.outstanding()), kernel_granules(base, 4 * G, G))
+    assert got == ("closed", False, ["nothing"] * 4), \
+        f"HostDriver close() retried from the failed state: expected (closed, nothing outstanding, the kernel maps " \
+        f"nothing), got {got}"
+
+
+def test_a_growth_whose_rollback_could_not_unmap_leaves_a_failed_tensor_and_close_returns_everything():
+    tensor, ledger = _tensor(4 * G)
+    base = tensor.base_address
+    ledger.fail("zero")  # the step fails after its maps ...
+    ledger.fail("unmap")  # ... and the rollback cannot unmap the first of them
+    with pytest.raises(CommitError, match="rollback also failed: unmap"):
+        tensor.resize_per_segment_(2 * G)
+    got = _refusals(tensor)
+    assert got == REFUSED, f"HostDriver views and growth after a rollback that could not unmap: expected " \
+                           f"{REFUSED}, got {got}"
+    stats = tensor.stats()
+    got = (tensor.state, stats.state, stats.committed_bytes, stats.mappings)
+    want = ("failed", "failed", 0, len(ledger.outstanding().mappings))
+    assert got == want and want[3] > 1, \
+        f"HostDriver tensor whose rollback could not unmap: expected (state, stats state, committed, mappings on " \
+        f"record) {want} (the driver's mappings, more than the first), got {got}"
+    tensor.close()
+    got = (tensor.state, bool(ledger.outstanding()), kernel_granules(base, 4 * G, G))
+    assert got == ("closed", False, ["nothing"] * 4), \
+        f"HostDriver close() of a tensor whose rollback could not unmap: expected (closed, nothing outstanding, the " \
+        f"kernel maps nothing), got {got}"
 
 
 def test_full_view_refuses_a_dtype_that_does_not_tile_the_reservation_and_a_closed_tensor():

@@ -55,8 +55,39 @@ Note [No use after fork]
 
 Note [The driver lock and the garbage collector]
     The driver's lock is not reentrant; a garbage collection inside a locked section may run a tensor finalizer
-    that calls this driver. Locked sections run inside ``reaper.busy()``, so such a finalizer defers its teardown
-    until the section ends (see ``extensible_kv.reaper``).
+    that calls this driver. Locked sections run inside ``reaper.busy()``, so such a finalizer leaves the teardown to
+    the next sweep (see ``extensible_kv.reaper``). Each is one line, ``with busy(), self._locked(): return
+    self._work(...)``: Note [Locked sections are one line] there says why.
+
+Note [Every call is whole, even when interrupted]
+    An exception may land on any line (a signal handler that raises, a timeout library's SIGALRM, a trace hook), so
+    each call either returns having done everything or raises having done nothing, and the records always say what
+    the kernel holds:
+    - an effect that can be undone (``reserve``, ``create``, ``map``) is undone by the ``except`` clause of the
+      call that made it, whatever line the exception landed on, up to the moment the call returns;
+    - an effect that cannot (``release`` closes the memfd, ``free`` gives the address range back) is the last thing
+      the call does, with its records changed first in the same line (``release``) or restored when the kernel
+      still holds the range (``free`` reads ``/proc/self/maps``); ``unmap``, idempotent in the kernel (reserved again
+      is reserved), changes its records after the kernel and finishes them in its ``except`` clause once the kernel
+      did;
+    - a record that spans two fields changes in one statement (a tuple assignment), and a handle's bytes leave the
+      held count once (``HostHandle.counted``), so finishing a call twice counts nothing twice.
+    A released handle's fd is forgotten and closed in one line, with no call in between, so an fd is never closed
+    twice (a number the process reused is never closed behind its back).
+    What remains: a signal handler also runs after the driver's lock is given back, so ``map``, ``unmap``,
+    ``release`` and ``free`` may raise with their effect done; the records still say what the kernel holds, and a
+    caller that asks again is refused (changing nothing), which is how ``ExtensibleTensor`` settles it (Note
+    [Intent, effect, record] in ``tensor``). A signal right after one of ``reserve``'s two trimming ``munmap`` calls
+    returns makes its ``except`` clause give that trimmed piece back a second time (harmless unless another thread
+    mapped something there in that instant). A second exception landing inside an ``except`` clause cuts its
+    cleanup short. A trace hook raises only between lines and reaches none of these.
+
+Note [A result is stored by C]
+    A signal handler runs where the interpreter checks for pending calls, and it checks right after a call returns,
+    before the next bytecode stores the result: ``fd = os.memfd_create(...)`` can lose the fd. ``items.extend(map(
+    call, args))`` calls and stores inside C (``map`` calls, ``list.extend`` appends), so no bytecode runs between
+    the call's return and the store; the ``except`` clause then finds the result in ``items``. ``create`` and
+    ``reserve`` get their native results, and hand theirs to ``ExtensibleTensor``, this way.
 """
 
 from __future__ import annotations
@@ -67,8 +98,6 @@ import errno
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,18 +147,35 @@ def probe() -> str | None:
     return None
 
 
+def _kernel_reserves(va: int, size: int) -> bool:
+    """Whether the kernel still holds all of ``[va, va+size)`` as reserved: anonymous, no access."""
+    covered = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo < va + size and va < hi and fields[1] == "---p" and fields[4] == "0" and len(fields) < 6:
+                covered += min(hi, va + size) - max(lo, va)
+    return covered == size
+
+
 @dataclass(eq=False)
 class HostHandle:
-    """A physical allocation: one memfd of ``size`` bytes, ``maps`` live mappings of it, and whether the creation
-    reference was released. Compared by identity."""
+    """A physical allocation: one memfd of ``size`` bytes (``fd``, -1 once released), ``maps`` live mappings of it,
+    whether the creation reference was released, and whether its bytes are still in the driver's held count
+    (``counted``: Note [Every call is whole, even when interrupted]). Compared by identity."""
 
     fd: int
     size: int
     maps: int = 0
     released: bool = False
+    counted: bool = True
+
+    def __post_init__(self) -> None:
+        self._shown = self.fd  # the fd it was made with names it, also once released
 
     def __repr__(self) -> str:
-        return f"HostHandle(fd={self.fd}, size={self.size})"
+        return f"HostHandle(fd={self._shown}, size={self.size})"
 
 
 class HostDriver:
@@ -169,98 +215,172 @@ class HostDriver:
         self._check("reserve", size=size, alignment=alignment)
         check_alignment(alignment, self._granularity)
         alignment = max(alignment, PAGE_BYTES)
-        span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
-        va = (raw + alignment - 1) // alignment * alignment
-        # Trim the over-reservation so the kernel holds exactly [va, va+size).
-        if va > raw:
-            _lib().munmap(raw, va - raw)
-        if raw + span > va + size:
-            _lib().munmap(va + size, raw + span - (va + size))
-        with self._locked():
+        made: list[int] = []
+        try:  # the reservation is undone unless it is returned: Note [Every call is whole, even when interrupted]
+            with busy(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))
+            return made[0]
+        except BaseException:
+            for va in made:
+                with busy(), self._locked(): self._free(va, size)
+            raise
+
+    def _reserve(self, size: int, alignment: int) -> int:
+        span, flags = size + alignment, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+        raws: list[int | None] = []
+        head = tail = False
+        try:  # the mmap's result is stored by C: Note [A result is stored by C]
+            raws.extend(map(_lib().mmap, [None], [span], [_PROT_NONE], [flags], [-1], [0]))
+            raw = raws[0]
+            if raw in (None, _MAP_FAILED):
+                self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+            va = -(-raw // alignment) * alignment
+            # Trim the over-reservation so the kernel holds exactly [va, va+size); each trim is remembered in the
+            # line that makes it, so the except clause gives back exactly what is left.
+            head = va == raw or _lib().munmap(raw, va - raw) == 0
+            tail = raw + span == va + size or _lib().munmap(va + size, raw + span - (va + size)) == 0
             self._reservations[va] = size
-        return va
+            return va
+        except BaseException:
+            if raws and raws[0] not in (None, _MAP_FAILED):
+                raw = raws[0]
+                va = -(-raw // alignment) * alignment
+                self._reservations.pop(va, None)
+                lo, hi = (va if head else raw), (va + size if tail else raw + span)
+                _lib().munmap(lo, hi - lo)
+            raise
 
     def free(self, va: int, size: int) -> None:
         self._check("free", va=va, size=size)
-        with self._locked():
-            check_free(va, size, self._reservations.get(va) == size, self._mappings)
-            if _lib().munmap(va, size) != 0:  # a failed free keeps its record: close() can try again
-                self._fail("free", f"munmap({va:#x}, {size})")
+        with busy(), self._locked(): return self._free(va, size)
+
+    def _free(self, va: int, size: int) -> None:
+        check_free(va, size, self._reservations.get(va) == size, self._mappings)
+        try:  # the record goes first and the kernel's range last: Note [Every call is whole, even when interrupted]
             del self._reservations[va]
+            if _lib().munmap(va, size) != 0:
+                self._fail("free", f"munmap({va:#x}, {size})")
+        except BaseException:  # a failed free keeps its record (close() can try again), as long as the kernel does
+            if _kernel_reserves(va, size):
+                self._reservations[va] = size
+            raise
 
     def create(self, size: int) -> HostHandle:
         self._check("create", size=size)
-        with self._locked():
-            if self._held + size > self._total:  # Note [Host memory accounting]
-                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of "
-                                                  f"{self._total} bytes free", errno.ENOMEM)
-            self._held += size
-        try:
-            return self._create(size)
+        counted, made = [0], []  # the bytes this call added to the held count, and the handle it made
+        try:  # both are given back unless the handle is returned: Note [Every call is whole, even when interrupted]
+            with busy(), self._locked(): self._count(size, counted)
+            made.extend(map(self._create, [size]))  # Note [A result is stored by C]
+            return made[0]
         except BaseException:
-            with self._locked():
-                self._held -= size
+            for handle in made:
+                fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # never returned: nobody maps it
+            with busy(), self._locked(): self._count(-counted[0], counted)
             raise
 
+    def _count(self, size: int, counted: list[int]) -> None:
+        """Add ``size`` (negative: take it back) to the held bytes and to ``counted`` in one step."""
+        if size > 0 and self._held + size > self._total:  # Note [Host memory accounting]
+            raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of "
+                                              f"{self._total} bytes free", errno.ENOMEM)
+        self._held, counted[0] = self._held + size, counted[0] + size
+
     def _create(self, size: int) -> HostHandle:
-        try:
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
-        except OSError as exc:
-            raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
-        try:
-            os.ftruncate(fd, size)
+        fds: list[int] = []
+        try:  # the fd is closed unless the handle is returned; memfd_create's result is stored by C (Notes)
+            fds.extend(map(os.memfd_create, [_MEMFD_NAME], [os.MFD_CLOEXEC]))
+            os.ftruncate(fds[0], size)
             if self._fill_byte is not None:  # Note [Fresh pages are not zero]
-                self._fill(fd, size, self._fill_byte)
-        except OSError as exc:
-            os.close(fd)
+                self._fill(fds[0], size, self._fill_byte)
+            return HostHandle(fds[0], size)
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            if not isinstance(exc, OSError) or exc.errno is None:  # not a failed call (a TimeoutError from a handler)
+                raise
+            if not fds:
+                raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
             kind = DriverOutOfMemory if exc.errno in (errno.ENOMEM, errno.ENOSPC) else DriverError
             raise kind("create", f"ftruncate/fill of a {size}-byte memfd: {exc}", exc.errno) from exc
-        return HostHandle(fd, size)
 
     def release(self, handle: HostHandle) -> None:
         self._check("release")
-        with self._locked():
-            if handle.released:
-                raise DriverError("release", f"{handle!r} was already released")
-            os.close(handle.fd)
-            handle.released = True
+        with busy(), self._locked(): return self._release(handle)
+
+    def _release(self, handle: HostHandle) -> None:
+        if handle.released:
+            raise DriverError("release", f"{handle!r} was already released")
+        try:
+            # Marked, forgotten and closed in one line with no call before the close: an exception lands before
+            # all of it or after all of it, so the fd is never leaked and never closed twice.
+            fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)
             self._drop_if_unused(handle)
+        except BaseException:
+            self._drop_if_unused(handle)  # once released, the count follows (a second time changes nothing)
+            raise
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         self._check("map", va=va, size=size, offset=offset)
-        with self._locked():
-            check_inside("map", va, size, self._reservations.items())
-            # Note [MAP_FIXED replaces silently]
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
-            if handle.released:
-                raise DriverError("map", f"{handle!r} was released; map a live handle")
-            if offset + size > handle.size:
-                raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
-            got = _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
-            if got != va:
+        with busy(), self._locked(): return self._map(va, size, handle, offset)
+
+    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self._reservations.items())
+        # Note [MAP_FIXED replaces silently]
+        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+        if handle.released:
+            raise DriverError("map", f"{handle!r} was released; map a live handle")
+        if offset + size > handle.size:
+            raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
+        live = (size, handle)
+        try:  # recorded first, undone whole on any exception: Note [Every call is whole, even when interrupted]
+            handle.maps, self._mappings[va] = handle.maps + 1, live
+            if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
                 self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
-            self._mappings[va] = (size, handle)
-            handle.maps += 1
+        except BaseException:
+            if self._mappings.get(va) is live:  # whatever the kernel did there, the range is reserved again
+                _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+                handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+            raise
 
     def unmap(self, va: int, size: int) -> None:
         self._check("unmap", va=va, size=size)
-        with self._locked():
-            live = self._mappings.get(va)
-            check_one_mapping(va, size, live and live[0])
-            got = _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
-            if got != va:
+        with busy(), self._locked(): return self._unmap(va, size)
+
+    def _unmap(self, va: int, size: int) -> None:
+        live = self._mappings.get(va)
+        check_one_mapping(va, size, live and live[0])
+        flags, got = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, []
+        try:  # the kernel first, then the records: Notes [Every call is whole, ...], [A result is stored by C]
+            got.extend(map(_lib().mmap, [va], [size], [_PROT_NONE], [flags], [-1], [0]))
+            if got[0] != va:
                 self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+            self._forget(va, live)
+        except BaseException:
+            if got == [va]:  # the kernel unmapped it: the records follow
+                self._recount(va, live)
+            raise
+
+    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        """Drop the record ``live`` of the mapping at ``va``, and its handle's bytes once nothing holds them."""
+        live[1].maps, _ = live[1].maps - 1, self._mappings.pop(va)
+        self._drop_if_unused(live[1])
+
+    def _recount(self, va: int, live: tuple[int, HostHandle]) -> None:
+        """``_forget`` after an exception that may have cut it short: the record goes if it is still there, and the
+        handle's map count is counted again from the records."""
+        handle = live[1]
+        if self._mappings.get(va) is live:
             del self._mappings[va]
-            live[1].maps -= 1
-            self._drop_if_unused(live[1])
+        handle.maps = sum(1 for _, h in self._mappings.values() if h is handle)
+        self._drop_if_unused(handle)
 
     def set_access(self, va: int, size: int) -> None:
         self._check("set_access", va=va, size=size)
-        with self._locked():
-            mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
+        with busy(), self._locked(): return self._set_access(va, size)
+
+    def _set_access(self, va: int, size: int) -> None:
+        # The check and mprotect under one lock: an unmap between them would leave anonymous memory read-write
+        # there (the protocol's P-threads).
+        mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
         if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
             self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
@@ -290,20 +410,18 @@ class HostDriver:
 
     def mem_info(self) -> tuple[int, int]:
         """``(total - held, total)``: see Note [Host memory accounting]."""
-        with self._locked():
-            return self._total - self._held, self._total
+        with busy(), self._locked(): return self._total - self._held, self._total
 
     # -- helpers -----------------------------------------------------------------------------------------------
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The driver's lock, inside ``reaper.busy()``: Note [The driver lock and the garbage collector]."""
-        with busy(), self._lock:
-            yield
+    def _locked(self) -> threading.Lock:
+        """The driver's lock, a C-level context manager; every section holding it is also inside ``reaper.busy()``
+        and is one line (Note [The driver lock and the garbage collector])."""
+        return self._lock
 
     def _drop_if_unused(self, handle: HostHandle) -> None:
-        """Stop counting a handle's bytes once it is released and mapped nowhere (called with the lock held)."""
-        if handle.released and handle.maps == 0:
-            self._held -= handle.size
+        """Stop counting a handle's bytes once it is released and mapped nowhere, once (called with the lock held)."""
+        if handle.released and handle.maps == 0 and handle.counted:
+            self._held, handle.counted = self._held - handle.size, False
 
     def _check(self, op: str, **values: int) -> None:
         if os.getpid() != self._pid:  # Note [No use after fork]
@@ -314,14 +432,19 @@ class HostDriver:
     @staticmethod
     def _fill(fd: int, size: int, byte: int) -> None:
         lib = _lib()
-        addr = lib.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        try:
-            ctypes.memset(addr, byte, size)
-        finally:
-            lib.munmap(addr, size)
+        addrs: list[int | None] = []
+        unmapped: list[int] = []
+        try:  # no ``finally`` (its body is a line an exception can land on before it runs); Note [A result is ...]
+            addrs.extend(map(lib.mmap, [None], [size], [_PROT_READ | _PROT_WRITE], [_MAP_SHARED], [fd], [0]))
+            if addrs[0] in (None, _MAP_FAILED):
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            ctypes.memset(addrs[0], byte, size)
+            unmapped.extend(map(lib.munmap, addrs, [size]))
+        except BaseException:
+            if addrs and addrs[0] not in (None, _MAP_FAILED) and not unmapped:
+                lib.munmap(addrs[0], size)
+            raise
 
     @staticmethod
     def _fail(op: str, detail: str, oom: bool = False) -> None:
