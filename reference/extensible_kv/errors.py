@@ -16,6 +16,10 @@ class InvalidSizeError(ExtensibleKVError, ValueError):
     """A size, count or index is out of range, misaligned, or would shrink a grow-only object."""
 
 
+class SegmentIndexError(InvalidSizeError, IndexError):
+    """A segment index out of range: an ``InvalidSizeError`` and, as an index, an ``IndexError``."""
+
+
 class InvalidArgumentError(ExtensibleKVError, TypeError):
     """An argument has the wrong type (a dtype that is not a ``torch.dtype``, say); the message names it."""
 
@@ -32,6 +36,12 @@ class FailedStateError(ExtensibleKVError, RuntimeError):
     """The object is in its failed state: a ``close()`` or a growth step's rollback did not finish, so it may hold
     memory that is no longer mapped as its size says. It refuses views and growth; ``close()`` retried returns
     everything it still holds. The message names the operation refused and what did not finish."""
+
+
+class ReleasedError(ExtensibleKVError, RuntimeError):
+    """The object's pages are released (``release_physical``): its reservation and committed size are kept, but
+    views and growth are refused until ``recommit_physical()`` maps zeroed pages back at the same addresses (and
+    ``recommit_physical`` is refused on an object that is not released). The message names the operation refused."""
 
 
 class DriverUnavailable(ExtensibleKVError, RuntimeError):

@@ -12,7 +12,11 @@ After ``close()`` every method but ``close`` raises ``ClosedError``; the buffers
 
 States (``state``): ``open``; ``failed`` when a ``close()`` did not finish or a buffer is ``failed`` (a rollback of
 growth could not unmap what the step made; ``ExtensibleTensor``'s module docstring): views and growth are refused
-with ``FailedStateError``, no block counts as committed, and ``close()`` retried returns everything; ``closed``.
+with ``FailedStateError``, no block counts as committed, and ``close()`` retried returns everything; ``released``
+after ``release_physical()`` (sleep mode: every buffer's pages released, reservations and the block count kept; views
+and growth refused with ``ReleasedError`` until ``recommit_physical()``, which maps zeroed pages back at the same
+addresses in every buffer as one step: on any exception the buffers recommitted in it are released again);
+``closed``.
 A growth step is interrupt-safe as each buffer's is: the block count is set inside the step's ``try`` and every
 buffer grown in it is retracted on any exception before it returns.
 """
@@ -27,7 +31,7 @@ import torch
 
 from .drivers import Driver, resolve
 from .drivers._records import MAX_BYTES
-from .errors import ClosedError, FailedStateError, InvalidSizeError
+from .errors import ClosedError, FailedStateError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int
 
@@ -146,8 +150,9 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     @property
     def num_blocks(self) -> int:
-        """Blocks committed in every segment of every buffer; 0 unless open."""
-        return self._num_blocks if self.state == "open" else 0
+        """Blocks committed in every segment of every buffer; 0 unless open. Released, the count on record that
+        ``recommit_physical`` maps back."""
+        return self._num_blocks if self.state in ("open", "released") else 0
 
     @property
     def buffers(self) -> tuple[KVBuffer, ...]:
@@ -155,11 +160,13 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     @property
     def state(self) -> str:
-        """``open``, ``failed`` (a close did not finish or a buffer is failed: retry ``close()``) or ``closed``."""
+        """``open``, ``released`` (every buffer released), ``failed`` (a close did not finish, a buffer is failed, or
+        buffers are part released, part open: retry ``close()``) or ``closed``."""
         tensors = self._tensors.values()
         if self._closed:
             return "closed" if all(t.closed for t in tensors) else "failed"
-        return "failed" if any(t.state == "failed" for t in tensors) else "open"
+        states = {t.state for t in tensors}
+        return states.pop() if len(states) == 1 and states <= {"open", "released"} else "failed"
 
     @property
     def closed(self) -> bool:
@@ -179,7 +186,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
     def ensure_blocks(self, num_blocks: int, zero_new: bool = True) -> int:
         """Commit blocks ``[0, num_blocks)`` in every segment of every buffer; return the committed block count.
 
-        Idempotent and grow-only: a count at or below the committed one does nothing. All buffers grow as one step:
+        Idempotent and grow-only: a count at or below the committed one does nothing (so on legacy buffers, committed
+        whole at construction, every count up to ``max_num_blocks`` is a no-op returning it). All buffers grow as one step:
         on any exception (a failed commit, a closed buffer, KeyboardInterrupt) the buffers grown in it are retracted.
         """
         num_blocks = _check_int("num_blocks", num_blocks)
@@ -208,6 +216,46 @@ class ExtensibleKVCacheBuffers(Unshareable):
             for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
                 t._retract(mark)  # what it could not undo leaves it (and so these buffers) failed
             raise
+
+    # -- release and recommit (sleep mode) -----------------------------------------------------------------------
+    def release_physical(self) -> None:
+        """Release every buffer's pages, keeping the reservations and the block count (state ``released``). The
+        views handed out keep their addresses and must not be touched until ``recommit_physical()``. Refused unless
+        open (``ReleasedError`` when released already). A release that does not finish leaves the buffers
+        ``failed``: ``close()`` returns the rest."""
+        with self._lock: return self._release()  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _release(self) -> None:
+        self._check_open("release_physical")
+        for t in self._tensors.values():
+            if t.state == "open":  # a buffer released before an interrupt is not released twice
+                t.release_physical()
+
+    def recommit_physical(self) -> int:
+        """Map zeroed pages back for the block count on record in every buffer, at the same addresses, as one step;
+        return the block count. On any exception the buffers recommitted in the step are released again and the
+        buffers stay ``released``. Refused unless released."""
+        with self._lock: return self._recommit()  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _recommit(self) -> int:
+        if self.state != "released":
+            self._check_open("recommit_physical")
+            raise ReleasedError(f"recommit_physical on ExtensibleKVCacheBuffers that are not released "
+                                f"({len(self._buffers)} buffer(s), {self._num_blocks} blocks committed): call "
+                                f"release_physical() first")
+        try:
+            for t in self._tensors.values():
+                t.recommit_physical()
+            return self._num_blocks
+        except BaseException:
+            for t in self._tensors.values():  # every buffer the step left open, the one it stopped in included
+                if t.state == "open":
+                    t.release_physical()
+            raise
+
+    @property
+    def released(self) -> bool:
+        return self.state == "released"
 
     # -- views -------------------------------------------------------------------------------------------------
     def layer_views(self, layer: str) -> list[torch.Tensor]:
@@ -269,6 +317,10 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if state == "closed":
             raise ClosedError(f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
                               f"max_num_blocks={self._max_num_blocks})")
+        if state == "released" and failed_too:  # queries (stats, tensor) still answer
+            raise ReleasedError(f"{op} on released ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                                f"{self._num_blocks} blocks on record): their pages were released by "
+                                f"release_physical(); call recommit_physical() first")
         if state == "failed" and failed_too:
             failed = [name for name, t in self._tensors.items() if t.state == "failed"]
             what = "close() did not finish" if self._closed else f"buffer(s) {failed} could not undo a growth step"

@@ -12,7 +12,10 @@ names the operation and the sizes (other exceptions, KeyboardInterrupt included,
 
 States (``state``): ``open``; ``failed`` when a ``close()`` or a growth step's rollback did not finish (a driver call
 failed in it, or an exception interrupted it): the tensor then refuses views and growth with ``FailedStateError``,
-counts no byte as committed, and ``close()`` retried returns everything it still holds; ``closed``.
+counts no byte as committed, and ``close()`` retried returns everything it still holds; ``released`` after
+``release_physical()`` (sleep mode: every page unmapped and released, the reservation and the committed size kept;
+views and growth refused with ``ReleasedError`` until ``recommit_physical()`` maps zeroed pages back under the same
+addresses, all-or-nothing: a recommit that fails or is interrupted leaves it released); ``closed``.
 
 Lifetimes: every tensor this object hands out (``segment_view``, ``full_view``) keeps it alive, so views may
 outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or,
@@ -70,7 +73,7 @@ from . import granules
 from .drivers import Driver, resolve
 from .drivers._records import MAX_BYTES
 from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
-    FailedStateError, InvalidArgumentError, InvalidSizeError, ProtocolViolation
+    FailedStateError, InvalidArgumentError, InvalidSizeError, ProtocolViolation, ReleasedError, SegmentIndexError
 from .reaper import Owned, busy, disown, own, sweep
 
 
@@ -218,14 +221,20 @@ class _Memory(Owned):
             raise
 
 
-def _teardown(memory: _Memory) -> None:
-    """What ``_Memory.teardown`` does inside its section (a function of its own, which the meta tests replace)."""
+def _unback(memory: _Memory) -> None:
+    """Unmap every mapping (the device synchronized first, newest first) and release every handle still on record,
+    keeping the reservation: ``release_physical`` and the first part of ``_teardown``."""
     memory.driver.synchronize()
     memory.settle()
     while memory.mappings:
         memory.unmap(*memory.mappings[-1])
     while memory.handles:
         memory.release(memory.handles[-1])
+
+
+def _teardown(memory: _Memory) -> None:
+    """What ``_Memory.teardown`` does inside its section (a function of its own, which the meta tests replace)."""
+    _unback(memory)
     if memory.base is not None:
         memory.free()
 
@@ -344,8 +353,9 @@ class ExtensibleTensor(Unshareable):
 
     @property
     def bytes_per_segment(self) -> int:
-        """Committed bytes in each segment (the same in all of them); 0 unless open."""
-        return self._per_segment if self._state == "open" else 0
+        """Committed bytes in each segment (the same in all of them); 0 unless open. Released, the size on record
+        that ``recommit_physical`` maps back."""
+        return self._per_segment if self._state in ("open", "released") else 0
 
     @property
     def granularity(self) -> int:
@@ -353,12 +363,17 @@ class ExtensibleTensor(Unshareable):
 
     @property
     def state(self) -> str:
-        """``open``, ``failed`` (a close or a rollback did not finish: retry ``close()``) or ``closed``."""
+        """``open``, ``released`` (``release_physical``), ``failed`` (a close, a rollback or a release did not finish:
+        retry ``close()``) or ``closed``."""
         return self._state
 
     @property
     def closed(self) -> bool:
         return self._state == "closed"
+
+    @property
+    def released(self) -> bool:
+        return self._state == "released"
 
     def stats(self) -> TensorStats:
         """The accounting; in the ``failed`` state it says so, counts nothing as committed and reports what is
@@ -369,7 +384,7 @@ class ExtensibleTensor(Unshareable):
         if self._state == "closed":
             self._check_open("stats")
         memory = self._memory
-        if self._state == "failed":
+        if self._state in ("failed", "released"):
             backed = sum(size for _, size in memory.mappings)
         else:
             runs = granules.backed_granules(self._segment_bytes, self._num_segments, self._per_segment,
@@ -377,7 +392,7 @@ class ExtensibleTensor(Unshareable):
             backed = sum(hi - lo for lo, hi in runs) * self._granularity
         return TensorStats(
             reserved_bytes=memory.reserved if memory.base is not None else 0,
-            committed_bytes=self.bytes_per_segment * self._num_segments,
+            committed_bytes=self.bytes_per_segment * self._num_segments if self._state == "open" else 0,
             backed_bytes=backed,
             bytes_per_segment=self.bytes_per_segment,
             segment_bytes=self._segment_bytes,
@@ -516,13 +531,58 @@ class ExtensibleTensor(Unshareable):
             return []
         return self._rollback(count, per_segment)
 
+    # -- release and recommit (sleep mode) -----------------------------------------------------------------------
+    def release_physical(self) -> None:
+        """Unmap and release every page, keeping the reservation and the committed size on record: the tensor is
+        ``released`` and holds no physical memory. Views already handed out keep their addresses but must not be
+        touched until ``recommit_physical()``. Refused unless open (``ReleasedError`` when released already). A
+        release that does not finish (a driver call fails, an exception lands) leaves the tensor ``failed``:
+        ``close()`` returns the rest."""
+        with self._lock: return self._release()  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _release(self) -> None:
+        self._check_open("release_physical")
+        self._state, self._failure = "failed", "release_physical() did not finish"  # until every page is returned
+        try:
+            with busy(): _unback(self._memory)  # one line: Note [Locked sections are one line] in ``reaper``
+        except BaseException:
+            with busy(): self._memory.settle()
+            raise
+        self._state = "released"
+
+    def recommit_physical(self) -> ExtensibleTensor:
+        """Map zeroed pages back for the committed size on record, at the same addresses; return ``self``. All or
+        nothing: a recommit that fails (``CommitError``/``CommitOutOfMemory``, as growth) or is interrupted leaves
+        the tensor ``released`` with its size on record (or ``failed`` where its own rollback could not finish).
+        Refused unless released."""
+        with self._lock: return self._recommit()  # one line: Note [Locked sections are one line] in ``reaper``
+
+    def _recommit(self) -> ExtensibleTensor:
+        if self._state != "released":
+            self._check_open("recommit_physical")
+            raise ReleasedError(f"recommit_physical on an ExtensibleTensor that is not released "
+                                f"({self._per_segment} bytes per segment committed, driver={self._driver.name}): "
+                                f"call release_physical() first")
+        size = self._per_segment
+        try:
+            self._state, self._per_segment = "open", 0
+            if size:
+                self._grow(0, size, True)
+            return self
+        except BaseException:
+            # Rolled back to nothing (or interrupted before anything was mapped): released again, size on record.
+            # A grown tensor that an exception reached after its step returned keeps its mappings and stays open.
+            if self._state == "open" and not self._memory.mappings:
+                self._state, self._per_segment = "released", size
+            raise
+
     # -- views -------------------------------------------------------------------------------------------------
     def segment_view(self, index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over exactly the committed bytes of segment ``index``, as ``dtype``."""
         index = _check_int("index", index)
         itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
-            raise InvalidSizeError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
+            raise SegmentIndexError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
         with self._lock: return self._segment_view(index, dtype, itemsize)  # one line: see ``reaper``
 
     def _segment_view(self, index: int, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
@@ -588,6 +648,11 @@ class ExtensibleTensor(Unshareable):
         self._state = "closed"
 
     def _check_open(self, op: str) -> None:
+        if self._state == "released":
+            raise ReleasedError(f"{op} on a released ExtensibleTensor ({self._max_num_bytes} bytes, "
+                                f"{self._num_segments} segment(s), {self._per_segment} bytes per segment on record, "
+                                f"driver={self._driver.name}): its pages were released by release_physical(); call "
+                                f"recommit_physical() first")
         if self._state == "closed":
             raise ClosedError(f"{op} on a closed ExtensibleTensor ({self._max_num_bytes} bytes, "
                               f"{self._num_segments} segment(s), driver={self._driver.name})")

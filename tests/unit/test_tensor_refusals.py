@@ -72,3 +72,36 @@ def test_a_bad_resize_is_refused_naming_the_sizes_and_changes_nothing(first, bad
             f"segment kept, got {got}"
     finally:
         tensor.close()
+
+
+def test_a_segment_index_out_of_range_is_an_index_error_and_the_projects_typed_error():
+    from extensible_kv.errors import InvalidSizeError, SegmentIndexError
+
+    t = ExtensibleTensor(2 * 4096, 2, driver=Ledger(HostDriver(granularity=4096)))
+    try:
+        for index in (2, -1):
+            with pytest.raises(SegmentIndexError) as info:
+                t.segment_view(index)
+            got = (isinstance(info.value, IndexError), isinstance(info.value, InvalidSizeError), str(info.value))
+            assert got[:2] == (True, True) and f"segment index {index} is out of range" in got[2], \
+                f"segment_view({index}) of 2 segments: expected an IndexError and InvalidSizeError naming the " \
+                f"index, got {got}"
+        with pytest.raises(ValueError, match="exceeds the segment capacity 4096"):
+            t.resize_per_segment_(8192)
+    finally:
+        t.close()
+
+
+def test_ensure_blocks_on_legacy_buffers_is_a_no_op_returning_every_block():
+    from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+    ledger = Ledger(HostDriver(granularity=4096))
+    kv = ExtensibleKVCacheBuffers([KVBuffer("kv", 4096, num_segments=1)], 8, driver=ledger, legacy=True)
+    try:
+        calls = len(ledger.calls)
+        got = [kv.ensure_blocks(n) for n in (0, 3, 8)]
+        assert got == [8, 8, 8] and len(ledger.calls) == calls, \
+            f"ensure_blocks(0, 3, 8) on legacy buffers of 8 blocks: expected [8, 8, 8] and no driver call, got " \
+            f"{got} and {len(ledger.calls) - calls} call(s)"
+    finally:
+        kv.close()
