@@ -152,10 +152,13 @@ def layouts(session: nox.Session) -> None:
 
 @nox.session(venv_backend="virtualenv")
 def stress(session: nox.Session) -> None:
-    """The stateful hostile-use rule at 10,000 examples per driver (default: host,host-4k; `-- --driver cuda`)."""
+    """The stateful rules at stress size: hostile use at 10,000 examples, the protocol model at 2,000 per machine
+    (default: host,host-4k; `-- --driver cuda`)."""
     _install(session, "-e", ".[conformance]", *TEST_DEPS)
     session.env["EXTENSIBLE_KV_STATEFUL_EXAMPLES"] = "10000"
-    _pytest(session, "conformance/test_stateful_use.py", "--driver", "host,host-4k", "-p", "no:cacheprovider",
+    session.env["EXTENSIBLE_KV_PROTOCOL_EXAMPLES"] = "2000"
+    _pytest(session, "conformance/test_stateful_use.py", "conformance/test_protocol_model.py", "--driver", "host,host-4k",
+            "-p", "no:cacheprovider",
             *session.posargs)
 
 

@@ -95,8 +95,9 @@ def check_driver(driver: str | Callable[[], object], pytest_args: Sequence[str] 
     print(f"driver {spec}: built in a child process: {facts.get('type')} {facts.get('name')!r} on "
           f"{facts.get('device')}, granularity {facts.get('granularity')} bytes; the rules build it in a "
           f"pytest-xdist worker", flush=True)
-    cmd = [sys.executable, "-m", "pytest", *rule_paths(), "--driver", spec, "-p", "no:cacheprovider", "-p", "xdist",
-           "-n", "1", *args]
+    # pytest-benchmark, where installed, warns under xdist, and the rules' warnings are errors: it has no part here.
+    cmd = [sys.executable, "-m", "pytest", *rule_paths(), "--driver", spec, "-p", "no:cacheprovider",
+           "-p", "no:benchmark", "-p", "xdist", "-n", "1", *args]
     return process_group.run(cmd, env=env).returncode
 
 

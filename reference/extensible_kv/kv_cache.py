@@ -166,7 +166,9 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if self._closed:
             return "closed" if all(t.closed for t in tensors) else "failed"
         states = {t.state for t in tensors}
-        return states.pop() if len(states) == 1 and states <= {"open", "released"} else "failed"
+        if "failed" in states or states >= {"open", "released"}:  # part released, part open: nothing to resume
+            return "failed"
+        return "released" if "released" in states else "open"  # a buffer closed underneath: its own ClosedError
 
     @property
     def closed(self) -> bool:

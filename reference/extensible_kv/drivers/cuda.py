@@ -43,6 +43,21 @@ Note [cuMem accepts what the protocol refuses]
     next granule, or a gap; the protocol refuses all of these (a tensor that did them would unmap or expose its
     neighbour's memory). The driver keeps records of its reservations and mappings and refuses such calls itself,
     with the checks the host and HIP drivers use (``_records.py``), before any native call.
+
+Note [cuMemMap takes a released handle]
+    On the H200 (2026-12-04) ``cuMemMap`` maps a handle after ``cuMemRelease`` while the handle is still mapped
+    elsewhere (its memory is alive), where the protocol refuses a released handle (P-map-released). The driver keeps
+    the handles it created and has not released, and refuses ``map`` and ``release`` of any other, as the host driver
+    does. A handle whose memory is free again is gone: CUDA hands its value to a later ``cuMemCreate``, so a caller
+    never passes it again (P-release-once).
+
+Note [One lock over records and native calls]
+    Every call that changes or depends on what is mapped runs its record check and its native call under one lock,
+    so another thread's unmap or map of the same range cannot fall between them (the protocol's [P-threads]: calls
+    are atomic). On the H200 (2026-12-04, ``reports/runs/h200-2026-12-04/``) the two-thread protocol rule, with
+    ``cuMemSetAccess`` called after the lock was dropped, left ``cuMemSetAccess`` failing with
+    CUDA_ERROR_ALREADY_MAPPED on later fresh mappings of the process, and 33 later rules of the same worker failed;
+    the lock has covered ``cuMemSetAccess`` since, not yet run on the H200.
 """
 
 from __future__ import annotations
@@ -108,6 +123,7 @@ class CudaDriver:
         self._lock = threading.Lock()
         self._reservations: dict[int, int] = {}  # va -> size; Note [cuMem accepts what the protocol refuses]
         self._mappings: dict[int, int] = {}  # va -> size
+        self._live: set[int] = set()  # handles created and not yet released: Note [cuMemMap takes a released handle]
         self._dev = self._check("cuDeviceGet", cu.cuDeviceGet(ordinal))
         self._ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._dev))
         prop = cu.CUmemAllocationProp()
@@ -146,16 +162,23 @@ class CudaDriver:
 
     def create(self, size: int) -> int:
         check_range("create", size=size)
-        return int(self._call("create", "cuMemCreate", size, self._prop, 0))
+        handle = int(self._call("create", "cuMemCreate", size, self._prop, 0))
+        with self._lock:
+            self._live.add(handle)
+        return handle
 
     def release(self, handle: int) -> None:
-        self._call("release", "cuMemRelease", handle)
+        with self._lock:
+            self._check_live("release", handle)
+            self._call("release", "cuMemRelease", handle)
+            self._live.discard(handle)
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
         check_range("map", va=va, size=size, offset=offset)
         with self._lock:
             check_inside("map", va, size, self._reservations.items())
             check_no_overlap(va, size, self._mappings.items())
+            self._check_live("map", handle)
             self._call("map", "cuMemMap", va, size, offset, handle, 0)
             self._mappings[va] = size
 
@@ -168,9 +191,9 @@ class CudaDriver:
 
     def set_access(self, va: int, size: int) -> None:
         check_range("set_access", va=va, size=size)
-        with self._lock:
+        with self._lock:  # the check and the native call together: Note [One lock over records and native calls]
             mapped_parts(va, size, self._mappings.items())
-        self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
+            self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
         check_range("zero", va=va, size=size)
@@ -196,6 +219,13 @@ class CudaDriver:
         return int(free), int(total)
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    def _check_live(self, op: str, handle: int) -> None:
+        """Refuse ``op`` on a handle that is not live here (released, or never made by this driver), before CUDA
+        sees it (called with the lock held): Note [cuMemMap takes a released handle]."""
+        if handle not in self._live:
+            raise DriverError(op, f"handle {handle:#x} is not a live handle of this driver (released already, or "
+                                  f"not made by it)")
+
     def _make_current(self) -> None:  # Note [Current context]
         if getattr(self._local, "ready", False):
             return

@@ -221,12 +221,11 @@ class HipDriver:
 
     def free(self, va: int, size: int) -> None:
         check_range("free", va=va, size=size)
-        with self._lock:
+        with self._lock:  # records and native call together: a call from another thread sees both or neither
             entry = self._reservations.get(va)
             check_free(va, size, entry is not None and entry[0] == size, self._mappings)
-        _, raw, raw_size = entry
-        self._call("free", "hipMemAddressFree", raw, raw_size)
-        with self._lock:
+            _, raw, raw_size = entry
+            self._call("free", "hipMemAddressFree", raw, raw_size)
             del self._reservations[va]
 
     def create(self, size: int) -> Any:
@@ -244,25 +243,23 @@ class HipDriver:
         with self._lock:
             check_inside("map", va, size, ((r, entry[0]) for r, entry in self._reservations.items()))
             check_no_overlap(va, size, self._mappings.items())
-        self._call("map", "hipMemMap", va, size, 0, handle, 0)
-        with self._lock:
+            self._call("map", "hipMemMap", va, size, 0, handle, 0)
             self._mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:  # Note [Unmap per mapping]
         check_range("unmap", va=va, size=size)
         with self._lock:
             check_one_mapping(va, size, self._mappings.get(va))
-        self._call("unmap", "hipMemUnmap", va, size)
-        with self._lock:
+            self._call("unmap", "hipMemUnmap", va, size)
             del self._mappings[va]
 
     def set_access(self, va: int, size: int) -> None:  # Note [Access per mapping]
         check_range("set_access", va=va, size=size)
         with self._lock:
             parts = mapped_parts(va, size, self._mappings.items())
-        address = ctypes.addressof(self._access)
-        for lo, hi in parts:
-            self._call("set_access", "hipMemSetAccess", lo, hi - lo, address, len(self._access))
+            address = ctypes.addressof(self._access)
+            for lo, hi in parts:
+                self._call("set_access", "hipMemSetAccess", lo, hi - lo, address, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
         check_range("zero", va=va, size=size)

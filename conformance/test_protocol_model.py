@@ -1,0 +1,105 @@
+"""Model-based rules: random sequences of every protocol call, valid and invalid, on the raw driver (the one under the
+fixture's Ledger, so its own refusals are reached), compared after every step with the executable model of the
+protocol (``protocol_model.py``): ``ProtocolMachine`` (one thread, ``protocol_machine.py``) and ``TwoThreadMachine``
+(two threads at once, ``thread_machine.py``). After every step every observable is compared with the model
+(``protocol_checks.py``): what each call returned or raised (type and operation), ``mem_info``, ``accessible`` at
+every granule of every reservation and just outside, the bytes at every address that shows them (written through
+``tensor``, zeroed by ``zero``), and on the host the kernel's own records (``kernel_view.py``: ``/proc/self/maps`` per
+granule, the memfds held and open, faults, the address space ``reserve`` takes and ``free`` gives back). After a
+refusal the reservations it aimed at must still take a new mapping in each of their unmapped runs.
+
+Examples: ``EXTENSIBLE_KV_PROTOCOL_EXAMPLES`` sets the number of examples of each machine (a stress run sets
+thousands); by default the profile's ``max_examples`` sets it (``SEQUENTIAL_SHARE`` and ``THREADED_SHARE`` of it, at
+least ``MIN_EXAMPLES``: 12 and 8 in CI, 8 and 8 under the meta-tests' profile), each example at most ``STEPS``
+(``THREAD_STEPS``) steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from extensible_kv.errors import DriverError
+
+from .helpers import expect, expect_equal, host_kernel
+from .protocol_checks import Setup
+from .protocol_machine import ProtocolMachine
+from .thread_machine import TwoThreadMachine
+
+EXAMPLES_ENV = "EXTENSIBLE_KV_PROTOCOL_EXAMPLES"
+SEQUENTIAL_SHARE = 0.5  # of the profile's max_examples: 12 in CI (25), 2 under the meta-tests' profile (5)
+THREADED_SHARE = 0.3
+MIN_EXAMPLES = 8
+STEPS = 30
+THREAD_STEPS = 12
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                                        HealthCheck.data_too_large]}
+
+
+def _learns(driver, op: str, call) -> bool:
+    """Whether ``call()`` (a ``op`` the protocol lets a driver take or refuse) was taken; a refusal must name ``op``."""
+    try:
+        call()
+    except DriverError as exc:
+        expect_equal(driver, f"{op} the driver refused, to learn whether it takes it: the refusal's operation", op,
+                     exc.operation)
+        return False
+    return True
+
+
+def _setup(driver) -> Setup:
+    """Learn once whether the driver maps less than a whole handle, and at a non-zero offset (a driver whose native
+    call maps whole handles only refuses them, naming map; the host driver's mmap takes both), and whether it grants
+    access to part of a mapping (one whose native call takes whole mappings only refuses it, naming set_access).
+    Checks: P-map-offset, P-access."""
+    raw, g = driver.inner, driver.granularity()
+    va = raw.reserve(2 * g, g)
+    handle = raw.create(2 * g)
+    try:
+        parts = _learns(driver, "map", lambda: raw.map(va, g, handle, 0))
+        if parts:
+            raw.unmap(va, g)
+        offsets = _learns(driver, "map", lambda: raw.map(va, g, handle, g))
+        if offsets:
+            raw.unmap(va, g)
+        raw.map(va, 2 * g, handle, 0)
+        try:
+            partial = _learns(driver, "set_access", lambda: raw.set_access(va, g))
+        finally:
+            raw.unmap(va, 2 * g)
+    finally:
+        raw.release(handle)
+        raw.free(va, 2 * g)
+    host = host_kernel(driver)
+    expect(offsets and parts or not host, driver, "map of part of a handle, at offset 0 and at a non-zero offset, on a "
+           "host (mmap) driver", "taken", f"taken at offset 0: {parts}, at a non-zero offset: {offsets}")
+    return Setup(driver, host, offsets, parts, partial)
+
+
+def _examples(share: float) -> int:
+    """``EXTENSIBLE_KV_PROTOCOL_EXAMPLES``, else ``share`` of the profile's ``max_examples`` and at least
+    ``MIN_EXAMPLES`` (the meta-tests' profile asks for 5 examples of each rule; a machine finds less in fewer)."""
+    return int(os.environ.get(EXAMPLES_ENV) or 0) or max(round(settings.default.max_examples * share), MIN_EXAMPLES)
+
+
+def test_random_protocol_calls_match_the_model(driver):
+    """Random sequences of every protocol call, valid and invalid, from one thread. Checks: every sentence id
+    (see ProtocolMachine's rules and its invariant)."""
+    setup = _setup(driver)
+    run_state_machine_as_test(lambda: ProtocolMachine(setup), settings=settings(
+        settings.default, max_examples=_examples(SEQUENTIAL_SHARE), stateful_step_count=STEPS, **SETTINGS))
+
+
+def test_calls_from_two_threads_match_some_serial_order(driver):
+    """The same kinds of calls from two threads at once. Checks: P-threads (see TwoThreadMachine's rules)."""
+    setup = _setup(driver)
+    try:
+        run_state_machine_as_test(lambda: TwoThreadMachine(setup), settings=settings(
+            settings.default, max_examples=_examples(THREADED_SHARE), stateful_step_count=THREAD_STEPS, **SETTINGS))
+    except Flaky as exc:  # a race: the same calls failed on one run and not on the next (P-threads)
+        first = setup.failures[0] if setup.failures else exc
+        expect(False, driver, "calls from two threads", "the outcome of some serial order of them on every run",
+               f"a failure on some runs of the same calls and not on others (a race), the first: {first}")
