@@ -433,6 +433,15 @@ class IntegrationCase(Record):
 M = TypeVar("M", bound=BaseModel)
 
 
+class ScriptSummary(Record):
+    """``summary.json`` of a GPU script of the lab (``integration/sleep_mode.py``: ``cases`` and ``pairs``;
+    ``integration/connector_run.py``: ``rows``): tables of plain values, shown as they are."""
+
+    cases: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+
+
 class BadFile(ValueError):
     """A measurement file that cannot be read or is not in its format; the message names the file and the field."""
 

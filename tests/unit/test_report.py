@@ -1026,3 +1026,27 @@ def test_memory_plots_keep_fixed_block_runs_apart_with_no_overlapping_labels_and
                 f"memory plot {title}: expected the runs at a fixed block count ({far} MiB) in a panel of their own, " \
                 f"got panels {[ax.get_ylabel() for ax in budget]} with the first spanning {low:.0f} to {high:.0f} MiB"
     assert fixed_seen, "expected a group with runs at a fixed block count in h200-matrix-current-2026-12-03"
+
+
+def test_the_sleep_and_connector_scripts_tables_are_rendered_as_text(tmp_path):
+    run = tmp_path / "run"
+    (run / "sleep").mkdir(parents=True)
+    (run / "connectors").mkdir()
+    hostile = "![x](https://example.invalid/beacon.png)"
+    (run / "sleep" / "summary.json").write_text(json.dumps(
+        {"pairs": [{"pair": hostile, "wake_ratio": 0.5, "verdict": "pass"}], "cases": [], "skipped": []}))
+    (run / "connectors" / "summary.json").write_text(json.dumps(
+        {"rows": [{"case": "qwen3-v2-example-extensible", "loaded_again": 40, "tokens": [[1, 2]]}]}))
+    out = tmp_path / "out"
+    assert report_main([str(run), "--out", str(out)]) == 0, "report of a run with only the scripts' tables"
+    md = (out / "report.md").read_text()
+    pairs = md_tables(section(md, "sleep mode: pairs"))[0]
+    rows = md_tables(section(md, "KV connectors: rows"))[0]
+    got = (pairs[0]["pair"], pairs[0]["wake_ratio"], rows[0]["loaded_again"], "tokens" in rows[0])
+    assert got == (hostile, "0.5", "40", False), f"the scripts' tables (pair, wake ratio, loads, a list column): " \
+                                                 f"expected ({hostile!r}, '0.5', '40', False), got {got}"
+    html = (out / "report.html").read_text()
+    assert "example.invalid" not in re.sub(r"<code>.*?</code>|>[^<]*<", "", html), \
+        "a file string reached the HTML as markup"
+    (run / "sleep" / "summary.json").write_text(json.dumps({"pairs": [{"pair": "p", "freed_diff": 10 ** 400}]}))
+    assert report_main([str(run), "--out", str(out)]) == 2, "a summary.json with a count of 10**400 is refused"

@@ -27,8 +27,7 @@ def _memory(field: str) -> property:
 
 
 def _part(part: str, field: str) -> property:
-    """A figure of a part of the case's memory (``measurements.CaseMemory``: ``peak``, ``encoder_cache``,
-    ``speculative``); ``None`` in runs without that part."""
+    """A figure of a part of the case's memory (``peak``, ``encoder_cache``, ``speculative``), ``None`` if absent."""
     return property(lambda self: getattr(getattr(self.case.data.memory, part, None), field, None))
 
 
@@ -97,8 +96,7 @@ class MemoryBreakdown:
         return None if mine is None or theirs is None else mine == theirs
 
     def segments(self) -> list[Segment] | None:
-        """The stacked bar of resident memory after warmup, bottom to top; ``None`` when the case lacks total,
-        init_free or free_after_warmup."""
+        """The stacked bar of resident memory after warmup, bottom to top; ``None`` when a figure it needs is absent."""
         if None in (self.total, self.init_free, self.free_after_warmup):
             return None
         out = [Segment(BEFORE, self.before_engine), Segment(WEIGHTS, self.weights)]
@@ -118,9 +116,8 @@ def _bytes_per_block(case: Case | None) -> int | None:
 
 
 def _partner(case: Case, candidates: list[Case]) -> Case | None:
-    """The candidate of the same case (``Case.same_case``: model, runner, backend, KV dtype, block size, ...), from
-    the same subfolder if there is one, else the first run by path (``Case.run_order``); corrupted runs and
-    entry-point runs only when nothing else is there."""
+    """The candidate of the same case (``Case.same_case``), from the same subfolder if there is one, else the first
+    run by path (``Case.run_order``); corrupted and entry-point runs only when nothing else is there."""
     same = [c for c in candidates if c.same_case == case.same_case and c is not case]
     return min(same, key=lambda c: (c.folder != case.folder, c.corrupt, c.mode not in ("extensible", "legacy"),
                                     c.run_order), default=None)

@@ -1,9 +1,7 @@
 """A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
 
-Every file is optional: ``conformance-*.json``, ``bench*.json`` (pytest-benchmark), ``validate-backend*.json``,
-``integration/**/*.json``, ``serving-*.json`` (the serving-speed pairs) and ``environment.json`` (top level and
-beside the cases). What a run lacks is listed in ``Run.missing`` and reads "not measured"; a file that is there but
-not in its format is a ``BadFile``.
+Every file is optional: ``conformance-*.json``, ``bench*.json``, ``validate-backend*.json``, ``integration/**/*.json``,
+``serving-*.json``, ``{sleep,connectors}/summary.json``, ``environment.json``. A run's gaps are in ``Run.missing``.
 """
 
 from __future__ import annotations
@@ -12,7 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..measurements import BackendValidation, ConformanceSummary, Environment, IntegrationCase, ServingSpeed, read
+from ..measurements import (BackendValidation, ConformanceSummary, Environment, IntegrationCase, ScriptSummary,
+                            ServingSpeed, read)
 from .benchmarks import Bench
 from .numbers import number
 
@@ -95,10 +94,11 @@ class Run:
     serving: list[Source]
     environment: dict[str, tuple[str | None, str | None]]  # item -> (value, the file it came from)
     missing: list[str]
+    features: dict[str, list[dict]] | None = None  # "sleep mode: pairs" -> rows of the scripts' summary.json
 
     @property
     def measured(self) -> bool:
-        return bool(self.conformance or self.bench or self.cases or self.backends or self.serving)
+        return bool(self.conformance or self.bench or self.cases or self.backends or self.serving or self.features)
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -121,6 +121,11 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         (run.serving, "serving speed", "serving-*.json")) if not found]
     envs = [p for p in [folder / "environment.json", *sorted(integration.rglob("environment.json"))] if p.is_file()]
     run.environment = environment(run, [(p.relative_to(folder).as_posix(), read(p, Environment)) for p in envs])
+    found = [(f"{title}: {key}", getattr(read(folder / name / "summary.json", ScriptSummary), key)) for name, title
+             in (("sleep", "sleep mode"), ("connectors", "KV connectors")) if (folder / name / "summary.json").is_file()
+             for key in ("pairs", "cases", "rows")]  # scalar cells only: token lists stay in the files
+    run.features = {t: [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows]
+                    for t, rows in found if rows}
     return run
 
 
