@@ -17,7 +17,7 @@ from nox.command import CommandFailed
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["tests", "layouts"]
+nox.options.sessions = ["lint", "tests", "layouts"]
 nox.options.reuse_venv = "yes"
 
 ROOT = Path(__file__).parent
@@ -157,9 +157,8 @@ def stress(session: nox.Session) -> None:
     _install(session, "-e", ".[conformance]", *TEST_DEPS)
     session.env["EXTENSIBLE_KV_STATEFUL_EXAMPLES"] = "10000"
     session.env["EXTENSIBLE_KV_PROTOCOL_EXAMPLES"] = "2000"
-    _pytest(session, "conformance/test_stateful_use.py", "conformance/test_protocol_model.py", "--driver", "host,host-4k",
-            "-p", "no:cacheprovider",
-            *session.posargs)
+    _pytest(session, "conformance/test_stateful_use.py", "conformance/test_protocol_model.py",
+            "--driver", "host,host-4k", "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(venv_backend="virtualenv")
@@ -197,6 +196,15 @@ def matrix(session: nox.Session) -> None:
     _run_python(session, "-m", "integration.matrix", str(Path("reports") / "out"), *session.posargs)
 
 
+@nox.session(venv_backend="uv|virtualenv", tags=["cpu"])
+def lint(session: nox.Session) -> None:
+    """ruff check with the settings in pyproject.toml (line length 120; why ruff format is not run is written
+    there)."""
+    if session.venv_backend != "none":
+        session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
 def report(session: nox.Session) -> None:
     """Memory-accounting reports (no GPU needed): every run folder in reports/runs/ into reports/rendered/<run-name>/,
@@ -208,7 +216,8 @@ def report(session: nox.Session) -> None:
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     latest = ROOT / "reports" / "out"
-    measured = ("conformance-*.json", "bench*.json", "validate-backend*.json", "serving-*.json", "integration/**/*.json")
+    measured = ("conformance-*.json", "bench*.json", "validate-backend*.json", "serving-*.json",
+                "integration/**/*.json", "sleep/summary.json", "connectors/summary.json")
     latest = latest if latest.is_dir() and any(any(latest.glob(p)) for p in measured) else None
     if not runs and latest is None:
         session.error("no run folders under reports/runs/ and no reports/out/")

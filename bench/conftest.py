@@ -4,7 +4,8 @@ Options:
 
 - ``--bench-driver SPEC``: the driver to benchmark (a registered name or ``module:factory``); default: the best
   available one (``cuda`` on a working GPU, else ``host``). Without it the first driver of ``--driver`` is used (the
-  conformance suite's option: its plugin is loaded here when it is not installed). A driver that cannot run here skips every benchmark with its probe's reason (unless
+  conformance suite's option: its plugin is loaded here when it is not installed). A driver that cannot run here skips
+  every benchmark with its probe's reason (unless
   ``EXTENSIBLE_KV_REQUIRE_GPU=1``, which makes a run without a GPU driver fail).
 - ``--bench-scale X``: multiplies every size. On a GPU sizes are the published ones (32 GiB, 100 GiB, ...) times X. On a
   CPU driver they are scaled down automatically (32 GiB -> 64 MiB, 100 GiB -> 128 MiB, 64 KV buffers -> 8) so the
@@ -14,7 +15,8 @@ Options:
   H200 runs saw 15 ms vs 95-190 ms for the same KV growth), so "fresh" rounds wait and ``after_release`` rounds do not.
 
 Sizes are always multiples of ``driver.granularity()``. Every benchmark records what it measured in
-``benchmark.extra_info`` under a stable ``key`` that ``extensible_kv.report.benchmarks`` reads; at the end of a run with benchmarks
+``benchmark.extra_info`` under a stable ``key`` that ``extensible_kv.report.benchmarks`` reads; at the end of a run
+with benchmarks
 enabled the summary table is printed.
 """
 

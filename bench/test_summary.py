@@ -1,4 +1,5 @@
-"""Tests of ``extensible_kv.report.benchmarks`` (and the ``bench-summary`` command) on a small hand-made pytest-benchmark JSON (no benchmark runs here).
+"""Tests of ``extensible_kv.report.benchmarks`` (and the ``bench-summary`` command) on a small hand-made
+pytest-benchmark JSON (no benchmark runs here).
 
 The fixture's times are powers of two, so every ratio the summary computes has an exact expected value; each
 assertion names a number that a wrong formula (an inverted ratio, a stats median where the subprocess median

@@ -1,5 +1,6 @@
 """Hostile-use rules: an interrupted close, races between views, growth and close, copies, absurd sizes, and use
-after close (an interrupt at every call of a growth step is swept in ``test_reliability``). Whatever the caller does, the tensor and the KV buffers end in a state they can explain: the
+after close (an interrupt at every call of a growth step is swept in ``test_reliability``). Whatever the caller does,
+the tensor and the KV buffers end in a state they can explain: the
 old size or the new one, never a mapping off the record, a view over freed memory or a second owner."""
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import BusyError, ClosedError, InvalidSizeError

@@ -129,7 +129,8 @@ def test_kv_buffers_release_and_recommit_every_buffer_under_the_same_addresses(d
     settle_device(driver)
     g = driver.granularity()
     free0 = free_bytes(driver)
-    kv = ExtensibleKVCacheBuffers([KVBuffer("kv", g // 2, num_segments=2), KVBuffer("state", g // 4 * 3, num_segments=1)], 24,
+    kv = ExtensibleKVCacheBuffers([KVBuffer("kv", g // 2, num_segments=2),
+                                   KVBuffer("state", g // 4 * 3, num_segments=1)], 24,
                                   driver=driver)
     kv.ensure_blocks(7)
     raws = {b.name: kv.raw(b.name) for b in kv.buffers}

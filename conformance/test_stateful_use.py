@@ -5,7 +5,8 @@ Hypothesis drives a ``RuleBasedStateMachine`` (grow, write, read, close, copy at
 collected, collections forced inside driver calls, and an exception, ``KeyboardInterrupt`` and ``SystemExit``
 included, injected at any driver call of a growth step or a close). ``EXTENSIBLE_KV_STATEFUL_EXAMPLES`` sets the
 number of examples (``nox -s stress`` runs 10,000); by default it is twelve times the profile's ``max_examples``.
-An example that hangs is killed after ``HANG_S`` seconds with every thread's traceback (under pytest-xdist the worker restarts and
+An example that hangs is killed after ``HANG_S`` seconds with every thread's traceback (under pytest-xdist the worker
+restarts and
 the test fails).
 """
 

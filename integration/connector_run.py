@@ -101,7 +101,8 @@ class Case:
         case = cls(*parts) if len(parts) == 4 else None
         if case is None or case.model not in MODEL_NAMES or case.runner not in ("v1", "v2") or \
                 case.connector not in CONNECTORS or case.mode not in MODES:
-            raise ValueError(f"case {name!r}: expected MODEL-RUNNER-CONNECTOR-MODE with MODEL in {sorted(MODEL_NAMES)}, "
+            raise ValueError(f"case {name!r}: expected MODEL-RUNNER-CONNECTOR-MODE with MODEL in "
+                             f"{sorted(MODEL_NAMES)}, "
                              f"RUNNER v1|v2, CONNECTOR in {list(CONNECTORS)}, MODE in {list(MODES)}")
         return case
 

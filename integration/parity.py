@@ -60,8 +60,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "reference") not in sys.path:  # a checkout without the package installed (the GPU machine)
     sys.path.append(str(ROOT / "reference"))
-from extensible_kv.measurements import MeasuredPeak, start_comparable
-from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal
+from extensible_kv.measurements import MeasuredPeak, start_comparable  # noqa: E402 - after the path
+from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal  # noqa: E402
 
 MIB = 1 << 20
 BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler warmup, small workspaces)

@@ -185,7 +185,8 @@ def test_validate_backend_cli_fails_a_backend_whose_shape_does_not_match_its_str
                            "synthetic_backends:ShapeOrderMismatch", "FLASH_ATTN", "--driver", "host"],
                           capture_output=True, text=True, env=env, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, f"validate-backend on a mismatched backend: expected exit 1, got {proc.returncode}\n{out}"
+    assert proc.returncode == 1, \
+        f"validate-backend on a mismatched backend: expected exit 1, got {proc.returncode}\n{out}"
     assert "stride order (1, 0, 2, 3, 4) does not match its declared 4-d shape" in out, out
     assert "1 of 2 passed; failed: synthetic_backends:ShapeOrderMismatch" in out, out
 

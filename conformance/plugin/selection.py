@@ -128,7 +128,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not asks_for_rules(config):
         return []
     sel = selection(config)
-    lines = [f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
+    lines = [f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, "
+             f"python {platform.python_version()}"]
     for spec in sel.specs:
         if sel.explicit and watchdog.is_controller(config):
             lines.append(f"driver {spec}: named explicitly; built only in the pytest-xdist workers (every rule fails "

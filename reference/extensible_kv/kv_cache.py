@@ -189,7 +189,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
         """Commit blocks ``[0, num_blocks)`` in every segment of every buffer; return the committed block count.
 
         Idempotent and grow-only: a count at or below the committed one does nothing (so on legacy buffers, committed
-        whole at construction, every count up to ``max_num_blocks`` is a no-op returning it). All buffers grow as one step:
+        whole at construction, every count up to ``max_num_blocks`` is a no-op returning it). All buffers grow as one
+        step:
         on any exception (a failed commit, a closed buffer, KeyboardInterrupt) the buffers grown in it are retracted.
         """
         num_blocks = _check_int("num_blocks", num_blocks)

@@ -28,7 +28,8 @@ RANK = textwrap.dedent("""
     # Rank 1 has 40 MiB less free memory after warmup (another process grew on its GPU, say).
     state = MemoryState(init_free=512 * MIB, requested=400 * MIB, free_now=(460 if rank == 0 else 420) * MIB,
                         kv_backed=0, weights=10 * MIB, profiled_peak=0, again_reserved=0, again_retained=0,
-                        served_reserved=0, served_retained=0, bytes_per_block=MIB, rounding_bound=0, capacity_blocks=1000, committed_blocks=1)
+                        served_reserved=0, served_retained=0, bytes_per_block=MIB, rounding_bound=0,
+                        capacity_blocks=1000, committed_blocks=1)
     fits = state.blocks()
     agreed = agree_min(fits)
     kv = worker_kv.start(Ledger(HostDriver(granularity=4096)))

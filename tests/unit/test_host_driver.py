@@ -88,7 +88,8 @@ def test_accessible_is_false_where_the_kernel_maps_nothing_and_refuses_addresses
         with pytest.raises(DriverError) as info:
             driver.accessible(bad)
         assert info.value.operation == "accessible" and str(bad) in str(info.value), \
-            f"accessible({bad}): expected a DriverError of op 'accessible' naming {bad}, got {info.value.operation!r}: " \
+            f"accessible({bad}): expected a DriverError of op 'accessible' naming {bad}, got " \
+            f"{info.value.operation!r}: " \
             f"{info.value}"
 
 
@@ -102,7 +103,8 @@ def test_a_reservation_the_kernel_cannot_make_is_out_of_memory_naming_the_call_a
     assert got == ("reserve", errno.ENOMEM), f"reserve(2**62): expected ('reserve', ENOMEM), got {got}"
     for needle in (f"mmap(PROT_NONE, {size + PAGE_BYTES} bytes)", os.strerror(errno.ENOMEM)):
         assert needle in str(err), f"reserve(2**62) error: expected {needle!r} in it, got {str(err)!r}"
-    assert not driver._reservations, f"reservations after the refused reserve: expected none, got {driver._reservations}"
+    assert not driver._reservations, \
+        f"reservations after the refused reserve: expected none, got {driver._reservations}"
 
 
 class _LibcFailing:

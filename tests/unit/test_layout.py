@@ -57,7 +57,8 @@ def test_a_layer_takes_the_backends_shape_and_stride_order():
     assert KVFirst.calls[-1] == (7, 16, 2, 64, "fp8"), \
         f"get_kv_cache_shape arguments: expected (7, 16, 2, 64, 'fp8'), got {KVFirst.calls[-1]}"
     assert (layer.block_dim, layer.page_size_bytes()) == (1, 2 * 16 * 2 * 64 * 2), \
-        f"block dim and page bytes: expected (1, {2 * 16 * 2 * 64 * 2}), got {(layer.block_dim, layer.page_size_bytes())}"
+        f"block dim and page bytes: expected (1, {2 * 16 * 2 * 64 * 2}), got " \
+        f"{(layer.block_dim, layer.page_size_bytes())}"
 
 
 @pytest.mark.parametrize("backend", [NoOrder, OrderNotImplemented], ids=["no method", "NotImplementedError"])

@@ -73,7 +73,8 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
         f"ci/mutation.py after mutmut exited 1: expected the exit code and mutmut's last lines on stderr, got {err!r}"
 
 
-@pytest.mark.parametrize("rules_only,selection", [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')])
+@pytest.mark.parametrize("rules_only,selection",
+                         [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')])
 def test_the_rules_only_mode_selects_the_rules_alone(tmp_path, monkeypatch, rules_only, selection):
     monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
     monkeypatch.setattr(mutation, "COPIED", ())  # the package only: the selection is what is checked

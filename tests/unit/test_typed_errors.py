@@ -31,9 +31,9 @@ def _expect_words(what: str, message: str, *needles: str) -> None:
 def test_segment_view_refusals_name_the_argument_index_and_sizes():
     t = ExtensibleTensor(4 * G, 2, driver="host-4k")
     t.resize_per_segment_(G + 2)  # 4098 bytes: not a whole number of float32 elements, at offset 0
-    _expect_words("segment_view('0')", _message(lambda: t.segment_view("0")), "InvalidSizeError", "index must be an int",
-                  "'0'")
-    _expect_words("segment_view(2)", _message(lambda: t.segment_view(2)), "InvalidSizeError", "segment index 2",
+    _expect_words("segment_view('0')", _message(lambda: t.segment_view("0")), "InvalidSizeError",
+                  "index must be an int", "'0'")
+    _expect_words("segment_view(2)", _message(lambda: t.segment_view(2)), "SegmentIndexError", "segment index 2",
                   "2 segment(s)")
     _expect_words("segment_view(0, float32)", _message(lambda: t.segment_view(0, torch.float32)), "InvalidSizeError",
                   "segment 0 (offset 0, 4098 committed bytes)", "torch.float32", "4 bytes")

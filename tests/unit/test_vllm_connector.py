@@ -275,7 +275,8 @@ def test_a_view_reaching_past_the_committed_blocks_is_refused_even_with_one_page
     committed = torch.zeros(COMMITTED * page, dtype=torch.int8)
     with pytest.raises(ExtensibleKVUnsupported, match=rf"reaches byte \d+, past the {COMMITTED * page} committed"):
         connector.narrow_view(view, committed, page, RESERVED, COMMITTED, "layer x")
-    ok = connector.narrow_view(full[:RESERVED * page].view(RESERVED, page), committed, page, RESERVED, COMMITTED, "layer y")
+    ok = connector.narrow_view(full[:RESERVED * page].view(RESERVED, page), committed, page, RESERVED, COMMITTED,
+                               "layer y")
     assert _signature(ok) == ((COMMITTED, page), (page, 1), 0, torch.int8, COMMITTED * page), _signature(ok)
 
 

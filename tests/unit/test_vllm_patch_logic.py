@@ -194,7 +194,8 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkey
     kv = worker_kv.start(Ledger(HostDriver(granularity=4096)))
     kv.segments = [1, 2]
     config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[
-        SimpleNamespace(size=100 * 8192, shared_by=["layer0"]), SimpleNamespace(size=100 * 16384, shared_by=["layer1"])])
+        SimpleNamespace(size=100 * 8192, shared_by=["layer0"]),
+        SimpleNamespace(size=100 * 16384, shared_by=["layer1"])])
     kv.allocate(config)
     kv.ensure_blocks(3, reason="warmup")
     mib = 1 << 20
