@@ -59,7 +59,7 @@ timeout_multiplier = 4.0
 timeout_constant = 10.0
 pytest_add_cli_args_test_selection = [{selection}, {ignored}]
 """
-RULES_ONLY_FILES = ("drivers/host.py", "drivers/_records.py")
+RULES_ONLY_FILES = ("drivers/host.py", "drivers/records.py")
 """What ``--rules-only`` mutates by default: the host driver and its record checks, the code a backend team's driver
 stands in for. Note [The rules alone]."""
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .drivers import Driver, resolve
-from .drivers._records import MAX_BYTES
+from .drivers.records import MAX_BYTES
 from .errors import ClosedError, FailedStateError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int
@@ -210,14 +210,14 @@ class ExtensibleKVCacheBuffers(Unshareable):
         try:
             for b in self._buffers:
                 t = self._tensors[b.name]
-                marks.append((t, t._mark()))
+                marks.append((t, t.checkpoint()))
                 t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments), zero_new=zero_new)
             self._num_blocks = num_blocks
             return num_blocks
         except BaseException:
             self._num_blocks = old
             for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
-                t._retract(mark)  # what it could not undo leaves it (and so these buffers) failed
+                t.rollback_to(mark)  # what it could not undo leaves it (and so these buffers) failed
             raise
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------

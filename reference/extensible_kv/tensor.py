@@ -71,7 +71,7 @@ import torch
 
 from . import granules
 from .drivers import Driver, resolve
-from .drivers._records import MAX_BYTES
+from .drivers.records import MAX_BYTES
 from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
     FailedStateError, InvalidArgumentError, InvalidSizeError, ProtocolViolation, ReleasedError, SegmentIndexError
 from .reaper import Owned, busy, disown, own, sweep
@@ -517,11 +517,12 @@ class ExtensibleTensor(Unshareable):
                 problems.append(f"release: {exc}")
         return problems
 
-    def _mark(self) -> tuple[int, int]:
-        """A point to ``_retract`` to: the size per segment and the number of mappings now."""
+    def checkpoint(self) -> tuple[int, int]:
+        """A point to ``rollback_to``: the size per segment and the number of mappings now (for callers that grow
+        several tensors as one step, as ``ExtensibleKVCacheBuffers.ensure_blocks`` does)."""
         return self._per_segment, len(self._memory.mappings)
 
-    def _retract(self, mark: tuple[int, int]) -> list[str]:
+    def rollback_to(self, mark: tuple[int, int]) -> list[str]:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step); a tensor
         that is not open is left as it is. Returns what could not be undone (the tensor is then ``failed``)."""
         with self._lock: return self._retract_to(*mark)  # one line: Note [Locked sections are one line]

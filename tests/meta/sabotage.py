@@ -63,7 +63,7 @@ SABOTAGE = {
     "skip_rollback": (tensor.ExtensibleTensor, "_rollback", _skip_rollback),
     "leaky_teardown": (tensor, "_teardown", _leaky_teardown),
     "single_segment": (kv_cache, "buffer_segments", _single_segment),
-    "no_retract": (tensor.ExtensibleTensor, "_retract", _no_retract),
+    "no_retract": (tensor.ExtensibleTensor, "rollback_to", _no_retract),
 }
 
 

@@ -34,6 +34,11 @@ The rules call the driver itself, not through ``Ledger``, so they reach its own 
 also names the single-purpose rules that check it (in ``conformance/test_driver_contract.py``,
 ``conformance/test_driver_protocol.py`` and ``conformance/test_device_memory.py``); the model-based rules check
 every id.
+
+A driver that keeps its own records of reservations and mappings refuses misuse the native API would accept with
+the checks of ``drivers/records.py`` (``check_range``, ``check_inside``, ``check_no_overlap``, ``check_one_mapping``,
+``mapped_parts``, ``check_free``, ``check_alignment``), as the host, CUDA and HIP drivers do; the rules hold every
+driver to the refusals whether it uses them or not.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ Note [cuMem accepts what the protocol refuses]
     next reservation, and ``cuMemUnmap``/``cuMemSetAccess`` take ranges that span several mappings, a mapping and the
     next granule, or a gap; the protocol refuses all of these (a tensor that did them would unmap or expose its
     neighbour's memory). The driver keeps records of its reservations and mappings and refuses such calls itself,
-    with the checks the host and HIP drivers use (``_records.py``), before any native call.
+    with the checks the host and HIP drivers use (``records.py``), before any native call.
 
 Note [cuMemMap takes a released handle]
     On the H200 (2026-12-04) ``cuMemMap`` maps a handle after ``cuMemRelease`` while the handle is still mapped
@@ -69,7 +69,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ._device_array import DeviceArray
-from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
+from .records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
 _OOM_NAMES = ("CUDA_ERROR_OUT_OF_MEMORY",)
 

@@ -103,7 +103,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ._device_array import DeviceArray
-from ._records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
+from .records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
 HANDLE_CHUNK_BYTES = 256 << 20
 """Largest physical handle asked of HIP before rounding to the granularity; see Note [Chunked handles]."""

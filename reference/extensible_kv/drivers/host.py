@@ -104,7 +104,7 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
-from ._records import (check_alignment, check_free, check_inside, check_no_overlap, check_one_mapping, check_range,
+from .records import (check_alignment, check_free, check_inside, check_no_overlap, check_one_mapping, check_range,
                        mapped_parts)
 
 MIB = 1 << 20
