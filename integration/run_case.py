@@ -371,7 +371,7 @@ def _sample_encoder_cache(runner) -> None:
 
 def record_runner_memory() -> None:
     """Keep what each runner's capture_model returns (the memory its CUDA graphs took), what torch allocated and
-    reserved for the profiled activation peak (``patches.profile_run_reserved_peak``), and what the encoder cache
+    reserved for the profiled activation peak (``probes.profile_run_reserved_peak``), and what the encoder cache
     held during each profile_run (read when the profile's dummy forward starts, after its encoder outputs are
     cached, and after it: V1 clears them at its end) and after every execute_model while ``_ENCODER["on"]``, for
     the report. Legacy runs have no extensible patches: this is their only record."""
@@ -569,7 +569,7 @@ def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | No
 
 # -- the encoder cache, filled -------------------------------------------------------------------------------------
 def encoder_budget(worker) -> dict | None:
-    """The worker's encoder cache as vLLM's scheduler sizes it (``patches.encoder_cache_budget``); ``None`` for a
+    """The worker's encoder cache as vLLM's scheduler sizes it (``probes.encoder_cache_budget``); ``None`` for a
     model without multimodal inputs."""
     from extensible_kv.vllm.patches import encoder_cache_budget
 

@@ -12,7 +12,7 @@ import torch
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.layout import LayoutError, attention_view
-from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, worker_kv
+from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, probes, worker_kv
 from extensible_kv.vllm.sizing import MemoryState, reusable_cache
 
 GIB = 1 << 30
@@ -403,7 +403,7 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
         snapshot.append({"device": 0, "segment_pool_id": (0, 0), "total_size": GIB, "active_size": GIB - (40 << 20)})
         return "ran"
 
-    run = patches.profile_run_reserved_peak(profile_run)
+    run = probes.profile_run_reserved_peak(profile_run)
     assert run() == "ran"
     expected = {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB, "retained": GIB,
                 "cache_before": 48 << 20, "cache_after": 88 << 20}
@@ -411,7 +411,7 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
 
 
 class _DummyRunner:
-    """The two methods of a vLLM model runner that ``patches.served_batch`` calls, recording their arguments."""
+    """The two methods of a vLLM model runner that ``probes.served_batch`` calls, recording their arguments."""
 
     def __init__(self, max_num_tokens=16384, is_pooling_model=False, on_run=None, max_num_seqs=8, max_model_len=4096):
         self.max_num_tokens, self.is_pooling_model, self.on_run = max_num_tokens, is_pooling_model, on_run
@@ -482,7 +482,7 @@ def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(mo
     fake = _fake_vllm(monkeypatch)
     fake.pp.is_last_rank = last_rank
     runner = make_runner()
-    patches.served_batch(runner)()
+    probes.served_batch(runner)()
     assert runner.calls == expected, f"served_batch on {type(runner).__name__}: expected calls {expected}, got " \
                                      f"{runner.calls}"
     assert "_build_attention_metadata" not in vars(runner), "served_batch left its metadata builder on the runner"
@@ -496,7 +496,7 @@ def test_the_served_query_length_is_undone_on_error_and_refused_where_vllm_passe
 
     runner = _DummyRunner(on_run=fail)
     with pytest.raises(KeyboardInterrupt):
-        patches.served_batch(runner)()
+        probes.served_batch(runner)()
     assert "_build_attention_metadata" not in vars(runner), "an interrupted served batch left its builder behind"
 
     class Positional(_DummyRunner):
@@ -506,7 +506,7 @@ def test_the_served_query_length_is_undone_on_error_and_refused_where_vllm_passe
     runner = Positional()
     own = runner._build_attention_metadata = lambda *a, **k: ({}, None)  # an instance's own builder is put back
     with pytest.raises(ExtensibleKVUnsupported, match="passes max_query_len to _build_attention_metadata positionally"):
-        patches.served_batch(runner)()
+        probes.served_batch(runner)()
     assert vars(runner)["_build_attention_metadata"] is own, "served_batch did not put the runner's own builder back"
 
 
@@ -609,7 +609,7 @@ def test_encoder_cache_held_fills_the_whole_cache_in_profiled_batches(monkeypatc
     encoded: list = []
     _fake_mm_modules(monkeypatch, encoded)
     runner = _mm_runner(encoded, mm_budget=_MMBudget() if own_budget else None)
-    held = patches.encoder_cache_held(runner)
+    held = probes.encoder_cache_held(runner)
     expected_batches = [8, 8, 8, 4] if own_budget else ["budget built", 8, 8, 8, 4]
     assert (encoded, len(held), held[-1]) == (expected_batches, 28, "output of dummy image"), \
         f"encoder_cache_held: expected batches {expected_batches} and 28 outputs held, got {encoded} and {len(held)}"
@@ -622,7 +622,7 @@ def test_encoder_cache_held_is_empty_without_an_encoder_cache_to_fill(monkeypatc
     runner = _mm_runner(encoded, mm_budget=_MMBudget(), **runner_kwargs)
     if not runner_kwargs:
         runner.supports_mm_inputs = False
-    held = patches.encoder_cache_held(runner)
+    held = probes.encoder_cache_held(runner)
     assert (held, encoded) == ([], []), f"encoder_cache_held({runner_kwargs}): expected nothing encoded, got " \
                                         f"{encoded} and {len(held)} held"
 
@@ -667,7 +667,7 @@ def test_sampler_run_adds_the_widest_speculative_step(monkeypatch, k, probabilis
     monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.metadata", metadata_module)
     runner = _SpecRunner(k, probabilistic)
     own = runner.rejection_sampler
-    patches._sampler_run(runner, torch.zeros(4, 8))
+    probes._sampler_run(runner, torch.zeros(4, 8))
     vllm_dummy = ([[0]] * 4, (4, 50) if probabilistic else None, (8, 50), "sampling md")
     expected = [vllm_dummy, *expected_extra]
     assert runner.calls == expected, f"_sampler_run with k={k}: expected rejection sampler calls {expected}, got " \
@@ -679,6 +679,6 @@ def test_sampler_run_widens_nothing_where_vllms_dummy_runs_no_rejection_sampler(
     # vLLM's _dummy_sampler_run returns before sampling for an encoder-only multimodal model
     runner = _SpecRunner(4)
     runner._dummy_sampler_run = lambda hidden_states: runner.calls.append("returned early")
-    patches._sampler_run(runner, torch.zeros(4, 8))
+    probes._sampler_run(runner, torch.zeros(4, 8))
     assert runner.calls == ["returned early"], f"_sampler_run after a dummy without rejection sampler: expected " \
                                                f"no rejection sampler call, got {runner.calls}"

@@ -28,13 +28,13 @@ import importlib
 import logging
 import os
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DriverUnavailable
 from . import agreement, connector, sleep, worker_kv
+from .probes import _on_instance, profile_run_reserved_peak, served_batch
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -174,190 +174,6 @@ def _warmup_kernels(original: Callable) -> Callable:
     return warmup_kernels
 
 
-def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[], object]:
-    """``profile_run`` that also records what torch's caching allocator *reserved* for the activation peak.
-
-    vLLM profiles the peak in allocated bytes (``allocated_bytes.all.peak``); the device sees reserved bytes, which
-    are more: the allocator rounds every block up and carves blocks from whole segments. After the run ``figures``
-    holds ``peak_reserved`` and ``peak_allocated`` (beyond what torch held before), ``retained`` (what torch still
-    holds of it afterwards), ``cache_before`` and ``cache_after`` (the default pool's unused bytes when the run
-    started and ended). The same wrapper measures vLLM's profile and the runs after warmup: Note [The peak, brought
-    back and measured] in ``sizing``."""
-    figures: dict[str, int] = {}
-
-    def run():
-        import torch
-
-        torch.cuda.synchronize()
-        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-        cache_before = worker_kv.torch_reusable_now()
-        torch.cuda.reset_peak_memory_stats()
-        result = profile_run()
-        torch.cuda.synchronize()
-        figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
-                       peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
-                       retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before,
-                       cache_after=worker_kv.torch_reusable_now())
-        return result
-
-    run.figures = figures
-    return run
-
-
-def encoder_cache_budget(model_runner: Any) -> dict | None:
-    """The encoder cache as vLLM's scheduler sizes it (``MultiModalBudget``; V1's runner keeps one, V2's does not):
-    the modality with the most tokens per item, ``encoder_cache_size`` tokens, the items that fit
-    (``capacity_items``) and vLLM's profiled items per batch; ``None`` for a model without multimodal inputs or
-    without an encoder budget. Note [The encoder cache, held whole] in ``sizing``."""
-    if not getattr(model_runner, "supports_mm_inputs", False):
-        return None
-    budget = getattr(model_runner, "mm_budget", None)
-    if budget is None:
-        from vllm.multimodal.encoder_budget import MultiModalBudget
-
-        budget = MultiModalBudget(model_runner.vllm_config, model_runner.mm_registry)
-    if budget.get_encoder_budget() <= 0 or not budget.mm_max_toks_per_item:
-        return None
-    modality = budget.get_modality_with_max_tokens()
-    tokens = int(budget.mm_max_toks_per_item[modality])
-    return {"modality": modality, "encoder_cache_size": int(budget.encoder_cache_size), "tokens_per_item": tokens,
-            "capacity_items": int(budget.encoder_cache_size) // tokens,
-            "items_per_batch": int(budget.mm_max_items_per_batch[modality])}
-
-
-def encoder_cache_held(model_runner: Any) -> list:
-    """Encoder outputs for as many items as the encoder cache may hold at once (``encoder_cache_budget``'s
-    ``capacity_items``), encoded in batches of vLLM's profiled items per batch (so the encoder's own activation peak
-    is the profiled one). ``[]`` for a model without an encoder cache or with multimodal profiling skipped.
-    Note [The encoder cache, held whole] in ``sizing``."""
-    if not getattr(model_runner, "supports_mm_inputs", False):
-        return []
-    model_config = model_runner.vllm_config.model_config
-    mm_config = model_config.multimodal_config
-    if mm_config is not None and (mm_config.skip_mm_profiling or getattr(mm_config, "mm_encoder_only", False)):
-        return []
-    budget = encoder_cache_budget(model_runner)
-    if budget is None:
-        return []
-    from vllm.multimodal.utils import group_and_batch_mm_kwargs
-
-    modality, items, per_batch = budget["modality"], budget["capacity_items"], max(1, budget["items_per_batch"])
-    # no processor cache: an item vLLM's own profile cached would come back empty
-    item = model_runner.mm_registry.get_dummy_mm_inputs(model_config, mm_counts={modality: 1})["mm_kwargs"][modality][0]
-    held: list = []
-    for start in range(0, items, per_batch):
-        count = min(per_batch, items - start)
-        batch = next(b for _, _, b in group_and_batch_mm_kwargs([(modality, item)] * count, device=model_runner.device,
-                                                                pin_memory=False))
-        held.extend(model_runner.model.embed_multimodal(**batch))
-        del batch
-    return held
-
-
-@contextmanager
-def _on_instance(obj: object, name: str, value: object) -> Iterator[None]:
-    """Within the block ``obj.name`` is ``value``, on this instance only; afterwards the instance's own attribute is
-    back, or none where it had none (its class's shows through again)."""
-    own = vars(obj).get(name, _MISSING)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if own is _MISSING:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, own)
-
-
-def _served_query_length(model_runner: Any, query_len: int):
-    """Within the block, V1's attention metadata is built with ``max_query_len`` at most ``query_len`` (this runner
-    instance only). Note [A served batch's query length] in ``sizing``."""
-    build = model_runner._build_attention_metadata
-
-    def build_as_served(*args, **kwargs):
-        if "max_query_len" not in kwargs:
-            raise ExtensibleKVUnsupported("this vLLM's _dummy_run passes max_query_len to _build_attention_metadata "
-                                          f"positionally (args {len(args)}, keywords {sorted(kwargs)}); the served "
-                                          "batch cannot give attention a request's query length")
-        kwargs["max_query_len"] = min(kwargs["max_query_len"], query_len)
-        return build(*args, **kwargs)
-
-    return _on_instance(model_runner, "_build_attention_metadata", build_as_served)
-
-
-def _sampler_run(model_runner: Any, sampled: Any) -> None:
-    """vLLM's dummy sampler run; with ``k > 1`` speculative tokens, then the rejection sampler at a worst-case step:
-    every request proposing ``k`` drafts, ``S x (1 + k)`` logits rows through the LM head (and its tensor-parallel
-    gather), with the sampling parameters vLLM's dummy run uses. vLLM's own dummy gives each request one draft.
-    Note [The speculative step, at its widest] in ``sizing``."""
-    spec = getattr(model_runner, "speculative_config", None)
-    k = spec.num_speculative_tokens if spec is not None else 0
-    if k <= 1 or worker_kv.runner_kind(model_runner) == "v2":
-        model_runner._dummy_sampler_run(sampled)
-        return
-    rejection_sampler = model_runner.rejection_sampler
-    seen: dict = {}
-
-    def capture(metadata, draft_probs, logits, sampling_metadata):
-        seen.update(sampling_metadata=sampling_metadata, draft_probs=draft_probs is not None)
-        return rejection_sampler(metadata, draft_probs, logits, sampling_metadata)
-
-    with _on_instance(model_runner, "rejection_sampler", capture):
-        model_runner._dummy_sampler_run(sampled)
-    if not seen:  # vLLM's dummy ran no rejection sampler (an encoder-only model): no step to widen
-        return
-    import torch
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    requests = sampled.shape[0]
-    metadata = SpecDecodeMetadata.make_dummy([[0] * k for _ in range(requests)], model_runner.device)
-    hidden = torch.rand(requests * (1 + k), sampled.shape[-1], dtype=sampled.dtype, device=sampled.device)
-    logits = model_runner.model.compute_logits(hidden)
-    del hidden
-    draft_probs = (torch.softmax(torch.rand(requests * k, logits.shape[-1], device=logits.device,
-                                            dtype=torch.float32), dim=-1) if seen["draft_probs"] else None)
-    rejection_sampler(metadata, draft_probs, logits, seen["sampling_metadata"])
-
-
-def served_batch(model_runner: Any) -> Callable[[], None]:
-    """vLLM's profiling batch as a served step runs it: ``max_num_tokens`` tokens over up to ``max_num_seqs`` dummy
-    requests *with attention* (``profile_run`` skips attention), on the eager path, then the sampler (at its widest
-    speculative step), with the encoder cache held full. Dummy requests write no KV (their slot mappings are
-    padding) and read only blocks already committed: V1's block-table rows are zeros (the null block) and each
-    sequence is at most ``max_model_len`` tokens, one row; V2's rows hold the ids its kernel warmup wrote, which
-    ``warmup_kernels`` committed. Wrapped in ``profile_run_reserved_peak`` like the profile:
-    Note [The peak, brought back and measured] in ``sizing``."""
-
-    def run() -> None:
-        held = encoder_cache_held(model_runner)
-        if worker_kv.runner_kind(model_runner) == "v2":
-            hidden, sampled = model_runner._dummy_run(model_runner.max_num_tokens, skip_eplb=True)
-            samples = model_runner.is_last_pp_rank and model_runner.pooling_runner is None
-        else:
-            from vllm.config import CUDAGraphMode
-            from vllm.distributed import get_pp_group
-
-            # V1's dummy gives every request seq_len = all the batch's tokens unless told otherwise, past the width
-            # of a block-table row (max_model_len): each request's own query length, as served, capped by it (a
-            # served batch has at most max_model_len tokens per request). It also tells attention that the longest
-            # query is all the batch's tokens: the served one is a request's (Note [A served batch's query length]
-            # in sizing).
-            max_seqs, max_len = model_runner.scheduler_config.max_num_seqs, model_runner.max_model_len
-            tokens = min(model_runner.max_num_tokens, max_seqs * max_len)
-            requests = min(tokens, max_seqs)
-            seq_len = min(tokens // requests + tokens % requests, max_len)
-            with _served_query_length(model_runner, seq_len):
-                hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                                          force_attention=True, skip_eplb=True,
-                                                          profile_seq_lens=seq_len)
-            samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
-        if samples:
-            _sampler_run(model_runner, sampled)
-        del hidden, sampled, held
-
-    return run
-
-
 def _determine_available_memory(original: Callable) -> Callable:
     def determine_available_memory(self):
         from vllm import envs
@@ -390,13 +206,11 @@ def _determine_available_memory(original: Callable) -> Callable:
 #     (``bind_worker_rpcs``, in ``determine_available_memory``, which every worker runs before its KV cache exists),
 #     and ``extensible_kv_measure`` pins the worker's ``WorkerKV`` on the worker, so a later engine in the same
 #     process cannot change what an earlier one reports.
-WORKER_RPCS = ("extensible_kv_measure", "extensible_kv_commit", "extensible_kv_report")
-
-
 def bind_worker_rpcs(worker: object) -> None:
-    """Bind the extensible RPCs on this worker instance (Note [An engine keeps its RPCs])."""
-    for name in WORKER_RPCS:
-        setattr(worker, name, types.MethodType(globals()[name], worker))
+    """Bind the extensible RPCs (``WORKER_RPCS``, after them) on this worker instance (Note [An engine keeps its
+    RPCs])."""
+    for name, function in WORKER_RPCS.items():
+        setattr(worker, name, types.MethodType(function, worker))
 
 
 def _state_of(worker: object) -> worker_kv.WorkerKV | None:
@@ -454,6 +268,12 @@ def extensible_kv_report(self) -> dict:
     report["runner"] = worker_kv.runner_kind(self.model_runner)
     report["connector"] = connector.report(state)
     return report
+
+
+WORKER_RPCS: dict[str, Callable[..., Any]] = {"extensible_kv_measure": extensible_kv_measure,
+                                              "extensible_kv_commit": extensible_kv_commit,
+                                              "extensible_kv_report": extensible_kv_report}
+"""The RPCs every worker gets, by the name vLLM's ``collective_rpc`` looks up (Note [An engine keeps its RPCs])."""
 
 
 # -- engine side ---------------------------------------------------------------------------------------------------

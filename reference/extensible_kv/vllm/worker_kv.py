@@ -110,9 +110,9 @@ class WorkerKV:
     def measure(self, worker: object, again: Mapping[str, int], served: Mapping[str, int],
                 margin: int = 0) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
-        ``served``: the figures (``patches.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
+        ``served``: the figures (``probes.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
         ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again just before, and of
-        the same batch with attention (``patches.served_batch``), run before that. Note [The peak, brought back and
+        the same batch with attention (``probes.served_batch``), run before that. Note [The peak, brought back and
         measured] in ``sizing``."""
         assert self.buffers is not None
         torch.cuda.synchronize()
