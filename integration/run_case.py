@@ -378,7 +378,7 @@ def record_runner_memory() -> None:
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu import model_runner as v2_model_runner
 
-    from extensible_kv.vllm.patches import profile_run_reserved_peak
+    from extensible_kv.vllm.probes import profile_run_reserved_peak
 
     for cls in (gpu_model_runner.GPUModelRunner, v2_model_runner.GPUModelRunner):
         capture, profile, execute = cls.capture_model, cls.profile_run, cls.execute_model
@@ -571,7 +571,7 @@ def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | No
 def encoder_budget(worker) -> dict | None:
     """The worker's encoder cache as vLLM's scheduler sizes it (``probes.encoder_cache_budget``); ``None`` for a
     model without multimodal inputs."""
-    from extensible_kv.vllm.patches import encoder_cache_budget
+    from extensible_kv.vllm.probes import encoder_cache_budget
 
     return encoder_cache_budget(worker.model_runner)
 
