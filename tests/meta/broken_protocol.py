@@ -1,0 +1,870 @@
+"""Deliberately broken host drivers written from the protocol's text (``drivers/_protocol.py``) alone.
+
+Each class breaks one sentence or clause of the protocol, quoted in its docstring, and comes with a proof: a function
+that takes a zero-argument driver factory, drives the driver with the calls that show the break, and returns what
+it observed. ``CASES`` pairs every factory with its proof and with what the protocol says the proof must observe:
+the intact host driver observes exactly that, the broken one something else (see Note [A proof drives both
+drivers]). Use a driver as ``extensible-kv check-driver tests.meta.broken_protocol:<factory>``.
+
+Note [A proof drives both drivers]
+    A broken driver proves nothing unless its break is real on this machine: a subclass that overrides a method
+    may still behave like the intact driver (the override never runs, the kernel does the same thing either way,
+    a race never lands). So every proof makes the same calls on a driver built by the factory it is given and
+    returns an observable: accessible granules, the outcome of a call (``done`` or the error's type and the
+    operation it names), ``mem_info``, the bytes the kernel holds. The meta test runs each proof on the intact
+    ``HostDriver`` (same granularity and budget) and on the broken one: the intact one must observe what the
+    protocol says (``Case.want``), the broken one must not. Races are widened inside the broken driver (a sleep in
+    the window between its check and its act) and the proof repeats the racing calls until the difference shows,
+    up to a few hundred tries, so the intact driver is tried as often. Proofs clean up what they made, also on a
+    broken driver, best effort: a broken driver's records may not allow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import itertools
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from extensible_kv.drivers.records import check_alignment, mapped_parts
+from extensible_kv.drivers.host import (_MAP_ANONYMOUS, _MAP_FAILED, _MAP_FIXED, _MAP_NORESERVE, _MAP_PRIVATE,
+                                        _MAP_SHARED, _MEMFD_NAME, _PROT_NONE, _PROT_READ, _PROT_WRITE, MIB,
+                                        PAGE_BYTES, HostDriver, HostHandle, _lib)
+from extensible_kv.errors import DriverError, DriverOutOfMemory
+from extensible_kv.reaper import busy
+
+BUDGET = 1 << 30
+"""The budget of every driver here, broken or intact: the registered host drivers' budget."""
+
+GIB = 1 << 30
+RACE_WINDOW_S = 1e-4
+"""How long a racing broken driver sleeps between its check and its act, so a race lands in a few hundred tries."""
+RACE_TRIES = 300
+
+
+class _Broken(HostDriver):
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, budget_bytes=BUDGET)
+
+
+def intact() -> HostDriver:
+    """The intact host driver, with the broken drivers' granularity and budget: what every proof is compared with."""
+    return HostDriver(name="host", budget_bytes=BUDGET)
+
+
+# -- what a proof observes -------------------------------------------------------------------------------------------
+def outcome(call: Callable[..., Any], *args: Any) -> str:
+    """``done``, or the type of the error ``call(*args)`` raised and the operation it names."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 - an untyped error is exactly what some proofs look for
+        return f"{type(exc).__name__}({getattr(exc, 'operation', '')})"
+    return "done"
+
+
+def kernel_ranges() -> list[tuple[int, int, str, str]]:
+    """``(lo, hi, permissions, path)`` of every range the kernel maps in this process (``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi, fields[1], fields[5].strip() if len(fields) == 6 else ""))
+    return ranges
+
+
+def kernel_holds(lo: int, hi: int) -> int:
+    """How many bytes of ``[lo, hi)`` the kernel maps (reserved or not)."""
+    return sum(max(0, min(hi, r_hi) - max(lo, r_lo)) for r_lo, r_hi, _, _ in kernel_ranges())
+
+
+def memfd_at(va: int) -> bool:
+    """Whether the kernel maps one of the host driver's memfds at ``va``."""
+    return any(lo <= va < hi and _MEMFD_NAME in path for lo, hi, _, path in kernel_ranges())
+
+
+def tidy(driver: HostDriver, reservations: list[tuple[int, int]], handles: list[HostHandle]) -> None:
+    """Unmap, release and free what a proof made, best effort (a broken driver's records may refuse); a reservation
+    the driver will not free is given back to the kernel directly."""
+    for va, (size, _) in list(driver._mappings.items()):
+        with contextlib.suppress(Exception):
+            driver.unmap(va, size)
+    for handle in handles:
+        if not handle.released:
+            with contextlib.suppress(Exception):
+                driver.release(handle)
+    for va, size in reservations:
+        try:
+            driver.free(va, size)
+        except Exception:  # noqa: BLE001
+            _lib().munmap(va, size)
+
+
+def _race(work: Callable[[int], None]) -> None:
+    """Run ``work(0)`` and ``work(1)`` in two threads that start together; wait for both."""
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        work(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+# -- several mappings, many live mappings ----------------------------------------------------------------------------
+class SetAccessFirstMappingOnly(_Broken):
+    """Several mappings. Breaks "``set_access(va, size)`` makes a fully mapped range readable and writable": over a
+    range made by several map calls it checks the whole range but grants only the mapping that starts at ``va``."""
+
+    def set_access(self, va: int, size: int) -> None:
+        with busy(), self._locked():
+            mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
+            first = self._mappings.get(va)
+        super().set_access(va, min(size, first[0]) if first else size)
+
+
+def prove_set_access_first_mapping_only(make: Callable[[], HostDriver]) -> list[bool]:
+    d = make()
+    g = d.granularity()
+    r = d.reserve(3 * g, g)
+    h1, h2 = d.create(g), d.create(2 * g)
+    try:
+        d.map(r, g, h1)
+        d.map(r + g, 2 * g, h2)
+        d.set_access(r, 3 * g)
+        return [d.accessible(r + i * g) for i in range(3)]
+    finally:
+        tidy(d, [(r, 3 * g)], [h1, h2])
+
+
+class SetAccessChecksTheEndsOnly(_Broken):
+    """Several mappings. Breaks "A range with any granule unmapped is refused" (a gap between mappings): it refuses
+    only a range whose first or last granule is unmapped, and opens a gap between two mappings."""
+
+    def set_access(self, va: int, size: int) -> None:
+        self._check("set_access", va=va, size=size)
+        g = self._granularity
+        with busy(), self._locked():
+            ends = [a for a in (va, va + size - g) if not any(m <= a < m + s for m, (s, _) in self._mappings.items())]
+        if ends:
+            raise DriverError("set_access", f"[{va:#x}, +{size}) is not mapped at {ends[0]:#x}")
+        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
+            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+
+
+def prove_set_access_checks_the_ends_only(make: Callable[[], HostDriver]) -> str:
+    d = make()
+    g = d.granularity()
+    r = d.reserve(3 * g, g)
+    h1, h2 = d.create(g), d.create(g)
+    try:
+        d.map(r, g, h1)
+        d.map(r + 2 * g, g, h2)
+        return outcome(d.set_access, r, 3 * g)
+    finally:
+        tidy(d, [(r, 3 * g)], [h1, h2])
+
+
+class UnmapTakesATiledRange(_Broken):
+    """Several mappings. Breaks "``unmap(va, size)`` takes exactly a range that one ``map`` call made (no sub-range,
+    nothing more)": a range tiled exactly by adjacent whole mappings is unmapped, mapping by mapping."""
+
+    def unmap(self, va: int, size: int) -> None:
+        tiles, at = [], va
+        while at < va + size and at in self._mappings:
+            tiles.append((at, self._mappings[at][0]))
+            at += self._mappings[at][0]
+        if len(tiles) > 1 and at == va + size:
+            for t_va, t_size in tiles:
+                super().unmap(t_va, t_size)
+            return
+        super().unmap(va, size)
+
+
+def prove_unmap_takes_a_tiled_range(make: Callable[[], HostDriver]) -> str:
+    d = make()
+    g = d.granularity()
+    r = d.reserve(2 * g, g)
+    h1, h2 = d.create(g), d.create(g)
+    try:
+        d.map(r, g, h1)
+        d.map(r + g, g, h2)
+        return outcome(d.unmap, r, 2 * g)
+    finally:
+        tidy(d, [(r, 2 * g)], [h1, h2])
+
+
+class MappingTableOf32(_Broken):
+    """Many live mappings. Breaks "``unmap(va, size)`` takes exactly a range that one ``map`` call made ... and
+    returns it to reserved": its table of live mappings holds 32 entries, and the 33rd map drops the oldest one, so
+    that mapping can no longer be unmapped (and could be mapped over)."""
+
+    CAPACITY = 32
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        super().map(va, size, handle, offset)
+        with busy(), self._locked():
+            while len(self._mappings) > self.CAPACITY:
+                del self._mappings[next(iter(self._mappings))]
+
+
+def prove_mapping_table_of_32(make: Callable[[], HostDriver]) -> str:
+    d = make()
+    g, n = d.granularity(), 40
+    r = d.reserve(n * g, g)
+    h = d.create(n * g)
+    try:
+        for i in range(n):
+            d.map(r + i * g, g, h, i * g)
+        return outcome(d.unmap, r, g)
+    finally:
+        tidy(d, [(r, n * g)], [h])
+
+
+# -- two threads calling one driver -----------------------------------------------------------------------------------
+class CreateCountsOutsideTheLock(_Broken):
+    """Two threads. Breaks "``create`` takes at least ``size`` from ``free``; once a handle is released and unmapped
+    everywhere its bytes are free again" for calls from two threads: it checks the budget under its lock but reads
+    the held bytes before making the memfd and writes them back after, so a concurrent create or release is lost."""
+
+    def create(self, size: int) -> HostHandle:
+        self._check("create", size=size)
+        with busy(), self._locked():
+            if self._held + size > self._total:
+                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} free", errno.ENOMEM)
+        held = self._held
+        time.sleep(RACE_WINDOW_S)
+        handle = self._create(size)
+        self._held = held + size
+        return handle
+
+
+def prove_create_counts_outside_the_lock(make: Callable[[], HostDriver]) -> tuple[int, int]:
+    d = make()
+    g = d.granularity()
+
+    def churn(_: int) -> None:
+        for _ in range(RACE_TRIES // 2):
+            d.release(d.create(g))
+
+    for _ in range(2):
+        _race(churn)
+        if d.mem_info() != (BUDGET, BUDGET):
+            break
+    return d.mem_info()
+
+
+class MapChecksThenMapsUnlocked(_Broken):
+    """Two threads. Breaks "The range ... must not overlap a live mapping ...; anything else is refused" for calls
+    from two threads: it checks the range under its lock, then maps and records it after letting the lock go, so
+    two threads mapping the same range both succeed."""
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        self._check("map", va=va, size=size, offset=offset)
+        with busy(), self._locked():
+            if any(m < va + size and va < m + s for m, (s, _) in self._mappings.items()):
+                raise DriverError("map", f"[{va:#x}, +{size}) overlaps a live mapping")
+            if not any(r <= va and va + size <= r + s for r, s in self._reservations.items()):
+                raise DriverError("map", f"[{va:#x}, +{size}) does not lie inside one reservation")
+            if handle.released or offset + size > handle.size:
+                raise DriverError("map", f"{handle!r} is released or too small for offset {offset} + size {size}")
+        time.sleep(RACE_WINDOW_S)
+        if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
+            self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        with busy(), self._locked():
+            self._mappings[va] = (size, handle)
+            handle.maps += 1
+
+
+def prove_map_checks_then_maps_unlocked(make: Callable[[], HostDriver]) -> int:
+    """The most maps of one range that succeeded together when two threads made them at once."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    handles = [d.create(g), d.create(g)]
+    try:
+        for _ in range(RACE_TRIES):
+            seen: list[str] = []
+            _race(lambda i, seen=seen: seen.append(outcome(d.map, r, g, handles[i])))
+            if seen.count("done") != 1:
+                return seen.count("done")
+            d.unmap(r, g)
+        return 1
+    finally:
+        tidy(d, [(r, g)], handles)
+
+
+class ReserveRecordsUnlocked(_Broken):
+    """Two threads. Breaks "``free(va, size)`` returns exactly that range" for reservations made from two threads:
+    it publishes its reservation records as a copy taken before the kernel call, so a reservation made meanwhile by
+    another thread is forgotten and its ``free`` is refused."""
+
+    def reserve(self, size: int, alignment: int) -> int:
+        records = dict(self._reservations)
+        time.sleep(RACE_WINDOW_S)
+        va = super().reserve(size, alignment)
+        records[va] = size
+        self._reservations = records
+        return va
+
+
+def prove_reserve_records_unlocked(make: Callable[[], HostDriver]) -> int:
+    """How many reservations made from two threads at once the driver refused to free."""
+    d = make()
+    g = d.granularity()
+    refused = 0
+    for _ in range(3):
+        made: list[list[int]] = [[], []]
+        _race(lambda i, made=made: made[i].extend(d.reserve(g, g) for _ in range(RACE_TRIES // 2)))
+        for va in made[0] + made[1]:
+            if outcome(d.free, va, g) != "done":
+                refused += 1
+                _lib().munmap(va, g)
+        if refused:
+            break
+    return refused
+
+
+# -- exact memory accounting ------------------------------------------------------------------------------------------
+class CreateTakesAPowerOfTwo(_Broken):
+    """Memory accounting. Breaks "a handle released and unmapped everywhere ... give[s] it back exactly": ``create``
+    takes its size rounded up to a power of two (allowed: at least ``size``), ``release`` gives back ``size``, so a
+    handle of an odd number of granules (3 and more) leaks the difference."""
+
+    def create(self, size: int) -> HostHandle:
+        extra = (1 << (size - 1).bit_length()) - size
+        with busy(), self._locked():
+            if self._held + size + extra > self._total:
+                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} free", errno.ENOMEM)
+            self._held += extra
+        try:
+            return super().create(size)
+        except BaseException:
+            with busy(), self._locked():
+                self._held -= extra
+            raise
+
+
+def prove_create_takes_a_power_of_two(make: Callable[[], HostDriver]) -> list[int]:
+    """How much ``free`` lost after a handle of 1, 2 and 3 granules was created and released."""
+    d = make()
+    g = d.granularity()
+    lost = []
+    for n in (1, 2, 3):
+        before = d.mem_info()[0]
+        d.release(d.create(n * g))
+        lost.append(before - d.mem_info()[0])
+    return lost
+
+
+class MappedIsAFlag(_Broken):
+    """Memory accounting. Breaks "once a handle is released and unmapped everywhere its bytes are free again" for a
+    handle mapped at two addresses: it keeps "is mapped" as a flag, not a count, so a released handle's bytes are
+    counted free at its first unmap, while it is still mapped at the second address."""
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        super().map(va, size, handle, offset)
+        handle.maps = 1
+
+    def unmap(self, va: int, size: int) -> None:
+        live = self._mappings.get(va)
+        if live is not None and live[0] == size:
+            live[1].maps = 1
+        super().unmap(va, size)
+
+
+def prove_mapped_is_a_flag(make: Callable[[], HostDriver]) -> list[tuple[int, int]]:
+    """``mem_info`` after each unmap of a released handle mapped at two addresses."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(2 * g, g)
+    h = d.create(g)
+    seen = []
+    try:
+        d.map(r, g, h)
+        d.map(r + g, g, h)
+        d.release(h)
+        for va in (r, r + g):
+            d.unmap(va, g)
+            seen.append(d.mem_info())
+        return seen
+    finally:
+        tidy(d, [(r, 2 * g)], [h])
+
+
+class TotalIsTheMachine(_Broken):
+    """Memory accounting. Breaks "On the host, ``total`` is the driver's budget": ``mem_info`` counts ``free`` from
+    the budget but reports the machine's physical memory as ``total``."""
+
+    def mem_info(self) -> tuple[int, int]:
+        return super().mem_info()[0], os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES
+
+
+def prove_total_is_the_machine(make: Callable[[], HostDriver]) -> tuple[int, int]:
+    d = make()
+    h = d.create(d.granularity())
+    try:
+        return d.mem_info()[1], d.mem_info()[0] + h.size
+    finally:
+        d.release(h)
+
+
+# -- address space ----------------------------------------------------------------------------------------------------
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class FreeKeepsTheAlignmentPadding(_Broken):
+    """Address space. Breaks "``free(va, size)`` returns exactly that range" (all the address space ``reserve``
+    took): ``reserve`` keeps the over-reservation it made to align the range, and ``free`` gives back only
+    ``[va, va+size)``, so every aligned reservation leaks up to ``alignment`` bytes of address space."""
+
+    def reserve(self, size: int, alignment: int) -> int:
+        self._check("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self._granularity)
+        alignment = max(alignment, PAGE_BYTES)
+        span = size + alignment
+        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if raw in (None, _MAP_FAILED):
+            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+        va = _align_up(raw, alignment)
+        with busy(), self._locked():
+            self._reservations[va] = size
+        return va
+
+
+def prove_free_keeps_the_alignment_padding(make: Callable[[], HostDriver]) -> int:
+    """Address space the process holds after a reservation aligned to 1 GiB was freed, in GiB (rounded)."""
+    d = make()
+    before = sum(hi - lo for lo, hi, _, _ in kernel_ranges())
+    va = d.reserve(d.granularity(), GIB)
+    d.free(va, d.granularity())
+    return round((sum(hi - lo for lo, hi, _, _ in kernel_ranges()) - before) / GIB)
+
+
+class ReserveTrimsFromTheRawStart(_Broken):
+    """Address space. Breaks "``reserve(size, alignment)`` returns a virtual range of ``size`` bytes aligned to
+    ``alignment``" for a large alignment: it trims its over-reservation as if the range began where the kernel
+    placed it, not at the aligned address, so the kernel holds only ``[va, raw+size)``; the rest of the range is
+    free for any other mapping to take."""
+
+    def reserve(self, size: int, alignment: int) -> int:
+        self._check("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self._granularity)
+        alignment = max(alignment, PAGE_BYTES)
+        span = size + alignment
+        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if raw in (None, _MAP_FAILED):
+            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+        va = _align_up(raw, alignment)
+        if va > raw:
+            _lib().munmap(raw, va - raw)
+        _lib().munmap(raw + size, span - size)
+        with busy(), self._locked():
+            self._reservations[va] = size
+        return va
+
+
+def prove_reserve_trims_from_the_raw_start(make: Callable[[], HostDriver]) -> bool:
+    """Whether the kernel holds every byte of reservations of 4 granules aligned to 1 GiB (three tries: an address
+    the kernel picks may happen to be aligned already)."""
+    d = make()
+    size = 4 * d.granularity()
+    for _ in range(3):
+        va = d.reserve(size, GIB)
+        held = kernel_holds(va, va + size)
+        d.free(va, size)
+        if held != size:
+            return False
+    return True
+
+
+# -- access state of a handle mapped again ----------------------------------------------------------------------------
+class RemapRestoresAccess(_Broken):
+    """Access state. Breaks "``map`` ... without access" (and "a mapping alone is not" accessible) for a handle mapped
+    again after an unmap: it remembers access per handle, and a handle that once had access gets it back when it
+    is mapped again."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._granted: set[HostHandle] = set()
+
+    def set_access(self, va: int, size: int) -> None:
+        super().set_access(va, size)
+        self._granted.update(h for m, (s, h) in self._mappings.items() if m < va + size and va < m + s)
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        super().map(va, size, handle, offset)
+        if handle in self._granted and handle.maps == 1:
+            _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+
+
+def prove_remap_restores_access(make: Callable[[], HostDriver]) -> bool:
+    """Whether a handle given access, unmapped and mapped again is accessible before ``set_access``."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    h = d.create(g)
+    try:
+        d.map(r, g, h)
+        d.set_access(r, g)
+        d.unmap(r, g)
+        d.map(r, g, h)
+        return d.accessible(r)
+    finally:
+        tidy(d, [(r, g)], [h])
+
+
+class SecondMappingSharesAccess(_Broken):
+    """Access state. Breaks "``map`` ... without access" for a handle mapped at a second address: the new mapping
+    gets the access the handle already has at another address."""
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        others = [m for m, (_, h) in self._mappings.items() if h is handle]
+        super().map(va, size, handle, offset)
+        if any(self.accessible(m) for m in others):
+            _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+
+
+def prove_second_mapping_shares_access(make: Callable[[], HostDriver]) -> bool:
+    """Whether a handle's second mapping is accessible before ``set_access`` while its first one has access."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(2 * g, g)
+    h = d.create(g)
+    try:
+        d.map(r, g, h)
+        d.set_access(r, g)
+        d.map(r + g, g, h)
+        return d.accessible(r + g)
+    finally:
+        tidy(d, [(r, 2 * g)], [h])
+
+
+class MapFillsTheHandle(_Broken):
+    """Access state. Breaks "one unmapped and mapped again shows its bytes": it fills fresh pages with the fill byte
+    when a handle is mapped rather than when it is created, and does so at every map, erasing what was written."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._map_fill, self._fill_byte = self._fill_byte, None
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        super().map(va, size, handle, offset)
+        self._fill(handle.fd, handle.size, self._map_fill)
+
+
+def prove_map_fills_the_handle(make: Callable[[], HostDriver]) -> list[int]:
+    """The first bytes a handle shows when mapped again after 0x3C was written through its first mapping."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    h = d.create(g)
+    try:
+        d.map(r, g, h)
+        d.set_access(r, g)
+        d.tensor(r, 4, None).fill_(0x3C)
+        d.synchronize()
+        d.unmap(r, g)
+        d.map(r, g, h)
+        d.set_access(r, g)
+        return d.tensor(r, 4, None).tolist()
+    finally:
+        tidy(d, [(r, g)], [h])
+
+
+# -- identity ---------------------------------------------------------------------------------------------------------
+class DeviceWithAnIndex(_Broken):
+    """Identity. Breaks "``device``: the torch device whose tensors ``tensor`` returns": it names ``cpu:0``, its
+    tensors are on ``cpu`` (torch does not count the two as equal)."""
+
+    device = torch.device("cpu", 0)
+
+
+class DeviceIsAString(_Broken):
+    """Identity. Breaks "``device: torch.device`` ... whose tensors ``tensor`` returns": it names its device with the
+    string ``"cpu"``, which no ``torch.device`` equals."""
+
+    device = "cpu"  # type: ignore[assignment]
+
+
+def prove_device_names_the_tensors_device(make: Callable[[], HostDriver]) -> bool:
+    """Whether the device a driver names is the device of a tensor it returns."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    try:
+        return d.tensor(r, 16, None).device == d.device
+    finally:
+        d.free(r, g)
+
+
+# -- native failures --------------------------------------------------------------------------------------------------
+class ReserveFailsWithOSError(_Broken):
+    """Native failures. Breaks "A failed native call ... raises ``DriverError`` (``DriverOutOfMemory`` for lack of
+    memory) naming the operation": a failed ``mmap`` in ``reserve`` surfaces as the ``OSError`` of its errno."""
+
+    def reserve(self, size: int, alignment: int) -> int:
+        try:
+            return super().reserve(size, alignment)
+        except DriverError as exc:
+            if exc.code is None:  # a refusal before any native call keeps its type
+                raise
+            raise OSError(exc.code, os.strerror(exc.code)) from None
+
+
+class NativeFailureNamesTheCall(_Broken):
+    """Native failures. Breaks "raises ``DriverError`` ... naming the operation": a failed native call names the
+    libc call that failed (``mmap``, ``munmap``, ``mprotect``) as the operation, not the protocol operation."""
+
+    @staticmethod
+    def _fail(op: str, detail: str, oom: bool = False) -> None:
+        HostDriver._fail(detail.split("(")[0], detail, oom)
+
+
+def prove_reserve_failure_is_typed(make: Callable[[], HostDriver]) -> str:
+    """The error of a reservation the kernel cannot place (2**62 bytes, past any address space)."""
+    d = make()
+    return outcome(d.reserve, 1 << 62, d.granularity())
+
+
+class CreateFailsWithOSError(_Broken):
+    """Native failures. Breaks "A failed native call ... raises ``DriverError`` ... naming the operation" in
+    ``create``: a failed ``memfd_create``, ``ftruncate`` or fill surfaces as the ``OSError`` Python raised (the held
+    bytes are still given back)."""
+
+    def _create(self, size: int) -> HostHandle:
+        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            if self._fill_byte is not None:
+                self._fill(fd, size, self._fill_byte)
+        except BaseException:
+            os.close(fd)
+            raise
+        return HostHandle(fd, size)
+
+
+def prove_create_failure_is_typed(make: Callable[[], HostDriver]) -> str:
+    """The error of ``create`` while the process may open no more file descriptors (``RLIMIT_NOFILE`` lowered to the
+    lowest free descriptor for the one call, so ``memfd_create`` fails with EMFILE)."""
+    d = make()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = next(fd for fd in itertools.count() if not _is_open(fd))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        return outcome(d.create, d.granularity())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+# -- a refusal that leaves the reservation less usable ----------------------------------------------------------------
+class RefusedMapLeavesItsTail(_Broken):
+    """Refusals. Breaks "[a refusal] leaves the driver's state as it was before the call: what is mapped": it maps
+    granule by granule, and when it reaches a granule it must refuse (past the reservation, over a live mapping) it
+    undoes only the first granule, so the granules after it stay mapped (and recorded) and cannot be mapped again."""
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        try:
+            super().map(va, size, handle, offset)
+        except DriverError:
+            g = self._granularity
+            k = 0
+            while (k + 1) * g <= size and offset + (k + 1) * g <= handle.size and not handle.released \
+                    and self._free_and_reserved(va + k * g):
+                k += 1
+            for i in range(1, k):
+                _lib().mmap(va + i * g, g, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset + i * g)
+                self._mappings[va + i * g] = (g, handle)
+                handle.maps += 1
+            raise
+
+    def _free_and_reserved(self, a: int) -> bool:
+        return any(r <= a < r + s for r, s in self._reservations.items()) \
+            and not any(m <= a < m + s for m, (s, _) in self._mappings.items())
+
+
+def prove_refused_map_leaves_its_tail(make: Callable[[], HostDriver]) -> list[str]:
+    """After a refused map of 3 granules (its third granule is mapped already): the outcome of mapping its first
+    granule, then its second."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(3 * g, g)
+    top, wide, one, two = d.create(g), d.create(3 * g), d.create(g), d.create(g)
+    try:
+        d.map(r + 2 * g, g, top)
+        outcome(d.map, r, 3 * g, wide)
+        return [outcome(d.map, r, g, one), outcome(d.map, r + g, g, two)]
+    finally:
+        tidy(d, [(r, 3 * g)], [top, wide, one, two])
+
+
+class RefusedSetAccessRevokesTheTail(_Broken):
+    """Refusals. Breaks "[a refusal] leaves the driver's state as it was before the call: what is ... accessible":
+    a refused ``set_access`` leaves every mapped granule of the range after its first without access, also granules
+    that had access before."""
+
+    def set_access(self, va: int, size: int) -> None:
+        try:
+            super().set_access(va, size)
+        except DriverError:
+            _revoke_after_the_first_granule(self, va, size)
+            raise
+
+
+class RefusedUnmapRevokesTheTail(_Broken):
+    """Refusals. Breaks "[a refusal] leaves the driver's state as it was before the call: what is ... accessible":
+    a refused ``unmap`` (part of a mapping, a mapping and more) leaves every mapped granule of the range after its
+    first without access."""
+
+    def unmap(self, va: int, size: int) -> None:
+        live = self._mappings.get(va)
+        if live is None or live[0] != size:
+            _revoke_after_the_first_granule(self, va, size)
+        super().unmap(va, size)
+
+
+def _revoke_after_the_first_granule(d: HostDriver, va: int, size: int) -> None:
+    lo = va + d.granularity()
+    for m, (s, _) in list(d._mappings.items()):
+        start, end = max(m, lo), min(m + s, va + size)
+        if start < end:
+            _lib().mprotect(start, end - start, _PROT_NONE)
+
+
+def prove_refused_set_access_keeps_access(make: Callable[[], HostDriver]) -> list[bool]:
+    """Accessible granules of a mapping of 3 granules with access, after ``set_access`` over it and one unmapped
+    granule more was refused."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(4 * g, g)
+    h = d.create(3 * g)
+    try:
+        d.map(r, 3 * g, h)
+        d.set_access(r, 3 * g)
+        outcome(d.set_access, r, 4 * g)
+        return [d.accessible(r + i * g) for i in range(3)]
+    finally:
+        tidy(d, [(r, 4 * g)], [h])
+
+
+def prove_refused_unmap_keeps_access(make: Callable[[], HostDriver]) -> list[bool]:
+    """Accessible granules of a mapping of 3 granules with access, after ``unmap`` of its first two was refused."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(3 * g, g)
+    h = d.create(3 * g)
+    try:
+        d.map(r, 3 * g, h)
+        d.set_access(r, 3 * g)
+        outcome(d.unmap, r, 2 * g)
+        return [d.accessible(r + i * g) for i in range(3)]
+    finally:
+        tidy(d, [(r, 3 * g)], [h])
+
+
+# -- the factories and the cases -------------------------------------------------------------------------------------
+set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
+set_access_checks_the_ends_only = functools.partial(SetAccessChecksTheEndsOnly,
+                                                    "broken-set-access-checks-the-ends-only")
+unmap_takes_a_tiled_range = functools.partial(UnmapTakesATiledRange, "broken-unmap-takes-a-tiled-range")
+mapping_table_of_32 = functools.partial(MappingTableOf32, "broken-mapping-table-of-32")
+create_counts_outside_the_lock = functools.partial(CreateCountsOutsideTheLock, "broken-create-counts-outside-the-lock")
+map_checks_then_maps_unlocked = functools.partial(MapChecksThenMapsUnlocked, "broken-map-checks-then-maps-unlocked")
+reserve_records_unlocked = functools.partial(ReserveRecordsUnlocked, "broken-reserve-records-unlocked")
+create_takes_a_power_of_two = functools.partial(CreateTakesAPowerOfTwo, "broken-create-takes-a-power-of-two")
+mapped_is_a_flag = functools.partial(MappedIsAFlag, "broken-mapped-is-a-flag")
+total_is_the_machine = functools.partial(TotalIsTheMachine, "broken-total-is-the-machine")
+free_keeps_the_alignment_padding = functools.partial(FreeKeepsTheAlignmentPadding,
+                                                     "broken-free-keeps-the-alignment-padding")
+reserve_trims_from_the_raw_start = functools.partial(ReserveTrimsFromTheRawStart,
+                                                     "broken-reserve-trims-from-the-raw-start")
+remap_restores_access = functools.partial(RemapRestoresAccess, "broken-remap-restores-access")
+second_mapping_shares_access = functools.partial(SecondMappingSharesAccess, "broken-second-mapping-shares-access")
+map_fills_the_handle = functools.partial(MapFillsTheHandle, "broken-map-fills-the-handle")
+device_with_an_index = functools.partial(DeviceWithAnIndex, "broken-device-with-an-index")
+device_is_a_string = functools.partial(DeviceIsAString, "broken-device-is-a-string")
+reserve_fails_with_os_error = functools.partial(ReserveFailsWithOSError, "broken-reserve-fails-with-os-error")
+native_failure_names_the_call = functools.partial(NativeFailureNamesTheCall, "broken-native-failure-names-the-call")
+create_fails_with_os_error = functools.partial(CreateFailsWithOSError, "broken-create-fails-with-os-error")
+refused_map_leaves_its_tail = functools.partial(RefusedMapLeavesItsTail, "broken-refused-map-leaves-its-tail")
+refused_set_access_revokes_the_tail = functools.partial(RefusedSetAccessRevokesTheTail,
+                                                        "broken-refused-set-access-revokes-the-tail")
+refused_unmap_revokes_the_tail = functools.partial(RefusedUnmapRevokesTheTail, "broken-refused-unmap-revokes-the-tail")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A broken driver's factory, the area of the protocol it breaks, its proof, and what the protocol says the
+    proof observes (what the intact driver observes)."""
+
+    factory: Callable[[], HostDriver]
+    area: str
+    proof: Callable[[Callable[[], HostDriver]], object]
+    want: object
+
+
+_G = 2 * MIB  # HostDriver's default granularity, the broken drivers' granularity
+CASES: dict[str, Case] = {
+    "set_access_first_mapping_only": Case(set_access_first_mapping_only, "several mappings",
+                                          prove_set_access_first_mapping_only, [True, True, True]),
+    "set_access_checks_the_ends_only": Case(set_access_checks_the_ends_only, "several mappings",
+                                            prove_set_access_checks_the_ends_only, "DriverError(set_access)"),
+    "unmap_takes_a_tiled_range": Case(unmap_takes_a_tiled_range, "several mappings",
+                                      prove_unmap_takes_a_tiled_range, "DriverError(unmap)"),
+    "mapping_table_of_32": Case(mapping_table_of_32, "many live mappings", prove_mapping_table_of_32, "done"),
+    "create_counts_outside_the_lock": Case(create_counts_outside_the_lock, "two threads",
+                                           prove_create_counts_outside_the_lock, (BUDGET, BUDGET)),
+    "map_checks_then_maps_unlocked": Case(map_checks_then_maps_unlocked, "two threads",
+                                          prove_map_checks_then_maps_unlocked, 1),
+    "reserve_records_unlocked": Case(reserve_records_unlocked, "two threads", prove_reserve_records_unlocked, 0),
+    "create_takes_a_power_of_two": Case(create_takes_a_power_of_two, "memory accounting",
+                                        prove_create_takes_a_power_of_two, [0, 0, 0]),
+    "mapped_is_a_flag": Case(mapped_is_a_flag, "memory accounting", prove_mapped_is_a_flag,
+                             [(BUDGET - _G, BUDGET), (BUDGET, BUDGET)]),
+    "total_is_the_machine": Case(total_is_the_machine, "memory accounting", prove_total_is_the_machine,
+                                 (BUDGET, BUDGET)),
+    "free_keeps_the_alignment_padding": Case(free_keeps_the_alignment_padding, "address space",
+                                             prove_free_keeps_the_alignment_padding, 0),
+    "reserve_trims_from_the_raw_start": Case(reserve_trims_from_the_raw_start, "address space",
+                                             prove_reserve_trims_from_the_raw_start, True),
+    "remap_restores_access": Case(remap_restores_access, "access state", prove_remap_restores_access, False),
+    "second_mapping_shares_access": Case(second_mapping_shares_access, "access state",
+                                         prove_second_mapping_shares_access, False),
+    "map_fills_the_handle": Case(map_fills_the_handle, "access state", prove_map_fills_the_handle, [0x3C] * 4),
+    "device_with_an_index": Case(device_with_an_index, "identity", prove_device_names_the_tensors_device, True),
+    "device_is_a_string": Case(device_is_a_string, "identity", prove_device_names_the_tensors_device, True),
+    "reserve_fails_with_os_error": Case(reserve_fails_with_os_error, "native failures",
+                                        prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"),
+    "native_failure_names_the_call": Case(native_failure_names_the_call, "native failures",
+                                          prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"),
+    "create_fails_with_os_error": Case(create_fails_with_os_error, "native failures",
+                                       prove_create_failure_is_typed, "DriverError(create)"),
+    "refused_map_leaves_its_tail": Case(refused_map_leaves_its_tail, "refusals", prove_refused_map_leaves_its_tail,
+                                        ["done", "done"]),
+    "refused_set_access_revokes_the_tail": Case(refused_set_access_revokes_the_tail, "refusals",
+                                                prove_refused_set_access_keeps_access, [True, True, True]),
+    "refused_unmap_revokes_the_tail": Case(refused_unmap_revokes_the_tail, "refusals",
+                                           prove_refused_unmap_keeps_access, [True, True, True]),
+}
