@@ -87,11 +87,6 @@ def kernel_holds(lo: int, hi: int) -> int:
     return sum(max(0, min(hi, r_hi) - max(lo, r_lo)) for r_lo, r_hi, _, _ in kernel_ranges())
 
 
-def memfd_at(va: int) -> bool:
-    """Whether the kernel maps one of the host driver's memfds at ``va``."""
-    return any(lo <= va < hi and _MEMFD_NAME in path for lo, hi, _, path in kernel_ranges())
-
-
 def tidy(driver: HostDriver, reservations: list[tuple[int, int]], handles: list[HostHandle]) -> None:
     """Unmap, release and free what a proof made, best effort (a broken driver's records may refuse); a reservation
     the driver will not free is given back to the kernel directly."""
