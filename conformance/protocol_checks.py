@@ -5,9 +5,11 @@ and ``thread_machine.py`` (two threads); ``test_protocol_model.py`` runs them.""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import itertools
 import os
+import resource
 import signal
 import sys
 import warnings
@@ -26,6 +28,27 @@ from .protocol_model import MAX_BYTES, Prediction, ProtocolModel, intervals_minu
 FAULTS = ("SIGSEGV", "SIGBUS")
 ADDRESSED = ("free", "map", "unmap", "set_access", "zero")  # the calls whose first arguments are a range
 TOUCH_EVERY = 6  # steps between two faults provoked in a child (a fork costs ~15 ms; EFAULT probes run every step)
+
+
+@contextlib.contextmanager
+def no_new_descriptors():
+    """The process may open no new file descriptor until the block ends (RLIMIT_NOFILE's soft limit set to the
+    lowest free descriptor, the one the next open would take)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = next(fd for fd in itertools.count() if not _is_open(fd))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def pattern_at(index: int, nbytes: int, seed: int) -> torch.Tensor:
@@ -89,18 +112,23 @@ class ProtocolChecks(RuleBasedStateMachine):
     def _fail_unless(self, cond: bool, what: str, expected: object, actual: object) -> None:
         expect(cond, self.driver, what, expected, actual)
 
-    def call(self, prediction: Prediction, *args: object, key: int | None = None,
-             convert=None) -> tuple[bool, object]:
-        """Make the call ``prediction`` is about with ``args`` on the raw driver, and hold what it did to the
-        prediction: the outcome (``judge``), what it returned (``apply``, with ``convert`` turning the driver's
-        result into the model's terms) and how the free bytes moved. Returns (succeeded, result)."""
+    def call(self, prediction: Prediction, *args: object, key: int | None = None, convert=None,
+             within=contextlib.nullcontext, or_refused: Prediction | None = None) -> tuple[bool, object]:
+        """Make the call ``prediction`` is about with ``args`` on the raw driver (inside ``within()``: the machine's
+        limits for a call its native side may fail), and hold what it did to the prediction, or to ``or_refused``
+        when it raised and that is given (a call the machine may refuse natively): the outcome (``judge``), what it
+        returned (``apply``, with ``convert`` turning the driver's result into the model's terms) and how the free
+        bytes moved. Returns (succeeded, result)."""
         op = prediction.op
         before = self.raw.mem_info()[0]
         try:
-            result, raised = getattr(self.raw, op)(*args), None
+            with within():
+                result, raised = getattr(self.raw, op)(*args), None
         except Exception as exc:  # noqa: BLE001 - every exception is an outcome the model judges
             result, raised = None, exc
         after = self.raw.mem_info()[0]
+        if raised is not None and or_refused is not None:
+            prediction = or_refused
         if raised is None:
             self.record_made(op, args, result, key)
             if convert is not None:
@@ -205,11 +233,17 @@ class ProtocolChecks(RuleBasedStateMachine):
             left = [(r.lo, r.hi, r.perms, r.name) for r in after.rows if r.lo < va + size and va < r.hi]
             expect_equal(self.driver, f"what the kernel maps in [{va:#x}, +{size}) right after free", [], left)
 
-    def do_create(self, size: int) -> int | None:
+    def do_create(self, size: int, without_descriptors: bool = False) -> int | None:
+        """``create(size)``; ``without_descriptors`` (the host): while the process may open no new file descriptor,
+        so a driver that needs one fails natively (P-native-failure), and one that needs none may still succeed."""
         prediction = self.model.create(size)
         key = next(self.keys)
         fds = open_memfds() if self.setup.host else None
-        ok, _ = self.call(prediction, size, convert=self.register(key))
+        limits = {}
+        if without_descriptors:
+            limits = {"within": no_new_descriptors, "or_refused": self.model.natively_refused(
+                "create", "the process may open no new file descriptor (RLIMIT_NOFILE at the lowest free one)")}
+        ok, _ = self.call(prediction, size, convert=self.register(key), **limits)
         if fds is not None:
             new = [i for i in open_memfds() if i not in fds]
             sizes = [os.stat(f"/proc/self/fd/{fd}").st_size for fd in os.listdir("/proc/self/fd")

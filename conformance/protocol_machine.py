@@ -104,6 +104,17 @@ class ProtocolMachine(ProtocolChecks):
         """A handle of 1 to 4 granules. Checks: P-create, P-create-memory."""
         self.do_create(granules * self.g)
 
+    @precondition(lambda self: self.setup.host and len(self.model.alive()) < MAX_ALIVE_HANDLES)
+    @rule(granules=st.integers(1, 3))
+    def create_without_file_descriptors(self, granules):
+        """On the host, a handle asked for while the process may open no new file descriptor: the driver's native
+        call fails (memfd_create: EMFILE) and the failure is a DriverError naming create, nothing held; a driver that
+        needs no new descriptor may succeed. Checks: P-native-failure, P-refusal-unchanged."""
+        size = granules * self.g
+        if self.model.exact and size > self.model.expected_free():
+            return
+        self.do_create(size, without_descriptors=True)
+
     @rule(kind=st.sampled_from(("past_total", "past_free")))
     def create_more_than_memory(self, kind):
         """More than the device's memory (more than the free bytes, where mem_info is exact): DriverOutOfMemory
@@ -172,9 +183,24 @@ class ProtocolMachine(ProtocolChecks):
             return None
         m = ms[pick // len(rs) % len(ms)]
         k = min(n, m.size // g)
-        return {"below": (m.va - g, (1 + k) * g), "above": (m.end - k * g, (k + 1) * g),
+        j = min(1 + pick % 3, (m.va - r.va) // g) or 1  # granules before the mapping: the refusal comes late
+        return {"below": (m.va - j * g, (j + k) * g), "above": (m.end - k * g, (k + 1) * g),
                 "inside": (m.va + (pick % (m.size // g)) * g, g), "exact": (m.va, m.size),
-                "around": (m.va - g, m.size + 2 * g)}[shape]
+                "around": (m.va - j * g, m.size + (j + 1) * g)}[shape]
+
+    @rule(pick=PICK)
+    def map_refused_at_its_last_granule(self, pick):
+        """Map a fresh handle over a whole run of unmapped granules and one more (a live mapping, or past the
+        reservation's end): refused at its last granule only, after every other granule was one the driver could
+        map; the run must be as usable afterwards. Checks: P-map-overlap, P-map-inside, P-refusal-unchanged."""
+        runs = [(r, lo, hi) for r in self._reservations() for lo, hi in self.model.unmapped_runs(r)]
+        if not runs:
+            return
+        r, lo, hi = runs[pick % len(runs)]
+        key = self.do_create(hi - lo + self.g)
+        if key is not None:
+            self.do_map(lo, hi - lo + self.g, key)
+            self.do_release(key)
 
     @rule(pick=PICK, handle=PICK, access=st.booleans())
     def map_many(self, pick, handle, access):

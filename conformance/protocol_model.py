@@ -159,7 +159,7 @@ class ProtocolModel:
                  exact: bool, device: str) -> None:
         self.g = granularity
         self.total = total
-        self.held_before = total - free
+        self.held_before = self._held_before(total, free, exact)
         self.offsets = offsets
         self.parts = parts
         self.partial_access = partial_access
@@ -169,6 +169,14 @@ class ProtocolModel:
         self.handles: dict[int, Handle] = {}
         self.mappings: dict[int, Mapping] = {}
         self.access: set[int] = set()  # granule addresses granted access
+
+    @staticmethod
+    @implements("P-mem-exact")
+    def _held_before(total: int, free: int, exact: bool) -> int:
+        """Bytes held when the model starts: none on an exact driver (its ``total`` is its own memory, and every
+        earlier rule gave its handles back, as the leak guard checks), so its first ``mem_info`` must show
+        ``free == total``; elsewhere whatever the device's other users hold."""
+        return 0 if exact else total - free
 
     # -- arguments ------------------------------------------------------------------------------------------------
     @implements("P-bad-value")
@@ -379,6 +387,12 @@ class ProtocolModel:
             return []
         return Prediction("create", apply=apply, memory=("takes", size))
 
+    @implements("P-native-failure")
+    def natively_refused(self, op: str, why: str) -> Prediction:
+        """A call whose native call failed (``why``: what the machine refused it): ``DriverError`` naming ``op``,
+        nothing changed (free bytes the same; the checks after the step hold everything else to the model)."""
+        return Prediction(op, Refusal(op, "P-native-failure", why), memory=("same", 0))
+
     @implements("P-release-mapped", "P-release-returns", "P-release-once")
     def release(self, key: int) -> Prediction:
         h = self._handle("release", key)
@@ -521,9 +535,9 @@ class ProtocolModel:
                 problems.append(f"mem_info returned {result}: expected total {self.total} (the same for the "
                                 f"driver's life) and 0 <= free <= total [P-mem-bounds]")
             if self.exact and free != self.expected_free():
-                problems.append(f"mem_info free {free}, expected {self.expected_free()}: total {self.total} less "
-                                f"{self.held_before} held before and {self.held()} held by the handles alive "
-                                f"{sorted(self.alive().values())} [P-mem-exact]")
+                problems.append(f"mem_info free {free}, expected {self.expected_free()}: total {self.total} (the "
+                                f"driver's own memory) less {self.held()} held by the handles alive "
+                                f"{sorted(self.alive().values())}, nothing held before the rule [P-mem-exact]")
             return problems
         return Prediction("mem_info", apply=apply)
 
