@@ -67,8 +67,9 @@ def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
     if index:
         session.install("--index-url", index, "torch")
     session.install(*args)
-    build = session.run("python", "-c", "import torch; print(torch.__version__, 'CUDA', torch.version.cuda)",
-                        silent=True, log=False)
+    build = session.run(
+        "python", "-c", "import torch; print(torch.__version__, 'CUDA', torch.version.cuda)", silent=True, log=False
+    )
     session.log(f"torch installed: {str(build).strip()}")
 
 
@@ -94,8 +95,9 @@ def _run_python(session: nox.Session, *args: str, **kwargs):
     --no-venv that is the interpreter running nox: a bare "python" may be absent from PATH, or a different interpreter
     than the one the packages are importable from."""
     python = "python" if session.venv_backend != "none" else sys.executable
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"),
-                                                         os.environ.get("PYTHONPATH")]))}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "reference"), os.environ.get("PYTHONPATH")]))
+    }
     return session.run(python, *args, env=env, **kwargs)
 
 
@@ -121,8 +123,19 @@ def tests(session: nox.Session) -> None:
     """Rules on host and host-4k, unit and meta tests (the wheel too), bench smoke, integration's CPU parts."""
     _install(session, "-e", ".[conformance,report]", *TEST_DEPS)
     # bench/ runs here as a smoke test (each benchmark once, untimed); `nox -s bench` times them.
-    _pytest(session, "conformance", "tests", "bench", "integration", "--driver", "host,host-4k", "-n", "2",
-            "--benchmark-disable", *session.posargs)
+    _pytest(
+        session,
+        "conformance",
+        "tests",
+        "bench",
+        "integration",
+        "--driver",
+        "host,host-4k",
+        "-n",
+        "2",
+        "--benchmark-disable",
+        *session.posargs,
+    )
 
 
 # On a machine without a GPU the main job runs the host driver, installed with pip for the reason given above `tests`.
@@ -134,11 +147,17 @@ def conformance(session: nox.Session) -> None:
     driver = args.pop(0) if args and not args[0].startswith("-") else None
     _install(session, "-e", f".{_extras('conformance', _gpu_extra(driver))}", *TEST_DEPS)
     if driver is None:
-        driver = _run_python(session, "-c", "from extensible_kv.drivers import best_available as b; print(b())",
-                             silent=True).strip()
+        driver = _run_python(
+            session, "-c", "from extensible_kv.drivers import best_available as b; print(b())", silent=True
+        ).strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
-    _pytest(session, driver, f"--summary-json=reports/out/conformance-{driver}.json", *args,
-            module=("extensible_kv", "check-driver"))
+    _pytest(
+        session,
+        driver,
+        f"--summary-json=reports/out/conformance-{driver}.json",
+        *args,
+        module=("extensible_kv", "check-driver"),
+    )
 
 
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])
@@ -157,8 +176,16 @@ def stress(session: nox.Session) -> None:
     _install(session, "-e", ".[conformance]", *TEST_DEPS)
     session.env["EXTENSIBLE_KV_STATEFUL_EXAMPLES"] = "10000"
     session.env["EXTENSIBLE_KV_PROTOCOL_EXAMPLES"] = "2000"
-    _pytest(session, "conformance/test_stateful_use.py", "conformance/test_protocol_model.py",
-            "--driver", "host,host-4k", "-p", "no:cacheprovider", *session.posargs)
+    _pytest(
+        session,
+        "conformance/test_stateful_use.py",
+        "conformance/test_protocol_model.py",
+        "--driver",
+        "host,host-4k",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
 
 
 @nox.session(venv_backend="virtualenv")
@@ -198,11 +225,12 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu"])
 def lint(session: nox.Session) -> None:
-    """ruff check with the settings in pyproject.toml (line length 120; why ruff format is not run is written
-    there)."""
+    """ruff check and ruff format --check with the settings in pyproject.toml (line length 120; the one-line locked
+    sections the formatter leaves alone are explained there). ruff is pinned: its style changes between releases."""
     if session.venv_backend != "none":
-        session.install("ruff>=0.6")
+        session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])
@@ -216,13 +244,28 @@ def report(session: nox.Session) -> None:
     _install(session, "-e", ".[report]", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     latest = ROOT / "reports" / "out"
-    measured = ("conformance-*.json", "bench*.json", "validate-backend*.json", "serving-*.json",
-                "integration/**/*.json", "sleep/summary.json", "connectors/summary.json")
+    measured = (
+        "conformance-*.json",
+        "bench*.json",
+        "validate-backend*.json",
+        "serving-*.json",
+        "integration/**/*.json",
+        "sleep/summary.json",
+        "connectors/summary.json",
+    )
     latest = latest if latest.is_dir() and any(any(latest.glob(p)) for p in measured) else None
     if not runs and latest is None:
         session.error("no run folders under reports/runs/ and no reports/out/")
     for run in runs:
         _run_python(session, "-m", "extensible_kv", "report", str(run.relative_to(ROOT)), *session.posargs)
     if latest is not None:
-        _run_python(session, "-m", "extensible_kv", "report", str(latest.relative_to(ROOT)), "--name", "latest",
-                    *session.posargs)
+        _run_python(
+            session,
+            "-m",
+            "extensible_kv",
+            "report",
+            str(latest.relative_to(ROOT)),
+            "--name",
+            "latest",
+            *session.posargs,
+        )

@@ -29,7 +29,6 @@ from extensible_kv import granules as _granules
 from extensible_kv.errors import BusyError
 
 
-
 class RawCommit:
     """A reservation of ``nbytes`` and the mappings a baseline commit made in it; ``close()`` undoes both.
 
@@ -108,8 +107,9 @@ class KVCache:
         self.tensors: list[ExtensibleTensor] = []
         try:
             for _ in range(buffers):
-                self.tensors.append(ExtensibleTensor(segment_bytes * segments, segments, driver=driver,
-                                                     alignment=block_bytes))
+                self.tensors.append(
+                    ExtensibleTensor(segment_bytes * segments, segments, driver=driver, alignment=block_bytes)
+                )
         except BaseException:
             self.close()
             raise
@@ -173,8 +173,10 @@ def count_growth(driver, build: Callable, grow: Callable) -> dict[str, int]:
         state.close()
     left = ledger.outstanding()
     if left:
-        raise AssertionError(f"counting pass leaked: {len(left.reservations)} reservation(s), {left.handles} "
-                             f"handle(s), {len(left.mappings)} mapping(s)")
+        raise AssertionError(
+            f"counting pass leaked: {len(left.reservations)} reservation(s), {left.handles} "
+            f"handle(s), {len(left.mappings)} mapping(s)"
+        )
     return counts
 
 
@@ -206,7 +208,7 @@ def all_zero(view: torch.Tensor, chunk: int = 1 << 30) -> bool:
     """Whether every byte of the 1-D uint8 ``view`` is zero, checked in chunks (no full-size temporaries)."""
     flat = view.view(torch.uint8)
     for lo in range(0, flat.numel(), chunk):
-        if int(flat[lo:lo + chunk].amax()) != 0:
+        if int(flat[lo : lo + chunk].amax()) != 0:
             return False
     return True
 

@@ -58,13 +58,27 @@ _BENCH_WARNING = "pytest_benchmark.logger.PytestBenchmarkWarning"
 # -- options --------------------------------------------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("extensible-kv-bench", "extensible-kv benchmarks (bench/)")
-    group.addoption("--bench-driver", action="store", default=None,
-                    help="driver to benchmark: a registered name (cuda, host, host-4k) or module:factory; "
-                         "default: the best available driver")
-    group.addoption("--bench-scale", action="store", type=float, default=None,
-                    help="multiply every benchmark size (default 1.0; CPU drivers are scaled down automatically)")
-    group.addoption("--bench-settle", action="store", type=float, default=None,
-                    help="seconds to wait after a release before a 'fresh' round (default: 1 on GPUs, 0 on the host)")
+    group.addoption(
+        "--bench-driver",
+        action="store",
+        default=None,
+        help="driver to benchmark: a registered name (cuda, host, host-4k) or module:factory; "
+        "default: the best available driver",
+    )
+    group.addoption(
+        "--bench-scale",
+        action="store",
+        type=float,
+        default=None,
+        help="multiply every benchmark size (default 1.0; CPU drivers are scaled down automatically)",
+    )
+    group.addoption(
+        "--bench-settle",
+        action="store",
+        type=float,
+        default=None,
+        help="seconds to wait after a release before a 'fresh' round (default: 1 on GPUs, 0 on the host)",
+    )
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -100,8 +114,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     except DriverLoadError as exc:
         reason = str(exc)
     scale = config.getoption("--bench-scale")
-    return [f"bench: driver {spec} ({'available' if reason is None else 'unavailable: ' + reason}), "
-            f"scale {scale if scale is not None else 'default'}"]
+    return [
+        f"bench: driver {spec} ({'available' if reason is None else 'unavailable: ' + reason}), "
+        f"scale {scale if scale is not None else 'default'}"
+    ]
 
 
 # -- the environment every benchmark gets ---------------------------------------------------------------------------
@@ -140,8 +156,11 @@ class BenchEnv:
 
     def require_gpu(self) -> None:
         if not self.is_cuda:
-            pytest.skip(HOST_REASON if self.driver.device.type == "cpu" else
-                        f"{self.spec} runs on {self.driver.device.type}: no CUDA peers")
+            pytest.skip(
+                HOST_REASON
+                if self.driver.device.type == "cpu"
+                else f"{self.spec} runs on {self.driver.device.type}: no CUDA peers"
+            )
 
     def release_cached(self) -> None:
         """Drop garbage and return torch's cached device blocks, so the next allocation really allocates."""
@@ -156,8 +175,10 @@ class BenchEnv:
         free, total = self.driver.mem_info()
         margin = FREE_MARGIN[self.full_scale]
         if free < nbytes + margin:
-            pytest.skip(f"needs {nbytes / GIB:.2f} GiB (+{margin / GIB:.2f} GiB margin) free on "
-                        f"{self.driver.device}; {free / GIB:.2f} GiB of {total / GIB:.2f} GiB are free")
+            pytest.skip(
+                f"needs {nbytes / GIB:.2f} GiB (+{margin / GIB:.2f} GiB margin) free on "
+                f"{self.driver.device}; {free / GIB:.2f} GiB of {total / GIB:.2f} GiB are free"
+            )
 
     def settle(self) -> None:
         """Let the device settle after a release: what a 'fresh' round starts from."""
@@ -167,9 +188,16 @@ class BenchEnv:
 
     def info(self, key: str, **extra: object) -> dict:
         """The common ``extra_info`` of a benchmark: its summary key, the driver and the run's scale."""
-        return {"key": key, "driver": self.driver.name, "device": str(self.driver.device),
-                "device_type": self.driver.device.type, "granularity": self.granularity, "scale": self.scale,
-                "settle_s": self.settle_s, **extra}
+        return {
+            "key": key,
+            "driver": self.driver.name,
+            "device": str(self.driver.device),
+            "device_type": self.driver.device.type,
+            "granularity": self.granularity,
+            "scale": self.scale,
+            "settle_s": self.settle_s,
+            **extra,
+        }
 
 
 @pytest.fixture(scope="session")
@@ -187,8 +215,9 @@ def bench_env(pytestconfig: pytest.Config) -> BenchEnv:
     full_scale = driver.device.type != "cpu"
     scale = pytestconfig.getoption("--bench-scale")
     settle = pytestconfig.getoption("--bench-settle")
-    env = BenchEnv(driver, spec, 1.0 if scale is None else scale,
-                   (1.0 if full_scale else 0.0) if settle is None else settle)
+    env = BenchEnv(
+        driver, spec, 1.0 if scale is None else scale, (1.0 if full_scale else 0.0) if settle is None else settle
+    )
     _warm(driver)
     return env
 

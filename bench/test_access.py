@@ -46,6 +46,7 @@ def test_copy_bandwidth(bench_env, keeper, benchmark, op, memory):
     driver.synchronize()
 
     if op == "copy":
+
         def run():
             dst.copy_(src)
             driver.synchronize()
@@ -61,11 +62,14 @@ def test_copy_bandwidth(bench_env, keeper, benchmark, op, memory):
 
     expected = 0x3C if op == "copy" else 0xFF ^ 0x3C
     edge = min(n, 1 << 20)
-    for part in (dst[:edge], dst[n - edge:]):
+    for part in (dst[:edge], dst[n - edge :]):
         assert bool((part == expected).all()), f"{op} over {memory} memory: wrong bytes in the destination"
     del part
-    benchmark.extra_info.update(env.info(f"access/{op}/{memory}", op=op, memory=memory, bytes=n,
-                                         moved_bytes=2 * n, nominal="8 GiB", rounds=rounds))
+    benchmark.extra_info.update(
+        env.info(
+            f"access/{op}/{memory}", op=op, memory=memory, bytes=n, moved_bytes=2 * n, nominal="8 GiB", rounds=rounds
+        )
+    )
     record_rate(benchmark, 2 * n)
 
 
@@ -144,7 +148,16 @@ def test_graph_replay(bench_env, graph, benchmark, when):
 
     graph.check()
     committed = graph.tensor.stats().committed_bytes
-    benchmark.extra_info.update(bench_env.info(f"graph/{when}", when=when, bytes=graph.n, moved_bytes=2 * graph.n,
-                                               committed_bytes=committed, grown_bytes=graph.grow_bytes,
-                                               nominal="1 GiB copy, 32 GiB growth", rounds=rounds))
+    benchmark.extra_info.update(
+        bench_env.info(
+            f"graph/{when}",
+            when=when,
+            bytes=graph.n,
+            moved_bytes=2 * graph.n,
+            committed_bytes=committed,
+            grown_bytes=graph.grow_bytes,
+            nominal="1 GiB copy, 32 GiB growth",
+            rounds=rounds,
+        )
+    )
     record_rate(benchmark, 2 * graph.n)

@@ -60,6 +60,5 @@ def test_commit_call_breakdown(bench_env, keeper, benchmark, state):
 
     benchmark.pedantic(commit, setup=setup, rounds=env.rounds(gpu=3, host=2), iterations=1)
     calls = {c: statistics.median(v) for c, v in timings.items()}
-    benchmark.extra_info.update(env.info(f"calls/{state}", bytes=n, calls=calls,
-                                         dominant=max(calls, key=calls.get)))
+    benchmark.extra_info.update(env.info(f"calls/{state}", bytes=n, calls=calls, dominant=max(calls, key=calls.get)))
     assert all(v > 0 for v in calls.values()), f"{driver.name}: call timings must be positive, got {calls}"

@@ -41,8 +41,7 @@ def test_commit_32gib(bench_env, keeper, benchmark, path):
     def setup():
         keeper.close_all()
         env.settle()
-        live["obj"] = keeper.keep(ExtensibleTensor(n, driver=driver) if path == "extensible"
-                                  else RawCommit(driver, n))
+        live["obj"] = keeper.keep(ExtensibleTensor(n, driver=driver) if path == "extensible" else RawCommit(driver, n))
 
     def commit():
         obj = live["obj"]
@@ -57,8 +56,9 @@ def test_commit_32gib(bench_env, keeper, benchmark, path):
     plan = plan_growth(driver, n, 1, 0, n)  # granules: per_granule's handles; handles: single_handle's and ours
     counts = None
     if path == "extensible":  # counted before the timed rounds, so at most one commit is alive at a time
-        counts = count_growth(driver, lambda d: ExtensibleTensor(n, driver=d),
-                              lambda t: t.resize_per_segment_(n, zero_new=False))
+        counts = count_growth(
+            driver, lambda d: ExtensibleTensor(n, driver=d), lambda t: t.resize_per_segment_(n, zero_new=False)
+        )
         assert counts["create"] == plan.handles and counts["set_access"] == plan.runs, (counts, plan)
 
     if path == "per_granule":  # about 1 s per round on an H200: few rounds
@@ -77,8 +77,18 @@ def test_commit_32gib(bench_env, keeper, benchmark, path):
         assert obj.creates == expected, (obj.creates, expected, plan)
         touch(driver, obj.va, n)
         handles, set_access = obj.creates, obj.set_access_calls
-    benchmark.extra_info.update(env.info(f"commit/{path}", path=path, bytes=n, nominal="32 GiB", handles=handles,
-                                         set_access=set_access, granules=n // g, rounds=rounds))
+    benchmark.extra_info.update(
+        env.info(
+            f"commit/{path}",
+            path=path,
+            bytes=n,
+            nominal="32 GiB",
+            handles=handles,
+            set_access=set_access,
+            granules=n // g,
+            rounds=rounds,
+        )
+    )
     record_rate(benchmark, n)
 
 
@@ -121,8 +131,18 @@ def test_commit_scaling(bench_env, keeper, benchmark, gib, segments):
     t = live["t"]
     assert t.stats().committed_bytes == n
     touch_tensor(t)
-    benchmark.extra_info.update(env.info(f"scale/{gib}GiB/{segments}seg", nominal_gib=gib, segments=segments,
-                                         bytes=n, per_segment=per_segment, handles=counts["create"],
-                                         set_access=counts["set_access"], runs=plan.runs, granules=n // g,
-                                         rounds=rounds))
+    benchmark.extra_info.update(
+        env.info(
+            f"scale/{gib}GiB/{segments}seg",
+            nominal_gib=gib,
+            segments=segments,
+            bytes=n,
+            per_segment=per_segment,
+            handles=counts["create"],
+            set_access=counts["set_access"],
+            runs=plan.runs,
+            granules=n // g,
+            rounds=rounds,
+        )
+    )
     record_rate(benchmark, n)

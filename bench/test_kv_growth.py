@@ -79,9 +79,20 @@ def test_kv_growth(bench_env, keeper, benchmark, segments, state):
     for t in (kv.tensors[0], kv.tensors[-1]):
         touch_tensor(t)
     grown = (per_segment - KV_BLOCK_BYTES) * buffers * segments
-    benchmark.extra_info.update(env.info(f"kv/{segments}seg/{state}", state=state, buffers=buffers,
-                                         segments=segments, per_segment=per_segment, block_bytes=KV_BLOCK_BYTES,
-                                         bytes=total, grown_bytes=grown, nominal="100 GiB",
-                                         handles=counts["create"], set_access=counts["set_access"],
-                                         rounds=rounds))
+    benchmark.extra_info.update(
+        env.info(
+            f"kv/{segments}seg/{state}",
+            state=state,
+            buffers=buffers,
+            segments=segments,
+            per_segment=per_segment,
+            block_bytes=KV_BLOCK_BYTES,
+            bytes=total,
+            grown_bytes=grown,
+            nominal="100 GiB",
+            handles=counts["create"],
+            set_access=counts["set_access"],
+            rounds=rounds,
+        )
+    )
     record_rate(benchmark, grown)

@@ -103,8 +103,9 @@ def test_peer_torch_default(bench_env, keeper, benchmark):
     assert (int(x[0]), int(x[-1])) == (0x5A, 0xC3)
     del x
     held.clear()
-    benchmark.extra_info.update(env.info("peer/torch_default", allocator="default (cudaMalloc)", bytes=n,
-                                         nominal="32 GiB", rounds=rounds))
+    benchmark.extra_info.update(
+        env.info("peer/torch_default", allocator="default (cudaMalloc)", bytes=n, nominal="32 GiB", rounds=rounds)
+    )
     record_rate(benchmark, n)
 
 
@@ -123,12 +124,15 @@ def test_peer_expandable_segments(bench_env, keeper, benchmark):
     def run():
         proc = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=600, check=False)
         if proc.returncode != 0:
-            pytest.fail(f"expandable-segments subprocess exited {proc.returncode}:\n{proc.stderr[-4000:]}",
-                        pytrace=False)
+            pytest.fail(
+                f"expandable-segments subprocess exited {proc.returncode}:\n{proc.stderr[-4000:]}", pytrace=False
+            )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if not lines:
-            pytest.fail(f"expandable-segments subprocess printed no JSON:\n{proc.stdout[-2000:]}\n"
-                        f"{proc.stderr[-2000:]}", pytrace=False)
+            pytest.fail(
+                f"expandable-segments subprocess printed no JSON:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}",
+                pytrace=False,
+            )
         result.update(json.loads(lines[-1]))
 
     benchmark.pedantic(run, rounds=1, warmup_rounds=0, iterations=1)
@@ -138,11 +142,19 @@ def test_peer_expandable_segments(bench_env, keeper, benchmark):
     assert result["touched"] is True, f"bytes written through torch.empty's tensor did not read back: {result}"
     assert result["expandable"] is not False, f"the subprocess did not use expandable segments: {result}"
     median = statistics.median(times)
-    benchmark.extra_info.update(env.info("peer/expandable_segments", allocator=_EXPANDABLE, bytes=n,
-                                         nominal="32 GiB", rounds=rounds, subprocess_times_s=times,
-                                         subprocess_median_s=median, subprocess_min_s=min(times),
-                                         subprocess_expandable=result["expandable"],
-                                         subprocess_torch=result.get("torch"),
-                                         note="the pytest-benchmark stats time the whole subprocess; "
-                                              "subprocess_median_s is the figure"))
+    benchmark.extra_info.update(
+        env.info(
+            "peer/expandable_segments",
+            allocator=_EXPANDABLE,
+            bytes=n,
+            nominal="32 GiB",
+            rounds=rounds,
+            subprocess_times_s=times,
+            subprocess_median_s=median,
+            subprocess_min_s=min(times),
+            subprocess_expandable=result["expandable"],
+            subprocess_torch=result.get("torch"),
+            note="the pytest-benchmark stats time the whole subprocess; subprocess_median_s is the figure",
+        )
+    )
     record_rate(benchmark, n, median)

@@ -22,39 +22,58 @@ B = 32 * GIB  # 2**35
 def _bench(key: str, median: float, device_type: str = "cuda", **extra) -> dict:
     """One benchmark as pytest-benchmark writes it (only the fields the summary reads, plus realistic noise)."""
     return {
-        "group": key.split("/")[0], "name": f"test_x[{key}]", "fullname": f"bench/test_x.py::test_x[{key}]",
-        "params": None, "param": None, "options": {"disable_gc": False},
-        "extra_info": {"key": key, "driver": "cuda" if device_type == "cuda" else "host", "device_type": device_type,
-                       "granularity": 2 << 20, "scale": 1.0, **extra},
-        "stats": {"min": median / 2, "max": median * 2, "mean": median * 1.1, "median": median, "rounds": 5,
-                  "iterations": 1},
+        "group": key.split("/")[0],
+        "name": f"test_x[{key}]",
+        "fullname": f"bench/test_x.py::test_x[{key}]",
+        "params": None,
+        "param": None,
+        "options": {"disable_gc": False},
+        "extra_info": {
+            "key": key,
+            "driver": "cuda" if device_type == "cuda" else "host",
+            "device_type": device_type,
+            "granularity": 2 << 20,
+            "scale": 1.0,
+            **extra,
+        },
+        "stats": {
+            "min": median / 2,
+            "max": median * 2,
+            "mean": median * 1.1,
+            "median": median,
+            "rounds": 5,
+            "iterations": 1,
+        },
     }
 
 
 def _fixture(device_type: str = "cuda") -> dict:
     rows = [
         ("commit/per_granule", 1.0, dict(bytes=B, handles=16384)),
-        ("commit/single_handle", 2.0 ** -9, dict(bytes=B, handles=1)),
-        ("commit/extensible", 2.0 ** -8, dict(bytes=B, handles=1)),
-        ("peer/torch_default", 2.0 ** -10, dict(bytes=B)),
+        ("commit/single_handle", 2.0**-9, dict(bytes=B, handles=1)),
+        ("commit/extensible", 2.0**-8, dict(bytes=B, handles=1)),
+        ("peer/torch_default", 2.0**-10, dict(bytes=B)),
         # stats time the whole subprocess (3.5 s); the figure is subprocess_median_s, for half the bytes
-        ("peer/expandable_segments", 3.5, dict(bytes=B // 2, subprocess_median_s=2.0 ** -4)),
-        ("zero/grow_zero", 2.0 ** -6, dict(bytes=B, zero_calls=1)),
-        ("zero/grow_nozero", 2.0 ** -8, dict(bytes=B, zero_calls=0)),
-        ("zero/memset", 2.0 ** -7, dict(bytes=B)),
-        ("zero/torch_zero_", 2.0 ** -7, dict(bytes=B)),
-        ("kv/2seg/fresh", 2.0 ** -6, dict(bytes=100 * GIB, buffers=64, segments=2, state="fresh", handles=128)),
-        ("kv/1seg/after_release", 0.125, dict(bytes=100 * GIB, buffers=64, segments=1, state="after_release",
-                                              handles=64)),
-        ("access/copy/vmm", 2.0 ** -8, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),
-        ("access/copy/native", 2.0 ** -8 - 2.0 ** -14, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),
-        ("access/kernel/vmm", 2.0 ** -8, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),  # its native peer is missing
-        ("graph/before_growth", 2.0 ** -10, dict(bytes=GIB)),
-        ("graph/after_growth", 2.0 ** -10 + 2.0 ** -15, dict(bytes=GIB)),
-        ("scale/32GiB/64seg", 2.0 ** -3, dict(nominal_gib=32, segments=64, bytes=B, handles=64, runs=64)),
-        ("scale/1GiB/1seg", 2.0 ** -10, dict(nominal_gib=1, segments=1, bytes=GIB, handles=1, runs=1)),
-        ("scale/1GiB/64seg", 2.0 ** -6, dict(nominal_gib=1, segments=64, bytes=GIB, handles=64, runs=64)),
-        ("scale/32GiB/1seg", 2.0 ** -8, dict(nominal_gib=32, segments=1, bytes=B, handles=1, runs=1)),
+        ("peer/expandable_segments", 3.5, dict(bytes=B // 2, subprocess_median_s=2.0**-4)),
+        ("zero/grow_zero", 2.0**-6, dict(bytes=B, zero_calls=1)),
+        ("zero/grow_nozero", 2.0**-8, dict(bytes=B, zero_calls=0)),
+        ("zero/memset", 2.0**-7, dict(bytes=B)),
+        ("zero/torch_zero_", 2.0**-7, dict(bytes=B)),
+        ("kv/2seg/fresh", 2.0**-6, dict(bytes=100 * GIB, buffers=64, segments=2, state="fresh", handles=128)),
+        (
+            "kv/1seg/after_release",
+            0.125,
+            dict(bytes=100 * GIB, buffers=64, segments=1, state="after_release", handles=64),
+        ),
+        ("access/copy/vmm", 2.0**-8, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),
+        ("access/copy/native", 2.0**-8 - 2.0**-14, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),
+        ("access/kernel/vmm", 2.0**-8, dict(bytes=8 * GIB, moved_bytes=16 * GIB)),  # its native peer is missing
+        ("graph/before_growth", 2.0**-10, dict(bytes=GIB)),
+        ("graph/after_growth", 2.0**-10 + 2.0**-15, dict(bytes=GIB)),
+        ("scale/32GiB/64seg", 2.0**-3, dict(nominal_gib=32, segments=64, bytes=B, handles=64, runs=64)),
+        ("scale/1GiB/1seg", 2.0**-10, dict(nominal_gib=1, segments=1, bytes=GIB, handles=1, runs=1)),
+        ("scale/1GiB/64seg", 2.0**-6, dict(nominal_gib=1, segments=64, bytes=GIB, handles=64, runs=64)),
+        ("scale/32GiB/1seg", 2.0**-8, dict(nominal_gib=32, segments=1, bytes=B, handles=1, runs=1)),
     ]
     benchmarks = [_bench(key, median, device_type, **extra) for key, median, extra in rows]
     benchmarks.append({"name": "test_other", "extra_info": {}, "stats": {"median": 1.0}})  # not ours: ignored
@@ -86,7 +105,7 @@ def test_commit_figures_and_ratios(fixture_path):
 
 def test_peer_ratios_use_the_subprocess_figure_per_byte(fixture_path):
     p = S.summarize(fixture_path)["peers"]
-    assert p["torch_default_s"] == 2.0 ** -10
+    assert p["torch_default_s"] == 2.0**-10
     assert p["time_vs_torch_default"] == 4.0
     assert p["expandable_segments_s"] == 0.0625  # subprocess_median_s, not the 3.5 s stats median
     assert p["time_vs_expandable_segments"] == 0.03125  # (2**-8 / 2**35) / (2**-4 / 2**34)

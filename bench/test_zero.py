@@ -52,8 +52,9 @@ def test_zero(bench_env, keeper, benchmark, mode):
             driver.synchronize()
 
         plan = plan_growth(driver, n, 1, 0, n)
-        counts = count_growth(driver, lambda d: ExtensibleTensor(n, driver=d),
-                              lambda t: t.resize_per_segment_(n, zero_new=zero_new))
+        counts = count_growth(
+            driver, lambda d: ExtensibleTensor(n, driver=d), lambda t: t.resize_per_segment_(n, zero_new=zero_new)
+        )
         assert counts["zero"] == (plan.new_ranges if zero_new else 0), (counts, plan)
         extra.update(zero_calls=counts["zero"], handles=counts["create"])
         rounds, warmup = env.rounds(gpu=5, host=3), env.rounds(gpu=1, host=0)
@@ -83,6 +84,5 @@ def test_zero(bench_env, keeper, benchmark, mode):
         view = live.pop("x") if mode == "torch_zero_" else live["t"].segment_view(0)
         assert all_zero(view), f"{mode}: bytes are not all zero after zeroing"
         del view
-    benchmark.extra_info.update(env.info(f"zero/{mode}", mode=mode, bytes=n, nominal="32 GiB", rounds=rounds,
-                                         **extra))
+    benchmark.extra_info.update(env.info(f"zero/{mode}", mode=mode, bytes=n, nominal="32 GiB", rounds=rounds, **extra))
     record_rate(benchmark, n)

@@ -42,10 +42,18 @@ KILLED = {"killed", "timeout", "segfault"}
 # Tests that run the package in child processes (which import the unmutated copy), whose hypothesis machine faults
 # the interpreter under mutmut's trampolines, or that read the checkout (the noxfile, this script). A mutant whose
 # tests fault or hang is detected too.
-NOT_UNDER_MUTMUT = ("conformance/test_stateful_use.py", "tests/unit/test_hostile_host.py",
-                    "tests/unit/test_check_driver.py", "tests/unit/test_cli_bad_input.py",
-                    "tests/unit/test_bad_input.py", "tests/unit/test_agreement.py", "tests/unit/test_plugin.py",
-                    "tests/unit/test_noxfile.py", "tests/unit/test_report.py", "tests/unit/test_mutation_score.py")
+NOT_UNDER_MUTMUT = (
+    "conformance/test_stateful_use.py",
+    "tests/unit/test_hostile_host.py",
+    "tests/unit/test_check_driver.py",
+    "tests/unit/test_cli_bad_input.py",
+    "tests/unit/test_bad_input.py",
+    "tests/unit/test_agreement.py",
+    "tests/unit/test_plugin.py",
+    "tests/unit/test_noxfile.py",
+    "tests/unit/test_report.py",
+    "tests/unit/test_mutation_score.py",
+)
 COPIED = ("conformance", "tests")  # the rules and the tests, beside src/ (the selection leaves tests/meta/ out)
 
 CONFIG = """
@@ -86,8 +94,11 @@ def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -
         if (WORK / part).exists():
             shutil.rmtree(WORK / part)
     (WORK / "src").mkdir(parents=True)
-    shutil.copytree(ROOT / "reference" / "extensible_kv", WORK / "src" / "extensible_kv",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "reference" / "extensible_kv",
+        WORK / "src" / "extensible_kv",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     for path in COPIED:
         shutil.copytree(ROOT / path, WORK / path, ignore=shutil.ignore_patterns("__pycache__"))
     pyproject = (ROOT / "pyproject.toml").read_text().replace('{"" = "reference",', '{"" = "src",')
@@ -95,8 +106,9 @@ def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -
     skipped = [path for path in NOT_UNDER_MUTMUT if not (rules_only and path.startswith("conformance/"))]
     ignored = ", ".join(f'"--ignore", "{path}"' for path in skipped)
     selection = '"conformance"' if rules_only else '"conformance", "tests/unit"'  # Note [The rules alone]
-    (WORK / "pyproject.toml").write_text(pyproject + CONFIG.format(only=only, ignored=ignored, selection=selection,
-                                                                   copied=json.dumps(list(COPIED))))
+    (WORK / "pyproject.toml").write_text(
+        pyproject + CONFIG.format(only=only, ignored=ignored, selection=selection, copied=json.dumps(list(COPIED)))
+    )
 
 
 def _forget_survivors() -> None:
@@ -114,8 +126,13 @@ def _forget_survivors() -> None:
 
 
 def _results() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=WORK,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=WORK,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {m.group(1): m.group(2).strip() for m in map(RESULT.match, out.splitlines()) if m}
 
 
@@ -127,13 +144,18 @@ def score(results: dict[str, str], equivalent: dict[str, str], files: list[str])
         counts = Counter("killed" if s in KILLED else s for s in mine.values())
         eq = sorted(m for m in mine if m in equivalent and mine[m] not in KILLED)
         considered = len(mine) - len(eq)
-        rows[f] = {"mutants": len(mine), "killed": counts["killed"], "equivalent": len(eq),
-                   "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq),
-                   "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq),
-                   "not_checked": counts["not checked"],
-                   "score": round(counts["killed"] / considered, 4) if considered else None}
-        survivors += [{"mutant": m, "status": s} for m, s in sorted(mine.items())
-                      if s not in KILLED and m not in equivalent]
+        rows[f] = {
+            "mutants": len(mine),
+            "killed": counts["killed"],
+            "equivalent": len(eq),
+            "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq),
+            "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq),
+            "not_checked": counts["not checked"],
+            "score": round(counts["killed"] / considered, 4) if considered else None,
+        }
+        survivors += [
+            {"mutant": m, "status": s} for m, s in sorted(mine.items()) if s not in KILLED and m not in equivalent
+        ]
     return {"files": rows, "survivors": survivors}
 
 
@@ -159,17 +181,27 @@ def merge(paths: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/mutation.py")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join results of runs over disjoint files")
-    parser.add_argument("--files", default=None, help="files under reference/extensible_kv to mutate (default: the "
-                                                      "reference core; with --rules-only, the host driver's files)")
-    parser.add_argument("--rules-only", action="store_true", help="kill mutants with the rules alone, as "
-                                                                  "check-driver runs them (Note [The rules alone])")
+    parser.add_argument(
+        "--files",
+        default=None,
+        help="files under reference/extensible_kv to mutate (default: the "
+        "reference core; with --rules-only, the host driver's files)",
+    )
+    parser.add_argument(
+        "--rules-only",
+        action="store_true",
+        help="kill mutants with the rules alone, as check-driver runs them (Note [The rules alone])",
+    )
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
     parser.add_argument("--time-limit", type=float, default=None, help="stop mutmut after this many seconds")
     parser.add_argument("--resume", action="store_true", help="keep the work folder and the verdicts in it")
-    parser.add_argument("--retest-survivors", action="store_true",
-                        help="with --resume: test again every mutant whose tests did not fail or fault (survivors, "
-                             "timeouts), e.g. after adding tests")
+    parser.add_argument(
+        "--retest-survivors",
+        action="store_true",
+        help="with --resume: test again every mutant whose tests did not fail or fault (survivors, "
+        "timeouts), e.g. after adding tests",
+    )
     args = parser.parse_args(argv)
     if args.merge:
         report = merge(args.merge)
@@ -191,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     log = WORK / "mutmut.log"  # mutmut's own output: why it stopped, when it stops early
     with open(log, "w") as out:
-        run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children],
-                               cwd=WORK, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", args.max_children],
+            cwd=WORK,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
         try:
             run.wait(timeout=args.time_limit)
         except subprocess.TimeoutExpired:
@@ -202,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if run.returncode != 0:  # stats or clean tests failed: the verdicts on disk are not this run's
                 tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-20:]
-                print(f"mutmut run exited {run.returncode} before testing the mutants; nothing scored, "
-                      f"{args.out} left as it was. The end of {log}:", *tail, sep="\n", file=sys.stderr)
+                print(
+                    f"mutmut run exited {run.returncode} before testing the mutants; nothing scored, "
+                    f"{args.out} left as it was. The end of {log}:",
+                    *tail,
+                    sep="\n",
+                    file=sys.stderr,
+                )
                 return run.returncode
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
     report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
@@ -216,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         kept = json.loads(Path(args.out).read_text()).get("rules_only") if Path(args.out).exists() else None
         Path(args.out).write_text(json.dumps({**report, **({"rules_only": kept} if kept else {})}, indent=2) + "\n")
     for f, row in report["files"].items():
-        print(f"{f:<20} {row['mutants']:>5} mutants {row['killed']:>5} killed {row['equivalent']:>4} equivalent "
-              f"score {row['score']}")
+        print(
+            f"{f:<20} {row['mutants']:>5} mutants {row['killed']:>5} killed {row['equivalent']:>4} equivalent "
+            f"score {row['score']}"
+        )
     print(f"{len(report['survivors'])} survivor(s) not listed as equivalent; written {args.out}")
     return 0
 

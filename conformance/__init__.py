@@ -36,8 +36,10 @@ def _registered(pluginmanager) -> bool:
     under its module's name (``-p extensible_kv_conformance.plugin``, ``-p conformance.plugin``)."""
     if pluginmanager.get_plugin(PLUGIN) is not None:
         return True
-    return any(getattr(p, "__name__", "").endswith(".plugin") and getattr(p, "NAME", None) == PLUGIN
-               for p in pluginmanager.get_plugins())
+    return any(
+        getattr(p, "__name__", "").endswith(".plugin") and getattr(p, "NAME", None) == PLUGIN
+        for p in pluginmanager.get_plugins()
+    )
 
 
 def load_plugin(pluginmanager) -> None:
@@ -56,8 +58,10 @@ def _spec_of(driver: str | Callable[[], object]) -> str:
 
     module, name = getattr(driver, "__module__", None), getattr(driver, "__qualname__", "")
     if not callable(driver) or not module or module == "__main__" or "<" in name or "." in name:
-        raise DriverLoadError(f"check_driver needs a driver spec or a module-level factory it can import in a child "
-                              f"process, got {driver!r}; pass 'package.module:factory'")
+        raise DriverLoadError(
+            f"check_driver needs a driver spec or a module-level factory it can import in a child "
+            f"process, got {driver!r}; pass 'package.module:factory'"
+        )
     return f"{module}:{name}"
 
 
@@ -92,12 +96,30 @@ def check_driver(driver: str | Callable[[], object], pytest_args: Sequence[str] 
     if found.status != "ok":
         return _not_built(spec, found, options.summary_json)
     facts = found.facts
-    print(f"driver {spec}: built in a child process: {facts.get('type')} {facts.get('name')!r} on "
-          f"{facts.get('device')}, granularity {facts.get('granularity')} bytes; the rules build it in a "
-          f"pytest-xdist worker", flush=True)
+    print(
+        f"driver {spec}: built in a child process: {facts.get('type')} {facts.get('name')!r} on "
+        f"{facts.get('device')}, granularity {facts.get('granularity')} bytes; the rules build it in a "
+        f"pytest-xdist worker",
+        flush=True,
+    )
     # pytest-benchmark, where installed, warns under xdist, and the rules' warnings are errors: it has no part here.
-    cmd = [sys.executable, "-m", "pytest", *rule_paths(), "--driver", spec, "-p", "no:cacheprovider",
-           "-p", "no:benchmark", "-p", "xdist", "-n", "1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *rule_paths(),
+        "--driver",
+        spec,
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:benchmark",
+        "-p",
+        "xdist",
+        "-n",
+        "1",
+        *args,
+    ]
     return process_group.run(cmd, env=env).returncode
 
 

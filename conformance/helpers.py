@@ -69,12 +69,19 @@ def first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
 def expect_bytes(driver: Ledger, op: str, actual: torch.Tensor, expected: torch.Tensor, **context: object) -> None:
     same = actual.shape == expected.shape and bool(torch.equal(actual.cpu(), expected.cpu()))
     if not same:
-        expect(same, driver, op, f"{expected.numel()} bytes as written", f"first mismatch at "
-               f"{first_mismatch(actual, expected) if actual.shape == expected.shape else actual.shape}", **context)
+        expect(
+            same,
+            driver,
+            op,
+            f"{expected.numel()} bytes as written",
+            f"first mismatch at {first_mismatch(actual, expected) if actual.shape == expected.shape else actual.shape}",
+            **context,
+        )
 
 
-def odd_tensor(driver: Ledger, num_segments: int = 3, granules_per_segment: float = 2.5,
-               **kwargs: object) -> ExtensibleTensor:
+def odd_tensor(
+    driver: Ledger, num_segments: int = 3, granules_per_segment: float = 2.5, **kwargs: object
+) -> ExtensibleTensor:
     """A tensor whose segment boundaries fall inside granules (segment size a non-multiple of the granularity)."""
     g = driver.granularity()
     seg = int(granules_per_segment * g)
@@ -115,12 +122,20 @@ class GrowthState(NamedTuple):
 
 
 def growth_state(driver: Ledger, t: ExtensibleTensor) -> GrowthState:
-    return GrowthState(driver.outstanding().mappings, granule_states(driver, t.base_address, t.max_num_bytes),
-                       device_free(driver))
+    return GrowthState(
+        driver.outstanding().mappings, granule_states(driver, t.base_address, t.max_num_bytes), device_free(driver)
+    )
 
 
-def expect_rolled_back(driver: Ledger, t: ExtensibleTensor, where: str, before: GrowthState, size: int,
-                       data: list[torch.Tensor], retry: Callable[[ExtensibleTensor], object]) -> None:
+def expect_rolled_back(
+    driver: Ledger,
+    t: ExtensibleTensor,
+    where: str,
+    before: GrowthState,
+    size: int,
+    data: list[torch.Tensor],
+    retry: Callable[[ExtensibleTensor], object],
+) -> None:
     """After ``where`` (a failed growth step of ``t``): ``t`` still holds ``size`` bytes per segment, the driver's
     mappings, accessible granules and free device memory are as in ``before``, no handle is held, segment ``i``
     still reads ``data[i]``; then ``retry(t)`` succeeds and backs exactly the granules of the new size."""
@@ -217,8 +232,10 @@ class RawDriver:
         self.handles.clear()
         self.reservations.clear()
         if errors:
-            raise AssertionError(f"driver {self.ledger.name}: returning what a rule made: expected every unmap, "
-                                 f"release and free to succeed, got {errors[0]!r}") from errors[0]
+            raise AssertionError(
+                f"driver {self.ledger.name}: returning what a rule made: expected every unmap, "
+                f"release and free to succeed, got {errors[0]!r}"
+            ) from errors[0]
 
 
 def settle_device(driver: Ledger) -> None:
@@ -228,8 +245,9 @@ def settle_device(driver: Ledger) -> None:
         return
     scratch = torch.zeros(8192, dtype=torch.uint8, device=driver.device)
     scratch[:4096].copy_(shared_pattern(4096, 1, driver.device))
-    expect_bytes(driver, "a warm-up copy on an ordinary device tensor", scratch[:4096],
-                 shared_pattern(4096, 1, driver.device))
+    expect_bytes(
+        driver, "a warm-up copy on an ordinary device tensor", scratch[:4096], shared_pattern(4096, 1, driver.device)
+    )
     scratch[:4096].fill_(5)
     int(scratch[:4096].sum())
     del scratch
@@ -262,8 +280,10 @@ def oom_step(driver: Ledger) -> int:
 
     g, total = driver.granularity(), driver.mem_info()[1]
     if driver.device.type == "cpu" and total > CPU_OOM_LIMIT:
-        pytest.skip(f"driver {driver.name}: mem_info total is {total} bytes, over {CPU_OOM_LIMIT} on a CPU: give it "
-                    f"a memory budget to check running out of memory")
+        pytest.skip(
+            f"driver {driver.name}: mem_info total is {total} bytes, over {CPU_OOM_LIMIT} on a CPU: give it "
+            f"a memory budget to check running out of memory"
+        )
     step = max(total // 8 // g * g, g)
     if driver.max_handle_bytes:
         step = min(step, max(driver.max_handle_bytes // g * g, g))
@@ -289,8 +309,9 @@ def _maps() -> list[tuple[int, int, str, int, int, str]]:
         for line in fh:
             fields = line.split(None, 5)
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            rows.append((lo, hi, fields[1], int(fields[2], 16), int(fields[4]),
-                         fields[5].strip() if len(fields) == 6 else ""))
+            rows.append(
+                (lo, hi, fields[1], int(fields[2], 16), int(fields[4]), fields[5].strip() if len(fields) == 6 else "")
+            )
     return rows
 
 

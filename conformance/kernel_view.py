@@ -33,8 +33,10 @@ class KernelView:
     def __init__(self) -> None:
         with open("/proc/self/maps") as fh:
             text = fh.read()
-        self.rows = [_Row(int(lo, 16), int(hi, 16), perms, int(offset, 16), int(inode), name.strip())
-                     for lo, hi, perms, offset, inode, name in _MAPS_LINE.findall(text)]
+        self.rows = [
+            _Row(int(lo, 16), int(hi, 16), perms, int(offset, 16), int(inode), name.strip())
+            for lo, hi, perms, offset, inode, name in _MAPS_LINE.findall(text)
+        ]
         self._starts = [r.lo for r in self.rows]
 
     def row(self, va: int) -> _Row | None:
@@ -55,8 +57,11 @@ class KernelView:
 
     def reserved_space(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The parts of ``[lo, hi)`` that are anonymous memory without access (reserved address space)."""
-        parts = [(max(r.lo, lo), min(r.hi, hi)) for r in self.rows
-                 if r.lo < hi and lo < r.hi and not r.name and r.inode == 0 and r.perms == "---p"]
+        parts = [
+            (max(r.lo, lo), min(r.hi, hi))
+            for r in self.rows
+            if r.lo < hi and lo < r.hi and not r.name and r.inode == 0 and r.perms == "---p"
+        ]
         return intervals_minus(parts, [])
 
     def memfd_ranges(self) -> list[tuple[int, int]]:

@@ -85,8 +85,9 @@ def _build(spec: str) -> dict:
         except ImportError as exc:  # a parent package that does not exist
             raise _BadSpec(f"driver spec {spec!r}: no module named {exc.name or module_name!r}") from None
         except Exception as exc:  # a parent package that raised on import
-            raise _Unbuildable(f"importing {module_name.rpartition('.')[0]} raised {type(exc).__name__}: {exc}") \
-                from None
+            raise _Unbuildable(
+                f"importing {module_name.rpartition('.')[0]} raised {type(exc).__name__}: {exc}"
+            ) from None
         if found is None:
             raise _BadSpec(f"driver spec {spec!r}: no module named {module_name!r}")
         try:
@@ -105,11 +106,16 @@ def _build(spec: str) -> dict:
         except DriverLoadError as exc:
             raise _Unbuildable(f"its factory returned {type(built).__name__}, not a driver: {exc}") from None
     try:
-        return {"name": str(driver.name), "type": type(driver).__qualname__, "device": str(driver.device),
-                "granularity": int(driver.granularity())}
+        return {
+            "name": str(driver.name),
+            "type": type(driver).__qualname__,
+            "device": str(driver.device),
+            "granularity": int(driver.granularity()),
+        }
     except BaseException as exc:  # noqa: BLE001
-        raise _Unbuildable(f"the built driver's name, device or granularity() raised {type(exc).__name__}: {exc}") \
-            from None
+        raise _Unbuildable(
+            f"the built driver's name, device or granularity() raised {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _say(status: str, **payload: object) -> None:
@@ -147,12 +153,14 @@ def _crash_frame(stderr: str) -> str:
 def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> Outcome:
     """Run the preflight of ``spec`` in a child (``python -m {package}.preflight``) for at most ``timeout`` seconds
     (0: no limit)."""
-    done = process_group.run([sys.executable, "-m", f"{package}.preflight", spec], env=env,
-                             timeout=timeout or None, capture=True)
+    done = process_group.run(
+        [sys.executable, "-m", f"{package}.preflight", spec], env=env, timeout=timeout or None, capture=True
+    )
     if done.timed_out:
-        return Outcome("unbuildable", f"building it did not finish within {timeout:g} s (--build-timeout; the "
-                                      f"process was killed)")
-    said = [line[len(PREFIX):] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
+        return Outcome(
+            "unbuildable", f"building it did not finish within {timeout:g} s (--build-timeout; the process was killed)"
+        )
+    said = [line[len(PREFIX) :] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
     if said:
         try:
             answer = json.loads(said[-1])
@@ -168,8 +176,10 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
             name = f"signal {-code}"
         return Outcome("unbuildable", f"building it ended the process with {name}{_crash_frame(done.stderr)}")
     last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
-    return Outcome("unbuildable", f"building it ended the process with exit status {code} before it said how it "
-                                  f"went ({last[:200]})")
+    return Outcome(
+        "unbuildable",
+        f"building it ended the process with exit status {code} before it said how it went ({last[:200]})",
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def _end(proc: subprocess.Popen, first: int) -> None:
 def _sigterm_raises() -> Iterator[None]:
     """While the child runs, SIGTERM to this process raises ``SystemExit(143)`` here (so the group is ended on the way
     out), where SIGTERM still has its default action and this is the main thread; restored after."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 
@@ -68,14 +70,14 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float | None = None,
-        capture: bool = False) -> Finished:
+def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float | None = None, capture: bool = False) -> Finished:
     """Run ``cmd`` in a new session and wait for it (at most ``timeout`` seconds, ``None``: no limit); whatever
     happens, no process of its group outlives this call. With ``capture``, its output is returned as text."""
     pipe = subprocess.PIPE if capture else None
     with _sigterm_raises():
-        proc = subprocess.Popen(list(cmd), env=dict(env), stdout=pipe, stderr=pipe, text=True, errors="replace",
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd), env=dict(env), stdout=pipe, stderr=pipe, text=True, errors="replace", start_new_session=True
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -77,8 +77,9 @@ class Keeper:
 
 
 def shown(args: tuple) -> str:
-    return ", ".join((f"{a:#x}" if abs(a) >= 1 << 20 else str(a)) if isinstance(a, int) else type(a).__name__
-                     for a in args)
+    return ", ".join(
+        (f"{a:#x}" if abs(a) >= 1 << 20 else str(a)) if isinstance(a, int) else type(a).__name__ for a in args
+    )
 
 
 class ProtocolChecks(RuleBasedStateMachine):
@@ -92,8 +93,16 @@ class ProtocolChecks(RuleBasedStateMachine):
         self.raw = setup.driver.inner
         self.g = self.raw.granularity()
         self.free0, total = self.raw.mem_info()
-        self.model = ProtocolModel(self.g, total, self.free0, offsets=setup.offsets, parts=setup.parts,
-                                   partial_access=setup.partial_access, exact=setup.host, device=str(self.raw.device))
+        self.model = ProtocolModel(
+            self.g,
+            total,
+            self.free0,
+            offsets=setup.offsets,
+            parts=setup.parts,
+            partial_access=setup.partial_access,
+            exact=setup.host,
+            device=str(self.raw.device),
+        )
         self.objects: dict[int, object] = {}  # handle key -> the driver's handle
         self.keys = itertools.count()
         # What the driver made and still holds, whatever the model says: the teardown gives back all of it.
@@ -112,8 +121,15 @@ class ProtocolChecks(RuleBasedStateMachine):
     def _fail_unless(self, cond: bool, what: str, expected: object, actual: object) -> None:
         expect(cond, self.driver, what, expected, actual)
 
-    def call(self, prediction: Prediction, *args: object, key: int | None = None, convert=None,
-             within=contextlib.nullcontext, or_refused: Prediction | None = None) -> tuple[bool, object]:
+    def call(
+        self,
+        prediction: Prediction,
+        *args: object,
+        key: int | None = None,
+        convert=None,
+        within=contextlib.nullcontext,
+        or_refused: Prediction | None = None,
+    ) -> tuple[bool, object]:
         """Make the call ``prediction`` is about with ``args`` on the raw driver (inside ``within()``: the machine's
         limits for a call its native side may fail), and hold what it did to the prediction, or to ``or_refused``
         when it raised and that is given (a call the machine may refuse natively): the outcome (``judge``), what it
@@ -168,11 +184,18 @@ class ProtocolChecks(RuleBasedStateMachine):
         if os.WIFSIGNALED(status):
             raised = RuntimeError(f"the call killed the child with {signal.Signals(os.WTERMSIG(status)).name}")
         else:
-            raised = {0: None, 3: DriverError(op, "refused in a child process"),
-                      4: DriverError("another operation", "in a child process"),
-                      5: RuntimeError("an error other than DriverError")}[os.WEXITSTATUS(status)]
-        self._fail_unless(judge(prediction, raised) is None, f"{op}({shown(args)}) in a child process",
-                          str(prediction), "success" if raised is None else repr(raised))
+            raised = {
+                0: None,
+                3: DriverError(op, "refused in a child process"),
+                4: DriverError("another operation", "in a child process"),
+                5: RuntimeError("an error other than DriverError"),
+            }[os.WEXITSTATUS(status)]
+        self._fail_unless(
+            judge(prediction, raised) is None,
+            f"{op}({shown(args)}) in a child process",
+            str(prediction),
+            "success" if raised is None else repr(raised),
+        )
         self.refused.append((args[0], args[1]))
 
     def query(self, prediction: Prediction, result: object, what: str) -> None:
@@ -194,10 +217,12 @@ class ProtocolChecks(RuleBasedStateMachine):
 
     def register(self, key: int):
         """What turns the handle a ``create`` returned into the model's ``key`` for it, keeping the handle."""
+
         def convert(handle: object) -> int:
             self.objects[key] = handle
             self.made_unreleased.add(key)
             return key
+
         return convert
 
     def do_reserve(self, size: int, alignment: int) -> int | None:
@@ -227,8 +252,13 @@ class ProtocolChecks(RuleBasedStateMachine):
         old, new = before.reserved_space(lo, hi), after.reserved_space(lo, hi)
         got = (intervals_minus(new, old), intervals_minus(old, new))
         want = self.model.address_space_change(op, va, size)
-        expect_equal(self.driver, f"{op}({va:#x}, {size}) with alignment {alignment}: (gained, lost) reserved "
-                     f"address space the kernel shows within [{lo:#x}, {hi:#x})", want, got)
+        expect_equal(
+            self.driver,
+            f"{op}({va:#x}, {size}) with alignment {alignment}: (gained, lost) reserved "
+            f"address space the kernel shows within [{lo:#x}, {hi:#x})",
+            want,
+            got,
+        )
         if op == "free":
             left = [(r.lo, r.hi, r.perms, r.name) for r in after.rows if r.lo < va + size and va < r.hi]
             expect_equal(self.driver, f"what the kernel maps in [{va:#x}, +{size}) right after free", [], left)
@@ -241,16 +271,27 @@ class ProtocolChecks(RuleBasedStateMachine):
         fds = open_memfds() if self.setup.host else None
         limits = {}
         if without_descriptors:
-            limits = {"within": no_new_descriptors, "or_refused": self.model.natively_refused(
-                "create", "the process may open no new file descriptor (RLIMIT_NOFILE at the lowest free one)")}
+            limits = {
+                "within": no_new_descriptors,
+                "or_refused": self.model.natively_refused(
+                    "create", "the process may open no new file descriptor (RLIMIT_NOFILE at the lowest free one)"
+                ),
+            }
         ok, _ = self.call(prediction, size, convert=self.register(key), **limits)
         if fds is not None:
             new = [i for i in open_memfds() if i not in fds]
-            sizes = [os.stat(f"/proc/self/fd/{fd}").st_size for fd in os.listdir("/proc/self/fd")
-                     if self._fd_inode(fd) in new]
+            sizes = [
+                os.stat(f"/proc/self/fd/{fd}").st_size
+                for fd in os.listdir("/proc/self/fd")
+                if self._fd_inode(fd) in new
+            ]
             want = [size] if ok else []
-            expect_equal(self.driver, f"sizes of the memfds opened by create({size}) that "
-                         f"{'succeeded' if ok else 'was refused'}", want, sizes)
+            expect_equal(
+                self.driver,
+                f"sizes of the memfds opened by create({size}) that {'succeeded' if ok else 'was refused'}",
+                want,
+                sizes,
+            )
             if ok and len(new) == 1:
                 self.inodes[key] = new[0]
         return key if ok else None
@@ -291,11 +332,20 @@ class ProtocolChecks(RuleBasedStateMachine):
             t, raised = None, exc
         del keeper
         self._fail_unless(raised is None, f"tensor({t_va:#x}, {t_n})", "a tensor", repr(raised))
-        self.query(prediction, {"data_ptr": t.data_ptr(), "numel": t.numel(), "dtype": str(t.dtype), "dim": t.dim(),
-                                "device": str(t.device), "keeper_alive": alive() is not None},
-                   f"tensor({t_va:#x}, {t_n}, keeper)")
+        self.query(
+            prediction,
+            {
+                "data_ptr": t.data_ptr(),
+                "numel": t.numel(),
+                "dtype": str(t.dtype),
+                "dim": t.dim(),
+                "device": str(t.device),
+                "keeper_alive": alive() is not None,
+            },
+            f"tensor({t_va:#x}, {t_n}, keeper)",
+        )
         write = self.model.write(va, nbytes, seed)
-        t[va - t_va:va - t_va + nbytes].copy_(pattern_at(0, nbytes, seed).to(t.device))
+        t[va - t_va : va - t_va + nbytes].copy_(pattern_at(0, nbytes, seed).to(t.device))
         self.raw.synchronize()
         write.apply(None)
 
@@ -366,12 +416,18 @@ class ProtocolChecks(RuleBasedStateMachine):
         for r in self._reservations():
             for k, va in enumerate(range(r.va, r.end, g)):
                 at = va + (k * 4099 + self.steps * 257) % g  # any address inside the granule
-                self.query(self.model.accessible(at), self.raw.accessible(at),
-                           f"accessible({at:#x}) in granule {k} of the reservation [{r.va:#x}, +{r.size})")
+                self.query(
+                    self.model.accessible(at),
+                    self.raw.accessible(at),
+                    f"accessible({at:#x}) in granule {k} of the reservation [{r.va:#x}, +{r.size})",
+                )
             for at in (r.va - g, r.end):
                 if self.model.reservation_at(at) is None:
-                    self.query(self.model.accessible(at), self.raw.accessible(at),
-                               f"accessible({at:#x}) just outside the reservation [{r.va:#x}, +{r.size})")
+                    self.query(
+                        self.model.accessible(at),
+                        self.raw.accessible(at),
+                        f"accessible({at:#x}) just outside the reservation [{r.va:#x}, +{r.size})",
+                    )
 
     def _inode(self, key: int | None, seen: int | None) -> int | None:
         """The inode of handle ``key``'s memfd; one made in a thread is learnt where the kernel first maps it."""
@@ -388,12 +444,20 @@ class ProtocolChecks(RuleBasedStateMachine):
             for va in range(r.va, r.end, self.g):
                 want = self.model.granule(va)
                 kind, inode, offset = kernel.granule(va)
-                expect_equal(self.driver, f"/proc/self/maps at granule {va:#x} of the reservation [{r.va:#x}, "
-                             f"+{r.size}): (state, memfd inode, offset)",
-                             (want.kind, self._inode(want.handle, inode), want.offset), (kind, inode, offset))
+                expect_equal(
+                    self.driver,
+                    f"/proc/self/maps at granule {va:#x} of the reservation [{r.va:#x}, "
+                    f"+{r.size}): (state, memfd inode, offset)",
+                    (want.kind, self._inode(want.handle, inode), want.offset),
+                    (kind, inode, offset),
+                )
                 at = va + (self.steps * 61) % self.g
-                expect_equal(self.driver, f"reading and writing a byte at {at:#x} (granule {want.kind}) through "
-                             f"the kernel", want.kind == "accessible", self.probe.touchable(at))
+                expect_equal(
+                    self.driver,
+                    f"reading and writing a byte at {at:#x} (granule {want.kind}) through the kernel",
+                    want.kind == "accessible",
+                    self.probe.touchable(at),
+                )
                 if want.kind != "accessible":
                     faulting.append(va)
         stray = intervals_minus(kernel.memfd_ranges(), [(r.va, r.end) for r in self._reservations()])
@@ -401,21 +465,37 @@ class ProtocolChecks(RuleBasedStateMachine):
         alive = self.model.alive()
         known = {self.inodes[k]: s for k, s in alive.items() if k in self.inodes}
         held = {i: s for i, s in kernel.memfds().items() if i not in self.held0}
-        expect_equal(self.driver, "memfds the kernel holds (inode: bytes) for the handles alive",
-                     known, {i: held.get(i) for i in known})
-        expect_equal(self.driver, "bytes of the other memfds the kernel holds, vs the handles alive made in threads",
-                     sorted(s for k, s in alive.items() if k not in self.inodes),
-                     sorted(s for i, s in held.items() if i not in known))
+        expect_equal(
+            self.driver,
+            "memfds the kernel holds (inode: bytes) for the handles alive",
+            known,
+            {i: held.get(i) for i in known},
+        )
+        expect_equal(
+            self.driver,
+            "bytes of the other memfds the kernel holds, vs the handles alive made in threads",
+            sorted(s for k, s in alive.items() if k not in self.inodes),
+            sorted(s for i, s in held.items() if i not in known),
+        )
         fds = [i for i in open_memfds() if i not in self.fds0]
         unreleased = self.model.unreleased()
         released_inodes = {self.inodes[k] for k in self.model.handles if k not in unreleased and k in self.inodes}
-        expect_equal(self.driver, "memfd file descriptors open: (count, those of released handles)",
-                     (len(unreleased), []), (len(fds), [i for i in fds if i in released_inodes]))
+        expect_equal(
+            self.driver,
+            "memfd file descriptors open: (count, those of released handles)",
+            (len(unreleased), []),
+            (len(fds), [i for i in fds if i in released_inodes]),
+        )
         if faulting and self.steps % TOUCH_EVERY == 0:
             va = faulting[self.steps // TOUCH_EVERY % len(faulting)] + 100
             got = touch(va, write=self.steps % 2 == 0)
-            expect(got in FAULTS, self.driver, f"touching {va:#x} ({self.model.granule(va).kind}) in a child process",
-                   "a fault (SIGSEGV or SIGBUS)", got)
+            expect(
+                got in FAULTS,
+                self.driver,
+                f"touching {va:#x} ({self.model.granule(va).kind}) in a child process",
+                "a fault (SIGSEGV or SIGBUS)",
+                got,
+            )
 
     def _check_bytes(self, lo: int = 0, hi: int = MAX_BYTES) -> None:
         self.raw.synchronize()
@@ -426,12 +506,20 @@ class ProtocolChecks(RuleBasedStateMachine):
             if piece.seed is None and not torch.count_nonzero(got):  # zeros: no pattern to build
                 continue
             got = got.cpu()
-            want = (torch.zeros(piece.nbytes, dtype=torch.uint8) if piece.seed is None
-                    else pattern_at(piece.index, piece.nbytes, piece.seed))
+            want = (
+                torch.zeros(piece.nbytes, dtype=torch.uint8)
+                if piece.seed is None
+                else pattern_at(piece.index, piece.nbytes, piece.seed)
+            )
             if not torch.equal(got, want):
                 what = "zeros" if piece.seed is None else f"the pattern of seed {piece.seed} from byte {piece.index}"
-                expect(False, self.driver, f"bytes [{piece.va:#x}, +{piece.nbytes}) read through tensor()",
-                       what, f"first mismatch at {first_mismatch(got, want)}")
+                expect(
+                    False,
+                    self.driver,
+                    f"bytes [{piece.va:#x}, +{piece.nbytes}) read through tensor()",
+                    what,
+                    f"first mismatch at {first_mismatch(got, want)}",
+                )
 
     def _check_usable(self) -> None:
         """After a refusal the reservations it aimed at (one of them, for a call on no range) are as usable as
@@ -442,14 +530,15 @@ class ProtocolChecks(RuleBasedStateMachine):
         self.refused = []
         rs = self._reservations()
         hit = [r for r in rs if any(va < r.end and r.va < va + size for va, size in aimed)]
-        for r in hit or rs[self.steps % max(len(rs), 1):][:1]:
+        for r in hit or rs[self.steps % max(len(rs), 1) :][:1]:
             runs = self.model.unmapped_runs(r)
             for group in ([runs] if self.model.parts else [[run] for run in runs]) if runs else []:
                 key = self.do_create(max(hi - lo for lo, hi in group))
                 if key is None:
                     continue
-                mapped = [(lo, hi) for lo, hi in group
-                          if self.do_map(lo, hi - lo, key) and self.do_set_access(lo, hi - lo)]
+                mapped = [
+                    (lo, hi) for lo, hi in group if self.do_map(lo, hi - lo, key) and self.do_set_access(lo, hi - lo)
+                ]
                 for lo, hi in mapped:
                     for i, va in enumerate(range(lo, hi, g)):
                         self.do_write(va, 64, 7 + i)
@@ -490,7 +579,9 @@ class ProtocolChecks(RuleBasedStateMachine):
             return
         expect(not errors, self.driver, "giving back what the rules made (unmap, release, free)", "no error", errors)
         if self.setup.host:
-            expect_equal(self.driver, "mem_info free bytes once everything was given back", self.free0,
-                         self.raw.mem_info()[0])
-            expect_equal(self.driver, "memfds the kernel holds once everything was given back", self.held0,
-                         kernel_memfds())
+            expect_equal(
+                self.driver, "mem_info free bytes once everything was given back", self.free0, self.raw.mem_info()[0]
+            )
+            expect_equal(
+                self.driver, "memfds the kernel holds once everything was given back", self.held0, kernel_memfds()
+            )

@@ -34,8 +34,9 @@ class ProtocolMachine(ProtocolChecks):
         rs = self.model.reservations.values()
         return len(rs) < MAX_RESERVATIONS and sum(r.size for r in rs) < MAX_RESERVED_GRANULES * self.g
 
-    @initialize(sizes=st.lists(st.integers(1, 13), min_size=2, max_size=3), alignment=st.sampled_from((1, 2, 64)),
-                pick=PICK)
+    @initialize(
+        sizes=st.lists(st.integers(1, 13), min_size=2, max_size=3), alignment=st.sampled_from((1, 2, 64)), pick=PICK
+    )
     def populate(self, sizes, alignment, pick):
         """Start with two or three reservations (and one time in four another of MANY_MAPPINGS granules): the first
         (and that one) backed granule by granule (many mappings; where the driver takes offsets each of another
@@ -82,8 +83,13 @@ class ProtocolMachine(ProtocolChecks):
         if not rs:
             return
         r = rs[pick % len(rs)]
-        va, size = {"whole": (r.va, r.size), "lower": (r.va, r.size - g), "upper": (r.va + g, r.size - g),
-                    "around": (r.va - g, r.size + 2 * g), "more": (r.va, r.size + g)}[shape]
+        va, size = {
+            "whole": (r.va, r.size),
+            "lower": (r.va, r.size - g),
+            "upper": (r.va + g, r.size - g),
+            "around": (r.va - g, r.size + 2 * g),
+            "more": (r.va, r.size + g),
+        }[shape]
         if size > 0 and self.do_free(va, size):
             self.do_free(va, size)  # again, no reservation now: refused
 
@@ -137,9 +143,15 @@ class ProtocolMachine(ProtocolChecks):
             if va is not None:
                 self.do_map(va, self.model.handles[key].size, key)  # released, mapped elsewhere still: refused
 
-    @rule(shape=st.sampled_from(("free", "free", "free", "below", "above", "inside", "exact", "around", "past_end",
-                                 "before_start", "freed")),
-          pick=PICK, n=st.integers(1, 4), handle=PICK, offset=st.sampled_from(("zero", "zero", "any", "past_end")))
+    @rule(
+        shape=st.sampled_from(
+            ("free", "free", "free", "below", "above", "inside", "exact", "around", "past_end", "before_start", "freed")
+        ),
+        pick=PICK,
+        n=st.integers(1, 4),
+        handle=PICK,
+        offset=st.sampled_from(("zero", "zero", "any", "past_end")),
+    )
     def map(self, shape, pick, n, handle, offset):
         """Map part of a handle into an unmapped run, over a mapping (from below, above, inside, exactly, around),
         past a reservation's end or before its start, into a freed reservation; at offset 0, any offset, or past
@@ -151,8 +163,11 @@ class ProtocolMachine(ProtocolChecks):
             return
         va, size = target
         h_size = self.model.handles[key].size
-        off = {"zero": 0, "any": (pick % max(h_size // self.g, 1)) * self.g,
-               "past_end": max(h_size - size + self.g, 0)}[offset]
+        off = {
+            "zero": 0,
+            "any": (pick % max(h_size // self.g, 1)) * self.g,
+            "past_end": max(h_size - size + self.g, 0),
+        }[offset]
         if shape == "free" and offset != "past_end":  # fits the handle (all of it, where only whole ones map)
             size = max(min(size, h_size - off), self.g) if self.model.parts else h_size
         if self.do_map(va, size, key, off):
@@ -184,9 +199,13 @@ class ProtocolMachine(ProtocolChecks):
         m = ms[pick // len(rs) % len(ms)]
         k = min(n, m.size // g)
         j = min(1 + pick % 3, (m.va - r.va) // g) or 1  # granules before the mapping: the refusal comes late
-        return {"below": (m.va - j * g, (j + k) * g), "above": (m.end - k * g, (k + 1) * g),
-                "inside": (m.va + (pick % (m.size // g)) * g, g), "exact": (m.va, m.size),
-                "around": (m.va - j * g, m.size + (j + 1) * g)}[shape]
+        return {
+            "below": (m.va - j * g, (j + k) * g),
+            "above": (m.end - k * g, (k + 1) * g),
+            "inside": (m.va + (pick % (m.size // g)) * g, g),
+            "exact": (m.va, m.size),
+            "around": (m.va - j * g, m.size + (j + 1) * g),
+        }[shape]
 
     @rule(pick=PICK)
     def map_refused_at_its_last_granule(self, pick):
@@ -217,9 +236,17 @@ class ProtocolMachine(ProtocolChecks):
         takes offsets and the handle has them, else a fresh one-granule handle each (released once mapped)."""
         spare = [va for lo, hi in self.model.unmapped_runs(r) for va in range(lo, hi, self.g)]
         for i, va in enumerate(spare):
-            use = key if (self.model.offsets and self.model.parts and key is not None
-                          and not self.model.handles[key].released
-                          and (i + 1) * self.g <= self.model.handles[key].size) else None
+            use = (
+                key
+                if (
+                    self.model.offsets
+                    and self.model.parts
+                    and key is not None
+                    and not self.model.handles[key].released
+                    and (i + 1) * self.g <= self.model.handles[key].size
+                )
+                else None
+            )
             if use is None:
                 made = self.do_create(self.g)
                 if made is None:
@@ -244,8 +271,12 @@ class ProtocolMachine(ProtocolChecks):
             self.do_set_access(va, m.size)
 
     def _free_run_for(self, size: int, pick: int) -> int | None:
-        starts = [lo + k for r in self._reservations() for lo, hi in self.model.unmapped_runs(r)
-                  for k in range(0, hi - lo - size + 1, self.g)]
+        starts = [
+            lo + k
+            for r in self._reservations()
+            for lo, hi in self.model.unmapped_runs(r)
+            for k in range(0, hi - lo - size + 1, self.g)
+        ]
         return starts[pick % len(starts)] if starts else None
 
     @rule(pick=PICK, where=st.sampled_from(("same", "elsewhere")), access=st.booleans())
@@ -263,8 +294,11 @@ class ProtocolMachine(ProtocolChecks):
         if va is not None and self.do_map(va, m.size, m.handle, m.offset) and access:
             self.do_set_access(va, m.size)
 
-    @rule(shape=st.sampled_from(("exact", "exact", "lower", "upper", "more", "tiled", "nothing", "around", "gap")),
-          pick=PICK, n=st.integers(1, 4))
+    @rule(
+        shape=st.sampled_from(("exact", "exact", "lower", "upper", "more", "tiled", "nothing", "around", "gap")),
+        pick=PICK,
+        n=st.integers(1, 4),
+    )
     def unmap(self, shape, pick, n):
         """Unmap one whole mapping, part of one, one and more, several adjacent mappings that tile the range,
         mappings and the gap between them, nothing mapped (and an unmap that succeeded, again). Checks: P-unmap,
@@ -273,8 +307,11 @@ class ProtocolMachine(ProtocolChecks):
         if target is not None and self.do_unmap(*target):
             self.do_unmap(*target)  # again, nothing mapped there now: refused
 
-    @rule(shape=st.sampled_from(("exact", "exact", "tiled", "part", "whole", "gap", "below", "more", "nothing")),
-          pick=PICK, n=st.integers(1, 4))
+    @rule(
+        shape=st.sampled_from(("exact", "exact", "tiled", "part", "whole", "gap", "below", "more", "nothing")),
+        pick=PICK,
+        n=st.integers(1, 4),
+    )
     def set_access(self, shape, pick, n):
         """Grant access to one mapping, part of one, several adjacent ones, a whole reservation, ranges with a gap
         or partly mapped from below or above, nothing mapped. Checks: P-access, P-access-refused."""
@@ -298,16 +335,23 @@ class ProtocolMachine(ProtocolChecks):
             chain = self._chain(m)
             return (m.va, chain[min(n, len(chain) - 1)].end - m.va) if len(chain) > 1 else None
         if shape == "gap":
-            later = [x for x in ms if x.va > m.end and self.model.reservation_at(x.va) is self.model.reservation_at(
-                m.va)]
+            later = [
+                x for x in ms if x.va > m.end and self.model.reservation_at(x.va) is self.model.reservation_at(m.va)
+            ]
             return (m.va, later[0].end - m.va) if later else None
         if shape == "whole":
             r = self.model.reservation_at(m.va)
             return r.va, r.size
         cut = 1 + pick // len(ms) % (k - 1) if k > 1 else 1
-        return {"exact": (m.va, m.size), "lower": (m.va, cut * g), "upper": (m.va + cut * g, m.size - cut * g),
-                "part": (m.va + (cut - 1) * g, g), "more": (m.va, m.size + g), "below": (m.va - g, m.size + g),
-                "around": (m.va - g, m.size + 2 * g)}[shape]
+        return {
+            "exact": (m.va, m.size),
+            "lower": (m.va, cut * g),
+            "upper": (m.va + cut * g, m.size - cut * g),
+            "part": (m.va + (cut - 1) * g, g),
+            "more": (m.va, m.size + g),
+            "below": (m.va - g, m.size + g),
+            "around": (m.va - g, m.size + 2 * g),
+        }[shape]
 
     @rule(pick=PICK, start=st.sampled_from(STARTS), length=st.sampled_from(LENGTHS), seed=st.integers(1, 250))
     def write(self, pick, start, length, seed):
@@ -328,8 +372,12 @@ class ProtocolMachine(ProtocolChecks):
             at = max(hi - 64 - pick * 61 % self.g, lo)
             self.do_write(at, min(64, hi - at), seed, span=(lo, hi - lo))
 
-    @rule(pick=PICK, start=st.sampled_from(STARTS), length=st.sampled_from((*LENGTHS, "rest", "run")),
-          seed=st.integers(1, 250))
+    @rule(
+        pick=PICK,
+        start=st.sampled_from(STARTS),
+        length=st.sampled_from((*LENGTHS, "rest", "run")),
+        seed=st.integers(1, 250),
+    )
     def zero(self, pick, start, length, seed):
         """Write a pattern around an unaligned range of accessible bytes (often across granules and mappings, up to
         a whole run of them), then zero the range: exactly its bytes are zero. Checks: P-zero."""
@@ -365,8 +413,12 @@ class ProtocolMachine(ProtocolChecks):
         released = sorted(set(self.model.alive()) - set(live))  # and mapped still: one whose memory is free is gone
         key = live[pick % len(live)] if live else None
         spare = next(iter(self.model.unmapped_runs(r)), (None,))[0]
-        calls = [("free", r.va, r.size - g), ("free", r.va + g, r.size - g), ("free", r.va - g, r.size + 2 * g),
-                 ("free", r.va, r.size)]
+        calls = [
+            ("free", r.va, r.size - g),
+            ("free", r.va + g, r.size - g),
+            ("free", r.va - g, r.size + 2 * g),
+            ("free", r.va, r.size),
+        ]
         calls += [("free", *self.freed[pick % len(self.freed)])] if self.freed else []
         if key is not None:
             size = self.model.handles[key].size
@@ -379,16 +431,31 @@ class ProtocolMachine(ProtocolChecks):
         ms = self.model.mappings_in(r)
         if ms and key is not None:
             m = ms[pick % len(ms)]
-            calls += [("map", *where, key, 0) for where in ((m.va - g, 2 * g), (m.end - g, 2 * g), (m.va, g),
-                                                             (m.va, m.size), (m.va - g, m.size + 2 * g))]
+            calls += [
+                ("map", *where, key, 0)
+                for where in (
+                    (m.va - g, 2 * g),
+                    (m.end - g, 2 * g),
+                    (m.va, g),
+                    (m.va, m.size),
+                    (m.va - g, m.size + 2 * g),
+                )
+            ]
         if ms:
             m = ms[pick % len(ms)]
             chain = self._chain(m)
             later = [x for x in ms if x.va > m.end]
-            calls += [("unmap", m.va, m.size + g), ("unmap", m.va - g, m.size + g), ("unmap", m.va - g, m.size + 2 * g),
-                      ("unmap", m.va, m.size - g), ("unmap", m.va + g, m.size - g),
-                      ("unmap", m.va, chain[-1].end - m.va), ("set_access", m.va - g, m.size + g),
-                      ("set_access", m.va, m.size + g), ("set_access", m.va, m.size - g)]
+            calls += [
+                ("unmap", m.va, m.size + g),
+                ("unmap", m.va - g, m.size + g),
+                ("unmap", m.va - g, m.size + 2 * g),
+                ("unmap", m.va, m.size - g),
+                ("unmap", m.va + g, m.size - g),
+                ("unmap", m.va, chain[-1].end - m.va),
+                ("set_access", m.va - g, m.size + g),
+                ("set_access", m.va, m.size + g),
+                ("set_access", m.va, m.size - g),
+            ]
             calls += [("unmap", m.va, later[0].end - m.va), ("set_access", m.va, later[0].end - m.va)] if later else []
         if spare is not None:
             calls += [("unmap", spare, g), ("set_access", spare, g)]
@@ -412,9 +479,13 @@ class ProtocolMachine(ProtocolChecks):
         else:
             self.call(prediction, *args)
 
-    @rule(op=st.sampled_from(("reserve", "free", "create", "map", "unmap", "set_access", "zero")),
-          kind=st.sampled_from(("size_zero", "size_negative", "va_negative", "offset_negative", "size_2**63",
-                                "range_past_2**63")), pick=PICK)
+    @rule(
+        op=st.sampled_from(("reserve", "free", "create", "map", "unmap", "set_access", "zero")),
+        kind=st.sampled_from(
+            ("size_zero", "size_negative", "va_negative", "offset_negative", "size_2**63", "range_past_2**63")
+        ),
+        pick=PICK,
+    )
     def bad_value(self, op, kind, pick):
         """A size below 1, a negative address or offset, a value or range reaching 2**63: refused before any native
         call, nothing changed. Checks: P-bad-value, P-refusal, P-refusal-unchanged."""

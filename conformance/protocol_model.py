@@ -34,10 +34,12 @@ IMPLEMENTED: dict[str, list[str]] = {}
 
 def implements(*ids: str) -> Callable:
     """Mark a clause as the code of the protocol sentences ``ids``."""
+
     def mark(fn: Callable) -> Callable:
         for sentence in ids:
             IMPLEMENTED.setdefault(sentence, []).append(fn.__qualname__)
         return fn
+
     return mark
 
 
@@ -155,8 +157,18 @@ class ProtocolModel:
     ``mem_info`` when the model starts.
     """
 
-    def __init__(self, granularity: int, total: int, free: int, *, offsets: bool, parts: bool, partial_access: bool,
-                 exact: bool, device: str) -> None:
+    def __init__(
+        self,
+        granularity: int,
+        total: int,
+        free: int,
+        *,
+        offsets: bool,
+        parts: bool,
+        partial_access: bool,
+        exact: bool,
+        device: str,
+    ) -> None:
         self.g = granularity
         self.total = total
         self.held_before = self._held_before(total, free, exact)
@@ -220,8 +232,16 @@ class ProtocolModel:
     def mapping_at(self, va: int) -> Mapping | None:
         return next((m for m in self.mappings.values() if m.va <= va < m.end), None)
 
-    @implements("P-accessible", "P-accessible-kernel", "P-reserve-inaccessible", "P-map-no-access", "P-unmap",
-                "P-access", "P-map", "P-free")
+    @implements(
+        "P-accessible",
+        "P-accessible-kernel",
+        "P-reserve-inaccessible",
+        "P-map-no-access",
+        "P-unmap",
+        "P-access",
+        "P-map",
+        "P-free",
+    )
     def granule(self, va: int) -> Granule:
         """What must be at the granule holding ``va``."""
         base = va // self.g * self.g
@@ -310,8 +330,12 @@ class ProtocolModel:
     def state(self) -> tuple:
         """The whole state, hashable: equal states behave alike (used by ``linearize``)."""
         handles = tuple((k, h.size, h.released, h.maps, tuple(h.extents)) for k, h in sorted(self.handles.items()))
-        return (tuple(sorted(self.reservations.items())), tuple(sorted(self.mappings.items())), handles,
-                tuple(sorted(self.access)))
+        return (
+            tuple(sorted(self.reservations.items())),
+            tuple(sorted(self.mappings.items())),
+            handles,
+            tuple(sorted(self.access)),
+        )
 
     # -- the calls ---------------------------------------------------------------------------------------------
     @implements("P-granularity")
@@ -320,6 +344,7 @@ class ProtocolModel:
             ok = isinstance(result, int) and result > 0 and result % 4096 == 0 and result == self.g
             why = f"granularity() returned {result!r}, expected {self.g} (a positive multiple of 4096, the same "
             return [] if ok else [why + "on every call)"]
+
         return Prediction("granularity", apply=apply)
 
     @implements("P-reserve-aligned", "P-reserve-disjoint", "P-reserve-too-large", "P-reserve-inaccessible")
@@ -329,25 +354,34 @@ class ProtocolModel:
             return Prediction("reserve", bad, memory=("same", 0))
         self._units("reserve", size=size, alignment=alignment)
         if alignment < self.g or alignment & (alignment - 1):  # the granularity is a power of two (4096 times one)
-            raise CallerError(f"reserve alignment {alignment}: not the granularity {self.g} times a power of two "
-                              f"(P-units)")
+            raise CallerError(
+                f"reserve alignment {alignment}: not the granularity {self.g} times a power of two (P-units)"
+            )
         if size >= UNREACHABLE_BYTES:
-            return Prediction("reserve", Refusal("reserve", "P-reserve-too-large", f"{size} bytes exceed every "
-                                                 f"address space"), memory=("same", 0))
+            return Prediction(
+                "reserve",
+                Refusal("reserve", "P-reserve-too-large", f"{size} bytes exceed every address space"),
+                memory=("same", 0),
+            )
 
         def apply(va: object) -> list[str]:
             if isinstance(va, bool) or not isinstance(va, int) or not 0 <= va <= (1 << 64) - size:
                 return [f"reserve returned {va!r}, not an address with room for {size} bytes"]
             problems = []
             if va % alignment:
-                problems.append(f"reserve returned {va:#x}, {va % alignment} bytes past a multiple of the alignment "
-                                f"{alignment} [P-reserve-aligned]")
+                problems.append(
+                    f"reserve returned {va:#x}, {va % alignment} bytes past a multiple of the alignment "
+                    f"{alignment} [P-reserve-aligned]"
+                )
             clash = [r for r in self.reservations.values() if r.va < va + size and va < r.end]
             if clash:
-                problems.append(f"reserve returned [{va:#x}, +{size}), overlapping the live reservation "
-                                f"[{clash[0].va:#x}, +{clash[0].size}) [P-reserve-disjoint]")
+                problems.append(
+                    f"reserve returned [{va:#x}, +{size}), overlapping the live reservation "
+                    f"[{clash[0].va:#x}, +{clash[0].size}) [P-reserve-disjoint]"
+                )
             self.reservations[va] = Reservation(va, size, alignment)
             return problems
+
         return Prediction("reserve", apply=apply)
 
     @implements("P-free", "P-free-refused")
@@ -358,16 +392,23 @@ class ProtocolModel:
         self._units("free", va=va, size=size)
         r = self.reservations.get(va)
         if r is None or r.size != size:
-            return Prediction("free", Refusal("free", "P-free-refused", f"[{va:#x}, +{size}) is not one live "
-                                              f"reservation"), memory=("same", 0))
+            return Prediction(
+                "free",
+                Refusal("free", "P-free-refused", f"[{va:#x}, +{size}) is not one live reservation"),
+                memory=("same", 0),
+            )
         inside = self.mappings_in(r)
         if inside:
-            return Prediction("free", Refusal("free", "P-free-refused", f"the reservation still has {len(inside)} "
-                                              f"live mapping(s)"), memory=("same", 0))
+            return Prediction(
+                "free",
+                Refusal("free", "P-free-refused", f"the reservation still has {len(inside)} live mapping(s)"),
+                memory=("same", 0),
+            )
 
         def apply(result: object) -> list[str]:
             del self.reservations[va]
             return [] if result is None else [f"free returned {result!r}, expected None"]
+
         return Prediction("free", apply=apply)
 
     @implements("P-create", "P-create-oom", "P-create-memory")
@@ -379,12 +420,16 @@ class ProtocolModel:
         self._units("create", size=size)
         if size > self.total or (self.exact and size > self.expected_free()):
             free = f"{self.expected_free()} free of " if self.exact else ""
-            return Prediction("create", Refusal("create", "P-create-oom", f"{size} bytes asked, {free}{self.total} "
-                                                f"bytes in all", oom=True), memory=("same", 0))
+            return Prediction(
+                "create",
+                Refusal("create", "P-create-oom", f"{size} bytes asked, {free}{self.total} bytes in all", oom=True),
+                memory=("same", 0),
+            )
 
         def apply(key: object) -> list[str]:
             self.handles[key] = Handle(key, size)
             return []
+
         return Prediction("create", apply=apply, memory=("takes", size))
 
     @implements("P-native-failure")
@@ -397,16 +442,27 @@ class ProtocolModel:
     def release(self, key: int) -> Prediction:
         h = self._handle("release", key)
         if h.released:
-            return Prediction("release", Refusal("release", "P-release-once", f"handle {key} was released already"),
-                              memory=("same", 0))
+            return Prediction(
+                "release",
+                Refusal("release", "P-release-once", f"handle {key} was released already"),
+                memory=("same", 0),
+            )
 
         def apply(result: object) -> list[str]:
             h.released = True
             return [] if result is None else [f"release returned {result!r}, expected None"]
+
         return Prediction("release", apply=apply, memory=("gives", h.size) if h.maps == 0 else None)
 
-    @implements("P-map", "P-map-no-access", "P-map-offset", "P-map-inside", "P-map-overlap", "P-map-handle-end",
-                "P-map-released")
+    @implements(
+        "P-map",
+        "P-map-no-access",
+        "P-map-offset",
+        "P-map-inside",
+        "P-map-overlap",
+        "P-map-handle-end",
+        "P-map-released",
+    )
     def map(self, va: int, size: int, key: int, offset: int = 0) -> Prediction:
         bad = self._bad_value("map", va=va, size=size, offset=offset)
         if bad:
@@ -433,6 +489,7 @@ class ProtocolModel:
             self.mappings[va] = Mapping(va, size, key, offset)
             h.maps += 1
             return [] if result is None else [f"map returned {result!r}, expected None"]
+
         return Prediction("map", apply=apply)
 
     @implements("P-unmap", "P-unmap-refused", "P-release-returns")
@@ -443,8 +500,11 @@ class ProtocolModel:
         self._units("unmap", va=va, size=size)
         m = self.mappings.get(va)
         if m is None or m.size != size:
-            return Prediction("unmap", Refusal("unmap", "P-unmap-refused", f"[{va:#x}, +{size}) is not exactly one "
-                                               f"live mapping"), memory=("same", 0))
+            return Prediction(
+                "unmap",
+                Refusal("unmap", "P-unmap-refused", f"[{va:#x}, +{size}) is not exactly one live mapping"),
+                memory=("same", 0),
+            )
         h = self.handles[m.handle]
 
         def apply(result: object) -> list[str]:
@@ -452,6 +512,7 @@ class ProtocolModel:
             self.access.difference_update(self._granules(va, size))
             h.maps -= 1
             return [] if result is None else [f"unmap returned {result!r}, expected None"]
+
         dies = h.released and h.maps == 1
         return Prediction("unmap", apply=apply, memory=("gives", h.size) if dies else None)
 
@@ -463,18 +524,33 @@ class ProtocolModel:
         self._units("set_access", va=va, size=size)
         unmapped = [a for a in self._granules(va, size) if self.mapping_at(a) is None]
         if unmapped:
-            return Prediction("set_access", Refusal("set_access", "P-access-refused", f"[{va:#x}, +{size}) has "
-                                                    f"{len(unmapped)} unmapped granule(s), the first at "
-                                                    f"{unmapped[0]:#x}"), memory=("same", 0))
+            return Prediction(
+                "set_access",
+                Refusal(
+                    "set_access",
+                    "P-access-refused",
+                    f"[{va:#x}, +{size}) has {len(unmapped)} unmapped granule(s), the first at {unmapped[0]:#x}",
+                ),
+                memory=("same", 0),
+            )
         cut = [m for m in (self.mapping_at(va), self.mapping_at(va + size - 1)) if m.va < va or va + size < m.end]
         if cut and not self.partial_access:
-            return Prediction("set_access", Refusal("set_access", "P-access", f"[{va:#x}, +{size}) covers part of the "
-                                                    f"mapping [{cut[0].va:#x}, +{cut[0].size}): this driver grants "
-                                                    f"access to whole mappings only"), memory=("same", 0))
+            return Prediction(
+                "set_access",
+                Refusal(
+                    "set_access",
+                    "P-access",
+                    f"[{va:#x}, +{size}) covers part of the "
+                    f"mapping [{cut[0].va:#x}, +{cut[0].size}): this driver grants "
+                    f"access to whole mappings only",
+                ),
+                memory=("same", 0),
+            )
 
         def apply(result: object) -> list[str]:
             self.access.update(self._granules(va, size))
             return [] if result is None else [f"set_access returned {result!r}, expected None"]
+
         return Prediction("set_access", apply=apply)
 
     @implements("P-zero")
@@ -487,18 +563,29 @@ class ProtocolModel:
         def apply(result: object) -> list[str]:
             self._paint(va, size, None)
             return [] if result is None else [f"zero returned {result!r}, expected None"]
+
         return Prediction("zero", apply=apply)
 
     @implements("P-tensor", "P-tensor-device", "P-tensor-keeper")
     def tensor(self, va: int, nbytes: int) -> Prediction:
         """``apply`` takes what the tensor showed: ``data_ptr``, ``numel``, ``dtype``, ``dim``, ``device`` (as
         strings and ints) and ``keeper_alive`` (the keeper, dropped by the caller, is still alive)."""
-        want = {"data_ptr": va, "numel": nbytes, "dtype": "torch.uint8", "dim": 1, "device": self.device,
-                "keeper_alive": True}
+        want = {
+            "data_ptr": va,
+            "numel": nbytes,
+            "dtype": "torch.uint8",
+            "dim": 1,
+            "device": self.device,
+            "keeper_alive": True,
+        }
 
         def apply(seen: object) -> list[str]:
-            return [f"tensor({va:#x}, {nbytes}).{k}: expected {v!r}, got {seen.get(k)!r}"  # type: ignore[union-attr]
-                    for k, v in want.items() if seen.get(k) != v]  # type: ignore[union-attr]
+            return [
+                f"tensor({va:#x}, {nbytes}).{k}: expected {v!r}, got {seen.get(k)!r}"  # type: ignore[union-attr]
+                for k, v in want.items()
+                if seen.get(k) != v
+            ]  # type: ignore[union-attr]
+
         return Prediction("tensor", apply=apply)
 
     @implements("P-tensor", "P-map-shared")
@@ -509,6 +596,7 @@ class ProtocolModel:
         def apply(result: object) -> list[str]:
             self._paint(va, nbytes, seed)
             return []
+
         return Prediction("write", apply=apply)
 
     @implements("P-accessible")
@@ -517,12 +605,15 @@ class ProtocolModel:
 
         def apply(result: object) -> list[str]:
             return [] if result is want else [f"accessible({va:#x}) returned {result!r}, expected {want}"]
+
         return Prediction("accessible", apply=apply)
 
     @implements("P-synchronize")
     def synchronize(self) -> Prediction:
-        return Prediction("synchronize", apply=lambda result: [] if result is None else
-                          [f"synchronize returned {result!r}, expected None"])
+        return Prediction(
+            "synchronize",
+            apply=lambda result: [] if result is None else [f"synchronize returned {result!r}, expected None"],
+        )
 
     @implements("P-mem-bounds", "P-mem-exact")
     def mem_info(self) -> Prediction:
@@ -532,13 +623,18 @@ class ProtocolModel:
             free, total = result
             problems = []
             if total != self.total or not 0 <= free <= total:
-                problems.append(f"mem_info returned {result}: expected total {self.total} (the same for the "
-                                f"driver's life) and 0 <= free <= total [P-mem-bounds]")
+                problems.append(
+                    f"mem_info returned {result}: expected total {self.total} (the same for the "
+                    f"driver's life) and 0 <= free <= total [P-mem-bounds]"
+                )
             if self.exact and free != self.expected_free():
-                problems.append(f"mem_info free {free}, expected {self.expected_free()}: total {self.total} (the "
-                                f"driver's own memory) less {self.held()} held by the handles alive "
-                                f"{sorted(self.alive().values())}, nothing held before the rule [P-mem-exact]")
+                problems.append(
+                    f"mem_info free {free}, expected {self.expected_free()}: total {self.total} (the "
+                    f"driver's own memory) less {self.held()} held by the handles alive "
+                    f"{sorted(self.alive().values())}, nothing held before the rule [P-mem-exact]"
+                )
             return problems
+
         return Prediction("mem_info", apply=apply)
 
     # -- judging outcomes ------------------------------------------------------------------------------------------
@@ -656,7 +752,7 @@ def linearize(model: ProtocolModel, histories: Sequence[Sequence[Event]]) -> tup
             if problem:
                 why.append(f"thread {t} call {at[t]}: {problem}")
                 continue
-            found = search(trial, at[:t] + (at[t] + 1,) + at[t + 1:])
+            found = search(trial, at[:t] + (at[t] + 1,) + at[t + 1 :])
             if found is not None:
                 return found
         if sum(at) > best[0][0]:

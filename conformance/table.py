@@ -11,8 +11,16 @@ ALL = "all"  # the failed count of a driver that could not be built: every rule 
 
 def row(driver: str, **values: object) -> dict:
     """A table row with every field, the counts 0 and the rest ``None`` unless given."""
-    base = {"driver": driver, "passed": 0, "failed": 0, "skipped": 0, "granularity": None, "commit_gb_per_s": None,
-            "commit_bytes": None, "unavailable": None}
+    base = {
+        "driver": driver,
+        "passed": 0,
+        "failed": 0,
+        "skipped": 0,
+        "granularity": None,
+        "commit_gb_per_s": None,
+        "commit_bytes": None,
+        "unavailable": None,
+    }
     unknown = set(values) - set(FIELDS)
     if unknown:
         raise ValueError(f"summary row for {driver}: unknown fields {sorted(unknown)}; known: {FIELDS}")
@@ -25,8 +33,10 @@ def lines(rows: list[dict]) -> list[str]:
     for r in rows:
         gran = f"{r['granularity'] >> 10} KiB" if r["granularity"] else "-"
         rate = f"{r['commit_gb_per_s']:.1f}" if r["commit_gb_per_s"] is not None else "-"
-        out.append(f"{r['driver']:<24} {r['passed']:>6} {r['failed']:>6} {r['skipped']:>7} {gran:>12} {rate:>12}"
-                   + (f"   ({r['unavailable']})" if r["unavailable"] else ""))
+        out.append(
+            f"{r['driver']:<24} {r['passed']:>6} {r['failed']:>6} {r['skipped']:>7} {gran:>12} {rate:>12}"
+            + (f"   ({r['unavailable']})" if r["unavailable"] else "")
+        )
     return out
 
 

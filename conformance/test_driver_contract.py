@@ -76,8 +76,13 @@ def test_map_over_mapped_granule_is_refused(driver, reservation):
         with pytest.raises(DriverError) as info:
             driver.inner.map(reservation + g, g, h, 0)
             driver.inner.unmap(reservation + g, g)  # the driver accepted it; undo so teardown stays sane
-        expect_equal(driver, "operation of the DriverError from a map over a mapped granule", "map",
-                     info.value.operation, error=repr(info.value))
+        expect_equal(
+            driver,
+            "operation of the DriverError from a map over a mapped granule",
+            "map",
+            info.value.operation,
+            error=repr(info.value),
+        )
     finally:
         driver.inner.release(h)
 

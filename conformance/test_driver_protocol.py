@@ -10,9 +10,23 @@ import torch
 
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 
-from .helpers import (RawDriver, expect, expect_bytes, expect_equal, expected_granules, free_bytes, granule_states,
-                      host_kernel, kernel_backing, kernel_granules, kernel_memfds, odd_tensor, oom_step, shared_pattern,
-                      touch)
+from .helpers import (
+    RawDriver,
+    expect,
+    expect_bytes,
+    expect_equal,
+    expected_granules,
+    free_bytes,
+    granule_states,
+    host_kernel,
+    kernel_backing,
+    kernel_granules,
+    kernel_memfds,
+    odd_tensor,
+    oom_step,
+    shared_pattern,
+    touch,
+)
 
 BIG = 64 << 20  # well past sizes a driver might treat apart (16 MiB and the like)
 FAULT = ("SIGSEGV", "SIGBUS")
@@ -39,8 +53,13 @@ def test_reserve_returns_a_range_aligned_to_the_alignment_asked(raw, driver):
     for multiple in (1, 2, 8, 64):
         alignment = multiple * raw.g
         va = raw.reserve(3, alignment)
-        expect(va % alignment == 0, driver, f"reserve({3 * raw.g}, alignment={alignment})",
-               f"an address aligned to {alignment}", f"{va:#x} ({va % alignment} bytes past a multiple)")
+        expect(
+            va % alignment == 0,
+            driver,
+            f"reserve({3 * raw.g}, alignment={alignment})",
+            f"an address aligned to {alignment}",
+            f"{va:#x} ({va % alignment} bytes past a multiple)",
+        )
         raw.free(va)
 
 
@@ -50,11 +69,19 @@ def test_touching_a_granule_without_access_faults(raw, driver):
     va = raw.reserve(3)
     raw.map(va + g, g, raw.create(g), access=False)
     raw.commit(va + 2 * g, g)
-    for i, what, faults in ((0, "reserved only", True), (1, "mapped without access", True),
-                            (2, "mapped with access", False)):
+    for i, what, faults in (
+        (0, "reserved only", True),
+        (1, "mapped without access", True),
+        (2, "mapped with access", False),
+    ):
         got = touch(va + i * g + 100, write=True)
-        expect((got in FAULT) == faults, driver, f"touching granule {i} ({what}) in a child process",
-               "a fault (SIGSEGV or SIGBUS)" if faults else "no fault", got)
+        expect(
+            (got in FAULT) == faults,
+            driver,
+            f"touching granule {i} ({what}) in a child process",
+            "a fault (SIGSEGV or SIGBUS)" if faults else "no fault",
+            got,
+        )
 
 
 # -- accessible: what the kernel maps ------------------------------------------------------------------------------
@@ -75,12 +102,22 @@ def test_the_kernel_maps_what_accessible_reports(raw, driver):
     check("map of granules 0-1 without set_access", ["mapped", "mapped", "reserved", "reserved"])
     raw.set_access(va, 2 * g)
     raw.commit(va + 3 * g, g)
-    check("set_access of granules 0-1 and a second handle at granule 3",
-          ["accessible", "accessible", "reserved", "accessible"])
+    check(
+        "set_access of granules 0-1 and a second handle at granule 3",
+        ["accessible", "accessible", "reserved", "accessible"],
+    )
     backing = [kernel_backing(va + i * g) for i in (0, 1, 3)]
-    expect(backing[0] is not None and backing[1] == (backing[0][0], g) and backing[0][1] == 0
-           and backing[2] is not None and backing[2][0] != backing[0][0], driver,
-           "memfd (inode, offset) behind granules 0, 1, 3", "(A, 0), (A, granularity), (B != A, 0)", backing)
+    expect(
+        backing[0] is not None
+        and backing[1] == (backing[0][0], g)
+        and backing[0][1] == 0
+        and backing[2] is not None
+        and backing[2][0] != backing[0][0],
+        driver,
+        "memfd (inode, offset) behind granules 0, 1, 3",
+        "(A, 0), (A, granularity), (B != A, 0)",
+        backing,
+    )
     raw.unmap(va, 2 * g)
     check("unmap of granules 0-1", ["reserved", "reserved", "reserved", "accessible"])
     raw.release(first)
@@ -94,8 +131,13 @@ def test_free_returns_the_range_to_the_kernel(raw, driver):
     raw.unmap(va + g, g)
     raw.free(va)
     kernel = kernel_granules(va, 3 * g, g)  # the process may place other memory in the hole: only ours counts
-    expect(not {"reserved", "mapped", "accessible"} & set(kernel), driver, "/proc/self/maps over a freed reservation",
-           "no reservation or memfd mapping left", kernel)
+    expect(
+        not {"reserved", "mapped", "accessible"} & set(kernel),
+        driver,
+        "/proc/self/maps over a freed reservation",
+        "no reservation or memfd mapping left",
+        kernel,
+    )
 
 
 # -- map: offsets and a handle mapped twice --------------------------------------------------------------------------
@@ -117,13 +159,18 @@ def test_map_backs_the_range_with_the_handle_bytes_at_the_offset(raw, driver):
         raw.mappings[target] = size
         raw.set_access(target, size)
         got = raw.view(target, size)
-        expect_bytes(driver, f"map({size} bytes of the handle at offset {offset}), read back", got,
-                     data[offset:offset + size])
+        expect_bytes(
+            driver, f"map({size} bytes of the handle at offset {offset}), read back", got, data[offset : offset + size]
+        )
         got[:256].fill_(offset // g)
         driver.synchronize()
-        expect_bytes(driver, f"a write through the mapping at offset {offset}, read through offset 0",
-                     raw.view(va + offset, 256), torch.full((256,), offset // g, dtype=torch.uint8))
-        raw.view(va + offset, 256).copy_(data[offset:offset + 256])
+        expect_bytes(
+            driver,
+            f"a write through the mapping at offset {offset}, read through offset 0",
+            raw.view(va + offset, 256),
+            torch.full((256,), offset // g, dtype=torch.uint8),
+        )
+        raw.view(va + offset, 256).copy_(data[offset : offset + 256])
         raw.unmap(target, size)
 
 
@@ -142,8 +189,13 @@ def test_a_handle_mapped_at_two_addresses_shows_the_same_bytes_through_both(raw,
     expect_bytes(driver, "bytes written through the second mapping, read through the first", raw.view(a, 2 * g), two)
     if host_kernel(driver):
         backing = [kernel_backing(x) for x in (a, a + g, b, b + g)]
-        expect(backing[:2] == backing[2:] and None not in backing, driver,
-               "memfd (inode, offset) behind both mappings", "the same memfd bytes", backing)
+        expect(
+            backing[:2] == backing[2:] and None not in backing,
+            driver,
+            "memfd (inode, offset) behind both mappings",
+            "the same memfd bytes",
+            backing,
+        )
     raw.release(handle)
     raw.unmap(a, 2 * g)
     expect_bytes(driver, "the second mapping after the first was unmapped", raw.view(b, 2 * g), two)
@@ -175,9 +227,15 @@ def test_zero_sets_exactly_the_bytes_of_any_range(raw, driver):
 
 def _expect_all(driver, op: str, t: torch.Tensor, value: int, start: int) -> None:
     wrong = (t != value).nonzero()
-    expect(wrong.numel() == 0, driver, op, f"{t.numel()} bytes of {value}",
-           "first other byte at offset " + (str(start + int(wrong[0])) if wrong.numel() else "-")
-           + f" ({wrong.numel()} bytes differ)")
+    expect(
+        wrong.numel() == 0,
+        driver,
+        op,
+        f"{t.numel()} bytes of {value}",
+        "first other byte at offset "
+        + (str(start + int(wrong[0])) if wrong.numel() else "-")
+        + f" ({wrong.numel()} bytes differ)",
+    )
 
 
 def test_zero_of_64_mib_sets_every_byte(raw, driver):
@@ -199,8 +257,12 @@ def test_tensor_of_64_mib_aliases_memory_without_copy(raw, driver):
     va = raw.reserve(n // raw.g)
     raw.commit(va, n)
     big = raw.inner.tensor(va + 100, n - 200, None)
-    expect_equal(driver, f"tensor(base + 100, {n - 200}) (address, bytes)", (hex(va + 100), n - 200),
-                 (hex(big.data_ptr()), big.numel()))
+    expect_equal(
+        driver,
+        f"tensor(base + 100, {n - 200}) (address, bytes)",
+        (hex(va + 100), n - 200),
+        (hex(big.data_ptr()), big.numel()),
+    )
     tail = raw.view(va + n - 4096, 4096)
     big[-1] = 7
     driver.synchronize()
@@ -222,7 +284,8 @@ def raw_state(raw: RawDriver, data: bool = True) -> dict[str, object]:
         state[f"accessible() over the reservation at {va:#x}"] = granule_states(driver, va, size)
         if host_kernel(driver):
             state[f"/proc/self/maps over the reservation at {va:#x}"] = [
-                (k, kernel_backing(va + i * g)) for i, k in enumerate(kernel_granules(va, size, g))]
+                (k, kernel_backing(va + i * g)) for i, k in enumerate(kernel_granules(va, size, g))
+            ]
     state["mem_info free bytes"] = free_bytes(driver)
     if host_kernel(driver):
         state["memfds the kernel holds (inode: bytes)"] = kernel_memfds()
@@ -243,8 +306,12 @@ def expect_state(raw: RawDriver, what: str, before: dict[str, object]) -> None:
         spare = next((x for x in range(va, va + size, g) if x not in mapped), None)
         if spare is not None:
             raw.commit(spare, g, seed=9)
-            expect_bytes(driver, f"a new mapping at {spare:#x} after {what}", raw.view(spare, g),
-                         shared_pattern(g, 9, driver.device))
+            expect_bytes(
+                driver,
+                f"a new mapping at {spare:#x} after {what}",
+                raw.view(spare, g),
+                shared_pattern(g, 9, driver.device),
+            )
             raw.unmap(spare, g)
 
 
@@ -260,8 +327,7 @@ def _refused(raw: RawDriver, op: str, args: tuple, what: str) -> None:
             raw.mappings[args[0]] = args[1]
         elif op == "free":
             raw.reservations.pop(args[0], None)
-        raise AssertionError(f"driver {raw.ledger.name}: {what}: expected DriverError(operation={op!r}), got no "
-                             f"error")
+        raise AssertionError(f"driver {raw.ledger.name}: {what}: expected DriverError(operation={op!r}), got no error")
     expect_state(raw, f"the refused {what}", before)
 
 
@@ -293,8 +359,12 @@ def test_map_outside_one_reservation_or_over_a_mapping_is_refused_and_changes_no
     a, b, handle = layout
     where, first, n, offset = MAP_REFUSALS[case]
     va = (a if where == "a" else b) + first * raw.g
-    _refused(raw, "map", (va, n * raw.g, handle, offset * raw.g),
-             f"map({where.upper()}{first:+d} granules, {n} granules, offset {offset} granules) {case}")
+    _refused(
+        raw,
+        "map",
+        (va, n * raw.g, handle, offset * raw.g),
+        f"map({where.upper()}{first:+d} granules, {n} granules, offset {offset} granules) {case}",
+    )
 
 
 UNMAP_REFUSALS = {  # name: (first granule of A, granules)
@@ -326,8 +396,9 @@ SET_ACCESS_REFUSALS = {  # name: (first granule of A, granules)
 def test_set_access_on_a_range_not_fully_mapped_is_refused_and_changes_nothing(raw, layout, case):
     a, _, _ = layout
     first, n = SET_ACCESS_REFUSALS[case]
-    _refused(raw, "set_access", (a + first * raw.g, n * raw.g),
-             f"set_access(A{first:+d} granules, {n} granules) {case}")
+    _refused(
+        raw, "set_access", (a + first * raw.g, n * raw.g), f"set_access(A{first:+d} granules, {n} granules) {case}"
+    )
 
 
 FREE_REFUSALS = {  # name: (reservation, first granule, granules)
@@ -357,8 +428,12 @@ def test_memory_is_returned_once_unmapped_and_released(raw, driver, order):
     expect(held <= free0 - 2 * g, driver, f"mem_info free bytes after create({2 * g})", f"<= {free0 - 2 * g}", held)
     if kernel0 is not None:
         grown = {k: v for k, v in kernel_memfds().items() if k not in kernel0}
-        expect_equal(driver, f"sizes of the memfds the kernel holds after create({2 * g}) that it did not before",
-                     [2 * g], list(grown.values()))
+        expect_equal(
+            driver,
+            f"sizes of the memfds the kernel holds after create({2 * g}) that it did not before",
+            [2 * g],
+            list(grown.values()),
+        )
     raw.map(va, 2 * g, handle)
     steps = {"release": lambda: raw.release(handle), "unmap": lambda: raw.unmap(va, 2 * g)}
     first, second = order.split("_then_")
@@ -375,8 +450,13 @@ def test_closing_a_tensor_returns_its_memory(driver):
     t = odd_tensor(driver)
     t.resize_per_segment_(t.segment_bytes)
     backed = sum(expected_granules(t)) * t.granularity
-    expect(free_bytes(driver) <= free0 - backed, driver, "mem_info free bytes with the tensor committed",
-           f"<= {free0 - backed}", free_bytes(driver))
+    expect(
+        free_bytes(driver) <= free0 - backed,
+        driver,
+        "mem_info free bytes with the tensor committed",
+        f"<= {free0 - backed}",
+        free_bytes(driver),
+    )
     t.close()
     expect_equal(driver, "mem_info free bytes after close()", free0, free_bytes(driver))
     if kernel0 is not None:
@@ -397,11 +477,20 @@ def test_create_past_free_memory_raises_driver_out_of_memory_and_leaks_nothing(r
             error = exc
             break
         made += 1
-    expect(isinstance(error, DriverOutOfMemory) and error.operation == "create", driver,
-           f"create({step}) once {made * step} of {free0} free bytes are held", "DriverOutOfMemory from create",
-           repr(error) if error else f"no error after {made} creates ({made * step} bytes, total {total})")
-    expect(free0 - 2 * step <= made * step <= free0, driver, f"bytes created in steps of {step} before the refusal",
-           f"between {free0 - 2 * step} and {free0}", made * step)
+    expect(
+        isinstance(error, DriverOutOfMemory) and error.operation == "create",
+        driver,
+        f"create({step}) once {made * step} of {free0} free bytes are held",
+        "DriverOutOfMemory from create",
+        repr(error) if error else f"no error after {made} creates ({made * step} bytes, total {total})",
+    )
+    expect(
+        free0 - 2 * step <= made * step <= free0,
+        driver,
+        f"bytes created in steps of {step} before the refusal",
+        f"between {free0 - 2 * step} and {free0}",
+        made * step,
+    )
     after = (free_bytes(driver), _kernel(driver))
     expect_equal(driver, "(mem_info free bytes, memfds the kernel holds) after the refused create", before, after)
     for handle in list(raw.handles):

@@ -11,8 +11,17 @@ import torch
 from extensible_kv import ExtensibleTensor, granules
 from extensible_kv.errors import BusyError, ClosedError, CommitError, InvalidSizeError
 
-from .helpers import (expect, expect_bytes, expect_equal, expect_rolled_back, expected_granules, granule_states,
-                      growth_state, odd_tensor, pattern)
+from .helpers import (
+    expect,
+    expect_bytes,
+    expect_equal,
+    expect_rolled_back,
+    expected_granules,
+    granule_states,
+    growth_state,
+    odd_tensor,
+    pattern,
+)
 
 
 def _steps(t: ExtensibleTensor) -> list[int]:
@@ -39,8 +48,9 @@ def test_base_address_is_stable_across_growth(driver):
         t.resize_per_segment_(n)
         for i in range(t.num_segments):
             ptr = t.segment_view(i).data_ptr()
-            expect_equal(driver, f"segment_view({i}).data_ptr() after growth to {n}", hex(base + i * t.segment_bytes),
-                         hex(ptr))
+            expect_equal(
+                driver, f"segment_view({i}).data_ptr() after growth to {n}", hex(base + i * t.segment_bytes), hex(ptr)
+            )
         expect_equal(driver, f"full_view().data_ptr() after growth to {n}", hex(base), hex(t.full_view().data_ptr()))
     t.close()
 
@@ -81,7 +91,7 @@ def test_zero_new_zeroes_exactly_the_new_range(driver):
     starts = [i * t.segment_bytes for i in range(t.num_segments)]
     ends = [min(-(-(s + 1024) // g) * g, s + t.segment_bytes) for s in starts]  # end of the backed granule
     for s, e in zip(starts, ends):
-        full[s + 1024:e].fill_(0xEE)
+        full[s + 1024 : e].fill_(0xEE)
     new = 1024 + min(e - s - 1024 for s, e in zip(starts, ends)) // 2 // 256 * 256
     t.resize_per_segment_(new, zero_new=True)
     driver.synchronize()
@@ -90,9 +100,14 @@ def test_zero_new_zeroes_exactly_the_new_range(driver):
         expect_bytes(driver, f"segment {i} old bytes after zero_new growth", view[:1024], old_data[i])
         zeros = torch.zeros(new - 1024, dtype=torch.uint8, device=t.device)
         expect_bytes(driver, f"segment {i} new bytes [1024, {new}) after zero_new growth", view[1024:new], zeros)
-        beyond = full[s + new:e]
-        expect(bool((beyond == 0xEE).all()), driver, f"segment {i} backed bytes beyond the new size",
-               "left alone (0xEE)", f"{int((beyond != 0xEE).sum())} of {beyond.numel()} bytes changed")
+        beyond = full[s + new : e]
+        expect(
+            bool((beyond == 0xEE).all()),
+            driver,
+            f"segment {i} backed bytes beyond the new size",
+            "left alone (0xEE)",
+            f"{int((beyond != 0xEE).sum())} of {beyond.numel()} bytes changed",
+        )
     del full, view, beyond
     t.close()
 
@@ -107,8 +122,9 @@ def test_zero_new_false_leaves_old_data_and_zeroes_nothing(driver):
     zeros = driver.count("zero", since=before)
     expect_equal(driver, "zero calls during a zero_new=False growth", 0, zeros)
     for i in range(t.num_segments):
-        expect_bytes(driver, f"segment {i} old bytes after zero_new=False growth", t.segment_view(i)[:4096],
-                     old_data[i])
+        expect_bytes(
+            driver, f"segment {i} old bytes after zero_new=False growth", t.segment_view(i)[:4096], old_data[i]
+        )
     t.close()
 
 
@@ -217,8 +233,15 @@ def _segment_index_out_of_range(t):
     t.segment_view(t.num_segments)
 
 
-INVALID_USES = [_shrink, _past_reservation, _zero_size, _negative_size, _misaligned_size, _float_size,
-                _segment_index_out_of_range]
+INVALID_USES = [
+    _shrink,
+    _past_reservation,
+    _zero_size,
+    _negative_size,
+    _misaligned_size,
+    _float_size,
+    _segment_index_out_of_range,
+]
 
 
 @pytest.mark.parametrize("misuse", INVALID_USES, ids=[f.__name__.lstrip("_") for f in INVALID_USES])
@@ -273,8 +296,17 @@ def test_use_after_close_raises_closed_error(driver, use):
 
 
 # -- rollback ------------------------------------------------------------------------------------------------------
-FAULTS = [("create", 1), ("create", 2), ("map", 1), ("map", 3), ("release", 2), ("set_access", 1),
-          ("set_access", 2), ("zero", 1), ("zero", 3)]
+FAULTS = [
+    ("create", 1),
+    ("create", 2),
+    ("map", 1),
+    ("map", 3),
+    ("release", 2),
+    ("set_access", 1),
+    ("set_access", 2),
+    ("zero", 1),
+    ("zero", 3),
+]
 
 
 @pytest.mark.parametrize("op,nth", FAULTS, ids=[f"{op}-{n}" for op, n in FAULTS])
@@ -287,10 +319,15 @@ def test_failed_growth_rolls_back_completely(driver, op, nth):
     with pytest.raises(CommitError) as info:
         t.resize_per_segment_(t.segment_bytes)
     expect_equal(driver, "CommitError.operation", op, info.value.operation)
-    expect_equal(driver, "CommitError sizes (requested, committed)", (t.segment_bytes, 1024),
-                 (info.value.requested, info.value.committed))
-    expect_rolled_back(driver, t, f"failed {op} #{nth}", before, 1024, data,
-                       retry=lambda u: u.resize_per_segment_(u.segment_bytes))  # the tensor is still usable
+    expect_equal(
+        driver,
+        "CommitError sizes (requested, committed)",
+        (t.segment_bytes, 1024),
+        (info.value.requested, info.value.committed),
+    )
+    expect_rolled_back(
+        driver, t, f"failed {op} #{nth}", before, 1024, data, retry=lambda u: u.resize_per_segment_(u.segment_bytes)
+    )  # the tensor is still usable
     t.close()
 
 
@@ -309,8 +346,9 @@ def test_views_keep_the_tensor_alive(driver):
     del view
     gc.collect()
     expect(ref() is None, driver, "tensor after its last view died", "collected", "alive")
-    expect(not driver.outstanding(), driver, "driver state after collection", "nothing outstanding",
-           driver.outstanding())
+    expect(
+        not driver.outstanding(), driver, "driver state after collection", "nothing outstanding", driver.outstanding()
+    )
 
 
 def test_garbage_collection_frees_exactly_once(driver):
@@ -338,8 +376,9 @@ def test_close_refuses_while_views_are_alive(driver):
     view = t.segment_view(0)
     with pytest.raises(BusyError):
         t.close()
-    expect_equal(driver, "tensor after a refused close (closed, view bytes)", (False, 4096),
-                 (t.closed, int(view.numel())))
+    expect_equal(
+        driver, "tensor after a refused close (closed, view bytes)", (False, 4096), (t.closed, int(view.numel()))
+    )
     del view
     t.close()
     expect_equal(driver, "closed after the view died", True, t.closed)

@@ -29,8 +29,9 @@ def test_graph_captured_before_growth_replays_after_growth(driver):
     driver.synchronize()
     expect_bytes(driver, "graph replay after growth: copied segment", dst, expected_src)
     expect_bytes(driver, "graph replay after growth: incremented segment", src, expected_src + 1)
-    expect_equal(driver, "nonzero bytes where the graph does not write", 0,
-                 int(t.segment_view(1)[n:].count_nonzero().item()))
+    expect_equal(
+        driver, "nonzero bytes where the graph does not write", 0, int(t.segment_view(1)[n:].count_nonzero().item())
+    )
     del graph, src, dst, expected_src
     t.close()
 
@@ -48,7 +49,11 @@ def test_graph_captured_over_uncommitted_range_replays_once_committed(driver):
     t.resize_per_segment_(t.segment_bytes)
     graph.replay()
     driver.synchronize()
-    expect_bytes(driver, "graph over a then-uncommitted range, replayed after commit", t.segment_view(0),
-                 torch.full((t.segment_bytes,), 7, dtype=torch.uint8, device=t.device))
+    expect_bytes(
+        driver,
+        "graph over a then-uncommitted range, replayed after commit",
+        t.segment_view(0),
+        torch.full((t.segment_bytes,), 7, dtype=torch.uint8, device=t.device),
+    )
     del graph, full, target
     t.close()

@@ -17,10 +17,13 @@ def plans(draw):
     num_segments = draw(st.integers(1, 4), label="num_segments")
     quarter_granules = draw(st.integers(1, 12), label="segment size in quarter granules")
     extra = draw(st.integers(0, 3), label="extra 256-byte units per segment")
-    faults = st.one_of(st.none(), st.tuples(st.sampled_from(["create", "map", "release", "set_access", "zero"]),
-                                            st.integers(1, 3)))
-    steps = draw(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16), faults), min_size=1,
-                          max_size=6), label="steps (fraction, zero_new, seed, injected fault)")
+    faults = st.one_of(
+        st.none(), st.tuples(st.sampled_from(["create", "map", "release", "set_access", "zero"]), st.integers(1, 3))
+    )
+    steps = draw(
+        st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16), faults), min_size=1, max_size=6),
+        label="steps (fraction, zero_new, seed, injected fault)",
+    )
     return num_segments, quarter_granules, extra, steps
 
 
@@ -62,8 +65,13 @@ def test_random_growth_matches_a_bytearray_model(driver, plan):
             driver.synchronize()
             for i, m in enumerate(model):
                 actual = bytes(t.segment_view(i).cpu().tolist())
-                expect(actual == bytes(m[:target]), driver, f"segment {i} after growth to {target}",
-                       "the model's bytes", f"{sum(a != b for a, b in zip(actual, m))} bytes differ")
+                expect(
+                    actual == bytes(m[:target]),
+                    driver,
+                    f"segment {i} after growth to {target}",
+                    "the model's bytes",
+                    f"{sum(a != b for a, b in zip(actual, m))} bytes differ",
+                )
             states = granule_states(driver, t.base_address, t.max_num_bytes)
             expect_equal(driver, f"accessible granules after growth to {target}", expected_granules(t), states)
     finally:

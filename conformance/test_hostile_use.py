@@ -35,8 +35,13 @@ def test_an_interrupted_close_can_be_retried_and_returns_everything(driver, op):
         t.close()
     expect_equal(driver, f"closed after an interrupt at {op} during close()", False, t.closed)
     t.close()
-    expect(t.closed and not driver.outstanding(), driver, f"close() retried after an interrupt at {op}",
-           "closed, nothing outstanding", (t.closed, driver.outstanding()))
+    expect(
+        t.closed and not driver.outstanding(),
+        driver,
+        f"close() retried after an interrupt at {op}",
+        "closed, nothing outstanding",
+        (t.closed, driver.outstanding()),
+    )
 
 
 @pytest.mark.parametrize("view", ["segment_view", "full_view"])
@@ -76,8 +81,9 @@ def test_a_view_is_never_handed_out_over_a_closed_tensor(driver, view):
         handed_over_freed += "view" in got and "closed" in got
         got.clear()
         t.close(force=True)
-    expect_equal(driver, f"views handed out over a closed tensor in {view} racing close() {RACES} times", 0,
-                 handed_over_freed)
+    expect_equal(
+        driver, f"views handed out over a closed tensor in {view} racing close() {RACES} times", 0, handed_over_freed
+    )
 
 
 def test_growth_racing_close_ends_closed_with_nothing_outstanding(driver):
@@ -108,8 +114,7 @@ def test_growth_racing_close_ends_closed_with_nothing_outstanding(driver):
     expect_equal(driver, "errors other than ClosedError from ensure_blocks racing close()", [], unexpected)
     with pytest.raises(ClosedError):
         cache.ensure_blocks(1)
-    expect(not driver.outstanding(), driver, "driver state after growth raced close()", "nothing",
-           driver.outstanding())
+    expect(not driver.outstanding(), driver, "driver state after growth raced close()", "nothing", driver.outstanding())
 
 
 def _kv_after_close_calls(cache):
@@ -151,16 +156,16 @@ def test_kv_growth_is_all_or_nothing_when_a_buffer_was_closed_underneath(driver)
     with pytest.raises(ClosedError):
         cache.ensure_blocks(50)
     sizes = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers[:-1]]
-    expect_equal(driver, "open buffers' sizes and the block count after ensure_blocks failed on a closed buffer",
-                 ([5 * layouts.PAGE // 2] * 2, 5), (sizes, cache.num_blocks))
+    expect_equal(
+        driver,
+        "open buffers' sizes and the block count after ensure_blocks failed on a closed buffer",
+        ([5 * layouts.PAGE // 2] * 2, 5),
+        (sizes, cache.num_blocks),
+    )
     cache.close()
 
 
-COPIES = {
-    "copy.copy": copy.copy,
-    "copy.deepcopy": copy.deepcopy,
-    "pickle.dumps": pickle.dumps,
-}
+COPIES = {"copy.copy": copy.copy, "copy.deepcopy": copy.deepcopy, "pickle.dumps": pickle.dumps}
 
 
 @pytest.mark.parametrize("how", COPIES.values(), ids=COPIES.keys())
@@ -194,5 +199,10 @@ def test_sizes_past_the_address_space_are_refused_before_any_driver_call(driver,
         make(driver)
     made = [c.op for c in driver.calls[before:]]
     expect_equal(driver, "driver calls for a size past the address space", [], made)
-    expect(not driver.outstanding(), driver, "driver state after a size past the address space", "nothing",
-           driver.outstanding())
+    expect(
+        not driver.outstanding(),
+        driver,
+        "driver state after a size past the address space",
+        "nothing",
+        driver.outstanding(),
+    )

@@ -44,10 +44,15 @@ def test_ensure_blocks_maps_the_granules_of_the_block_prefix_and_no_more(driver,
             need = layouts.granules_of(used, g)
             allowed = layouts.granules_of([(lo, hi + b.page_size_bytes) for lo, hi in used], g)
             got = _mapped_granules(driver, cache, b.name)
-            expect(need <= got <= allowed, driver, f"{layout}: granules mapped for {n} blocks in buffer {b.name}",
-                   f"{len(need)} to {len(allowed)} granules from {sorted(need)[:4]}...",
-                   f"{len(got)} granules {sorted(got)[:4]}...", missing=sorted(need - got)[:6],
-                   extra=sorted(got - allowed)[:6])
+            expect(
+                need <= got <= allowed,
+                driver,
+                f"{layout}: granules mapped for {n} blocks in buffer {b.name}",
+                f"{len(need)} to {len(allowed)} granules from {sorted(need)[:4]}...",
+                f"{len(got)} granules {sorted(got)[:4]}...",
+                missing=sorted(need - got)[:6],
+                extra=sorted(got - allowed)[:6],
+            )
     cache.close()
 
 
@@ -72,12 +77,20 @@ def test_committed_blocks_written_through_layer_views_survive_growth(driver, lay
     for name, k, dim, own, data, ptr in written:
         view = cache.committed_layer_views(name)[k]
         kept = view.index_select(dim, own.to(view.device))
-        expect_bytes(driver, f"{layout}: layer {name} state {k} blocks {own.tolist()[:3]}... after growth "
-                     f"{old_n}->{MAX_BLOCKS}", kept.contiguous().view(torch.uint8),
-                     data.contiguous().view(torch.uint8))
+        expect_bytes(
+            driver,
+            f"{layout}: layer {name} state {k} blocks {own.tolist()[:3]}... after growth {old_n}->{MAX_BLOCKS}",
+            kept.contiguous().view(torch.uint8),
+            data.contiguous().view(torch.uint8),
+        )
         new = view.narrow(dim, old_n, MAX_BLOCKS - old_n)
-        expect(int(new.count_nonzero()) == 0, driver, f"{layout}: layer {name} state {k} new blocks", "zero",
-               f"{int(new.count_nonzero())} nonzero elements")
+        expect(
+            int(new.count_nonzero()) == 0,
+            driver,
+            f"{layout}: layer {name} state {k} new blocks",
+            "zero",
+            f"{int(new.count_nonzero())} nonzero elements",
+        )
         now = cache.layer_views(name)[k].data_ptr()
         expect_equal(driver, f"{layout}: layer {name} full view address after growth", ptr, now)
     del view, kept, new
@@ -86,8 +99,12 @@ def test_committed_blocks_written_through_layer_views_survive_growth(driver, lay
 
 def test_ensure_blocks_is_idempotent_and_grow_only(driver):
     cache = layouts.kv_cache(driver, "kv_first")
-    expect_equal(driver, "ensure_blocks(50) (its return value, num_blocks)", (50, 50),
-                 (cache.ensure_blocks(50), cache.num_blocks))
+    expect_equal(
+        driver,
+        "ensure_blocks(50) (its return value, num_blocks)",
+        (50, 50),
+        (cache.ensure_blocks(50), cache.num_blocks),
+    )
     before = len(driver.calls)
     for n in (10, 50, 0):
         got = cache.ensure_blocks(n)
@@ -120,8 +137,12 @@ def test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count(driver, 
     expect_equal(driver, f"mappings after a failed {op}", before, driver.outstanding().mappings)
     sizes = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers]
     expect_equal(driver, f"bytes per segment of every buffer after a failed {op}", [20 * layouts.PAGE // 2] * 3, sizes)
-    expect_equal(driver, "ensure_blocks after the failure (its return value, num_blocks)", (MAX_BLOCKS, MAX_BLOCKS),
-                 (cache.ensure_blocks(MAX_BLOCKS), cache.num_blocks))
+    expect_equal(
+        driver,
+        "ensure_blocks after the failure (its return value, num_blocks)",
+        (MAX_BLOCKS, MAX_BLOCKS),
+        (cache.ensure_blocks(MAX_BLOCKS), cache.num_blocks),
+    )
     cache.close()
 
 
@@ -139,8 +160,13 @@ def test_stats_account_reserved_committed_backed_and_waste(driver):
     stats = cache.stats()
     for row in stats.buffers:
         backed = len(_mapped_granules(driver, cache, row.name)) * g
-        want = {"committed_bytes": 33 * layouts.PAGE, "reserved_bytes": -(-MAX_BLOCKS * layouts.PAGE // g) * g,
-                "backed_bytes": backed, "waste_bytes": backed - 33 * layouts.PAGE, "num_segments": 2}
+        want = {
+            "committed_bytes": 33 * layouts.PAGE,
+            "reserved_bytes": -(-MAX_BLOCKS * layouts.PAGE // g) * g,
+            "backed_bytes": backed,
+            "waste_bytes": backed - 33 * layouts.PAGE,
+            "num_segments": 2,
+        }
         got = {k: getattr(row, k) for k in want}
         expect_equal(driver, f"stats of buffer {row.name}", want, got)
     expect_equal(driver, "total stats", (33, 2 * 33 * layouts.PAGE), (stats.num_blocks, stats.committed_bytes))

@@ -35,8 +35,10 @@ THREADED_SHARE = 0.3
 MIN_EXAMPLES = 8
 STEPS = 30
 THREAD_STEPS = 12
-SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                                        HealthCheck.data_too_large]}
+SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+}
 
 
 def _learns(driver, op: str, call) -> bool:
@@ -44,8 +46,9 @@ def _learns(driver, op: str, call) -> bool:
     try:
         call()
     except DriverError as exc:
-        expect_equal(driver, f"{op} the driver refused, to learn whether it takes it: the refusal's operation", op,
-                     exc.operation)
+        expect_equal(
+            driver, f"{op} the driver refused, to learn whether it takes it: the refusal's operation", op, exc.operation
+        )
         return False
     return True
 
@@ -74,8 +77,13 @@ def _setup(driver) -> Setup:
         raw.release(handle)
         raw.free(va, 2 * g)
     host = host_kernel(driver)
-    expect(offsets and parts or not host, driver, "map of part of a handle, at offset 0 and at a non-zero offset, on a "
-           "host (mmap) driver", "taken", f"taken at offset 0: {parts}, at a non-zero offset: {offsets}")
+    expect(
+        offsets and parts or not host,
+        driver,
+        "map of part of a handle, at offset 0 and at a non-zero offset, on a host (mmap) driver",
+        "taken",
+        f"taken at offset 0: {parts}, at a non-zero offset: {offsets}",
+    )
     return Setup(driver, host, offsets, parts, partial)
 
 
@@ -90,21 +98,39 @@ def test_random_protocol_calls_match_the_model(driver):
     (see ProtocolMachine's rules and its invariant)."""
     setup = _setup(driver)
     try:
-        run_state_machine_as_test(lambda: ProtocolMachine(setup), settings=settings(
-            settings.default, max_examples=_examples(SEQUENTIAL_SHARE), stateful_step_count=STEPS, **SETTINGS))
+        run_state_machine_as_test(
+            lambda: ProtocolMachine(setup),
+            settings=settings(
+                settings.default, max_examples=_examples(SEQUENTIAL_SHARE), stateful_step_count=STEPS, **SETTINGS
+            ),
+        )
     except Flaky as exc:  # a failed example left state behind that its replay found (what failed is reported)
-        expect(False, driver, "random protocol calls from one thread", "every observable as the model says",
-               f"{setup.failures[0] if setup.failures else exc} (and the driver kept state across examples, so "
-               f"the failing calls could not be replayed)")
+        expect(
+            False,
+            driver,
+            "random protocol calls from one thread",
+            "every observable as the model says",
+            f"{setup.failures[0] if setup.failures else exc} (and the driver kept state across examples, so "
+            f"the failing calls could not be replayed)",
+        )
 
 
 def test_calls_from_two_threads_match_some_serial_order(driver):
     """The same kinds of calls from two threads at once. Checks: P-threads (see TwoThreadMachine's rules)."""
     setup = _setup(driver)
     try:
-        run_state_machine_as_test(lambda: TwoThreadMachine(setup), settings=settings(
-            settings.default, max_examples=_examples(THREADED_SHARE), stateful_step_count=THREAD_STEPS, **SETTINGS))
+        run_state_machine_as_test(
+            lambda: TwoThreadMachine(setup),
+            settings=settings(
+                settings.default, max_examples=_examples(THREADED_SHARE), stateful_step_count=THREAD_STEPS, **SETTINGS
+            ),
+        )
     except Flaky as exc:  # a race: the same calls failed on one run and not on the next (P-threads)
         first = setup.failures[0] if setup.failures else exc
-        expect(False, driver, "calls from two threads", "the outcome of some serial order of them on every run",
-               f"a failure on some runs of the same calls and not on others (a race), the first: {first}")
+        expect(
+            False,
+            driver,
+            "calls from two threads",
+            "the outcome of some serial order of them on every run",
+            f"a failure on some runs of the same calls and not on others (a race), the first: {first}",
+        )

@@ -16,8 +16,19 @@ from extensible_kv.drivers.ledger import OPERATIONS
 from extensible_kv.errors import CommitError, ReleasedError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 
-from .helpers import (expect, expect_bytes, expect_equal, expected_granules, free_bytes, granule_states, host_kernel,
-                      kernel_memfds, odd_tensor, pattern, settle_device)
+from .helpers import (
+    expect,
+    expect_bytes,
+    expect_equal,
+    expected_granules,
+    free_bytes,
+    granule_states,
+    host_kernel,
+    kernel_memfds,
+    odd_tensor,
+    pattern,
+    settle_device,
+)
 
 RECOMMIT_OPS = tuple(op for op in OPERATIONS if op in ("create", "map", "release", "set_access", "zero"))
 
@@ -44,14 +55,22 @@ def test_release_returns_every_page_and_keeps_the_reservation_and_size(driver):
     held = driver.outstanding()
     expect_equal(driver, "mappings and handles after release_physical", ({}, 0), (held.mappings, held.handles))
     expect_equal(driver, "reservations after release_physical", {base: reserved}, held.reservations)
-    expect_equal(driver, "accessible granules after release_physical", [False] * len(expected_granules(t)),
-                 granule_states(driver, base, t.max_num_bytes))
+    expect_equal(
+        driver,
+        "accessible granules after release_physical",
+        [False] * len(expected_granules(t)),
+        granule_states(driver, base, t.max_num_bytes),
+    )
     expect_equal(driver, "mem_info free bytes after release_physical", free0, free_bytes(driver))
     if kernel0 is not None:
         expect_equal(driver, "memfds the kernel holds after release_physical", kernel0, kernel_memfds())
     stats = t.stats()
-    expect_equal(driver, "stats (state, committed, backed) after release_physical", ("released", 0, 0),
-                 (stats.state, stats.committed_bytes, stats.backed_bytes))
+    expect_equal(
+        driver,
+        "stats (state, committed, backed) after release_physical",
+        ("released", 0, 0),
+        (stats.state, stats.committed_bytes, stats.backed_bytes),
+    )
     t.close()
     expect_equal(driver, "reservations after close() of a released tensor", {}, driver.outstanding().reservations)
 
@@ -62,18 +81,28 @@ def test_recommit_maps_zeroes_at_the_same_addresses(driver):
     t.release_physical()
     t.recommit_physical()
     expect_equal(driver, "state after recommit_physical", "open", t.state)
-    expect_equal(driver, "(base_address, bytes_per_segment) after recommit_physical", (base, size),
-                 (t.base_address, t.bytes_per_segment))
-    expect_equal(driver, "accessible granules after recommit_physical", expected_granules(t),
-                 granule_states(driver, base, t.max_num_bytes))
+    expect_equal(
+        driver,
+        "(base_address, bytes_per_segment) after recommit_physical",
+        (base, size),
+        (t.base_address, t.bytes_per_segment),
+    )
+    expect_equal(
+        driver,
+        "accessible granules after recommit_physical",
+        expected_granules(t),
+        granule_states(driver, base, t.max_num_bytes),
+    )
     for i in range(t.num_segments):
         view = t.segment_view(i)
-        expect_equal(driver, f"segment {i} address after recommit_physical", base + i * t.segment_bytes,
-                     view.data_ptr())
+        expect_equal(
+            driver, f"segment {i} address after recommit_physical", base + i * t.segment_bytes, view.data_ptr()
+        )
         expect_bytes(driver, f"segment {i} after recommit_physical", view, torch.zeros_like(view))
         view.copy_(pattern(size, 10 + i, driver.device))
-        expect_bytes(driver, f"a write to segment {i} after recommit_physical", view,
-                     pattern(size, 10 + i, driver.device))
+        expect_bytes(
+            driver, f"a write to segment {i} after recommit_physical", view, pattern(size, 10 + i, driver.device)
+        )
         del view
     t.close()
 
@@ -81,14 +110,21 @@ def test_recommit_maps_zeroes_at_the_same_addresses(driver):
 def test_a_released_tensor_refuses_views_growth_and_a_second_release(driver):
     t = _filled(driver, num_segments=1)
     t.release_physical()
-    for what, call in (("segment_view", lambda: t.segment_view(0)), ("full_view", lambda: t.full_view()),
-                       ("resize_per_segment_", lambda: t.resize_per_segment_(t.segment_bytes // 256 * 256)),
-                       ("release_physical", t.release_physical)):
+    for what, call in (
+        ("segment_view", lambda: t.segment_view(0)),
+        ("full_view", lambda: t.full_view()),
+        ("resize_per_segment_", lambda: t.resize_per_segment_(t.segment_bytes // 256 * 256)),
+        ("release_physical", t.release_physical),
+    ):
         with pytest.raises(ReleasedError) as info:
             call()
-        expect(what in str(info.value) and "recommit_physical" in str(info.value), driver,
-               f"{what} on a released tensor", "ReleasedError naming the operation and recommit_physical()",
-               str(info.value))
+        expect(
+            what in str(info.value) and "recommit_physical" in str(info.value),
+            driver,
+            f"{what} on a released tensor",
+            "ReleasedError naming the operation and recommit_physical()",
+            str(info.value),
+        )
     t.recommit_physical()
     with pytest.raises(ReleasedError):
         t.recommit_physical()  # open: nothing to recommit
@@ -109,15 +145,18 @@ def test_a_failed_recommit_leaves_the_tensor_released_and_holding_nothing(driver
     finally:
         driver.clear_faults()
     expect_equal(driver, f"state after a recommit that failed at {op}", "released", t.state)
-    expect_equal(driver, f"bytes_per_segment on record after a recommit that failed at {op}", size,
-                 t.bytes_per_segment)
+    expect_equal(driver, f"bytes_per_segment on record after a recommit that failed at {op}", size, t.bytes_per_segment)
     held = driver.outstanding()
-    expect_equal(driver, f"mappings and handles after a recommit that failed at {op}", ({}, 0),
-                 (held.mappings, held.handles))
-    expect_equal(driver, f"accessible granules after a recommit that failed at {op}",
-                 [False] * len(expected_granules(t)), granule_states(driver, base, t.max_num_bytes))
-    expect_equal(driver, f"mem_info free bytes after a recommit that failed at {op}", free_released,
-                 free_bytes(driver))
+    expect_equal(
+        driver, f"mappings and handles after a recommit that failed at {op}", ({}, 0), (held.mappings, held.handles)
+    )
+    expect_equal(
+        driver,
+        f"accessible granules after a recommit that failed at {op}",
+        [False] * len(expected_granules(t)),
+        granule_states(driver, base, t.max_num_bytes),
+    )
+    expect_equal(driver, f"mem_info free bytes after a recommit that failed at {op}", free_released, free_bytes(driver))
     t.recommit_physical()
     view = t.segment_view(0)
     expect_bytes(driver, f"segment 0 after a retried recommit (first failed at {op})", view, torch.zeros_like(view))
@@ -129,23 +168,33 @@ def test_kv_buffers_release_and_recommit_every_buffer_under_the_same_addresses(d
     settle_device(driver)
     g = driver.granularity()
     free0 = free_bytes(driver)
-    kv = ExtensibleKVCacheBuffers([KVBuffer("kv", g // 2, num_segments=2),
-                                   KVBuffer("state", g // 4 * 3, num_segments=1)], 24,
-                                  driver=driver)
+    kv = ExtensibleKVCacheBuffers(
+        [KVBuffer("kv", g // 2, num_segments=2), KVBuffer("state", g // 4 * 3, num_segments=1)], 24, driver=driver
+    )
     kv.ensure_blocks(7)
     raws = {b.name: kv.raw(b.name) for b in kv.buffers}
     addresses = {name: raw.data_ptr() for name, raw in raws.items()}
     for name in raws:
         kv.tensor(name).segment_view(0).fill_(9)
     kv.release_physical()
-    expect_equal(driver, "KV state and block count on record after release_physical", ("released", 7),
-                 (kv.state, kv.num_blocks))
+    expect_equal(
+        driver, "KV state and block count on record after release_physical", ("released", 7), (kv.state, kv.num_blocks)
+    )
     expect_equal(driver, "mappings after KV release_physical", {}, driver.outstanding().mappings)
     reserved = sum(kv.tensor(b.name).stats().reserved_bytes for b in kv.buffers)
-    expect_equal(driver, "KV stats (backed, reserved) after release_physical", (0, reserved),
-                 (kv.stats().backed_bytes, kv.stats().reserved_bytes))
-    expect(free_bytes(driver) >= free0, driver, "mem_info free bytes after KV release_physical",
-           f"at least {free0} (what was free before the buffers)", free_bytes(driver))
+    expect_equal(
+        driver,
+        "KV stats (backed, reserved) after release_physical",
+        (0, reserved),
+        (kv.stats().backed_bytes, kv.stats().reserved_bytes),
+    )
+    expect(
+        free_bytes(driver) >= free0,
+        driver,
+        "mem_info free bytes after KV release_physical",
+        f"at least {free0} (what was free before the buffers)",
+        free_bytes(driver),
+    )
     driver.fail("map", 2)  # the second buffer's first map: the first buffer is recommitted, then released again
     try:
         with pytest.raises(CommitError):

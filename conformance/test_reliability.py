@@ -15,8 +15,15 @@ from extensible_kv.drivers.ledger import OPERATIONS
 from extensible_kv.errors import CommitError, DriverError
 
 from . import layouts
-from .helpers import (expect, expect_equal, expect_rolled_back, expected_granules, granule_states, growth_state,
-                      odd_tensor)
+from .helpers import (
+    expect,
+    expect_equal,
+    expect_rolled_back,
+    expected_granules,
+    granule_states,
+    growth_state,
+    odd_tensor,
+)
 from .layouts import MAX_BLOCKS
 
 
@@ -51,8 +58,13 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver, fault)
         t.resize_per_segment_(t.segment_bytes)
 
     counts = _calls_of_a_step(driver, make, grow)
-    expect(counts["create"] >= 2 and counts["zero"] >= 1, driver, "calls in the swept growth step",
-           "several creates and zeros", counts)
+    expect(
+        counts["create"] >= 2 and counts["zero"] >= 1,
+        driver,
+        "calls in the swept growth step",
+        "several creates and zeros",
+        counts,
+    )
     swept = 0
     for op, total in counts.items():
         for k in range(1, total + 1):
@@ -93,8 +105,12 @@ def test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer(drive
                 grow(cache)
             where = f"failed {op} #{k} of {total}"
             sizes = {b.name: cache.tensor(b.name).bytes_per_segment for b in cache.buffers}
-            expect_equal(driver, f"KV block count and per-buffer sizes after a {where}",
-                         (17, dict.fromkeys(sizes, 17 * layouts.PAGE // 2)), (cache.num_blocks, sizes))
+            expect_equal(
+                driver,
+                f"KV block count and per-buffer sizes after a {where}",
+                (17, dict.fromkeys(sizes, 17 * layouts.PAGE // 2)),
+                (cache.num_blocks, sizes),
+            )
             held = driver.outstanding()
             expect_equal(driver, f"mappings and handles after a {where}", (maps, 0), (held.mappings, held.handles))
             grow(cache)
@@ -111,19 +127,38 @@ def test_a_rollback_that_fails_too_is_reported_and_close_returns_what_it_kept(dr
     with pytest.raises(CommitError) as info:
         t.resize_per_segment_(t.segment_bytes)
     message = str(info.value)
-    expect("rollback also failed" in message and "unmap(" in message, driver,
-           "CommitError when the rollback's unmap fails too", "names the failed rollback unmap", message)
+    expect(
+        "rollback also failed" in message and "unmap(" in message,
+        driver,
+        "CommitError when the rollback's unmap fails too",
+        "names the failed rollback unmap",
+        message,
+    )
     ops = [c.op for c in driver.calls[before:]]
     first_unmap = ops.index("unmap") if "unmap" in ops else len(ops)
-    expect("synchronize" in ops[ops.index("zero"):first_unmap], driver,
-           "driver calls between the failed zero and the rollback's first unmap", "a synchronize", ops)
+    expect(
+        "synchronize" in ops[ops.index("zero") : first_unmap],
+        driver,
+        "driver calls between the failed zero and the rollback's first unmap",
+        "a synchronize",
+        ops,
+    )
     kept = t.stats().mappings
-    expect(kept == len(driver.outstanding().mappings) and kept > 1, driver,
-           "mappings on the tensor's record after the failed rollback (the initial one and the one that would not "
-           "unmap)", f"{len(driver.outstanding().mappings)} (> 1)", kept)
+    expect(
+        kept == len(driver.outstanding().mappings) and kept > 1,
+        driver,
+        "mappings on the tensor's record after the failed rollback (the initial one and the one that would not unmap)",
+        f"{len(driver.outstanding().mappings)} (> 1)",
+        kept,
+    )
     t.close()
-    expect(not driver.outstanding(), driver, "driver state after close() of a tensor whose rollback failed",
-           "nothing", driver.outstanding())
+    expect(
+        not driver.outstanding(),
+        driver,
+        "driver state after close() of a tensor whose rollback failed",
+        "nothing",
+        driver.outstanding(),
+    )
 
 
 def test_a_handle_the_rollback_cannot_release_is_reported_and_close_releases_it(driver):
@@ -134,15 +169,24 @@ def test_a_handle_the_rollback_cannot_release_is_reported_and_close_releases_it(
     with pytest.raises(CommitError) as info:
         t.resize_per_segment_(t.segment_bytes)
     message = str(info.value)
-    expect("rollback also failed" in message and "release:" in message, driver,
-           "CommitError when the rollback's release fails too", "names the failed rollback release", message)
+    expect(
+        "rollback also failed" in message and "release:" in message,
+        driver,
+        "CommitError when the rollback's release fails too",
+        "names the failed rollback release",
+        message,
+    )
     held = driver.outstanding().handles
-    expect(held == 1, driver, "handles held after the failed rollback (the one it could not release)", 1,
-           held)
+    expect(held == 1, driver, "handles held after the failed rollback (the one it could not release)", 1, held)
     expect(t.bytes_per_segment == 1024, driver, "bytes_per_segment after the failed step", 1024, t.bytes_per_segment)
     t.close()
-    expect(not driver.outstanding(), driver, "driver state after close() of a tensor whose rollback kept a handle",
-           "nothing", driver.outstanding())
+    expect(
+        not driver.outstanding(),
+        driver,
+        "driver state after close() of a tensor whose rollback kept a handle",
+        "nothing",
+        driver.outstanding(),
+    )
 
 
 def test_failed_reservation_leaves_nothing_behind(driver):
@@ -209,12 +253,16 @@ def test_lifecycle_under_garbage_collection_stress(driver):
         del t, view
         gc.collect()
     for round_, view in survivors:
-        expect(bool((view == round_ % 251).all()), driver, f"a surviving view of round {round_}",
-               f"filled with {round_ % 251}", "changed")
+        expect(
+            bool((view == round_ % 251).all()),
+            driver,
+            f"a surviving view of round {round_}",
+            f"filled with {round_ % 251}",
+            "changed",
+        )
     del view
     alive = sum(r() is not None for r in refs)
     expect_equal(driver, "tensors alive under gc stress", len(survivors), alive)
     survivors.clear()
     gc.collect()
-    expect(not driver.outstanding(), driver, "driver state after the last view died", "nothing",
-           driver.outstanding())
+    expect(not driver.outstanding(), driver, "driver state after the last view died", "nothing", driver.outstanding())

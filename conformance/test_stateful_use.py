@@ -37,8 +37,11 @@ EXAMPLES_ENV = "EXTENSIBLE_KV_STATEFUL_EXAMPLES"
 # The calls a growth step makes: every recorded operation but those that build a tensor (reserve) or close one (unmap,
 # free); a growth step calls unmap only to roll back, whose own failure has its rule in test_reliability.py.
 FAULT_OPS = tuple(op for op in OPERATIONS if op not in protocol_methods("reserve", "unmap", "free"))
-FAULTS = {"DriverError": lambda op: DriverError(op, "injected"), "KeyboardInterrupt": lambda op: KeyboardInterrupt(),
-          "SystemExit": lambda op: SystemExit(3)}
+FAULTS = {
+    "DriverError": lambda op: DriverError(op, "injected"),
+    "KeyboardInterrupt": lambda op: KeyboardInterrupt(),
+    "SystemExit": lambda op: SystemExit(3),
+}
 
 
 @contextmanager
@@ -84,8 +87,12 @@ class HostileUse(RuleBasedStateMachine):
         self.made: list[_Tracked] = []  # every tensor this example made, for teardown to drop
 
     # -- tensors -------------------------------------------------------------------------------------------------
-    @rule(target=tensors, segments=st.integers(1, 3), quarter_granules=st.sampled_from([1, 2, 4, 5, 10]),
-          alignment=st.sampled_from([1, 256, 4096]))
+    @rule(
+        target=tensors,
+        segments=st.integers(1, 3),
+        quarter_granules=st.sampled_from([1, 2, 4, 5, 10]),
+        alignment=st.sampled_from([1, 256, 4096]),
+    )
     def new_tensor(self, segments, quarter_granules, alignment):
         seg = max(self.driver.granularity() * quarter_granules // 4 // alignment, 1) * alignment
         tracked = _Tracked(ExtensibleTensor(seg * segments, segments, driver=self.driver, alignment=alignment))
@@ -110,8 +117,13 @@ class HostileUse(RuleBasedStateMachine):
         for i, d in enumerate(tracked.data):
             tracked.data[i] = torch.cat([d, torch.zeros(new - d.numel(), dtype=torch.uint8)])
 
-    @rule(tracked=tensors, frac=st.floats(0, 1), op=st.sampled_from(FAULT_OPS), nth=st.integers(1, 4),
-          fault=st.sampled_from(sorted(FAULTS)))
+    @rule(
+        tracked=tensors,
+        frac=st.floats(0, 1),
+        op=st.sampled_from(FAULT_OPS),
+        nth=st.integers(1, 4),
+        fault=st.sampled_from(sorted(FAULTS)),
+    )
     def grow_with_a_fault(self, tracked, frac, op, nth, fault):
         t = tracked.t
         if t.closed:
@@ -128,8 +140,9 @@ class HostileUse(RuleBasedStateMachine):
         else:
             expect_equal(self.driver, f"size after {fault} at {op} #{nth} of a growth step", old, t.bytes_per_segment)
 
-    @rule(tracked=tensors, segment=st.integers(0, 2), seed=st.integers(0, 250), lo=st.floats(0, 1),
-          span=st.floats(0, 1))
+    @rule(
+        tracked=tensors, segment=st.integers(0, 2), seed=st.integers(0, 250), lo=st.floats(0, 1), span=st.floats(0, 1)
+    )
     def write(self, tracked, segment, seed, lo, span):
         t = tracked.t
         if t.closed or t.bytes_per_segment == 0:
@@ -139,8 +152,8 @@ class HostileUse(RuleBasedStateMachine):
         start = int(lo * (n - 1))
         length = max(int(span * (n - start)), 1)
         data = pattern(length, seed, t.device)
-        t.segment_view(segment)[start:start + length].copy_(data)
-        tracked.data[segment][start:start + length] = data.cpu()
+        t.segment_view(segment)[start : start + length].copy_(data)
+        tracked.data[segment][start : start + length] = data.cpu()
 
     @rule(tracked=tensors)
     def read(self, tracked):
@@ -227,8 +240,13 @@ class HostileUse(RuleBasedStateMachine):
         got = cache.ensure_blocks(blocks)
         expect_equal(self.driver, f"ensure_blocks({blocks}) from {before}", max(before, blocks), got)
 
-    @rule(cache=caches, blocks=st.integers(1, MAX_BLOCKS), op=st.sampled_from(FAULT_OPS), nth=st.integers(1, 6),
-          fault=st.sampled_from(sorted(FAULTS)))
+    @rule(
+        cache=caches,
+        blocks=st.integers(1, MAX_BLOCKS),
+        op=st.sampled_from(FAULT_OPS),
+        nth=st.integers(1, 6),
+        fault=st.sampled_from(sorted(FAULTS)),
+    )
     def ensure_blocks_with_a_fault(self, cache, blocks, op, nth, fault):
         if cache.closed:
             return
@@ -239,8 +257,12 @@ class HostileUse(RuleBasedStateMachine):
                 cache.ensure_blocks(blocks)
             except (CommitError, KeyboardInterrupt, SystemExit):
                 after = [cache.tensor(b.name).bytes_per_segment for b in cache.buffers]
-                expect_equal(self.driver, f"KV buffers after {fault} at {op} #{nth} of ensure_blocks({blocks})",
-                             (old, before), (cache.num_blocks, after))
+                expect_equal(
+                    self.driver,
+                    f"KV buffers after {fault} at {op} #{nth} of ensure_blocks({blocks})",
+                    (old, before),
+                    (cache.num_blocks, after),
+                )
 
     @rule(cache=consumes(caches))
     def close_cache(self, cache):
@@ -257,8 +279,10 @@ class HostileUse(RuleBasedStateMachine):
     @rule()
     def collect_and_count_reservations(self):
         gc.collect()
-        want = sorted([t.t.stats().reserved_bytes for t in self.live] +
-                      [s.reserved_bytes for c in self.live_caches for s in c.stats().buffers])
+        want = sorted(
+            [t.t.stats().reserved_bytes for t in self.live]
+            + [s.reserved_bytes for c in self.live_caches for s in c.stats().buffers]
+        )
         got = sorted(self.driver.outstanding().reservations.values())
         expect_equal(self.driver, "reservations after a collection (live tensors and KV buffers only)", want, got)
 
@@ -274,8 +298,13 @@ class HostileUse(RuleBasedStateMachine):
         self.made.clear()
         gc.collect()
         left = self.driver.outstanding()
-        expect(not left, self.driver, "driver state after every tensor and KV buffer was closed or collected",
-               "nothing", left)
+        expect(
+            not left,
+            self.driver,
+            "driver state after every tensor and KV buffer was closed or collected",
+            "nothing",
+            left,
+        )
         if self.driver.device.type == "cpu":  # the kernel's truth: no memfd of the host driver is mapped
             with open("/proc/self/maps") as maps:
                 mapped = [line for line in maps if "extensible-kv" in line]
@@ -287,9 +316,16 @@ def test_any_sequence_of_hostile_uses_keeps_data_and_leaks_nothing(driver):
     gc.collect()
     gc.freeze()  # what exists now (torch's own objects) is never garbage here: collections scan only the machine's
     try:
-        run_state_machine_as_test(lambda: HostileUse(driver), settings=settings(
-            settings.default, max_examples=examples, stateful_step_count=15, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+        run_state_machine_as_test(
+            lambda: HostileUse(driver),
+            settings=settings(
+                settings.default,
+                max_examples=examples,
+                stateful_step_count=15,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
     finally:
         faulthandler.cancel_dump_traceback_later()
         gc.unfreeze()

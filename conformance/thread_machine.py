@@ -17,8 +17,20 @@ from .protocol_checks import ADDRESSED, Keeper, ProtocolChecks, Setup, pattern_a
 from .protocol_machine import MAX_RESERVATIONS, PICK
 from .protocol_model import Event, linearize
 
-THREAD_OPS = ("map", "map", "set_access", "write", "unmap", "mem_info", "accessible", "create", "release", "zero",
-              "granularity", "synchronize")
+THREAD_OPS = (
+    "map",
+    "map",
+    "set_access",
+    "write",
+    "unmap",
+    "mem_info",
+    "accessible",
+    "create",
+    "release",
+    "zero",
+    "granularity",
+    "synchronize",
+)
 CONTENDED = ("map_same", "unmap_same", "release_same", "free_same", "map_vs_free", "access_vs_unmap")
 BARRIER_S = 30
 
@@ -27,8 +39,15 @@ class _Worker:
     """One thread's calls: on its own reservation and handles (made by the thread), plus the contended calls both
     threads make at once on shared ones. Each call is recorded as an ``Event`` in the model's terms."""
 
-    def __init__(self, machine: ProtocolChecks, tid: int, program: list, contended: list, shared: dict,
-                 barrier: threading.Barrier) -> None:
+    def __init__(
+        self,
+        machine: ProtocolChecks,
+        tid: int,
+        program: list,
+        contended: list,
+        shared: dict,
+        barrier: threading.Barrier,
+    ) -> None:
         self.m, self.tid, self.program, self.contended, self.shared = machine, tid, program, contended, shared
         self.barrier = barrier
         self.raw, self.g = machine.raw, machine.g
@@ -64,11 +83,11 @@ class _Worker:
             self.create(self.g)
             per = -(-len(self.program) // (len(self.contended) + 1))
             for i, what in enumerate(self.contended):
-                for op, pick in self.program[i * per:(i + 1) * per]:
+                for op, pick in self.program[i * per : (i + 1) * per]:
                     self.step(op, pick)
                 self.barrier.wait(BARRIER_S)
                 self.contend(what)
-            for op, pick in self.program[len(self.contended) * per:]:
+            for op, pick in self.program[len(self.contended) * per :]:
                 self.step(op, pick)
         except BaseException as exc:  # noqa: BLE001 - reported by the machine, with the thread's calls
             self.error = exc
@@ -110,9 +129,21 @@ class _Worker:
             alive = weakref.ref(keeper)
             t = raw.tensor(va, 64, keeper)
             del keeper
-            self.events.append(Event("tensor", (va, 64), None, {
-                "data_ptr": t.data_ptr(), "numel": t.numel(), "dtype": str(t.dtype), "dim": t.dim(),
-                "device": str(t.device), "keeper_alive": alive() is not None}))
+            self.events.append(
+                Event(
+                    "tensor",
+                    (va, 64),
+                    None,
+                    {
+                        "data_ptr": t.data_ptr(),
+                        "numel": t.numel(),
+                        "dtype": str(t.dtype),
+                        "dim": t.dim(),
+                        "device": str(t.device),
+                        "keeper_alive": alive() is not None,
+                    },
+                )
+            )
             t.copy_(pattern_at(0, 64, pick).to(t.device))
             raw.synchronize()
             self.events.append(Event("write", (va, 64, pick), None))
@@ -156,8 +187,13 @@ class TwoThreadMachine(ProtocolChecks):
                 va = self.do_reserve(g, g)
                 if va is None:
                     return None
-                name = {"map_same": "S", "unmap_same": "U", "free_same": "E", "map_vs_free": "F",
-                        "access_vs_unmap": "A"}[what]
+                name = {
+                    "map_same": "S",
+                    "unmap_same": "U",
+                    "free_same": "E",
+                    "map_vs_free": "F",
+                    "access_vs_unmap": "A",
+                }[what]
                 shared[name] = va
                 if what in ("unmap_same", "access_vs_unmap"):
                     key = self.do_create(g)
@@ -171,8 +207,10 @@ class TwoThreadMachine(ProtocolChecks):
                 shared["H"], shared["HR"] = key, va
         return shared
 
-    @rule(programs=st.tuples(*[st.lists(st.tuples(st.sampled_from(THREAD_OPS), PICK), min_size=2, max_size=10)] * 2),
-          contended=st.lists(st.sampled_from(CONTENDED), min_size=1, max_size=2, unique=True))
+    @rule(
+        programs=st.tuples(*[st.lists(st.tuples(st.sampled_from(THREAD_OPS), PICK), min_size=2, max_size=10)] * 2),
+        contended=st.lists(st.sampled_from(CONTENDED), min_size=1, max_size=2, unique=True),
+    )
     def two_threads(self, programs, contended):
         """Two threads, lined up by a barrier, each reserve, create, map, grant access, write, zero, unmap and
         release on their own resources, query mem_info, accessible and granularity, and make the same contended call
@@ -209,10 +247,15 @@ class TwoThreadMachine(ProtocolChecks):
         expect(not hung, self.driver, "calls from two threads", "both threads done", f"{hung} still running")
         for w in workers:
             if w.error is not None:
-                raise AssertionError(f"driver {self.driver.name}: thread {w.tid} failed after calls "
-                                     f"{w.events}") from w.error
-        self.refused += [(e.args[0], e.args[1]) if e.op in ADDRESSED else (0, 0)
-                         for w in workers for e in w.events if e.raised is not None]
+                raise AssertionError(
+                    f"driver {self.driver.name}: thread {w.tid} failed after calls {w.events}"
+                ) from w.error
+        self.refused += [
+            (e.args[0], e.args[1]) if e.op in ADDRESSED else (0, 0)
+            for w in workers
+            for e in w.events
+            if e.raised is not None
+        ]
         try:
             self._linearize(workers)
         except AssertionError as exc:
@@ -221,10 +264,16 @@ class TwoThreadMachine(ProtocolChecks):
 
     def _linearize(self, workers: list[_Worker]) -> None:
         after, why = linearize(self.model, [w.events for w in workers])
-        histories = [[(e.op, shown(e.args), type(e.raised).__name__ if e.raised else "ok") for e in w.events]
-                     for w in workers]
-        expect(after is not None, self.driver, f"calls of two threads {histories}",
-               "the outcome of some serial order of them", why)
+        histories = [
+            [(e.op, shown(e.args), type(e.raised).__name__ if e.raised else "ok") for e in w.events] for w in workers
+        ]
+        expect(
+            after is not None,
+            self.driver,
+            f"calls of two threads {histories}",
+            "the outcome of some serial order of them",
+            why,
+        )
         self.model = after
 
     @rule(pick=PICK)

@@ -74,12 +74,28 @@ MODES = ("legacy", "extensible")
 # (first_k_dense_replace = num_hidden_layers; transformers' config refuses n_routed_experts=None, so vLLM still
 # calls it MoE and the case sets the runner itself).
 TINY_MLA = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 1024,
-    "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "first_k_dense_replace": 4,
-    "moe_intermediate_size": 1408, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 0, "eos_token_id": 1,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "first_k_dense_replace": 4,
+    "moe_intermediate_size": 1408,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 
 
@@ -99,11 +115,18 @@ class Case:
     def parse(cls, name: str) -> Case:
         parts = name.split("-")
         case = cls(*parts) if len(parts) == 4 else None
-        if case is None or case.model not in MODEL_NAMES or case.runner not in ("v1", "v2") or \
-                case.connector not in CONNECTORS or case.mode not in MODES:
-            raise ValueError(f"case {name!r}: expected MODEL-RUNNER-CONNECTOR-MODE with MODEL in "
-                             f"{sorted(MODEL_NAMES)}, "
-                             f"RUNNER v1|v2, CONNECTOR in {list(CONNECTORS)}, MODE in {list(MODES)}")
+        if (
+            case is None
+            or case.model not in MODEL_NAMES
+            or case.runner not in ("v1", "v2")
+            or case.connector not in CONNECTORS
+            or case.mode not in MODES
+        ):
+            raise ValueError(
+                f"case {name!r}: expected MODEL-RUNNER-CONNECTOR-MODE with MODEL in "
+                f"{sorted(MODEL_NAMES)}, "
+                f"RUNNER v1|v2, CONNECTOR in {list(CONNECTORS)}, MODE in {list(MODES)}"
+            )
         return case
 
 
@@ -111,8 +134,13 @@ def all_cases() -> list[Case]:
     """Every case, most important first (a run out of time skips the tail): Qwen3 on vLLM's default runner (V2),
     then V1 (where OffloadingConnector gets cross-layer blocks), then the MLA model; per runner the connectors,
     each legacy then extensible, then the runs without a connector."""
-    return [Case(model, runner, conn, mode) for model in ("qwen3", "mla") for runner in ("v2", "v1")
-            for conn in CONNECTORS for mode in MODES]
+    return [
+        Case(model, runner, conn, mode)
+        for model in ("qwen3", "mla")
+        for runner in ("v2", "v1")
+        for conn in CONNECTORS
+        for mode in MODES
+    ]
 
 
 def model_path(model: str, out_dir: Path) -> Path:
@@ -129,21 +157,37 @@ def write_mla_config(out_dir: Path) -> Path:
 
 def kv_transfer_config(case: Case, out_dir: Path) -> dict | None:
     if case.connector == "offloading":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES}}
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES},
+        }
     if case.connector == "example":
-        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"shared_storage_path": str(out_dir / "example-storage" / case.name)}}
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(out_dir / "example-storage" / case.name)},
+        }
     return None
 
 
 def engine_kwargs(case: Case, out_dir: Path, graphs: bool = False) -> dict:
     """The ``LLM(...)`` arguments of a case (no vLLM needed)."""
-    kwargs = {"model": str(model_path(case.model, out_dir)), "load_format": "dummy", "skip_tokenizer_init": True,
-              "dtype": "bfloat16", "seed": 0, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
-              "generation_config": "vllm", "enable_prefix_caching": True, "enforce_eager": not graphs,
-              "gpu_memory_utilization": 0.5, "block_size": BLOCK,
-              "num_gpu_blocks_override": NUM_BLOCKS * (RESERVE_FACTOR if case.mode == "extensible" else 1)}
+    kwargs = {
+        "model": str(model_path(case.model, out_dir)),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "generation_config": "vllm",
+        "enable_prefix_caching": True,
+        "enforce_eager": not graphs,
+        "gpu_memory_utilization": 0.5,
+        "block_size": BLOCK,
+        "num_gpu_blocks_override": NUM_BLOCKS * (RESERVE_FACTOR if case.mode == "extensible" else 1),
+    }
     transfer = kv_transfer_config(case, out_dir)
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
@@ -151,9 +195,17 @@ def engine_kwargs(case: Case, out_dir: Path, graphs: bool = False) -> dict:
 
 
 def environment(case: Case) -> dict[str, str]:
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "1" if case.runner == "v2" else "0",
-            "EXTENSIBLE_KV_CACHE": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "NCCL_NVLS_ENABLE": "0"}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if case.runner == "v2" else "0",
+        "EXTENSIBLE_KV_CACHE": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
 
 
 # -- traffic ---------------------------------------------------------------------------------------------------------
@@ -195,8 +247,14 @@ def extent(value: object) -> dict:
         seen.add(id(t))
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-        rows.append({"shape": list(t.shape), "stride": list(t.stride()), "storage_bytes": storage.nbytes(),
-                     "offset_bytes": t.storage_offset() * t.element_size()})
+        rows.append(
+            {
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "storage_bytes": storage.nbytes(),
+                "offset_bytes": t.storage_offset() * t.element_size(),
+            }
+        )
     return {"tensors": rows, "storage_bytes": sum(storages.values()), "storages": len(storages)}
 
 
@@ -213,8 +271,14 @@ def example_blocks(metadata: object, block_size: int) -> tuple[int, int]:
     return store, load
 
 
-COUNTERS: dict = {"registered": [], "store_blocks": 0, "load_blocks": 0, "store_jobs": 0, "load_jobs": 0,
-                  "load_blocks_skipped": 0}
+COUNTERS: dict = {
+    "registered": [],
+    "store_blocks": 0,
+    "load_blocks": 0,
+    "store_jobs": 0,
+    "load_jobs": 0,
+    "load_blocks_skipped": 0,
+}
 
 
 def install_recorders() -> None:
@@ -230,9 +294,9 @@ def install_recorders() -> None:
 
             def record(self, value, *args, _original=original, _method=method, **kwargs):
                 config = getattr(self, "_kv_cache_config", None)
-                COUNTERS["registered"].append({"method": _method, "connector_num_blocks": getattr(config, "num_blocks",
-                                                                                                  None),
-                                               **extent(value)})
+                COUNTERS["registered"].append(
+                    {"method": _method, "connector_num_blocks": getattr(config, "num_blocks", None), **extent(value)}
+                )
                 return _original(self, value, *args, **kwargs)
 
             setattr(cls, method, record)
@@ -284,9 +348,12 @@ def _worker_facts(worker) -> dict:
     runner = worker.model_runner
     groups = [g for gs in getattr(runner, "attn_groups", []) for g in (gs if isinstance(gs, list) else [gs])]
     config = runner.kv_cache_config
-    return {"backends": sorted({g.backend.__name__ for g in groups}), "num_blocks": config.num_blocks,
-            "kv_cache_tensor_bytes": sum(t.size for t in config.kv_cache_tensors),
-            "cross_layers": getattr(runner, "cross_layers_kv_cache", None) is not None}
+    return {
+        "backends": sorted({g.backend.__name__ for g in groups}),
+        "num_blocks": config.num_blocks,
+        "kv_cache_tensor_bytes": sum(t.size for t in config.kv_cache_tensors),
+        "cross_layers": getattr(runner, "cross_layers_kv_cache", None) is not None,
+    }
 
 
 # -- one case, in this process ---------------------------------------------------------------------------------------
@@ -313,8 +380,12 @@ def run_case(case: Case, out_dir: Path, graphs: bool = False) -> dict:
         while chain is not None:
             by = "extensible_kv" if isinstance(chain, ExtensibleKVUnsupported) else by
             chain = chain.__cause__
-        return {"case": asdict(case), "refused": f"{type(exc).__name__}: {exc}", "refused_by": by,
-                "engine_seconds": round(time.perf_counter() - start, 2)}
+        return {
+            "case": asdict(case),
+            "refused": f"{type(exc).__name__}: {exc}",
+            "refused_by": by,
+            "engine_seconds": round(time.perf_counter() - start, 2),
+        }
     engine_seconds = time.perf_counter() - start
     report = llm.collective_rpc("extensible_kv_report")[0] if case.mode == "extensible" else None
     facts = llm.collective_rpc(_worker_facts)[0]
@@ -327,18 +398,28 @@ def run_case(case: Case, out_dir: Path, graphs: bool = False) -> dict:
     for phase, sampling in (("first", params), ("evict", one), ("again", params)):
         before = {k: COUNTERS[k] for k in ("store_blocks", "load_blocks")}
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[phase]], sampling, use_tqdm=False)
-        phases[phase] = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs] if phase != "evict" else None,
-                         "num_cached_tokens": [o.num_cached_tokens for o in outputs],
-                         "store_blocks": COUNTERS["store_blocks"] - before["store_blocks"],
-                         "load_blocks": COUNTERS["load_blocks"] - before["load_blocks"]}
-    committed = (report["kv"]["committed_bytes"] if report else facts["kv_cache_tensor_bytes"])
-    return {"case": asdict(case), "engine": {k: v for k, v in kwargs.items() if k != "model"},
-            "engine_seconds": round(engine_seconds, 2), "facts": facts, "phases": phases,
-            "counters": {k: COUNTERS[k] for k in ("store_blocks", "load_blocks", "store_jobs", "load_jobs",
-                                                  "load_blocks_skipped")},
-            "registered": COUNTERS["registered"], "committed_bytes": committed,
-            "extensible": None if report is None else {"kv": report.get("kv"), "connector": report.get("connector"),
-                                                        "events": report.get("events")}}
+        phases[phase] = {
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs] if phase != "evict" else None,
+            "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+            "store_blocks": COUNTERS["store_blocks"] - before["store_blocks"],
+            "load_blocks": COUNTERS["load_blocks"] - before["load_blocks"],
+        }
+    committed = report["kv"]["committed_bytes"] if report else facts["kv_cache_tensor_bytes"]
+    return {
+        "case": asdict(case),
+        "engine": {k: v for k, v in kwargs.items() if k != "model"},
+        "engine_seconds": round(engine_seconds, 2),
+        "facts": facts,
+        "phases": phases,
+        "counters": {
+            k: COUNTERS[k] for k in ("store_blocks", "load_blocks", "store_jobs", "load_jobs", "load_blocks_skipped")
+        },
+        "registered": COUNTERS["registered"],
+        "committed_bytes": committed,
+        "extensible": None
+        if report is None
+        else {"kv": report.get("kv"), "connector": report.get("connector"), "events": report.get("events")},
+    }
 
 
 # -- the summary -----------------------------------------------------------------------------------------------------
@@ -363,14 +444,20 @@ def summarize(results: dict[str, dict]) -> list[dict]:
             other = results.get(_key(case, mode="extensible" if case["mode"] == "legacy" else "legacy"))
             bare = results.get(_key(case, connector="none")) if case["connector"] != "none" else None
             registered = r["registered"][-1]["storage_bytes"] if r["registered"] else None
-            row.update(backend=",".join(r["facts"]["backends"]), blocks=r["facts"]["num_blocks"],
-                       same_as_other_mode=_same(r, other), same_as_no_connector=_same(r, bare),
-                       stored=r["counters"]["store_blocks"], loaded_again=r["phases"]["again"]["load_blocks"],
-                       cached_again=sum(n or 0 for n in r["phases"]["again"]["num_cached_tokens"]),
-                       registered_bytes=registered, committed_bytes=r["committed_bytes"],
-                       reserved_bytes=((r.get("extensible") or {}).get("kv") or {}).get("reserved_bytes"),
-                       extent_exact=None if registered is None else registered == r["committed_bytes"],
-                       registrations=len(r["registered"]))
+            row.update(
+                backend=",".join(r["facts"]["backends"]),
+                blocks=r["facts"]["num_blocks"],
+                same_as_other_mode=_same(r, other),
+                same_as_no_connector=_same(r, bare),
+                stored=r["counters"]["store_blocks"],
+                loaded_again=r["phases"]["again"]["load_blocks"],
+                cached_again=sum(n or 0 for n in r["phases"]["again"]["num_cached_tokens"]),
+                registered_bytes=registered,
+                committed_bytes=r["committed_bytes"],
+                reserved_bytes=((r.get("extensible") or {}).get("kv") or {}).get("reserved_bytes"),
+                extent_exact=None if registered is None else registered == r["committed_bytes"],
+                registrations=len(r["registered"]),
+            )
         rows.append(row)
     return rows
 
@@ -383,8 +470,21 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-COLUMNS = ("case", "status", "backend", "blocks", "same_as_other_mode", "same_as_no_connector", "stored",
-           "loaded_again", "cached_again", "registered_bytes", "committed_bytes", "reserved_bytes", "extent_exact")
+COLUMNS = (
+    "case",
+    "status",
+    "backend",
+    "blocks",
+    "same_as_other_mode",
+    "same_as_no_connector",
+    "stored",
+    "loaded_again",
+    "cached_again",
+    "registered_bytes",
+    "committed_bytes",
+    "reserved_bytes",
+    "extent_exact",
+)
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -406,12 +506,19 @@ def run_all(out_dir: Path, cases: Sequence[Case], budget_s: float, graphs: bool)
         if left < 20:
             results[case.name] = {"case": asdict(case), "error": "skipped: out of time"}
             continue
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case.name, "--out", str(out_dir)] + \
-            (["--graphs"] if graphs else [])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case.name, "--out", str(out_dir)] + (
+            ["--graphs"] if graphs else []
+        )
         began = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                                  timeout=min(CASE_TIMEOUT_S, left), start_new_session=True)
+            proc = subprocess.run(
+                cmd,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=min(CASE_TIMEOUT_S, left),
+                start_new_session=True,
+            )
             (out_dir / f"{case.name}.log").write_text(proc.stdout[-20000:] + proc.stderr[-40000:])
             if proc.returncode == 0 and path.exists():
                 results[case.name] = json.loads(path.read_text())
@@ -421,11 +528,16 @@ def run_all(out_dir: Path, cases: Sequence[Case], budget_s: float, graphs: bool)
         except subprocess.TimeoutExpired:
             results[case.name] = {"case": asdict(case), "error": f"timeout after {min(CASE_TIMEOUT_S, left):.0f} s"}
         results[case.name]["wall_seconds"] = round(time.perf_counter() - began, 1)
-        print(f"{case.name}: {results[case.name].get('error') or results[case.name].get('refused') or 'ok'} "
-              f"({results[case.name]['wall_seconds']} s)", flush=True)
+        print(
+            f"{case.name}: {results[case.name].get('error') or results[case.name].get('refused') or 'ok'} "
+            f"({results[case.name]['wall_seconds']} s)",
+            flush=True,
+        )
     rows = summarize(results)
-    (out_dir / "summary.json").write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - start, 1),
-                                                      "num_blocks": NUM_BLOCKS}, indent=2) + "\n")
+    (out_dir / "summary.json").write_text(
+        json.dumps({"rows": rows, "seconds": round(time.perf_counter() - start, 1), "num_blocks": NUM_BLOCKS}, indent=2)
+        + "\n"
+    )
     (out_dir / "summary.md").write_text(table(rows))
     print(table(rows))
     return rows
@@ -458,8 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case.parse(n) for n in args.cases.split(",") if n] or all_cases()
     out = Path(args.out_dir)
     if args.dry_run:
-        print(json.dumps([{"case": c.name, "env": environment(c), "engine": engine_kwargs(c, out, args.graphs)}
-                          for c in cases], indent=2))
+        print(
+            json.dumps(
+                [{"case": c.name, "env": environment(c), "engine": engine_kwargs(c, out, args.graphs)} for c in cases],
+                indent=2,
+            )
+        )
         return 0
     run_all(out, cases, args.budget_s, args.graphs)
     return 0

@@ -23,9 +23,21 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import (THROUGHPUT_ORDER, Case, Throughput, compiled, measured,  # noqa: E402
-                                measured_pairs, row, run_parity, run_subprocess, run_throughput, table,
-                                throughput_benchmark, throughput_pair)
+from integration.parity import (
+    THROUGHPUT_ORDER,
+    Case,
+    Throughput,
+    compiled,
+    measured,  # noqa: E402
+    measured_pairs,
+    row,
+    run_parity,
+    run_subprocess,
+    run_throughput,
+    table,
+    throughput_benchmark,
+    throughput_pair,
+)
 from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
 from extensible_kv.report.serving import start_state  # noqa: E402
 
@@ -39,8 +51,7 @@ MM = dict(model="tiny-mm", max_model_len=4096, max_num_seqs=8, seconds=75, timeo
 SPEC = dict(QWEN, speculative="ngram:4", seconds=90)
 # Llama-3-8B at 256 sequences and vLLM's default CUDA graph capture sizes for them (up to 512), 8K context.
 # Per run 75 s: on the H200 its three runs took 147 s with the compile cache warm.
-LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=75,
-                timeout=540)
+LLAMA_8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=256, capture_sizes="", seconds=75, timeout=540)
 
 
 def _cases() -> list:
@@ -61,8 +72,9 @@ def _cases() -> list:
         # at 64 sequences the sampler term is 64 x 5 = 320 rows x 151,936.
         Case(runner="v1", **SPEC, group="spec"),
         Case(runner="v2", **(SPEC | {"seconds": 30}), group="spec"),
-        Case(runner="v1", **(SPEC | {"max_num_seqs": 64, "variant": "s64", "seconds": 110, "timeout": 360}),
-             group="spec"),
+        Case(
+            runner="v1", **(SPEC | {"max_num_seqs": 64, "variant": "s64", "seconds": 110, "timeout": 360}), group="spec"
+        ),
     ]
     # 4. Block sizes (FLASH_ATTN takes any multiple of 16).
     for block in (32, 64):
@@ -96,13 +108,14 @@ def select(cases: list, only: list[str] | None, part: str | None) -> list:
 
         def hit(c) -> bool:
             return any(matches(p, c) for p in only)
+
         cases = [c for c in cases if hit(c)]
     if part:
         n, m = (int(x) for x in part.split("/"))
         if not 1 <= n <= m:
             raise SystemExit(f"--part {part}: expected N/M with 1 <= N <= M")
         size = -(-len(cases) // m)
-        cases = cases[(n - 1) * size:n * size]
+        cases = cases[(n - 1) * size : n * size]
     return cases
 
 
@@ -128,6 +141,7 @@ class Clock:
 
 def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     """Table rows from the JSONs present (nothing runs); the throughput pairs by case id."""
+
     def read(name: str, _args, _timeout, _cut) -> dict | None:
         path = cases_dir / f"{name}.json"
         err = cases_dir / f"{name}.error.txt"
@@ -175,26 +189,37 @@ def throughput_lines(pairs: dict, out: Path) -> list[str]:
         path.write_text(json.dumps(bench, indent=2))
         r = bench["ratio"]
         low, high = r["decode_range"]
-        start = f"ratio {r['engine_seconds']:.2f}" if r["engine_seconds_comparable"] else \
-            f"no ratio: {start_state(compiled(legacy[-1]))} (legacy), {start_state(compiled(ext[-1]))} (extensible)"
+        start = (
+            f"ratio {r['engine_seconds']:.2f}"
+            if r["engine_seconds_comparable"]
+            else f"no ratio: {start_state(compiled(legacy[-1]))} (legacy), "
+            f"{start_state(compiled(ext[-1]))} (extensible)"
+        )
         rates = [b["extra_info"]["tokens_per_s"] for b in bench["benchmarks"]]  # legacy, extensible
-        lines.append(f"- {cid}: decode {rates[1]:.0f} vs {rates[0]:.0f} tokens/s, extensible/legacy "
-                     f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows "
-                     f"from {r['pairs']} pair{'s' * (r['pairs'] > 1)}, {low:.3f} to {high:.3f}; target >= 0.99), "
-                     f"engine start {ext[-1]['engine_seconds']:.1f} vs {legacy[-1]['engine_seconds']:.1f} s "
-                     f"({start}), blocks {legacy[-1]['memory']['num_gpu_blocks']} / "
-                     f"{ext[-1]['memory']['num_gpu_blocks']}; {path.name}")
+        lines.append(
+            f"- {cid}: decode {rates[1]:.0f} vs {rates[0]:.0f} tokens/s, extensible/legacy "
+            f"{r['decode_tokens_per_s']:.3f} (median of {len(r['decode_window_ratios'])} paired windows "
+            f"from {r['pairs']} pair{'s' * (r['pairs'] > 1)}, {low:.3f} to {high:.3f}; target >= 0.99), "
+            f"engine start {ext[-1]['engine_seconds']:.1f} vs {legacy[-1]['engine_seconds']:.1f} s "
+            f"({start}), blocks {legacy[-1]['memory']['num_gpu_blocks']} / "
+            f"{ext[-1]['memory']['num_gpu_blocks']}; {path.name}"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m integration.matrix", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="output run folder (integration/, table.md, serving-*.json)")
-    p.add_argument("--only", nargs="*",
-                   help="case ids or groups (qwen, swa, mm, spec, blocks, 8b, throughput); fnmatch ok")
+    p.add_argument(
+        "--only", nargs="*", help="case ids or groups (qwen, swa, mm, spec, blocks, 8b, throughput); fnmatch ok"
+    )
     p.add_argument("--part", help="N/M: the N-th of M contiguous slices of the selected cases")
-    p.add_argument("--budget-seconds", type=float, default=None,
-                   help="start no run that would not finish within this many seconds from now")
+    p.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=None,
+        help="start no run that would not finish within this many seconds from now",
+    )
     p.add_argument("--retry-failed", action="store_true", help="rerun runs that failed or timed out before")
     p.add_argument("--list", action="store_true", help="list the selected cases and their estimates; run nothing")
     p.add_argument("--table-only", action="store_true", help="rebuild the table from the JSONs present")
@@ -213,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def runner(name: str, run_args: list[str], timeout: int, budget_cut: bool) -> dict | None:
             print(f"[{time.strftime('%H:%M:%S')}] {name} (timeout {timeout} s)", flush=True)
-            return run_subprocess(cases_dir, name, run_args, timeout, budget_cut=budget_cut,
-                                  retry_failed=args.retry_failed)
+            return run_subprocess(
+                cases_dir, name, run_args, timeout, budget_cut=budget_cut, retry_failed=args.retry_failed
+            )
 
         for case in selected:
             if isinstance(case, Throughput):
@@ -226,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     text = table(done or rows) + "\n" + "\n".join(throughput_lines(pairs, out))
     (out / "table.md").write_text(text + "\n")
     (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    left = [c.id for c in selected if any(r["case"] == c.id and r["outcome"] == "not run" for r in rows)
-            or c.id in pairs and None in pairs[c.id]["legacy"] + pairs[c.id]["extensible"]]
+    left = [
+        c.id
+        for c in selected
+        if any(r["case"] == c.id and r["outcome"] == "not run" for r in rows)
+        or c.id in pairs
+        and None in pairs[c.id]["legacy"] + pairs[c.id]["extensible"]
+    ]
     print(text)
     if left:
         print(f"\n{len(left)} selected case(s) not run yet (time budget): run the same command again")

@@ -68,7 +68,6 @@ BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler 
 CACHED_BLOCKS = 2  # the measured pass must read cached KV blocks: each prompt's first two (run_case.prompt_len)
 
 
-
 # -- the measured peak ---------------------------------------------------------------------------------------------
 def over_budget_measured(init_free: int, free_at_peak: int, requested: int) -> int:
     """Device memory used since the worker started, minus the budget (Note [Over budget at the measured peak])."""
@@ -88,8 +87,9 @@ def peak_figures(after_warmup: dict, peak: dict, speculative: dict | None = None
     the final commit (``after_warmup``: ``memory`` of the case), and what follows from them (Note [Over budget at
     the measured peak]). With ``speculative`` (``memory.speculative``, ``speculative_figures``) the case's
     ``over_budget_measured`` is the larger of the two phases'."""
-    free_at_peak, released = free_at_phase_peak(peak["free_after_batch"], peak["torch_max_reserved"],
-                                                peak["torch_reserved_after"])
+    free_at_peak, released = free_at_phase_peak(
+        peak["free_after_batch"], peak["torch_max_reserved"], peak["torch_reserved_after"]
+    )
     init_free, requested = after_warmup["init_free"], after_warmup["requested"]
     phases = {"prefill": over_budget_measured(init_free, free_at_peak, requested)}
     if speculative and speculative.get("over_budget_measured") is not None:
@@ -103,20 +103,36 @@ def peak_figures(after_warmup: dict, peak: dict, speculative: dict | None = None
     non_torch_peak = used - peak["torch_max_reserved"] - peak["kv_backed"]
     batch = peak["batch"]
     steps = batch.get("step_tokens") or []
-    shaped = (batch["prompt_tokens"] == batch["max_num_batched_tokens"] and batch["num_seqs"] == batch["max_num_seqs"]
-              and max(steps, default=0) == batch["max_num_batched_tokens"])
+    shaped = (
+        batch["prompt_tokens"] == batch["max_num_batched_tokens"]
+        and batch["num_seqs"] == batch["max_num_seqs"]
+        and max(steps, default=0) == batch["max_num_batched_tokens"]
+    )
     return {
-        **peak, "init_free": init_free, "requested": requested, "total": after_warmup.get("total"),
-        "reserved_released": released, "free_at_peak": free_at_peak, "used_at_peak": used,
-        "over_budget_measured": phases[phase], "over_budget_prefill": phases["prefill"], "over_budget_phase": phase,
-        "non_torch_at_peak": non_torch_peak, "peak_shaped": shaped,
+        **peak,
+        "init_free": init_free,
+        "requested": requested,
+        "total": after_warmup.get("total"),
+        "reserved_released": released,
+        "free_at_peak": free_at_peak,
+        "used_at_peak": used,
+        "over_budget_measured": phases[phase],
+        "over_budget_prefill": phases["prefill"],
+        "over_budget_phase": phase,
+        "non_torch_at_peak": non_torch_peak,
+        "peak_shaped": shaped,
         # Growth since the final commit: before the batch (the generation passes, the harness) and during it.
         "growth": {
-            "before_batch": {"torch_reserved": before["torch_reserved"] - after_warmup["torch_reserved"],
-                             "non_torch": non_torch_before - non_torch_warm, "kv": before["kv_backed"] - kv_warm},
-            "during_batch": {"torch_reserved": peak["torch_max_reserved"] - before["torch_reserved"],
-                             "non_torch": non_torch_peak - non_torch_before,
-                             "kv": peak["kv_backed"] - before["kv_backed"]},
+            "before_batch": {
+                "torch_reserved": before["torch_reserved"] - after_warmup["torch_reserved"],
+                "non_torch": non_torch_before - non_torch_warm,
+                "kv": before["kv_backed"] - kv_warm,
+            },
+            "during_batch": {
+                "torch_reserved": peak["torch_max_reserved"] - before["torch_reserved"],
+                "non_torch": non_torch_peak - non_torch_before,
+                "kv": peak["kv_backed"] - before["kv_backed"],
+            },
         },
     }
 
@@ -130,20 +146,27 @@ def speculative_figures(after_warmup: dict, readings: dict) -> dict:
     k, requests = readings["k"], readings["requests"]
     rows = requests * (1 + k)  # each request's drafts plus its bonus token
     before = readings["before"]
-    free_at_end, released = free_at_phase_peak(readings["free_after"], readings["torch_max_reserved"],
-                                               readings["torch_reserved_after"])
+    free_at_end, released = free_at_phase_peak(
+        readings["free_after"], readings["torch_max_reserved"], readings["torch_reserved_after"]
+    )
     steps = readings.get("steps") or []
     return {
-        "k": k, "method": readings["method"], "requests": requests, "rows": rows,
+        "k": k,
+        "method": readings["method"],
+        "requests": requests,
+        "rows": rows,
         "vocab": readings["vocab"],
         "step_peak_allocated": readings["torch_max_allocated"] - before["torch_allocated"],
         "step_reserved_growth": readings["torch_max_reserved"] - before["torch_reserved"],
-        "over_budget_measured": over_budget_measured(after_warmup["init_free"], free_at_end,
-                                                     after_warmup["requested"]),
-        "free_at_end": free_at_end, "reserved_released": released,
-        "widest_steps": sum(1 for tokens, reqs, drafts in steps
-                            if reqs == requests and drafts == requests * k and tokens == rows),
-        "steps": steps, "max_tokens": readings.get("max_tokens"), "seconds": readings.get("seconds"),
+        "over_budget_measured": over_budget_measured(after_warmup["init_free"], free_at_end, after_warmup["requested"]),
+        "free_at_end": free_at_end,
+        "reserved_released": released,
+        "widest_steps": sum(
+            1 for tokens, reqs, drafts in steps if reqs == requests and drafts == requests * k and tokens == rows
+        ),
+        "steps": steps,
+        "max_tokens": readings.get("max_tokens"),
+        "seconds": readings.get("seconds"),
         "before": before,
     }
 
@@ -155,13 +178,17 @@ def phase_problems(run: dict, mode: str) -> list[str]:
     problems = []
     spec = memory.get("speculative")
     if spec is not None and not spec.get("widest_steps"):
-        problems.append(f"{mode} speculative phase never ran its widest step: expected {spec['requests']} requests "
-                        f"x {spec['k']} drafts ({spec['rows']} rows) in one step, got steps "
-                        f"[tokens, requests, drafts] {spec.get('steps')}")
+        problems.append(
+            f"{mode} speculative phase never ran its widest step: expected {spec['requests']} requests "
+            f"x {spec['k']} drafts ({spec['rows']} rows) in one step, got steps "
+            f"[tokens, requests, drafts] {spec.get('steps')}"
+        )
     enc = memory.get("encoder_cache")
     if enc is not None and enc.get("capacity_items") and enc.get("items_at_peak") != enc["capacity_items"]:
-        problems.append(f"{mode} encoder cache held {enc.get('items_at_peak')} items at the measured peak, expected "
-                        f"it full ({enc['capacity_items']} items of {enc.get('bytes_per_item')} bytes)")
+        problems.append(
+            f"{mode} encoder cache held {enc.get('items_at_peak')} items at the measured peak, expected "
+            f"it full ({enc['capacity_items']} items of {enc.get('bytes_per_item')} bytes)"
+        )
     return problems
 
 
@@ -178,12 +205,20 @@ def budget_terms(case: dict) -> dict | None:
     measured = (case.get("extensible") or {}).get("measured") or {}
     grown = MeasuredPeak.model_validate(peak).grown
     predicted = measured.get("torch_growth", memory.get("profiled_peak_activation"))
-    return {"over_budget_measured": peak["over_budget_measured"], "torch_growth": grown("torch_reserved"),
-            "predicted_torch_growth": predicted, "non_torch_growth": grown("non_torch"), "kv_growth": grown("kv"),
-            "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"])),
-            "served_allocated": measured.get("served_allocated"),
-            "batch_allocated": (peak["torch_max_allocated"] - peak["before_batch"]["torch_allocated"]
-                                if "torch_max_allocated" in peak else None)}
+    return {
+        "over_budget_measured": peak["over_budget_measured"],
+        "torch_growth": grown("torch_reserved"),
+        "predicted_torch_growth": predicted,
+        "non_torch_growth": grown("non_torch"),
+        "kv_growth": grown("kv"),
+        "budget_left_after_warmup": (memory["free_after_warmup"] - (memory["init_free"] - memory["requested"])),
+        "served_allocated": measured.get("served_allocated"),
+        "batch_allocated": (
+            peak["torch_max_allocated"] - peak["before_batch"]["torch_allocated"]
+            if "torch_max_allocated" in peak
+            else None
+        ),
+    }
 
 
 def check_memory_budget(legacy: dict, ext: dict, tolerance: int = BUDGET_TOLERANCE) -> list[str]:
@@ -197,22 +232,28 @@ def check_memory_budget(legacy: dict, ext: dict, tolerance: int = BUDGET_TOLERAN
     for mode, p in (("extensible", ep), ("legacy", lp)):
         if not p["peak_shaped"]:
             b = p["batch"]
-            problems.append(f"{mode} peak batch was not peak-shaped: {b['prompt_tokens']} prompt tokens over "
-                            f"{b['num_seqs']} sequences, at most {max(b.get('step_tokens') or [0])} in a step; "
-                            f"expected {b['max_num_batched_tokens']} over {b['max_num_seqs']} in one step")
+            problems.append(
+                f"{mode} peak batch was not peak-shaped: {b['prompt_tokens']} prompt tokens over "
+                f"{b['num_seqs']} sequences, at most {max(b.get('step_tokens') or [0])} in a step; "
+                f"expected {b['max_num_batched_tokens']} over {b['max_num_seqs']} in one step"
+            )
     ext_over, legacy_over = ep["over_budget_measured"], lp["over_budget_measured"]
     if ext_over > tolerance:
-        problems.append(f"extensible run used {ext_over / MIB:.1f} MiB more than gpu_memory_utilization allows at "
-                        f"its measured peak (legacy: {legacy_over / MIB:.1f} MiB; tolerance {tolerance / MIB:.0f} MiB)")
+        problems.append(
+            f"extensible run used {ext_over / MIB:.1f} MiB more than gpu_memory_utilization allows at "
+            f"its measured peak (legacy: {legacy_over / MIB:.1f} MiB; tolerance {tolerance / MIB:.0f} MiB)"
+        )
     measured = (ext.get("extensible") or {}).get("measured") or {}
     if not measured:
         return problems + ["the extensible run reports no measurement (extensible.measured)"]
     lb, eb = legacy["memory"]["num_gpu_blocks"], ext["memory"]["num_gpu_blocks"]
     shortfall = (lb - eb) * measured["bytes_per_block"]
     if shortfall > max(0, legacy_over) + measured["rounding_bound"] + tolerance:
-        problems.append(f"extensible committed {eb} blocks, legacy {lb}: a shortfall of {shortfall / MIB:.1f} MiB, "
-                        f"more than legacy's own overshoot of its budget at its measured peak "
-                        f"({legacy_over / MIB:.1f} MiB)")
+        problems.append(
+            f"extensible committed {eb} blocks, legacy {lb}: a shortfall of {shortfall / MIB:.1f} MiB, "
+            f"more than legacy's own overshoot of its budget at its measured peak "
+            f"({legacy_over / MIB:.1f} MiB)"
+        )
     return problems
 
 
@@ -252,15 +293,32 @@ class Case:
     @property
     def label(self) -> str:
         """The model column of the table: the model, with the speculative method and sequence count where set."""
-        extras = ([self.speculative] if self.speculative else []) + ([f"{self.max_num_seqs} seqs"] if self.variant
-                                                                      else [])
+        extras = ([self.speculative] if self.speculative else []) + (
+            [f"{self.max_num_seqs} seqs"] if self.variant else []
+        )
         return self.model + (f" ({', '.join(extras)})" if extras else "")
 
     def args(self, mode: str, *, batch_invariant: bool = False) -> list[str]:
-        args = ["--model", self.model, "--runner", self.runner, "--backend", self.backend, "--mode", mode,
-                "--kv-cache-dtype", self.kv_cache_dtype, "--block-size", str(self.block_size),
-                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-                "--capture-sizes", self.capture_sizes]
+        args = [
+            "--model",
+            self.model,
+            "--runner",
+            self.runner,
+            "--backend",
+            self.backend,
+            "--mode",
+            mode,
+            "--kv-cache-dtype",
+            self.kv_cache_dtype,
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--capture-sizes",
+            self.capture_sizes,
+        ]
         if self.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.speculative:
@@ -278,8 +336,9 @@ class Case:
 Runner = Callable[[str, list[str], int, bool], "dict | None"]
 
 
-def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, budget_cut: bool = False,
-                   retry_failed: bool = False) -> dict | None:
+def run_subprocess(
+    out_dir: Path, name: str, args: list[str], timeout: int, *, budget_cut: bool = False, retry_failed: bool = False
+) -> dict | None:
     """One ``run_case`` process writing ``out_dir/name.json`` (its output in ``name.log``). Resumable: an existing
     JSON is read, not rerun; a run that failed before (``name.error.txt``) is not rerun unless ``retry_failed``. A
     run stopped by a timeout the time budget cut short (``budget_cut``) did not fail: it returns ``None`` (not run)."""
@@ -292,9 +351,13 @@ def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, b
     if err.exists() and not retry_failed:
         return {"error": err.read_text().strip()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "reference"), str(ROOT),
-                                                                   os.environ.get("PYTHONPATH", "")) if p),
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT / "reference"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+        PYTHONUNBUFFERED="1",
+    )
     cmd = [sys.executable, "-m", "integration.run_case", *args, "--out", str(out)]
     start = time.monotonic()
     with open(log, "w") as f:
@@ -311,8 +374,9 @@ def run_subprocess(out_dir: Path, name: str, args: list[str], timeout: int, *, b
     if rc is None and budget_cut:
         return None
     tail = log.read_text()[-1500:].strip().splitlines()
-    reason = (f"timed out after {timeout} s" if rc is None else f"exit {rc} after {seconds:.0f} s") + \
-             (f": {tail[-1]}" if tail else "")
+    reason = (f"timed out after {timeout} s" if rc is None else f"exit {rc} after {seconds:.0f} s") + (
+        f": {tail[-1]}" if tail else ""
+    )
     err.write_text(reason + "\n")
     return {"error": reason}
 
@@ -327,8 +391,12 @@ def run_parity(case: Case, runner: Runner, *, budget: Callable[[int], int | None
         timeout = budget(case.seconds)
         if timeout is None:
             return None
-        return runner(case.run_name(mode, repeat, bi), case.args(mode, batch_invariant=bi),
-                      min(timeout, case.timeout), timeout < case.timeout)
+        return runner(
+            case.run_name(mode, repeat, bi),
+            case.args(mode, batch_invariant=bi),
+            min(timeout, case.timeout),
+            timeout < case.timeout,
+        )
 
     for repeat in range(case.baseline_runs):
         runs["legacy"].append(one("legacy", repeat))
@@ -358,27 +426,40 @@ def row(case: Case, runs: dict) -> dict:
     ext = runs.get("extensible") if (runs.get("extensible") or {}).get("memory") else None
     problems: list[str] = []
     if legacy and ext:
-        problems = check_memory_budget(legacy, ext) + phase_problems(legacy, "legacy") + phase_problems(ext,
-                                                                                                        "extensible")
+        problems = (
+            check_memory_budget(legacy, ext) + phase_problems(legacy, "legacy") + phase_problems(ext, "extensible")
+        )
         cached = ext.get("num_cached_tokens") or []
         if case.expect_cached and not all(c and c >= CACHED_BLOCKS * case.block_size for c in cached):
-            problems.append(f"the measured pass must read {CACHED_BLOCKS} cached KV blocks per prompt "
-                            f"({CACHED_BLOCKS * case.block_size} tokens), got {cached}")
+            problems.append(
+                f"the measured pass must read {CACHED_BLOCKS} cached KV blocks per prompt "
+                f"({CACHED_BLOCKS * case.block_size} tokens), got {cached}"
+            )
     sens = (ext or {}).get("sensitivity")
     over = lambda r: (((r or {}).get("memory") or {}).get("peak") or {}).get("over_budget_measured")  # noqa: E731
     memory = (ext or legacy or {}).get("memory") or {}
     return {
-        "case": case.id, "model": case.model, "label": case.label, "runner": case.runner, "backend": case.backend,
-        "kv_dtype": case.kv_name, "block_size": case.block_size,
+        "case": case.id,
+        "model": case.model,
+        "label": case.label,
+        "runner": case.runner,
+        "backend": case.backend,
+        "kv_dtype": case.kv_name,
+        "block_size": case.block_size,
         "legacy_blocks": (legacy or {}).get("memory", {}).get("num_gpu_blocks"),
         "extensible_blocks": (ext or {}).get("memory", {}).get("num_gpu_blocks"),
-        "outcome": verdict.outcome, "detail": verdict.detail,
-        "baseline_deterministic": verdict.baseline_deterministic, "tokens_identical": verdict.tokens_identical,
-        "over_budget_legacy": over(legacy), "over_budget_extensible": over(ext),
+        "outcome": verdict.outcome,
+        "detail": verdict.detail,
+        "baseline_deterministic": verdict.baseline_deterministic,
+        "tokens_identical": verdict.tokens_identical,
+        "over_budget_legacy": over(legacy),
+        "over_budget_extensible": over(ext),
         "sensitivity_proven": None if not sens else bool(sens["changed"]),
         "budget_problems": problems,
-        "terms": budget_terms(ext) if ext else None, "legacy_terms": budget_terms(legacy) if legacy else None,
-        "speculative": memory.get("speculative"), "encoder_cache": memory.get("encoder_cache"),
+        "terms": budget_terms(ext) if ext else None,
+        "legacy_terms": budget_terms(legacy) if legacy else None,
+        "speculative": memory.get("speculative"),
+        "encoder_cache": memory.get("encoder_cache"),
     }
 
 
@@ -386,9 +467,20 @@ def _yes(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
 
-TABLE_HEADER = ("model", "runner", "backend", "KV dtype", "block", "legacy blocks", "ext blocks",
-                "baseline deterministic?", "tokens identical?", "over budget MiB legacy / ext", "sensitivity proven?",
-                "outcome")
+TABLE_HEADER = (
+    "model",
+    "runner",
+    "backend",
+    "KV dtype",
+    "block",
+    "legacy blocks",
+    "ext blocks",
+    "baseline deterministic?",
+    "tokens identical?",
+    "over budget MiB legacy / ext",
+    "sensitivity proven?",
+    "outcome",
+)
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -398,22 +490,43 @@ def table(rows: Sequence[dict]) -> str:
     for r in rows:
         budget = f"{_mib(r['over_budget_legacy'])} / {_mib(r['over_budget_extensible'])}"
         outcome = r["outcome"] + (" (budget!)" if r["budget_problems"] else "")
-        lines.append("| " + " | ".join(str(v) for v in (
-            r.get("label") or r["model"], r["runner"], r["backend"], r["kv_dtype"], r["block_size"],
-            r["legacy_blocks"] or "-",
-            r["extensible_blocks"] or "-", _yes(r["baseline_deterministic"]), _yes(r["tokens_identical"]), budget,
-            _yes(r["sensitivity_proven"]), outcome)) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                str(v)
+                for v in (
+                    r.get("label") or r["model"],
+                    r["runner"],
+                    r["backend"],
+                    r["kv_dtype"],
+                    r["block_size"],
+                    r["legacy_blocks"] or "-",
+                    r["extensible_blocks"] or "-",
+                    _yes(r["baseline_deterministic"]),
+                    _yes(r["tokens_identical"]),
+                    budget,
+                    _yes(r["sensitivity_proven"]),
+                    outcome,
+                )
+            )
+            + " |"
+        )
         for text in ([r["detail"]] if r["detail"] else []) + r["budget_problems"]:
             notes.append(f"- {r['case']}: {text}")
         t = r.get("terms")
         if t:
-            notes.append(f"- {r['case']}: since the final commit the extensible run grew torch by "
-                         f"{t['torch_growth'] / MIB:.1f} MiB (sizing foresaw "
-                         f"{(t['predicted_torch_growth'] or 0) / MIB:.1f}), non-torch by "
-                         f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB"
-                         + ("" if t["served_allocated"] is None or t["batch_allocated"] is None else
-                            f"; the sizing's served batch allocated {t['served_allocated'] / MIB:.1f} MiB at its "
-                            f"peak, the peak batch {t['batch_allocated'] / MIB:.1f} MiB"))
+            notes.append(
+                f"- {r['case']}: since the final commit the extensible run grew torch by "
+                f"{t['torch_growth'] / MIB:.1f} MiB (sizing foresaw "
+                f"{(t['predicted_torch_growth'] or 0) / MIB:.1f}), non-torch by "
+                f"{t['non_torch_growth'] / MIB:.1f} MiB, KV by {t['kv_growth'] / MIB:.1f} MiB"
+                + (
+                    ""
+                    if t["served_allocated"] is None or t["batch_allocated"] is None
+                    else f"; the sizing's served batch allocated {t['served_allocated'] / MIB:.1f} MiB at its "
+                    f"peak, the peak batch {t['batch_allocated'] / MIB:.1f} MiB"
+                )
+            )
         notes += [f"- {r['case']}: {text}" for text in phase_lines(r)]
     return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -422,17 +535,21 @@ def phase_lines(r: dict) -> list[str]:
     """The table's notes on a row's speculative phase and encoder cache (the extensible run's, else legacy's)."""
     lines = []
     if spec := r.get("speculative"):
-        lines.append(f"widest speculative step ({spec['method']}, {spec['requests']} requests x (1 + {spec['k']}) = "
-                     f"{spec['rows']} rows x {spec['vocab']} vocab, {spec.get('widest_steps')} such steps): torch "
-                     f"allocated +{spec['step_peak_allocated'] / MIB:.1f} MiB, reserved "
-                     f"+{spec['step_reserved_growth'] / MIB:.1f} MiB, {_mib(spec['over_budget_measured'])} MiB over "
-                     f"budget at its end")
+        lines.append(
+            f"widest speculative step ({spec['method']}, {spec['requests']} requests x (1 + {spec['k']}) = "
+            f"{spec['rows']} rows x {spec['vocab']} vocab, {spec.get('widest_steps')} such steps): torch "
+            f"allocated +{spec['step_peak_allocated'] / MIB:.1f} MiB, reserved "
+            f"+{spec['step_reserved_growth'] / MIB:.1f} MiB, {_mib(spec['over_budget_measured'])} MiB over "
+            f"budget at its end"
+        )
     if enc := r.get("encoder_cache"):
         per = enc.get("bytes_per_item") or 0
-        lines.append(f"encoder cache: {(enc.get('held_bytes') or 0) / MIB:.1f} MiB held at most "
-                     f"({enc.get('items_held')} items of {per / MIB:.2f} MiB; {enc.get('items_at_peak')} of "
-                     f"{enc.get('capacity_items')} at the measured peak), {(enc.get('profiled_bytes') or 0) / MIB:.1f} "
-                     f"MiB during vLLM's profile")
+        lines.append(
+            f"encoder cache: {(enc.get('held_bytes') or 0) / MIB:.1f} MiB held at most "
+            f"({enc.get('items_held')} items of {per / MIB:.2f} MiB; {enc.get('items_at_peak')} of "
+            f"{enc.get('capacity_items')} at the measured peak), {(enc.get('profiled_bytes') or 0) / MIB:.1f} "
+            f"MiB during vLLM's profile"
+        )
     return lines
 
 
@@ -443,10 +560,26 @@ def _stats(data: Sequence[float]) -> dict:
     mean = sum(xs) / n
     q = lambda f: xs[min(n - 1, int(f * (n - 1) + 0.5))]  # noqa: E731
     sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5 if n > 1 else 0.0
-    return {"min": xs[0], "max": xs[-1], "mean": mean, "stddev": sd, "rounds": n, "median": q(0.5),
-            "iqr": q(0.75) - q(0.25), "q1": q(0.25), "q3": q(0.75), "iqr_outliers": 0, "stddev_outliers": 0,
-            "outliers": "0;0", "ld15iqr": xs[0], "hd15iqr": xs[-1], "ops": 1 / mean if mean else 0.0,
-            "total": sum(xs), "iterations": 1, "data": list(data)}
+    return {
+        "min": xs[0],
+        "max": xs[-1],
+        "mean": mean,
+        "stddev": sd,
+        "rounds": n,
+        "median": q(0.5),
+        "iqr": q(0.75) - q(0.25),
+        "q1": q(0.25),
+        "q3": q(0.75),
+        "iqr_outliers": 0,
+        "stddev_outliers": 0,
+        "outliers": "0;0",
+        "ld15iqr": xs[0],
+        "hd15iqr": xs[-1],
+        "ops": 1 / mean if mean else 0.0,
+        "total": sum(xs),
+        "iterations": 1,
+        "data": list(data),
+    }
 
 
 # Note [Decode windows are paired]
@@ -490,12 +623,15 @@ def window_ratios(legacy: dict, ext: dict) -> list[float]:
     what does not pair (different window counts, no windows, a window without time)."""
     lw, ew = legacy["throughput"]["windows"], ext["throughput"]["windows"]
     if len(lw) != len(ew) or not lw:
-        raise ValueError(f"throughput pair: legacy timed {len(lw)} windows, extensible {len(ew)}; "
-                         "the windows are compared pairwise")
+        raise ValueError(
+            f"throughput pair: legacy timed {len(lw)} windows, extensible {len(ew)}; the windows are compared pairwise"
+        )
     if any(w["seconds"] <= 0 or w["tokens"] <= 0 for w in lw + ew):
-        raise ValueError("throughput pair: a window with no tokens or no time: "
-                         f"legacy {[(w['tokens'], w['seconds']) for w in lw]}, "
-                         f"extensible {[(w['tokens'], w['seconds']) for w in ew]}")
+        raise ValueError(
+            "throughput pair: a window with no tokens or no time: "
+            f"legacy {[(w['tokens'], w['seconds']) for w in lw]}, "
+            f"extensible {[(w['tokens'], w['seconds']) for w in ew]}"
+        )
     return [(e["tokens"] / e["seconds"]) / (w["tokens"] / w["seconds"]) for w, e in zip(lw, ew)]
 
 
@@ -508,34 +644,56 @@ def throughput_benchmark(legacy_runs: Sequence[dict], ext_runs: Sequence[dict], 
     with whether they are comparable (Notes [Decode windows are paired], [A start time needs the same compile cache],
     [Legacy, extensible, extensible, legacy])."""
     if not legacy_runs or len(legacy_runs) != len(ext_runs):
-        raise ValueError(f"throughput pair: {len(legacy_runs)} legacy and {len(ext_runs)} extensible runs; the "
-                         "runs are compared in pairs")
+        raise ValueError(
+            f"throughput pair: {len(legacy_runs)} legacy and {len(ext_runs)} extensible runs; the "
+            "runs are compared in pairs"
+        )
     ratios = [x for lr, er in zip(legacy_runs, ext_runs) for x in window_ratios(lr, er)]  # first: refuses bad pairs
     benches = []
     for mode, runs in (("legacy", legacy_runs), ("extensible", ext_runs)):
         windows = [w for r in runs for w in r["throughput"]["windows"]]
         last, case = runs[-1], runs[-1]["case"]
-        benches.append({
-            "group": "serve/decode", "name": f"decode_throughput[{mode}]",
-            "fullname": f"integration/run_case.py::decode_throughput[{case['model']}-{case['runner']}-{mode}]",
-            "params": {"mode": mode}, "param": mode, "options": {"timer": "time.perf_counter"},
-            "stats": _stats([w["seconds"] / w["tokens"] for w in windows]),
-            "extra_info": {"key": f"serve/decode/{mode}", "tokens_per_s": tokens_per_s(windows), "runs": len(runs),
-                           "num_seqs": last["throughput"]["num_seqs"],
-                           "steps_per_window": last["throughput"]["steps_per_window"],
-                           "num_gpu_blocks": last["memory"]["num_gpu_blocks"],
-                           "engine_seconds": last["engine_seconds"], "compiled": compiled(last),
-                           "model": case["model"], "runner": case["runner"]}})
+        benches.append(
+            {
+                "group": "serve/decode",
+                "name": f"decode_throughput[{mode}]",
+                "fullname": f"integration/run_case.py::decode_throughput[{case['model']}-{case['runner']}-{mode}]",
+                "params": {"mode": mode},
+                "param": mode,
+                "options": {"timer": "time.perf_counter"},
+                "stats": _stats([w["seconds"] / w["tokens"] for w in windows]),
+                "extra_info": {
+                    "key": f"serve/decode/{mode}",
+                    "tokens_per_s": tokens_per_s(windows),
+                    "runs": len(runs),
+                    "num_seqs": last["throughput"]["num_seqs"],
+                    "steps_per_window": last["throughput"]["steps_per_window"],
+                    "num_gpu_blocks": last["memory"]["num_gpu_blocks"],
+                    "engine_seconds": last["engine_seconds"],
+                    "compiled": compiled(last),
+                    "model": case["model"],
+                    "runner": case["runner"],
+                },
+            }
+        )
     blocks = {r["memory"]["num_gpu_blocks"] for r in legacy_runs + ext_runs}
-    return {"machine_info": machine or {}, "commit_info": {}, "benchmarks": benches,
-            "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"), "version": "5.2.3",
-            "ratio": {"decode_tokens_per_s": statistics.median(ratios), "pairs": len(legacy_runs),
-                      "decode_window_ratios": ratios, "decode_range": [min(ratios), max(ratios)],
-                      "target_decode": 0.99,
-                      "engine_seconds": ext_runs[-1]["engine_seconds"] / legacy_runs[-1]["engine_seconds"],
-                      "engine_seconds_comparable": start_comparable(compiled(legacy_runs[-1]),
-                                                                    compiled(ext_runs[-1])),
-                      "same_block_count": len(blocks) == 1}}
+    return {
+        "machine_info": machine or {},
+        "commit_info": {},
+        "benchmarks": benches,
+        "datetime": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "version": "5.2.3",
+        "ratio": {
+            "decode_tokens_per_s": statistics.median(ratios),
+            "pairs": len(legacy_runs),
+            "decode_window_ratios": ratios,
+            "decode_range": [min(ratios), max(ratios)],
+            "target_decode": 0.99,
+            "engine_seconds": ext_runs[-1]["engine_seconds"] / legacy_runs[-1]["engine_seconds"],
+            "engine_seconds_comparable": start_comparable(compiled(legacy_runs[-1]), compiled(ext_runs[-1])),
+            "same_block_count": len(blocks) == 1,
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -558,10 +716,26 @@ class Throughput:
         return f"throughput-{self.model}-{self.runner}"
 
     def args(self, mode: str) -> list[str]:
-        return ["--model", self.model, "--runner", self.runner, "--mode", mode, "--throughput", "--no-peak",
-                "--no-sensitivity", "--num-gpu-blocks-override", str(self.num_gpu_blocks_override),
-                "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
-                "--capture-sizes", self.capture_sizes, *self.extra]
+        return [
+            "--model",
+            self.model,
+            "--runner",
+            self.runner,
+            "--mode",
+            mode,
+            "--throughput",
+            "--no-peak",
+            "--no-sensitivity",
+            "--num-gpu-blocks-override",
+            str(self.num_gpu_blocks_override),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--capture-sizes",
+            self.capture_sizes,
+            *self.extra,
+        ]
 
     def run_name(self, mode: str, repeat: int = 0) -> str:
         return f"{self.id}-{mode}" + (f"-r{repeat + 1}" if repeat else "")
@@ -594,9 +768,15 @@ def measured_pairs(runs: dict) -> tuple[list[dict], list[dict]]:
 def run_throughput(case: Throughput, runner: Runner, *, budget: Callable[[int], int | None] = lambda s: s) -> dict:
     """The runs in the order legacy, extensible, extensible, legacy (Note [Legacy, extensible, extensible, legacy]);
     by mode, in pairing order."""
+
     def run(mode: str, repeat: int) -> dict | None:
         timeout = budget(case.seconds)
-        return None if timeout is None else runner(case.run_name(mode, repeat), case.args(mode),
-                                                   min(timeout, case.timeout), timeout < case.timeout)
+        return (
+            None
+            if timeout is None
+            else runner(
+                case.run_name(mode, repeat), case.args(mode), min(timeout, case.timeout), timeout < case.timeout
+            )
+        )
 
     return throughput_pair(run)

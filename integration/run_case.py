@@ -107,8 +107,11 @@ FILL_TEXT_LEN = 8  # text tokens of an encoder-cache fill request (plus its imag
 # The first image seed of each phase: every image of a case is distinct (identical images share one cache entry).
 IMAGE_SEEDS = {"measured": 10_000, "fill": 20_000, "peak": 30_000}
 # What a multimodal case imports beyond vLLM; missing, the case fails naming it (refused_import).
-MM_IMPORTS = (("torchvision", "vLLM's Qwen2-VL image processor imports it"),
-              ("PIL", "the case's images are PIL images"), ("numpy", "the case's images are drawn with numpy"))
+MM_IMPORTS = (
+    ("torchvision", "vLLM's Qwen2-VL image processor imports it"),
+    ("PIL", "the case's images are PIL images"),
+    ("numpy", "the case's images are drawn with numpy"),
+)
 # Speculative decoding: ngram only (draft-model-free, so the tiny configs need no second model).
 SPECULATIVE_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SPECULATIVE_MAX_TOKENS = 16  # decode steps of the widest-step phase (about one per token: drafts mostly rejected)
@@ -118,13 +121,18 @@ def _env(args: argparse.Namespace) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the lent multi-GPU machines
     # "plugin": engine core and worker in their own processes; the vllm.general_plugins entry point patches them.
     multiprocess = args.mode == "plugin"
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-                      VLLM_USE_V2_MODEL_RUNNER="1" if args.runner == "v2" else "0",
-                      EXTENSIBLE_KV_CACHE="1" if multiprocess else "0",
-                      VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                      VLLM_USE_FLASHINFER_SAMPLER="0",
-                      VLLM_BATCH_INVARIANT="1" if args.batch_invariant else "0")
+    os.environ.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        VLLM_USE_V2_MODEL_RUNNER="1" if args.runner == "v2" else "0",
+        EXTENSIBLE_KV_CACHE="1" if multiprocess else "0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_BATCH_INVARIANT="1" if args.batch_invariant else "0",
+    )
 
 
 def max_num_batched_tokens(args: argparse.Namespace) -> int | None:
@@ -180,11 +188,21 @@ def speculative_config(spec: str | None) -> dict | None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The ``LLM(...)`` arguments of this case (no vLLM needed)."""
-    kwargs = dict(model=str(MODELS / args.model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  seed=0, max_model_len=args.max_model_len, generation_config="vllm",
-                  attention_config={"backend": args.backend}, enable_prefix_caching=True, enforce_eager=False,
-                  gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
-                  kv_cache_dtype=args.kv_cache_dtype)
+    kwargs = dict(
+        model=str(MODELS / args.model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=args.max_model_len,
+        generation_config="vllm",
+        attention_config={"backend": args.backend},
+        enable_prefix_caching=True,
+        enforce_eager=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tp,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     if args.max_num_seqs:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if (batched := max_num_batched_tokens(args)) is not None:
@@ -204,19 +222,34 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def case_of(args: argparse.Namespace) -> dict:
-    return {"model": args.model, "runner": args.runner, "backend": args.backend, "mode": args.mode,
-            "corrupt": args.corrupt, "gpu_memory_utilization": args.gpu_memory_utilization,
-            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs or None,
-            "max_num_batched_tokens": max_num_batched_tokens(args), "capture_sizes": args.capture_sizes or None,
-            "tensor_parallel_size": args.tp, "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size,
-            "num_gpu_blocks_override": args.num_gpu_blocks_override, "batch_invariant": args.batch_invariant,
-            "peak": args.peak, "sensitivity": args.sensitivity, "throughput": args.throughput,
-            "prompt_len": prompt_len(args), "speculative": args.speculative,
-            "multimodal": is_multimodal(model_config(args.model))}
+    return {
+        "model": args.model,
+        "runner": args.runner,
+        "backend": args.backend,
+        "mode": args.mode,
+        "corrupt": args.corrupt,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs or None,
+        "max_num_batched_tokens": max_num_batched_tokens(args),
+        "capture_sizes": args.capture_sizes or None,
+        "tensor_parallel_size": args.tp,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "batch_invariant": args.batch_invariant,
+        "peak": args.peak,
+        "sensitivity": args.sensitivity,
+        "throughput": args.throughput,
+        "prompt_len": prompt_len(args),
+        "speculative": args.speculative,
+        "multimodal": is_multimodal(model_config(args.model)),
+    }
 
 
-def prompts(vocab: int, count: int = NUM_PROMPTS, length: int | list[int] = PROMPT_LEN, seed: int = 1234
-            ) -> list[list[int]]:
+def prompts(
+    vocab: int, count: int = NUM_PROMPTS, length: int | list[int] = PROMPT_LEN, seed: int = 1234
+) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -231,12 +264,15 @@ def image_prompts(config: dict, text_lengths: list[int], seed: int, image_seed: 
     the image's tokens) and vision_end. Each prompt's image is its own: ``image_seed`` is ``image_seed + i``.
     Returns ``{"prompt_token_ids", "image_seed"}`` (``vllm_prompts`` draws the images)."""
     if min(text_lengths, default=0) < 0:
-        raise ValueError(f"image prompts: text lengths must be >= 0, got {min(text_lengths)} (a prompt shorter "
-                         f"than its image)")
+        raise ValueError(
+            f"image prompts: text lengths must be >= 0, got {min(text_lengths)} (a prompt shorter than its image)"
+        )
     marker = [config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]]
     texts = prompts(text_token_limit(config), length=list(text_lengths), seed=seed) if text_lengths else []
-    return [{"prompt_token_ids": t[:IMAGE_TEXT_BEFORE] + marker + t[IMAGE_TEXT_BEFORE:], "image_seed": image_seed + i}
-            for i, t in enumerate(texts)]
+    return [
+        {"prompt_token_ids": t[:IMAGE_TEXT_BEFORE] + marker + t[IMAGE_TEXT_BEFORE:], "image_seed": image_seed + i}
+        for i, t in enumerate(texts)
+    ]
 
 
 def image_text_lengths(lengths: list[int], image_tokens: int) -> list[int]:
@@ -257,8 +293,11 @@ def image(seed: int):
 def vllm_prompts(specs: list[dict]) -> list[dict]:
     """vLLM prompts of ``image_prompts`` specs (``multi_modal_data`` with the image of each ``image_seed``) or of
     plain ``{"prompt_token_ids"}`` ones."""
-    return [{"prompt_token_ids": s["prompt_token_ids"]}
-            | ({"multi_modal_data": {"image": image(s["image_seed"])}} if "image_seed" in s else {}) for s in specs]
+    return [
+        {"prompt_token_ids": s["prompt_token_ids"]}
+        | ({"multi_modal_data": {"image": image(s["image_seed"])}} if "image_seed" in s else {})
+        for s in specs
+    ]
 
 
 def fill_rounds(capacity_items: int, held_items: int, peak_items: int, per_round: int) -> int:
@@ -436,8 +475,17 @@ def pool_summary() -> list[dict]:
         if int(s["device"]) != device:
             continue
         key = (tuple(s.get("segment_pool_id") or (0, 0)), s.get("segment_type"), int(s.get("stream") or 0))
-        row = sums.setdefault(key, {"pool": list(key[0]), "segment_type": key[1], "stream": key[2], "segments": 0,
-                                    "total_size": 0, "active_size": 0})
+        row = sums.setdefault(
+            key,
+            {
+                "pool": list(key[0]),
+                "segment_type": key[1],
+                "stream": key[2],
+                "segments": 0,
+                "total_size": 0,
+                "active_size": 0,
+            },
+        )
         row["segments"] += 1
         row["total_size"] += int(s["total_size"])
         row["active_size"] += int(s["active_size"])
@@ -453,8 +501,10 @@ def memory_figures(worker) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return {
-        "total": int(total), "free_after_warmup": int(free),
-        "init_free": int(worker.init_snapshot.free_memory), "requested": int(worker.requested_memory),
+        "total": int(total),
+        "free_after_warmup": int(free),
+        "init_free": int(worker.init_snapshot.free_memory),
+        "requested": int(worker.requested_memory),
         "weights": int(worker.model_runner.model_memory_usage),
         "profiled_peak_activation": int(getattr(worker, "peak_activation_memory", 0)),
         "profiled_non_torch": int(getattr(worker, "non_torch_memory", 0)),
@@ -506,8 +556,12 @@ def _phase_start(worker, step: Callable[[object], object]) -> dict:
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
     # torch's unused cache as the phase finds it (Note [A served batch's query length] in extensible_kv.vllm.sizing)
-    figures = {"free": int(free), "torch_reserved": int(torch.cuda.memory_reserved()),
-               "torch_allocated": int(torch.cuda.memory_allocated()), "torch_reusable": torch_reusable_now()}
+    figures = {
+        "free": int(free),
+        "torch_reserved": int(torch.cuda.memory_reserved()),
+        "torch_allocated": int(torch.cuda.memory_allocated()),
+        "torch_reusable": torch_reusable_now(),
+    }
     torch.cuda.reset_peak_memory_stats()
     return figures
 
@@ -521,9 +575,15 @@ def _phase_end(worker) -> tuple[int, dict, list]:
     free, _ = torch.cuda.mem_get_info()
     steps = worker._phase_steps
     del worker.execute_model, worker._phase_steps
-    return int(free), {"torch_max_reserved": int(torch.cuda.max_memory_reserved()),
-                       "torch_reserved_after": int(torch.cuda.memory_reserved()),
-                       "torch_max_allocated": int(torch.cuda.max_memory_allocated())}, steps
+    return (
+        int(free),
+        {
+            "torch_max_reserved": int(torch.cuda.max_memory_reserved()),
+            "torch_reserved_after": int(torch.cuda.memory_reserved()),
+            "torch_max_allocated": int(torch.cuda.max_memory_allocated()),
+        },
+        steps,
+    )
 
 
 def _peak_start(worker) -> dict:
@@ -533,12 +593,16 @@ def _peak_start(worker) -> dict:
 
 def _peak_end(worker) -> dict:
     free, readings, steps = _phase_end(worker)
-    return {"free_after_batch": free, **readings, "kv_backed": _kv_backed(worker), "step_tokens": steps,
-            "pools": pool_summary()}
+    return {
+        "free_after_batch": free,
+        **readings,
+        "kv_backed": _kv_backed(worker),
+        "step_tokens": steps,
+        "pools": pool_summary(),
+    }
 
 
-def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | None = None
-             ) -> tuple[dict, list[dict]]:
+def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | None = None) -> tuple[dict, list[dict]]:
     """The peak-shaped batch after the final commit and what it took (``memory.peak``), per rank. ``make_batch``
     turns the batch's prompt lengths (as vLLM counts them) into vLLM prompts (default: text of ``[3, vocab)``);
     the batch's ``prompt_tokens`` are the lengths vLLM reports back."""
@@ -547,20 +611,28 @@ def run_peak(llm, vocab: int, make_batch: Callable[[list[int]], list[dict]] | No
     config = llm.llm_engine.vllm_config
     batched, seqs = config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs
     lengths = peak_batch_lengths(batched, seqs, config.model_config.max_model_len)
-    batch = (make_batch(lengths) if make_batch is not None else
-             [{"prompt_token_ids": p} for p in prompts(vocab, length=lengths, seed=4321)])
+    batch = (
+        make_batch(lengths)
+        if make_batch is not None
+        else [{"prompt_token_ids": p} for p in prompts(vocab, length=lengths, seed=4321)]
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
     before = llm.collective_rpc(_peak_start)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.collective_rpc(_peak_end)
-    reported = [len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else n
-                for o, n in zip(outputs, lengths)]
-    shape = {"max_num_batched_tokens": batched, "max_num_seqs": seqs, "num_seqs": len(lengths),
-             "prompt_tokens": sum(reported), "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0
-                                                                  for o in outputs),
-             "seconds": round(seconds, 3)}
+    reported = [
+        len(ids) if (ids := getattr(o, "prompt_token_ids", None)) is not None else n for o, n in zip(outputs, lengths)
+    ]
+    shape = {
+        "max_num_batched_tokens": batched,
+        "max_num_seqs": seqs,
+        "num_seqs": len(lengths),
+        "prompt_tokens": sum(reported),
+        "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs),
+        "seconds": round(seconds, 3),
+    }
     ranks = []
     for b, a in zip(before, after):
         ranks.append({"batch": shape | {"step_tokens": a.pop("step_tokens")}, "before_batch": b, **a})
@@ -590,8 +662,9 @@ def run_encoder_fill(llm, config: dict, rounds: int, per_round: int) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
     for r in range(rounds):
-        specs = image_prompts(config, [FILL_TEXT_LEN] * per_round, seed=6000 + r,
-                              image_seed=IMAGE_SEEDS["fill"] + r * per_round)
+        specs = image_prompts(
+            config, [FILL_TEXT_LEN] * per_round, seed=6000 + r, image_seed=IMAGE_SEEDS["fill"] + r * per_round
+        )
         llm.generate(vllm_prompts(specs), params, use_tqdm=False)
     return rounds * per_round
 
@@ -599,9 +672,13 @@ def run_encoder_fill(llm, config: dict, rounds: int, per_round: int) -> int:
 def image_batch(config: dict, tokens_per_image: int) -> Callable[[list[int]], list[dict]]:
     """The peak batch's prompts for ``run_peak``: one image each (``IMAGE_SEEDS["peak"]`` on), text filling each
     prompt to its length once vLLM expands the image to ``tokens_per_image`` tokens."""
+
     def make_batch(lengths: list[int]) -> list[dict]:
-        return vllm_prompts(image_prompts(config, image_text_lengths(lengths, tokens_per_image), seed=4321,
-                                          image_seed=IMAGE_SEEDS["peak"]))
+        return vllm_prompts(
+            image_prompts(
+                config, image_text_lengths(lengths, tokens_per_image), seed=4321, image_seed=IMAGE_SEEDS["peak"]
+            )
+        )
 
     return make_batch
 
@@ -613,12 +690,18 @@ def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int
     profiles = _ENCODER["profile"]
     held = _ENCODER["held"] or {"bytes": 0, "items": 0, "bytes_per_item": 0}
     per_item = held["bytes_per_item"] or (at_peak or {}).get("bytes_per_item") or 0
-    figures = {"profiled_bytes": profiles[0]["bytes"] if profiles else None,
-               "profiled_items": profiles[0]["items"] if profiles else None,
-               "profile_runs": [p["bytes"] for p in profiles],
-               "held_bytes": held["bytes"], "items_held": held["items"], "bytes_per_item": per_item,
-               "at_peak_bytes": (at_peak or {}).get("bytes"), "items_at_peak": (at_peak or {}).get("items"),
-               "fill_requests": fill_requests, **budget}
+    figures = {
+        "profiled_bytes": profiles[0]["bytes"] if profiles else None,
+        "profiled_items": profiles[0]["items"] if profiles else None,
+        "profile_runs": [p["bytes"] for p in profiles],
+        "held_bytes": held["bytes"],
+        "items_held": held["items"],
+        "bytes_per_item": per_item,
+        "at_peak_bytes": (at_peak or {}).get("bytes"),
+        "items_at_peak": (at_peak or {}).get("items"),
+        "fill_requests": fill_requests,
+        **budget,
+    }
     EncoderCacheFigures.model_validate(figures)
     return figures
 
@@ -627,8 +710,11 @@ def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int
 def _draft_counts(scheduler_output) -> list[int]:
     """A step's [scheduled tokens, requests with drafts, draft tokens]."""
     drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-    return [_scheduled_tokens(scheduler_output), sum(1 for d in drafts.values() if d),
-            sum(len(d) for d in drafts.values())]
+    return [
+        _scheduled_tokens(scheduler_output),
+        sum(1 for d in drafts.values() if d),
+        sum(len(d) for d in drafts.values()),
+    ]
 
 
 def _spec_start(worker, k: int) -> dict:
@@ -637,8 +723,10 @@ def _spec_start(worker, k: int) -> dict:
     statistics restart."""
     drafter = getattr(worker.model_runner, "drafter", None)
     if drafter is None:
-        raise RuntimeError(f"speculative phase: the model runner ({type(worker.model_runner).__name__}) has no "
-                           f"drafter to propose {k} drafts")
+        raise RuntimeError(
+            f"speculative phase: the model runner ({type(worker.model_runner).__name__}) has no "
+            f"drafter to propose {k} drafts"
+        )
 
     def propose(num_speculative_tokens, sampled_token_ids, *args, **kwargs):
         return [[int(ids[-1])] * k if len(ids) else [] for ids in sampled_token_ids]
@@ -677,8 +765,19 @@ def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
     llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.collective_rpc(_spec_end)
-    return [{"k": k, "method": spec.partition(":")[0], "requests": seqs, "vocab": lm_vocab, "before": b,
-             "max_tokens": SPECULATIVE_MAX_TOKENS, "seconds": round(seconds, 3), **a} for b, a in zip(before, after)]
+    return [
+        {
+            "k": k,
+            "method": spec.partition(":")[0],
+            "requests": seqs,
+            "vocab": lm_vocab,
+            "before": b,
+            "max_tokens": SPECULATIVE_MAX_TOKENS,
+            "seconds": round(seconds, 3),
+            **a,
+        }
+        for b, a in zip(before, after)
+    ]
 
 
 # -- steady-state decode throughput --------------------------------------------------------------------------------
@@ -726,8 +825,9 @@ def run_throughput(llm, vocab: int, num_seqs: int, warm_steps: int, steps: int, 
 
     engine = llm.llm_engine
     max_tokens = warm_steps + windows * steps + 16
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     for i, p in enumerate(prompts(vocab, count=num_seqs, length=THROUGHPUT_PROMPT_LEN, seed=555)):
         engine.add_request(f"throughput-{i}", {"prompt_token_ids": p}, params)
     produced: dict[str, int] = {}
@@ -744,13 +844,25 @@ def run_throughput(llm, vocab: int, num_seqs: int, warm_steps: int, steps: int, 
             for _ in range(steps):
                 tokens += sum(len(o.outputs[0].token_ids) for o in engine.step())
             seconds = time.perf_counter() - start
-        results.append({"tokens": tokens, "seconds": seconds, "gc_seconds": round(collector.seconds, 6),
-                        "gc_full_collections": collector.full})
+        results.append(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "gc_seconds": round(collector.seconds, 6),
+                "gc_full_collections": collector.full,
+            }
+        )
     while engine.has_unfinished_requests():
         engine.step()
-    return {"num_seqs": num_seqs, "prompt_len": THROUGHPUT_PROMPT_LEN, "warm_steps": warm_steps,
-            "steps_per_window": steps, "windows": results, "warm_seconds": round(warm_seconds, 3),
-            "tokens_per_s": tokens_per_s(results)}
+    return {
+        "num_seqs": num_seqs,
+        "prompt_len": THROUGHPUT_PROMPT_LEN,
+        "warm_steps": warm_steps,
+        "steps_per_window": steps,
+        "windows": results,
+        "warm_seconds": round(warm_seconds, 3),
+        "tokens_per_s": tokens_per_s(results),
+    }
 
 
 def compile_cache_files() -> int | None:
@@ -781,8 +893,12 @@ def refused_result(args: argparse.Namespace, exc: BaseException, seconds: float)
     from extensible_kv.vllm import ExtensibleKVUnsupported
 
     by = "extensible_kv" if isinstance(exc, ExtensibleKVUnsupported) else "vllm"
-    return {"case": case_of(args), "refused": f"{type(exc).__name__}: {exc}", "refused_by": by,
-            "engine_seconds": round(seconds, 2)}
+    return {
+        "case": case_of(args),
+        "refused": f"{type(exc).__name__}: {exc}",
+        "refused_by": by,
+        "engine_seconds": round(seconds, 2),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -825,8 +941,9 @@ def run(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
     if multimodal:
-        batch = vllm_prompts(image_prompts(config, [prompt_len(args)] * NUM_PROMPTS, seed=1234,
-                                           image_seed=IMAGE_SEEDS["measured"]))
+        batch = vllm_prompts(
+            image_prompts(config, [prompt_len(args)] * NUM_PROMPTS, seed=1234, image_seed=IMAGE_SEEDS["measured"])
+        )
     else:
         batch = [{"prompt_token_ids": p} for p in prompts(text_vocab, length=prompt_len(args))]
     llm.generate(batch, warm, use_tqdm=False)
@@ -836,24 +953,32 @@ def run(args: argparse.Namespace) -> dict:
     cached = [getattr(o, "num_cached_tokens", None) for o in outputs]
     result = {
         "case": case_of(args),
-        "token_ids": tokens, "num_cached_tokens": cached, "corrupted_elements": corrupted,
+        "token_ids": tokens,
+        "num_cached_tokens": cached,
+        "corrupted_elements": corrupted,
         "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
-        "engine_seconds": round(engine_seconds, 2), "memory": figures, "extensible": extensible,
-        "compile_cache_files_written": None if compiled_before is None or compiled_after is None
-        or compiled_after < compiled_before else compiled_after - compiled_before,  # fewer: pruned meanwhile
+        "engine_seconds": round(engine_seconds, 2),
+        "memory": figures,
+        "extensible": extensible,
+        "compile_cache_files_written": None
+        if compiled_before is None or compiled_after is None or compiled_after < compiled_before
+        else compiled_after - compiled_before,  # fewer: pruned meanwhile
         "ranks": {"memory": all_figures, "extensible": ranks},
     }
     if multimodal:
         result["prompt_lens"] = [len(o.prompt_token_ids) for o in outputs]  # as vLLM counts them: images expanded
     if args.throughput:
         seqs = args.max_num_seqs or llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        result["throughput"] = run_throughput(llm, text_vocab, seqs, args.throughput_warm_steps,
-                                              args.throughput_steps, args.throughput_windows)
+        result["throughput"] = run_throughput(
+            llm, text_vocab, seqs, args.throughput_warm_steps, args.throughput_steps, args.throughput_windows
+        )
     if args.peak:
         spec_ranks = None
         if args.speculative:  # the widest speculative step, before the peak batch (its own reading)
-            spec_ranks = [speculative_figures(f, r) for f, r in
-                          zip(all_figures, run_speculative(llm, text_vocab, args.speculative, vocab))]
+            spec_ranks = [
+                speculative_figures(f, r)
+                for f, r in zip(all_figures, run_speculative(llm, text_vocab, args.speculative, vocab))
+            ]
             SpeculativeFigures.model_validate(spec_ranks[0])
             figures["speculative"] = spec_ranks[0]
             result["ranks"]["speculative"] = spec_ranks
@@ -862,13 +987,13 @@ def run(args: argparse.Namespace) -> dict:
             tokens_per_image = budget["tokens_per_item"]
             seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
             held = llm.collective_rpc(encoder_cache_now)[0] or {"items": 0}
-            fill = run_encoder_fill(llm, config, fill_rounds(budget["capacity_items"], held["items"], seqs, seqs),
-                                    seqs)
+            fill = run_encoder_fill(llm, config, fill_rounds(budget["capacity_items"], held["items"], seqs, seqs), seqs)
             make_batch = image_batch(config, tokens_per_image)
         peak, peak_ranks = run_peak(llm, text_vocab, make_batch)
         figures["peak"] = peak_figures(figures, peak, figures.get("speculative"))
-        result["ranks"]["peak"] = [peak_figures(f, p, s) for f, p, s in
-                                   zip(all_figures, peak_ranks, spec_ranks or [None] * len(peak_ranks))]
+        result["ranks"]["peak"] = [
+            peak_figures(f, p, s) for f, p, s in zip(all_figures, peak_ranks, spec_ranks or [None] * len(peak_ranks))
+        ]
         if budget is not None:
             at_peak = llm.collective_rpc(encoder_cache_now)[0]
             figures["encoder_cache"] = encoder_cache_figures(budget, at_peak, fill) if in_process else None
@@ -879,9 +1004,12 @@ def run(args: argparse.Namespace) -> dict:
         written = llm.collective_rpc(corrupt_kv)[0]
         dirty = llm.generate(batch, params, use_tqdm=False)
         dirty_tokens = [list(o.outputs[0].token_ids) for o in dirty]
-        result["sensitivity"] = {"corrupted_elements": written, "token_ids": dirty_tokens,
-                                 "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in dirty],
-                                 "changed": dirty_tokens != tokens}
+        result["sensitivity"] = {
+            "corrupted_elements": written,
+            "token_ids": dirty_tokens,
+            "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in dirty],
+            "changed": dirty_tokens != tokens,
+        }
     return result
 
 
@@ -890,16 +1018,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-llama", choices=sorted(d.name for d in MODELS.iterdir()))
     p.add_argument("--runner", choices=["v1", "v2"], required=True)
     p.add_argument("--backend", default="FLASH_ATTN")
-    p.add_argument("--mode", choices=["legacy", "extensible", "plugin"], required=True,
-                   help="legacy: vLLM as is; extensible: in-process with the context manager; plugin: "
-                        "multiprocess engine switched on by EXTENSIBLE_KV_CACHE=1 through the entry point")
+    p.add_argument(
+        "--mode",
+        choices=["legacy", "extensible", "plugin"],
+        required=True,
+        help="legacy: vLLM as is; extensible: in-process with the context manager; plugin: "
+        "multiprocess engine switched on by EXTENSIBLE_KV_CACHE=1 through the entry point",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype: auto (the model dtype), fp8, ...")
     p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: vLLM's)")
     p.add_argument("--corrupt", action="store_true", help="overwrite the committed KV blocks before the measured pass")
-    p.add_argument("--peak", action=argparse.BooleanOptionalAction, default=True,
-                   help="end with the peak-shaped batch and record memory.peak (default on)")
-    p.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
-                   help="then overwrite the committed KV blocks and run the measured pass again (default on)")
+    p.add_argument(
+        "--peak",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end with the peak-shaped batch and record memory.peak (default on)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then overwrite the committed KV blocks and run the measured pass again (default on)",
+    )
     p.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1 (vLLM's deterministic mode)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--throughput", action="store_true", help="measure steady-state decode tokens/s")
@@ -907,19 +1047,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--throughput-steps", type=int, default=100, help="engine steps per timed window")
     p.add_argument("--throughput-windows", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, default=None,
-                   help="measured prompts' length (default 40, or 2 blocks + 8 tokens for blocks over 16 tokens)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="measured prompts' length (default 40, or 2 blocks + 8 tokens for blocks over 16 tokens)",
+    )
     p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: min(16384, max_num_seqs x (max_model_len - 1)), so the peak batch fills it")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: min(16384, max_num_seqs x (max_model_len - 1)), so the peak batch fills it",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=8, help="0: vLLM's default")
     p.add_argument("--capture-sizes", default="1,2,4,8", help="comma-separated; empty: vLLM's default sizes")
-    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (TP > 1 needs --mode plugin or "
-                                                     "legacy: every rank is its own process)")
-    p.add_argument("--speculative", type=speculative_arg, default=None, metavar="ngram:K",
-                   help="speculative decoding, ngram with K drafts per step (prompt lookup 2..4); with --peak, the "
-                        "widest speculative step is measured before the peak batch (memory.speculative)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size (TP > 1 needs --mode plugin or legacy: every rank is its own process)",
+    )
+    p.add_argument(
+        "--speculative",
+        type=speculative_arg,
+        default=None,
+        metavar="ngram:K",
+        help="speculative decoding, ngram with K drafts per step (prompt lookup 2..4); with --peak, the "
+        "widest speculative step is measured before the peak batch (memory.speculative)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the case and the engine arguments; run nothing")
     p.add_argument("--out", required=True)
     return p
@@ -945,8 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
             brief["over_budget_phase"] = result["memory"]["peak"]["over_budget_phase"]
         if result["memory"].get("encoder_cache"):
             enc = result["memory"]["encoder_cache"]
-            brief["encoder_cache_items"] = {k: enc[k] for k in ("profiled_items", "items_held", "items_at_peak",
-                                                                "capacity_items")}
+            brief["encoder_cache_items"] = {
+                k: enc[k] for k in ("profiled_items", "items_held", "items_at_peak", "capacity_items")
+            }
     print(json.dumps(brief))
     return 0
 

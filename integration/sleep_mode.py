@@ -95,8 +95,13 @@ def nvidia_smi_used() -> int | None:
     """Bytes nvidia-smi reports in use on this process's first visible GPU; ``None`` where nvidia-smi cannot say."""
     index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or "0"
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
-                              check=False, capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = proc.stdout.strip().splitlines()
@@ -119,8 +124,13 @@ def reading(worker) -> dict:
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor):
                 ptrs.add(int(t.data_ptr()))
-    out = {"used": int(total - free), "total": int(total), "torch_reserved": int(torch.cuda.memory_reserved()),
-           "kv_ptrs": sorted(ptrs), "kv": None}
+    out = {
+        "used": int(total - free),
+        "total": int(total),
+        "torch_reserved": int(torch.cuda.memory_reserved()),
+        "kv_ptrs": sorted(ptrs),
+        "kv": None,
+    }
     state = getattr(worker, "_extensible_kv_state", None)
     if state is None or state.buffers is None:
         out["kv_bytes"] = int(sum(t.size for t in runner.kv_cache_config.kv_cache_tensors))
@@ -128,11 +138,14 @@ def reading(worker) -> dict:
     buffers, driver = state.buffers, state.driver
     tensors = [buffers.tensor(b.name) for b in buffers.buffers]
     out["kv_bytes"] = int(buffers.num_blocks * sum(b.page_size_bytes for b in buffers.buffers))
-    kv = {"released": bool(getattr(buffers, "released", False)), "num_blocks": int(buffers.num_blocks),
-          "bases": [int(t.base_address) for t in tensors],
-          "driver_mappings": len(getattr(driver, "_mappings", {})),
-          "driver_reservations": len(getattr(driver, "_reservations", {})),
-          "unreleased_handles": sum(len(getattr(getattr(t, "_memory", None), "unreleased", ())) for t in tensors)}
+    kv = {
+        "released": bool(getattr(buffers, "released", False)),
+        "num_blocks": int(buffers.num_blocks),
+        "bases": [int(t.base_address) for t in tensors],
+        "driver_mappings": len(getattr(driver, "_mappings", {})),
+        "driver_reservations": len(getattr(driver, "_reservations", {})),
+        "unreleased_handles": sum(len(getattr(getattr(t, "_memory", None), "unreleased", ())) for t in tensors),
+    }
     try:
         stats = buffers.stats()
         kv.update(backed_bytes=int(stats.backed_bytes), committed_bytes=int(stats.committed_bytes))
@@ -153,9 +166,22 @@ def _engine(case: Case, path: Path):
     """The run_case arguments and environment of this case; returns (LLM kwargs, run_case module)."""
     from integration import run_case
 
-    args = run_case.parser().parse_args(["--model", case.model, "--runner", case.runner, "--mode", case.mode,
-                                         "--max-model-len", str(case.max_model_len),
-                                         "--gpu-memory-utilization", str(UTILIZATION), "--out", str(path)])
+    args = run_case.parser().parse_args(
+        [
+            "--model",
+            case.model,
+            "--runner",
+            case.runner,
+            "--mode",
+            case.mode,
+            "--max-model-len",
+            str(case.max_model_len),
+            "--gpu-memory-utilization",
+            str(UTILIZATION),
+            "--out",
+            str(path),
+        ]
+    )
     run_case._env(args)  # before vLLM is imported: in-process engine, runner, no network
     sys.path.insert(0, str(ROOT / "reference"))
     return dict(run_case.engine_kwargs(args), enable_sleep_mode=True), run_case
@@ -164,8 +190,12 @@ def _engine(case: Case, path: Path):
 def run_one(case: Case, path: Path) -> dict:
     """Run one case in this process, writing ``path`` after every phase."""
     kwargs, run_case = _engine(case, path)
-    result: dict = {"case": asdict(case) | {"id": case.id}, "engine": {k: str(v) for k, v in kwargs.items()},
-                    "phases": {}, "complete": False}
+    result: dict = {
+        "case": asdict(case) | {"id": case.id},
+        "engine": {k: str(v) for k, v in kwargs.items()},
+        "phases": {},
+        "complete": False,
+    }
     from vllm import LLM, SamplingParams
 
     from extensible_kv.vllm import ExtensibleKVUnsupported, extensible_kv_cache
@@ -192,9 +222,11 @@ def run_one(case: Case, path: Path) -> dict:
         which reads the blocks the first one cached: every phase's tokens come the same way."""
         first = llm.generate(batch, warm, use_tqdm=False)
         outs = llm.generate(batch, params, use_tqdm=False)
-        return {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outs],
-                "warm_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in first]}
+        return {
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outs],
+            "warm_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in first],
+        }
 
     def read() -> dict:
         r = llm.collective_rpc(reading)[0]
@@ -241,8 +273,11 @@ def run_one(case: Case, path: Path) -> dict:
         try:
             result["phases"][name] = phase()
         except Exception as exc:  # noqa: BLE001 - the case file says which phase failed; later phases are skipped
-            result["error"] = {"phase": name, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc()[-4000:]}
+            result["error"] = {
+                "phase": name,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             write_json(path, result)
             return result
         write_json(path, result)
@@ -309,28 +344,48 @@ def case_row(result: dict) -> dict:
     if before is None:
         return row
     awake = before["memory"]
-    row |= {"awake": awake["used"], "awake_smi": awake.get("nvidia_smi_used"), "kv_bytes": awake["kv_bytes"],
-            "engine_seconds": result.get("engine_seconds")}
+    row |= {
+        "awake": awake["used"],
+        "awake_smi": awake.get("nvidia_smi_used"),
+        "kv_bytes": awake["kv_bytes"],
+        "engine_seconds": result.get("engine_seconds"),
+    }
     if (sw := phases.get("sleep_wake")) is not None:
-        row |= {"asleep": sw["asleep"]["used"], "asleep_smi": sw["asleep"].get("nvidia_smi_used"),
-                "woken": sw["woken"]["used"], "freed": awake["used"] - sw["asleep"]["used"],
-                "sleep_s": sw["sleep_s"], "wake_s": sw["wake_s"],
-                "tokens_after_wake": _same(before["tokens"], sw["tokens"]),
-                "cached_after_wake": sum(n or 0 for n in sw["tokens"]["warm_cached_tokens"])}
+        row |= {
+            "asleep": sw["asleep"]["used"],
+            "asleep_smi": sw["asleep"].get("nvidia_smi_used"),
+            "woken": sw["woken"]["used"],
+            "freed": awake["used"] - sw["asleep"]["used"],
+            "sleep_s": sw["sleep_s"],
+            "wake_s": sw["wake_s"],
+            "tokens_after_wake": _same(before["tokens"], sw["tokens"]),
+            "cached_after_wake": sum(n or 0 for n in sw["tokens"]["warm_cached_tokens"]),
+        }
     if (wk := phases.get("weights_then_kv")) is not None:
-        row |= {"kv_released_after_weights_wake": kv_stayed_released(wk["weights_woken"], wk["kv_woken"],
-                                                                      awake["kv_bytes"]),
-                "extensible_released_flag": (wk["weights_woken"].get("kv") or {}).get("released"),
-                "tokens_after_kv_wake": _same(before["tokens"], wk["tokens"])}
+        row |= {
+            "kv_released_after_weights_wake": kv_stayed_released(
+                wk["weights_woken"], wk["kv_woken"], awake["kv_bytes"]
+            ),
+            "extensible_released_flag": (wk["weights_woken"].get("kv") or {}).get("released"),
+            "tokens_after_kv_wake": _same(before["tokens"], wk["tokens"]),
+        }
     if (cy := phases.get("cycles")) is not None:
         rows = cy["cycles"]
-        row |= {"cycles": len(rows), "cycle_sleep_median_s": _median([c["sleep_s"] for c in rows]),
-                "cycle_wake_median_s": _median([c["wake_s"] for c in rows]), "cycle_drift": cycle_drift(rows),
-                "handles_stable": handles_stable(rows), "tokens_after_cycles": _same(before["tokens"], cy["tokens"])}
+        row |= {
+            "cycles": len(rows),
+            "cycle_sleep_median_s": _median([c["sleep_s"] for c in rows]),
+            "cycle_wake_median_s": _median([c["wake_s"] for c in rows]),
+            "cycle_drift": cycle_drift(rows),
+            "handles_stable": handles_stable(rows),
+            "tokens_after_cycles": _same(before["tokens"], cy["tokens"]),
+        }
     if (l2 := phases.get("level2")) is not None:
         row |= {"level2_asleep": l2["asleep"]["used"], "level2_tokens": _same(before["tokens"], l2["tokens"])}
-    readings = [awake] + [r for r in (sw and sw.get("woken"), wk and wk.get("kv_woken")) if r] + \
-               [c["after_wake"] for c in (cy or {}).get("cycles", [])]
+    readings = (
+        [awake]
+        + [r for r in (sw and sw.get("woken"), wk and wk.get("kv_woken")) if r]
+        + [c["after_wake"] for c in (cy or {}).get("cycles", [])]
+    )
     row["addresses_kept"] = addresses_kept(readings)
     return row
 
@@ -345,18 +400,24 @@ def pair_row(legacy: dict, extensible: dict) -> dict:
     asleep_diff = extensible["asleep"] - legacy["asleep"]
     lw, ew = legacy.get("cycle_wake_median_s"), extensible.get("cycle_wake_median_s")
     ratio = ew / lw if lw and ew is not None else None
-    row |= {"freed_diff": freed_diff, "asleep_diff": asleep_diff, "wake_ratio": ratio,
-            "freed_ok": freed_diff >= -TOLERANCE, "wake_ok": ratio is not None and ratio <= 1.0,
-            "drift_ok": extensible.get("cycle_drift") is not None and extensible["cycle_drift"] <= TOLERANCE,
-            "tokens_ok": all(extensible.get(k) is True for k in ("tokens_after_wake", "tokens_after_kv_wake",
-                                                                  "tokens_after_cycles")),
-            "kv_released_ok": extensible.get("kv_released_after_weights_wake") is True,
-            "handles_ok": extensible.get("handles_stable") is True}
+    row |= {
+        "freed_diff": freed_diff,
+        "asleep_diff": asleep_diff,
+        "wake_ratio": ratio,
+        "freed_ok": freed_diff >= -TOLERANCE,
+        "wake_ok": ratio is not None and ratio <= 1.0,
+        "drift_ok": extensible.get("cycle_drift") is not None and extensible["cycle_drift"] <= TOLERANCE,
+        "tokens_ok": all(
+            extensible.get(k) is True for k in ("tokens_after_wake", "tokens_after_kv_wake", "tokens_after_cycles")
+        ),
+        "kv_released_ok": extensible.get("kv_released_after_weights_wake") is True,
+        "handles_ok": extensible.get("handles_stable") is True,
+    }
     checks = ("freed_ok", "wake_ok", "drift_ok", "tokens_ok", "kv_released_ok", "handles_ok", "tokens_vs_legacy")
-    row["tokens_vs_legacy"] = extensible.get("tokens_before") is not None and \
-        extensible.get("tokens_before") == legacy.get("tokens_before")
-    row["verdict"] = "pass" if all(row[c] for c in checks) else \
-        "fail: " + ", ".join(c for c in checks if not row[c])
+    row["tokens_vs_legacy"] = extensible.get("tokens_before") is not None and extensible.get(
+        "tokens_before"
+    ) == legacy.get("tokens_before")
+    row["verdict"] = "pass" if all(row[c] for c in checks) else "fail: " + ", ".join(c for c in checks if not row[c])
     return row
 
 
@@ -369,8 +430,11 @@ def summarize(results: Sequence[dict], skipped: Sequence[str] = ()) -> dict:
         row["tokens_before"] = before["tokens"]["token_ids"] if before else None
         rows.append(row)
     by_key = {(r["model"], r["runner"], r["mode"]): r for r in rows}
-    pairs = [pair_row(by_key[(m, rn, "legacy")], by_key[(m, rn, "extensible")])
-             for (m, rn, mode) in by_key if mode == "legacy" and (m, rn, "extensible") in by_key]
+    pairs = [
+        pair_row(by_key[(m, rn, "legacy")], by_key[(m, rn, "extensible")])
+        for (m, rn, mode) in by_key
+        if mode == "legacy" and (m, rn, "extensible") in by_key
+    ]
     return {"cases": rows, "pairs": pairs, "skipped": list(skipped)}
 
 
@@ -392,30 +456,50 @@ def _flag(value: object) -> str:
 
 def render_table(summary: dict) -> str:
     """The summary as markdown: one table of cases, one of extensible-vs-legacy pairs, then what was skipped."""
-    header = ("| case | state | awake GiB (smi) | asleep GiB (smi) | woken GiB | freed GiB | sleep s | wake s | "
-              "cycles | median wake s | drift MiB | handles | KV released after weights wake | addresses | "
-              "tokens after wake / kv wake / cycles / level 2 | cached after wake |")
+    header = (
+        "| case | state | awake GiB (smi) | asleep GiB (smi) | woken GiB | freed GiB | sleep s | wake s | "
+        "cycles | median wake s | drift MiB | handles | KV released after weights wake | addresses | "
+        "tokens after wake / kv wake / cycles / level 2 | cached after wake |"
+    )
     lines = [header, "|" + " --- |" * 16]
     for r in summary["cases"]:
         if "awake" not in r:
             lines.append(f"| {r['case']} | {r['state']} | " + " | ".join(["-"] * 13) + f" | {r.get('detail', '')} |")
             continue
-        tokens = " / ".join(_flag(r.get(k)) for k in ("tokens_after_wake", "tokens_after_kv_wake",
-                                                       "tokens_after_cycles", "level2_tokens"))
-        cells = [r["case"], r["state"], f"{_gib(r['awake'])} ({_gib(r.get('awake_smi'))})",
-                 f"{_gib(r.get('asleep'))} ({_gib(r.get('asleep_smi'))})", _gib(r.get("woken")), _gib(r.get("freed")),
-                 _secs(r.get("sleep_s")), _secs(r.get("wake_s")), r.get("cycles", "-"),
-                 _secs(r.get("cycle_wake_median_s")), _mib(r.get("cycle_drift")), _flag(r.get("handles_stable")),
-                 _flag(r.get("kv_released_after_weights_wake")), _flag(r.get("addresses_kept")), tokens,
-                 r.get("cached_after_wake", "-")]
+        tokens = " / ".join(
+            _flag(r.get(k))
+            for k in ("tokens_after_wake", "tokens_after_kv_wake", "tokens_after_cycles", "level2_tokens")
+        )
+        cells = [
+            r["case"],
+            r["state"],
+            f"{_gib(r['awake'])} ({_gib(r.get('awake_smi'))})",
+            f"{_gib(r.get('asleep'))} ({_gib(r.get('asleep_smi'))})",
+            _gib(r.get("woken")),
+            _gib(r.get("freed")),
+            _secs(r.get("sleep_s")),
+            _secs(r.get("wake_s")),
+            r.get("cycles", "-"),
+            _secs(r.get("cycle_wake_median_s")),
+            _mib(r.get("cycle_drift")),
+            _flag(r.get("handles_stable")),
+            _flag(r.get("kv_released_after_weights_wake")),
+            _flag(r.get("addresses_kept")),
+            tokens,
+            r.get("cached_after_wake", "-"),
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    pairs = ("| model-runner | freed ext - legacy MiB | asleep ext - legacy MiB | wake ratio ext/legacy | "
-             "tokens ext = legacy | verdict |")
+    pairs = (
+        "| model-runner | freed ext - legacy MiB | asleep ext - legacy MiB | wake ratio ext/legacy | "
+        "tokens ext = legacy | verdict |"
+    )
     lines += ["", pairs, "|" + " --- |" * 6]
     for p in summary["pairs"]:
         ratio = "-" if p.get("wake_ratio") is None else f"{p['wake_ratio']:.2f}"
-        lines.append(f"| {p['pair']} | {_mib(p.get('freed_diff'))} | {_mib(p.get('asleep_diff'))} | {ratio} | "
-                     f"{_flag(p.get('tokens_vs_legacy'))} | {p['verdict']} |")
+        lines.append(
+            f"| {p['pair']} | {_mib(p.get('freed_diff'))} | {_mib(p.get('asleep_diff'))} | {ratio} | "
+            f"{_flag(p.get('tokens_vs_legacy'))} | {p['verdict']} |"
+        )
     if summary["skipped"]:
         lines += ["", "Not run: " + "; ".join(summary["skipped"])]
     return "\n".join(lines) + "\n"
@@ -427,8 +511,11 @@ def _compile_cache_env() -> None:
     second engine of a (model, runner) then loads what the first compiled."""
     root = os.environ.get("EXTENSIBLE_KV_COMPILE_CACHE")
     if root:
-        for name, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"),
-                          ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        for name, sub in (
+            ("VLLM_CACHE_ROOT", "vllm"),
+            ("TRITON_CACHE_DIR", "triton"),
+            ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ):
             os.environ.setdefault(name, str(Path(root) / sub))
 
 
@@ -444,9 +531,13 @@ def run_process(case: Case, out: Path, timeout: float) -> str | None:
     exited 0, else why not."""
     log = out / f"{case.id}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), str(out), "--case", case.id]
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "reference"), str(ROOT),
-                                                      os.environ.get("PYTHONPATH", "")) if p))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT / "reference"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    )
     start = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")

@@ -16,8 +16,7 @@ import torch
 
 from extensible_kv.backend_check import resolve_backend, validate_backend
 from extensible_kv.errors import ExtensibleKVError
-from extensible_kv.layout import (AttentionLayer, MambaLayer, attention_layer, block_dim, buffer_segments,
-                                  segments_of)
+from extensible_kv.layout import AttentionLayer, MambaLayer, attention_layer, block_dim, buffer_segments, segments_of
 
 if os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401 - a missing vllm must fail here
@@ -29,10 +28,20 @@ HEADS, HEAD, BLOCK = 4, 64, 16
 
 # Segments per backend, for both VLLM_KV_CACHE_LAYOUT values: one per physical index outside the block dim.
 EXPECTED_SEGMENTS = {
-    "FLASH_ATTN": 1, "FLASHINFER": 1, "TRITON_ATTN": 1, "FLEX_ATTENTION": 1,
-    "ROCM_ATTN": 2, "ROCM_AITER_FA": 1, "ROCM_AITER_UNIFIED_ATTN": 1,
-    "TRITON_MLA": 1, "FLASHMLA": 1, "FLASHINFER_MLA": 1, "CUTLASS_MLA": 1, "FLASH_ATTN_MLA": 1,
-    "ROCM_AITER_MLA": 1, "ROCM_AITER_TRITON_MLA": 1,
+    "FLASH_ATTN": 1,
+    "FLASHINFER": 1,
+    "TRITON_ATTN": 1,
+    "FLEX_ATTENTION": 1,
+    "ROCM_ATTN": 2,
+    "ROCM_AITER_FA": 1,
+    "ROCM_AITER_UNIFIED_ATTN": 1,
+    "TRITON_MLA": 1,
+    "FLASHMLA": 1,
+    "FLASHINFER_MLA": 1,
+    "CUTLASS_MLA": 1,
+    "FLASH_ATTN_MLA": 1,
+    "ROCM_AITER_MLA": 1,
+    "ROCM_AITER_TRITON_MLA": 1,
 }
 # These import only where their CUDA kernels load (module-level CUDA allocations / extensions).
 NEEDS_CUDA_TO_IMPORT = {"CUTLASS_MLA", "FLASH_ATTN_MLA"}
@@ -53,8 +62,15 @@ def _backend(name: str) -> type:
 def _layer(name: str, backend: type, block_major: bool = False) -> AttentionLayer:
     head = 576 if name in MLA else HEAD
     heads = 1 if name in MLA else HEADS
-    return attention_layer(name, backend, block_size=BLOCK, num_kv_heads=heads, head_size=head,
-                           dtype=torch.bfloat16, block_major=block_major)
+    return attention_layer(
+        name,
+        backend,
+        block_size=BLOCK,
+        num_kv_heads=heads,
+        head_size=head,
+        dtype=torch.bfloat16,
+        block_major=block_major,
+    )
 
 
 @pytest.fixture(params=["NHD", "HND"])
@@ -70,7 +86,8 @@ def test_backend_layout_gives_the_expected_segment_count(name, kv_layout):
     got = buffer_segments([layer], layer.page_size_bytes(), 257).count
     assert got == EXPECTED_SEGMENTS[name], (
         f"backend {name} ({kv_layout}): segments expected {EXPECTED_SEGMENTS[name]}, got {got} (shape "
-        f"{layer.shape_of(257)}, stride order {layer.stride_order})")
+        f"{layer.shape_of(257)}, stride order {layer.stride_order})"
+    )
 
 
 def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
@@ -85,8 +102,12 @@ def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
 
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32),
-                      page_size_padded=attn.page_size_bytes)
+    mamba = MambaSpec(
+        block_size=BLOCK,
+        shapes=((3, 256), (4, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=attn.page_size_bytes,
+    )
     with set_current_vllm_config(cfg):
         backend = AttentionBackendEnum[backend_name].get_class()
         specs = {"l0.attn": attn, "l2.attn": attn}
@@ -95,13 +116,15 @@ def _vllm_views(backend_name: str, hybrid: bool, num_blocks: int = 9):
             specs.update({"l1.mamba": mamba, "l3.mamba": mamba})
             grouped.append(["l1.mamba", "l3.mamba"])
         groups = create_kv_cache_group_specs(specs, grouped)
-        config = get_kv_cache_config_from_groups(cfg, groups, available_memory=len(grouped) * num_blocks *
-                                                 attn.page_size_bytes * 2)
+        config = get_kv_cache_config_from_groups(
+            cfg, groups, available_memory=len(grouped) * num_blocks * attn.page_size_bytes * 2
+        )
         raw = attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))
         attn_groups = [AttentionGroup(backend, grouped[0], groups[0].kv_cache_spec, 0)]
         if hybrid:
-            attn_groups.append(AttentionGroup(MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1],
-                                              groups[1].kv_cache_spec, 1))
+            attn_groups.append(
+                AttentionGroup(MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1], groups[1].kv_cache_spec, 1)
+            )
         views = attn_utils._reshape_kv_cache(attn_groups, raw, "auto", [BLOCK] * len(grouped), {}, config)
     return config, raw, views, mamba, backend, attn_groups
 
@@ -124,22 +147,28 @@ def test_our_views_and_segments_match_vllms_own_reshape(backend_name, hybrid, kv
         ours_segments = buffer_segments(ours_layers, page, n)
         assert ours_segments.count == want, (
             f"{backend_name} hybrid={hybrid} buffer {tensor.shared_by}: expected {want} segment(s), got "
-            f"{ours_segments.count}")
+            f"{ours_segments.count}"
+        )
         for ours in ours_layers:
             theirs = views[ours.name] if isinstance(views[ours.name], list) else [views[ours.name]]
             mine = ours.views(meta, n)
             for k, (a, b) in enumerate(zip(mine, theirs)):
                 offset = b.data_ptr() - raw[ours.name].data_ptr()
-                assert (tuple(a.shape), a.stride(), a.storage_offset() * a.element_size()) == \
-                       (tuple(b.shape), b.stride(), offset), (
+                assert (tuple(a.shape), a.stride(), a.storage_offset() * a.element_size()) == (
+                    tuple(b.shape),
+                    b.stride(),
+                    offset,
+                ), (
                     f"{backend_name} ({kv_layout}, hybrid={hybrid}) layer {ours.name} view {k}: expected vLLM's "
                     f"(shape, stride, byte offset) {(tuple(b.shape), b.stride(), offset)}, got "
-                    f"{(tuple(a.shape), a.stride(), a.storage_offset() * a.element_size())}")
+                    f"{(tuple(a.shape), a.stride(), a.storage_offset() * a.element_size())}"
+                )
                 dim = ours.block_dims()[k]
                 theirs_segments = segments_of(b, dim, tensor.size)
                 assert ours_segments == theirs_segments, (
                     f"{backend_name} ({kv_layout}, hybrid={hybrid}) buffer {tensor.shared_by}: segments from vLLM's "
-                    f"view {theirs_segments}, ours {ours_segments}")
+                    f"view {theirs_segments}, ours {ours_segments}"
+                )
 
 
 def test_mamba2_state_layout_is_one_block_major_segment():
@@ -147,8 +176,9 @@ def test_mamba2_state_layout_is_one_block_major_segment():
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        shapes = MambaStateShapeCalculator.mamba2_state_shape(tp_world_size=1, intermediate_size=512, n_groups=1,
-                                                              num_heads=8, head_dim=64, state_size=16, conv_kernel=4)
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=1, intermediate_size=512, n_groups=1, num_heads=8, head_dim=64, state_size=16, conv_kernel=4
+        )
         dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "auto")
     layer = MambaLayer("m", tuple(tuple(s) for s in shapes), tuple(dtypes))
     page = layer.page_size_bytes()
@@ -168,7 +198,8 @@ def test_validate_backend_passes_real_backends(name, kv_layout):
 def test_validate_backend_cli_fails_a_backend_whose_shape_does_not_match_its_stride_order(tmp_path):
     import subprocess
 
-    (tmp_path / "synthetic_backends.py").write_text(textwrap.dedent("""
+    (tmp_path / "synthetic_backends.py").write_text(
+        textwrap.dedent("""
         class ShapeOrderMismatch:
             @staticmethod
             def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
@@ -177,16 +208,33 @@ def test_validate_backend_cli_fails_a_backend_whose_shape_does_not_match_its_str
             @staticmethod
             def get_kv_cache_stride_order(include_num_layers_dimension=False):
                 return (1, 0, 2, 3, 4)
-    """))
+    """)
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(root, "reference"),
-                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "extensible_kv", "validate-backend",
-                           "synthetic_backends:ShapeOrderMismatch", "FLASH_ATTN", "--driver", "host"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(root, "reference"), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "extensible_kv",
+            "validate-backend",
+            "synthetic_backends:ShapeOrderMismatch",
+            "FLASH_ATTN",
+            "--driver",
+            "host",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, \
+    assert proc.returncode == 1, (
         f"validate-backend on a mismatched backend: expected exit 1, got {proc.returncode}\n{out}"
+    )
     assert "stride order (1, 0, 2, 3, 4) does not match its declared 4-d shape" in out, out
     assert "1 of 2 passed; failed: synthetic_backends:ShapeOrderMismatch" in out, out
 
@@ -202,12 +250,21 @@ def test_meta_dry_run_of_vllms_v2_reshape_gives_the_segments(backend_name, hybri
 
     config, raw, views, mamba, backend, attn_groups = _vllm_views(backend_name, hybrid)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        got = derive_segments(config, lambda meta: attn_utils._reshape_kv_cache(
-            attn_groups=attn_groups, kv_cache_raw_tensors=meta, kernel_block_sizes=[BLOCK] * len(attn_groups),
-            cache_dtype="auto", shared_kv_cache_layers={}, kv_cache_config=config))
+        got = derive_segments(
+            config,
+            lambda meta: attn_utils._reshape_kv_cache(
+                attn_groups=attn_groups,
+                kv_cache_raw_tensors=meta,
+                kernel_block_sizes=[BLOCK] * len(attn_groups),
+                cache_dtype="auto",
+                shared_kv_cache_layers={},
+                kv_cache_config=config,
+            ),
+        )
     want = [2 if backend_name == "ROCM_ATTN" and not hybrid else 1] * len(config.kv_cache_tensors)
-    assert got == want, f"{backend_name} ({kv_layout}, hybrid={hybrid}): segments per KV tensor expected {want}, " \
-                        f"got {got}"
+    assert got == want, (
+        f"{backend_name} ({kv_layout}, hybrid={hybrid}): segments per KV tensor expected {want}, got {got}"
+    )
 
 
 @pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN"])
@@ -229,23 +286,30 @@ def test_two_kv_cache_groups_sharing_buffers_commit_in_lockstep(backend_name, kv
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on CUDA, where vLLM enables it
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16,
-                               sliding_window=32)
+    window = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, sliding_window=32
+    )
     specs = {"l0.attn": window, "l1.attn": full, "l2.attn": window, "l3.attn": full}
     with set_current_vllm_config(cfg):
         backend = AttentionBackendEnum[backend_name].get_class()
         groups = get_kv_cache_groups(cfg, specs)
-        assert sorted(sorted(g.layer_names) for g in groups) == [["l0.attn", "l2.attn"], ["l1.attn", "l3.attn"]], \
+        assert sorted(sorted(g.layer_names) for g in groups) == [["l0.attn", "l2.attn"], ["l1.attn", "l3.attn"]], (
             f"expected two KV cache groups (sliding, full), got {[g.layer_names for g in groups]}"
+        )
         # 300 blocks: the block dimension is the views' largest, as block_dim() (and every real cache) has it.
         config = get_kv_cache_config_from_groups(cfg, groups, available_memory=2 * 300 * full.page_size_bytes)
         assert [len(t.shared_by) for t in config.kv_cache_tensors] == [2, 2], config.kv_cache_tensors
         attn_groups = [AttentionGroup(backend, g.layer_names, g.kv_cache_spec, i) for i, g in enumerate(groups)]
 
         def reshape(raw):
-            return attn_utils._reshape_kv_cache(attn_groups=attn_groups, kv_cache_raw_tensors=raw,
-                                                kernel_block_sizes=[BLOCK, BLOCK], cache_dtype="auto",
-                                                shared_kv_cache_layers={}, kv_cache_config=config)
+            return attn_utils._reshape_kv_cache(
+                attn_groups=attn_groups,
+                kv_cache_raw_tensors=raw,
+                kernel_block_sizes=[BLOCK, BLOCK],
+                cache_dtype="auto",
+                shared_kv_cache_layers={},
+                kv_cache_config=config,
+            )
 
         state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
         state.segments = worker_kv.derive_segments(config, reshape)
@@ -255,8 +319,9 @@ def test_two_kv_cache_groups_sharing_buffers_commit_in_lockstep(backend_name, kv
             views = reshape(raw)
             for tensor in config.kv_cache_tensors:
                 a, b = (views[name] for name in tensor.shared_by)
-                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), \
+                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), (
                     f"layers {tensor.shared_by} of one KVCacheTensor must view the same bytes the same way"
+                )
             state.ensure_blocks(5, reason="test")
             for name, view in views.items():  # every layer of either group writes its committed blocks
                 assert block_dim(view.shape, name, num_blocks=config.num_blocks) == 0, (name, tuple(view.shape))

@@ -4,35 +4,68 @@ fails each way a run can break it (no GPU needed)."""
 
 from __future__ import annotations
 
-from integration.parity import BUDGET_TOLERANCE, MIB, Case, budget_terms, check_memory_budget, \
-    over_budget_measured, peak_figures, row, table
+from integration.parity import (
+    BUDGET_TOLERANCE,
+    MIB,
+    Case,
+    budget_terms,
+    check_memory_budget,
+    over_budget_measured,
+    peak_figures,
+    row,
+    table,
+)
 
 BLOCK = 2 * MIB
 TOTAL, INIT_FREE = 140 << 30, 139 << 30
 REQUESTED = 126 << 30  # ceil(0.9 x total), counted from the worker's start
-BATCH = {"max_num_batched_tokens": 16384, "max_num_seqs": 8, "num_seqs": 8, "prompt_tokens": 16384,
-         "step_tokens": [16384, 8], "cached_tokens": 0, "seconds": 0.5}
+BATCH = {
+    "max_num_batched_tokens": 16384,
+    "max_num_seqs": 8,
+    "num_seqs": 8,
+    "prompt_tokens": 16384,
+    "step_tokens": [16384, 8],
+    "cached_tokens": 0,
+    "seconds": 0.5,
+}
 
 
-def _case(blocks: int, used_at_peak: int, *, released: int = 0, batch: dict | None = None,
-          extensible: bool = True) -> dict:
+def _case(
+    blocks: int, used_at_peak: int, *, released: int = 0, batch: dict | None = None, extensible: bool = True
+) -> dict:
     """A case whose peak-shaped batch left ``used_at_peak`` bytes in use since the worker started (``released`` of
     them reserved by torch during the batch and given back before the reading)."""
-    after_warmup = {"total": TOTAL, "init_free": INIT_FREE, "requested": REQUESTED, "num_gpu_blocks": blocks,
-                    "free_after_warmup": INIT_FREE - used_at_peak + 900 * MIB, "torch_reserved": 17 << 30,
-                    "kv_backed_after_warmup": blocks * BLOCK if extensible else 0,
-                    "profiled_peak_activation": 1800 * MIB}
-    readings = {"batch": dict(batch or BATCH),
-                "before_batch": {"free": INIT_FREE - used_at_peak + 850 * MIB, "torch_reserved": (17 << 30) + 20 * MIB,
-                                 "torch_allocated": 16 << 30, "kv_backed": after_warmup["kv_backed_after_warmup"]},
-                "free_after_batch": INIT_FREE - used_at_peak + released,
-                "torch_max_reserved": (17 << 30) + 850 * MIB + released, "torch_reserved_after": (17 << 30) + 850 * MIB,
-                "torch_max_allocated": 18 << 30, "kv_backed": after_warmup["kv_backed_after_warmup"], "pools": []}
+    after_warmup = {
+        "total": TOTAL,
+        "init_free": INIT_FREE,
+        "requested": REQUESTED,
+        "num_gpu_blocks": blocks,
+        "free_after_warmup": INIT_FREE - used_at_peak + 900 * MIB,
+        "torch_reserved": 17 << 30,
+        "kv_backed_after_warmup": blocks * BLOCK if extensible else 0,
+        "profiled_peak_activation": 1800 * MIB,
+    }
+    readings = {
+        "batch": dict(batch or BATCH),
+        "before_batch": {
+            "free": INIT_FREE - used_at_peak + 850 * MIB,
+            "torch_reserved": (17 << 30) + 20 * MIB,
+            "torch_allocated": 16 << 30,
+            "kv_backed": after_warmup["kv_backed_after_warmup"],
+        },
+        "free_after_batch": INIT_FREE - used_at_peak + released,
+        "torch_max_reserved": (17 << 30) + 850 * MIB + released,
+        "torch_reserved_after": (17 << 30) + 850 * MIB,
+        "torch_max_allocated": 18 << 30,
+        "kv_backed": after_warmup["kv_backed_after_warmup"],
+        "pools": [],
+    }
     memory = after_warmup | {"peak": peak_figures(after_warmup, readings)}
     case = {"memory": memory, "token_ids": [[1, 2]]}
     if extensible:
-        case["extensible"] = {"measured": {"bytes_per_block": BLOCK, "rounding_bound": 64 * MIB,
-                                           "torch_growth": 700 * MIB}}
+        case["extensible"] = {
+            "measured": {"bytes_per_block": BLOCK, "rounding_bound": 64 * MIB, "torch_growth": 700 * MIB}
+        }
     return case
 
 
@@ -53,11 +86,16 @@ def test_the_growth_since_the_final_commit_is_split_into_torch_non_torch_and_kv(
     g = _case(50_000, REQUESTED)["memory"]["peak"]["growth"]
     # Before the batch: torch +20 MiB, 50 MiB more in use (so non-torch +30 MiB); during it: torch +830 MiB,
     # 850 MiB more in use (non-torch +20 MiB); the KV cache did not grow.
-    assert g == {"before_batch": {"torch_reserved": 20 * MIB, "non_torch": 30 * MIB, "kv": 0},
-                 "during_batch": {"torch_reserved": 830 * MIB, "non_torch": 20 * MIB, "kv": 0}}, g
+    assert g == {
+        "before_batch": {"torch_reserved": 20 * MIB, "non_torch": 30 * MIB, "kv": 0},
+        "during_batch": {"torch_reserved": 830 * MIB, "non_torch": 20 * MIB, "kv": 0},
+    }, g
     t = budget_terms(_case(50_000, REQUESTED))
-    assert (t["torch_growth"], t["predicted_torch_growth"], t["non_torch_growth"]) == (850 * MIB, 700 * MIB,
-                                                                                      50 * MIB), t
+    assert (t["torch_growth"], t["predicted_torch_growth"], t["non_torch_growth"]) == (
+        850 * MIB,
+        700 * MIB,
+        50 * MIB,
+    ), t
 
 
 def test_the_terms_set_the_served_batchs_allocated_peak_against_the_peak_batchs():

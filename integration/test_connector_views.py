@@ -33,10 +33,20 @@ MAMBA_SHAPES, MAMBA_DTYPES = ((3, 256), (4, 16, 16)), (torch.bfloat16, torch.flo
 MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
 # Segments per backend (test_backend_layouts.EXPECTED_SEGMENTS): more than one is K/V-split, refused with a connector.
 BACKENDS = {
-    "FLASH_ATTN": 1, "FLASHINFER": 1, "TRITON_ATTN": 1, "FLEX_ATTENTION": 1,
-    "ROCM_ATTN": 2, "ROCM_AITER_FA": 1, "ROCM_AITER_UNIFIED_ATTN": 1,
-    "TRITON_MLA": 1, "FLASHMLA": 1, "FLASHINFER_MLA": 1, "CUTLASS_MLA": 1, "FLASH_ATTN_MLA": 1,
-    "ROCM_AITER_MLA": 1, "ROCM_AITER_TRITON_MLA": 1,
+    "FLASH_ATTN": 1,
+    "FLASHINFER": 1,
+    "TRITON_ATTN": 1,
+    "FLEX_ATTENTION": 1,
+    "ROCM_ATTN": 2,
+    "ROCM_AITER_FA": 1,
+    "ROCM_AITER_UNIFIED_ATTN": 1,
+    "TRITON_MLA": 1,
+    "FLASHMLA": 1,
+    "FLASHINFER_MLA": 1,
+    "CUTLASS_MLA": 1,
+    "FLASH_ATTN_MLA": 1,
+    "ROCM_AITER_MLA": 1,
+    "ROCM_AITER_TRITON_MLA": 1,
 }
 NEEDS_CUDA_TO_IMPORT = {"CUTLASS_MLA", "FLASH_ATTN_MLA"}
 HYBRID = ["FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN"]  # attention next to Mamba: vLLM re-strides block-major
@@ -68,8 +78,11 @@ def _backend(name: str) -> type:
 def _vllm_config(kv_connector: str | None = None, extra: dict | None = None):
     from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-    ktc = None if kv_connector is None else KVTransferConfig(kv_connector=kv_connector, kv_role="kv_both",
-                                                             kv_connector_extra_config=extra or {})
+    ktc = (
+        None
+        if kv_connector is None
+        else KVTransferConfig(kv_connector=kv_connector, kv_role="kv_both", kv_connector_extra_config=extra or {})
+    )
     if ktc is None:
         return VllmConfig(device_config=DeviceConfig(device="cpu"))
     model = ModelConfig(model=str(MODEL), skip_tokenizer_init=True, dtype="bfloat16")  # OffloadingConnector reads it
@@ -90,21 +103,26 @@ class Case:
         self.cfg = cfg or _vllm_config()
         mla = backend_name.endswith("MLA")
         spec_cls = MLAAttentionSpec if mla else FullAttentionSpec
-        attn = spec_cls(block_size=BLOCK, num_kv_heads=1 if mla else HEADS, head_size=576 if mla else HEAD,
-                        dtype=torch.bfloat16)
+        attn = spec_cls(
+            block_size=BLOCK, num_kv_heads=1 if mla else HEADS, head_size=576 if mla else HEAD, dtype=torch.bfloat16
+        )
         with set_current_vllm_config(self.cfg):
             self.backend = _backend(backend_name)
             specs, grouped = {"l0.attn": attn, "l2.attn": attn}, [["l0.attn", "l2.attn"]]
             if hybrid:
-                mamba = MambaSpec(block_size=BLOCK, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES,
-                                  page_size_padded=attn.page_size_bytes)
+                mamba = MambaSpec(
+                    block_size=BLOCK, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES, page_size_padded=attn.page_size_bytes
+                )
                 specs.update({"l1.mamba": mamba, "l3.mamba": mamba})
                 grouped.append(["l1.mamba", "l3.mamba"])
             self.groups = create_kv_cache_group_specs(specs, grouped)
             self.attn_groups = [AttentionGroup(self.backend, grouped[0], self.groups[0].kv_cache_spec, 0)]
             if hybrid:
-                self.attn_groups.append(AttentionGroup(MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1],
-                                                       self.groups[1].kv_cache_spec, 1))
+                self.attn_groups.append(
+                    AttentionGroup(
+                        MambaAttentionBackendEnum.MAMBA2.get_class(), grouped[1], self.groups[1].kv_cache_spec, 1
+                    )
+                )
 
     def config(self, num_blocks: int):
         from vllm.config import set_current_vllm_config
@@ -121,10 +139,14 @@ class Case:
         from vllm.v1.worker.gpu import attn_utils
 
         with set_current_vllm_config(self.cfg):
-            return attn_utils._reshape_kv_cache(attn_groups=self.attn_groups, kv_cache_raw_tensors=raw,
-                                                kernel_block_sizes=[BLOCK] * len(self.attn_groups),
-                                                cache_dtype="auto", shared_kv_cache_layers={},
-                                                kv_cache_config=config)
+            return attn_utils._reshape_kv_cache(
+                attn_groups=self.attn_groups,
+                kv_cache_raw_tensors=raw,
+                kernel_block_sizes=[BLOCK] * len(self.attn_groups),
+                cache_dtype="auto",
+                shared_kv_cache_layers={},
+                kv_cache_config=config,
+            )
 
     def legacy(self, num_blocks: int) -> dict:
         """vLLM's own allocation and views for ``num_blocks`` blocks: what the legacy path registers."""
@@ -172,7 +194,8 @@ def _assert_legacy(what: str, handed: dict, legacy: dict, state) -> None:
         for k, (got, want) in enumerate(zip(_flat(handed[name]), _flat(value), strict=True)):
             assert _signature(got) == _signature(want), (
                 f"{what} layer {name} view {k}: expected vLLM's legacy (shape, stride, byte offset, dtype, storage "
-                f"bytes) for {COMMITTED} blocks {_signature(want)}, got {_signature(got)}")
+                f"bytes) for {COMMITTED} blocks {_signature(want)}, got {_signature(got)}"
+            )
             base = state.buffers.tensor(state.layer_buffer[name]).base_address
             assert got.untyped_storage().data_ptr() == base, f"{what} layer {name}: not at its buffer's base address"
 
@@ -194,8 +217,11 @@ def test_attention_views_handed_over_are_vllms_legacy_views_of_the_committed_blo
     try:
         registration = connector.register(state)
         _assert_legacy(f"{name} ({kv_layout})", recorder.handed, case.legacy(COMMITTED), state)
-        assert registration.storage_bytes == registration.committed_bytes == \
-            sum(t.size for t in case.config(COMMITTED).kv_cache_tensors), registration.to_dict()
+        assert (
+            registration.storage_bytes
+            == registration.committed_bytes
+            == sum(t.size for t in case.config(COMMITTED).kv_cache_tensors)
+        ), registration.to_dict()
     finally:
         state.buffers.close()
 
@@ -233,7 +259,8 @@ def test_cross_layer_blocks_handed_over_are_vllms_legacy_cross_layer_tensor(name
     recorder.register_cross_layers_kv_cache = lambda tensor, backend: setattr(recorder, "handed", (tensor, backend))
     connector.defer(state, recorder)
     _, cross, backend = connector.cross_layer_allocator(state, vllm_allocate)(
-        config, [case.attn_groups], "auto", torch.device("cpu"), [BLOCK])
+        config, [case.attn_groups], "auto", torch.device("cpu"), [BLOCK]
+    )
     recorder.register_cross_layers_kv_cache(cross, backend)
     try:
         state.ensure_blocks(COMMITTED, reason="final size")
@@ -242,7 +269,8 @@ def test_cross_layer_blocks_handed_over_are_vllms_legacy_cross_layer_tensor(name
         _, want, _ = vllm_allocate(case.config(COMMITTED), [case.attn_groups], "auto", torch.device("cpu"), [BLOCK])
         assert (_signature(handed), got_backend) == (_signature(want), case.backend), (
             f"{name} ({kv_layout}) cross-layer: expected vLLM's legacy {_signature(want)} for {COMMITTED} blocks, got "
-            f"{_signature(handed)}")
+            f"{_signature(handed)}"
+        )
         assert registration.kind == "cross_layers" and registration.storage_bytes == registration.committed_bytes
     finally:
         state.buffers.close()
@@ -280,8 +308,9 @@ def test_offloading_connector_derives_exactly_the_committed_blocks(hybrid):
             legacy, legacy_seen = _offloading(case, case.config(COMMITTED))
             legacy.register_kv_caches(case.legacy(COMMITTED))
             got, want = [_signature(t) for t in seen[0]], [_signature(t) for t in legacy_seen[0]]
-            assert got == want, f"OffloadingConnector (hybrid={hybrid}): expected its legacy block tensors {want}, " \
-                                f"got {got}"
+            assert got == want, (
+                f"OffloadingConnector (hybrid={hybrid}): expected its legacy block tensors {want}, got {got}"
+            )
             bases = {state.buffers.tensor(b.name).base_address for b in state.buffers.buffers}
             assert {t.data_ptr() for t in seen[0]} == bases, "the block tensors must start at the buffers' bases"
             assert all(t.shape[0] == COMMITTED for t in seen[0]), got

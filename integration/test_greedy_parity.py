@@ -41,8 +41,9 @@ def run_case(name: str, *args: str, timeout: int = 900) -> dict:
     for stale in (OUT / f"{name}.json", OUT / f"{name}.error.txt"):
         stale.unlink(missing_ok=True)
     result = run_subprocess(OUT, name, list(args), timeout)
-    assert "error" not in result and not refusal(result), \
+    assert "error" not in result and not refusal(result), (
         f"case {name} ({' '.join(args)}): {result.get('error') or refusal(result)} (log: {OUT / name}.log)"
+    )
     _DONE[(name, *args)] = result
     return result
 
@@ -56,24 +57,29 @@ CASES = [(runner, backend) for runner in ("v1", "v2") for backend in ("FLASH_ATT
 
 @pytest.mark.parametrize("runner,backend", CASES, ids=[f"{r}-{b}" for r, b in CASES])
 def test_extensible_greedy_tokens_equal_legacy(runner, backend):
-    legacy = run_case(f"tiny-llama-{runner}-{backend}-legacy", "--runner", runner, "--backend", backend,
-                      "--mode", "legacy")
-    ext = run_case(f"tiny-llama-{runner}-{backend}-extensible", "--runner", runner, "--backend", backend,
-                   "--mode", "extensible")
-    assert ext["memory"]["runner"] == runner and legacy["memory"]["runner"] == runner, \
-        f"{runner}/{backend}: expected the {runner} runner, got legacy {legacy['memory']['runner']}, " \
+    legacy = run_case(
+        f"tiny-llama-{runner}-{backend}-legacy", "--runner", runner, "--backend", backend, "--mode", "legacy"
+    )
+    ext = run_case(
+        f"tiny-llama-{runner}-{backend}-extensible", "--runner", runner, "--backend", backend, "--mode", "extensible"
+    )
+    assert ext["memory"]["runner"] == runner and legacy["memory"]["runner"] == runner, (
+        f"{runner}/{backend}: expected the {runner} runner, got legacy {legacy['memory']['runner']}, "
         f"extensible {ext['memory']['runner']}"
+    )
     expect_parity(f"{runner}/{backend}", legacy, ext)
 
 
 def expect_parity(name: str, legacy: dict, ext: dict, *, cached: bool = True) -> None:
     """The extensible run's greedy tokens equal legacy's, its measured pass read cached KV blocks (``cached``), and
     it stayed inside the memory budget."""
-    assert ext["token_ids"] == legacy["token_ids"], \
+    assert ext["token_ids"] == legacy["token_ids"], (
         f"{name}: extensible tokens differ from legacy: {_diff(ext['token_ids'], legacy['token_ids'])}"
+    )
     if cached:
-        assert all(c and c >= 32 for c in ext["num_cached_tokens"]), \
+        assert all(c and c >= 32 for c in ext["num_cached_tokens"]), (
             f"{name}: the measured pass must read cached KV blocks, got {ext['num_cached_tokens']}"
+        )
     problems = check_memory_budget(legacy, ext)  # at the measured peak (Note [Over budget at the measured peak])
     assert not problems, f"{name}: " + "; ".join(problems)
 
@@ -91,34 +97,42 @@ def test_llama_8b_shape_matches_legacy_within_the_budget(runner):
 
 
 def test_corrupting_committed_kv_blocks_changes_the_tokens():
-    clean = run_case("tiny-llama-v2-FLASH_ATTN-extensible", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode",
-                     "extensible")
-    dirty = run_case("tiny-llama-v2-FLASH_ATTN-extensible-corrupt", "--runner", "v2", "--mode", "extensible",
-                     "--corrupt")
+    clean = run_case(
+        "tiny-llama-v2-FLASH_ATTN-extensible", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode", "extensible"
+    )
+    dirty = run_case(
+        "tiny-llama-v2-FLASH_ATTN-extensible-corrupt", "--runner", "v2", "--mode", "extensible", "--corrupt"
+    )
     assert dirty["corrupted_elements"] > 0, "the corruption wrote nothing"
-    assert dirty["token_ids"] != clean["token_ids"], \
+    assert dirty["token_ids"] != clean["token_ids"], (
         "corrupting every committed KV block left the greedy tokens unchanged: the parity check could not fail"
+    )
 
 
 def test_hybrid_attention_mamba_on_v1_matches_legacy():
     legacy = run_case("tiny-jamba-v1-legacy", "--model", "tiny-jamba", "--runner", "v1", "--mode", "legacy")
     ext = run_case("tiny-jamba-v1-extensible", "--model", "tiny-jamba", "--runner", "v1", "--mode", "extensible")
     expect_parity("tiny-jamba/v1", legacy, ext, cached=False)
-    assert ext["extensible"]["segments"] and set(ext["extensible"]["segments"]) == {1}, \
+    assert ext["extensible"]["segments"] and set(ext["extensible"]["segments"]) == {1}, (
         f"tiny-jamba/v1: hybrid buffers must be single-segment, got {ext['extensible']['segments']}"
+    )
 
 
 def test_entry_point_switches_a_multiprocess_engine():
     # Compared with the in-process extensible run, which the parity test compares with legacy.
-    baseline = run_case("tiny-llama-v2-FLASH_ATTN-extensible", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode",
-                        "extensible")
-    plugin = run_case("tiny-llama-v2-FLASH_ATTN-plugin", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode",
-                      "plugin")
-    assert plugin["extensible"] and plugin["extensible"]["commit_seconds"] is not None, \
-        f"EXTENSIBLE_KV_CACHE=1 in a multiprocess engine: expected the worker to report an extensible KV cache, " \
+    baseline = run_case(
+        "tiny-llama-v2-FLASH_ATTN-extensible", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode", "extensible"
+    )
+    plugin = run_case(
+        "tiny-llama-v2-FLASH_ATTN-plugin", "--runner", "v2", "--backend", "FLASH_ATTN", "--mode", "plugin"
+    )
+    assert plugin["extensible"] and plugin["extensible"]["commit_seconds"] is not None, (
+        f"EXTENSIBLE_KV_CACHE=1 in a multiprocess engine: expected the worker to report an extensible KV cache, "
         f"got {plugin['extensible']}"
-    assert plugin["token_ids"] == baseline["token_ids"], \
+    )
+    assert plugin["token_ids"] == baseline["token_ids"], (
         f"plugin/v2: tokens differ from the in-process run: {_diff(plugin['token_ids'], baseline['token_ids'])}"
+    )
 
 
 def _gpus() -> int:
@@ -134,9 +148,11 @@ def test_tensor_parallel_ranks_agree_on_the_block_count():
         pytest.skip(f"tensor parallelism needs 2 GPUs, found {_gpus()}")
     legacy = run_case("tiny-llama-v1-FLASH_ATTN-tp2-legacy", "--runner", "v1", "--mode", "legacy", "--tp", "2")
     ext = run_case("tiny-llama-v1-FLASH_ATTN-tp2-plugin", "--runner", "v1", "--mode", "plugin", "--tp", "2")
-    assert ext["token_ids"] == legacy["token_ids"], \
+    assert ext["token_ids"] == legacy["token_ids"], (
         f"TP=2: extensible tokens differ from legacy: {_diff(ext['token_ids'], legacy['token_ids'])}"
+    )
     per_rank = [r["kv"]["num_blocks"] for r in ext["ranks"]["extensible"]]
     assert len(per_rank) == 2 and len(set(per_rank)) == 1, f"TP=2: ranks committed different block counts {per_rank}"
-    assert per_rank[0] == ext["memory"]["num_gpu_blocks"], \
+    assert per_rank[0] == ext["memory"]["num_gpu_blocks"], (
         f"TP=2: ranks committed {per_rank}, the scheduler got {ext['memory']['num_gpu_blocks']}"
+    )

@@ -13,8 +13,18 @@ import pytest
 
 from integration import matrix, parity, run_case
 from extensible_kv.measurements import IntegrationCase
-from extensible_kv.parity import (DIFFERS, EXTENSIBLE_REFUSED, FAILED, IDENTICAL, NONDETERMINISTIC, NOT_RUN, REFUSED,
-                                  classify, classify_with_fallback, first_difference)
+from extensible_kv.parity import (
+    DIFFERS,
+    EXTENSIBLE_REFUSED,
+    FAILED,
+    IDENTICAL,
+    NONDETERMINISTIC,
+    NOT_RUN,
+    REFUSED,
+    classify,
+    classify_with_fallback,
+    first_difference,
+)
 from integration.parity import Case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,21 +46,30 @@ def test_first_difference_names_the_prompt_and_the_token():
     assert first_difference(A, A[:1]) == "2 vs 1 prompts"
 
 
-@pytest.mark.parametrize("legacy,ext,outcome,deterministic,identical,needle", [
-    ([_run(A), _run(A)], _run(A), IDENTICAL, True, True, ""),
-    ([_run(A), _run(A)], _run(B), DIFFERS, True, False, "extensible vs legacy: prompt 1 first differs at token 2"),
-    ([_run(A)], _run(A), IDENTICAL, None, True, ""),  # one legacy run: determinism not established
-    ([_run(A), _run(B)], _run(A), NONDETERMINISTIC, False, None, "legacy runs disagree: prompt 1 first differs"),
-    ([_run(A), _run(B)], None, NONDETERMINISTIC, False, None, "legacy runs disagree"),
-    ([_run(refused="ValueError: Selected backend")], None, REFUSED, None, None, "Selected backend"),
-    ([_run(A), _run(A)], _run(refused="ExtensibleKVUnsupported: sleep mode"), EXTENSIBLE_REFUSED, True, None,
-     "sleep mode"),
-    ([_run(A), {"error": "exit 1 after 30 s: boom"}], _run(A), FAILED, None, None, "legacy: exit 1"),
-    ([_run(A), _run(A)], {"error": "timed out after 300 s"}, FAILED, True, None, "extensible: timed out"),
-    ([_run(A), _run(A)], None, NOT_RUN, True, None, ""),
-    ([_run(A), None], _run(A), NOT_RUN, None, None, ""),
-    ([], None, NOT_RUN, None, None, ""),
-])
+@pytest.mark.parametrize(
+    "legacy,ext,outcome,deterministic,identical,needle",
+    [
+        ([_run(A), _run(A)], _run(A), IDENTICAL, True, True, ""),
+        ([_run(A), _run(A)], _run(B), DIFFERS, True, False, "extensible vs legacy: prompt 1 first differs at token 2"),
+        ([_run(A)], _run(A), IDENTICAL, None, True, ""),  # one legacy run: determinism not established
+        ([_run(A), _run(B)], _run(A), NONDETERMINISTIC, False, None, "legacy runs disagree: prompt 1 first differs"),
+        ([_run(A), _run(B)], None, NONDETERMINISTIC, False, None, "legacy runs disagree"),
+        ([_run(refused="ValueError: Selected backend")], None, REFUSED, None, None, "Selected backend"),
+        (
+            [_run(A), _run(A)],
+            _run(refused="ExtensibleKVUnsupported: sleep mode"),
+            EXTENSIBLE_REFUSED,
+            True,
+            None,
+            "sleep mode",
+        ),
+        ([_run(A), {"error": "exit 1 after 30 s: boom"}], _run(A), FAILED, None, None, "legacy: exit 1"),
+        ([_run(A), _run(A)], {"error": "timed out after 300 s"}, FAILED, True, None, "extensible: timed out"),
+        ([_run(A), _run(A)], None, NOT_RUN, True, None, ""),
+        ([_run(A), None], _run(A), NOT_RUN, None, None, ""),
+        ([], None, NOT_RUN, None, None, ""),
+    ],
+)
 def test_classify(legacy, ext, outcome, deterministic, identical, needle):
     v = classify(legacy, ext)
     assert (v.outcome, v.baseline_deterministic, v.tokens_identical) == (outcome, deterministic, identical), v
@@ -58,12 +77,17 @@ def test_classify(legacy, ext, outcome, deterministic, identical, needle):
 
 
 def test_a_nondeterministic_baseline_takes_its_token_verdict_from_batch_invariant_mode():
-    runs = {"legacy": [_run(A), _run(B)], "extensible": _run(A),
-            "legacy_bi": [_run(B), _run(B)], "extensible_bi": _run(B)}
+    runs = {
+        "legacy": [_run(A), _run(B)],
+        "extensible": _run(A),
+        "legacy_bi": [_run(B), _run(B)],
+        "extensible_bi": _run(B),
+    }
     v = classify_with_fallback(runs)
     assert (v.outcome, v.baseline_deterministic, v.tokens_identical) == (NONDETERMINISTIC, False, True), v
-    assert v.detail == ("legacy runs disagree: prompt 1 first differs at token 2: [11, 12] vs [99, 12]; "
-                        "batch-invariant mode: identical"), v.detail
+    assert v.detail == (
+        "legacy runs disagree: prompt 1 first differs at token 2: [11, 12] vs [99, 12]; batch-invariant mode: identical"
+    ), v.detail
     runs["extensible_bi"] = _run(A)
     assert classify_with_fallback(runs).tokens_identical is False
     runs["legacy_bi"] = [_run(refused="ValueError: batch invariance not supported")]
@@ -93,9 +117,11 @@ CASE = Case("qwen3-0.6b-shape", "v1", kv_cache_dtype="fp8", max_model_len=4096, 
 def test_a_deterministic_baseline_runs_legacy_twice_then_extensible():
     fake = FakeRunner(legacy=_run(A), extensible=_run(A))
     runs = parity.run_parity(CASE, fake)
-    assert [c[0] for c in fake.calls] == ["qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy",
-                                          "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-r2",
-                                          "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-extensible"]
+    assert [c[0] for c in fake.calls] == [
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy",
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-r2",
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-extensible",
+    ]
     args = fake.calls[0][1]
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8" and args[args.index("--block-size") + 1] == "16"
     assert classify_with_fallback(runs).outcome == IDENTICAL
@@ -105,9 +131,11 @@ def test_a_nondeterministic_baseline_repeats_the_comparison_in_batch_invariant_m
     fake = FakeRunner(legacy=[_run(A), _run(B)], extensible=_run(A), legacy_bi=_run(A), extensible_bi=_run(A))
     runs = parity.run_parity(CASE, fake)
     names = [c[0] for c in fake.calls]
-    assert names[3:] == ["qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-bi",
-                         "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-bi-r2",
-                         "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-extensible-bi"], names
+    assert names[3:] == [
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-bi",
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-legacy-bi-r2",
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16-extensible-bi",
+    ], names
     assert all("--batch-invariant" in c[1] for c in fake.calls[3:])
     assert not any("--batch-invariant" in c[1] for c in fake.calls[:3])
     v = classify_with_fallback(runs)
@@ -124,8 +152,9 @@ def test_no_run_starts_once_the_time_budget_is_spent():
     fake = FakeRunner(legacy=_run(A), extensible=_run(A))
     left = iter([400, 200, None])
     runs = parity.run_parity(CASE, fake, budget=lambda expected: next(left))
-    assert [c[2:] for c in fake.calls] == [(300, False), (200, True)], \
+    assert [c[2:] for c in fake.calls] == [(300, False), (200, True)], (
         "timeouts: the case's own, then what the budget leaves"
+    )
     assert runs["extensible"] is None and classify_with_fallback(runs).outcome == NOT_RUN
 
 
@@ -140,27 +169,49 @@ def test_clock_gives_what_is_left_and_nothing_once_a_run_no_longer_fits():
 
 # -- rows, table, throughput ---------------------------------------------------------------------------------------
 def _case_json(tokens, blocks, over, *, sensitivity=True, cached=(32, 32)) -> dict:
-    peak = {"over_budget_measured": over, "peak_shaped": True,
-            "batch": {"prompt_tokens": 16384, "max_num_batched_tokens": 16384, "num_seqs": 8, "max_num_seqs": 8,
-                      "step_tokens": [16384]},
-            "growth": {"before_batch": {"torch_reserved": 0, "non_torch": 0, "kv": 0},
-                       "during_batch": {"torch_reserved": 0, "non_torch": 0, "kv": 0}}}
-    return {"token_ids": tokens, "num_cached_tokens": list(cached),
-            "memory": {"num_gpu_blocks": blocks, "peak": peak, "init_free": 10, "requested": 8,
-                       "free_after_warmup": 5},
-            "extensible": {"measured": {"bytes_per_block": 1 << 20, "rounding_bound": 0, "torch_growth": 0}},
-            "sensitivity": {"changed": sensitivity}}
+    peak = {
+        "over_budget_measured": over,
+        "peak_shaped": True,
+        "batch": {
+            "prompt_tokens": 16384,
+            "max_num_batched_tokens": 16384,
+            "num_seqs": 8,
+            "max_num_seqs": 8,
+            "step_tokens": [16384],
+        },
+        "growth": {
+            "before_batch": {"torch_reserved": 0, "non_torch": 0, "kv": 0},
+            "during_batch": {"torch_reserved": 0, "non_torch": 0, "kv": 0},
+        },
+    }
+    return {
+        "token_ids": tokens,
+        "num_cached_tokens": list(cached),
+        "memory": {"num_gpu_blocks": blocks, "peak": peak, "init_free": 10, "requested": 8, "free_after_warmup": 5},
+        "extensible": {"measured": {"bytes_per_block": 1 << 20, "rounding_bound": 0, "torch_growth": 0}},
+        "sensitivity": {"changed": sensitivity},
+    }
 
 
 def test_row_and_table_report_every_column():
-    runs = {"legacy": [_case_json(A, 1000, 229 << 20), _case_json(A, 1000, 229 << 20)],
-            "extensible": _case_json(A, 1000, -(1 << 20))}
+    runs = {
+        "legacy": [_case_json(A, 1000, 229 << 20), _case_json(A, 1000, 229 << 20)],
+        "extensible": _case_json(A, 1000, -(1 << 20)),
+    }
     r = parity.row(CASE, runs)
-    assert (r["legacy_blocks"], r["extensible_blocks"], r["baseline_deterministic"], r["tokens_identical"],
-            r["sensitivity_proven"], r["budget_problems"]) == (1000, 1000, True, True, True, []), r
+    assert (
+        r["legacy_blocks"],
+        r["extensible_blocks"],
+        r["baseline_deterministic"],
+        r["tokens_identical"],
+        r["sensitivity_proven"],
+        r["budget_problems"],
+    ) == (1000, 1000, True, True, True, []), r
     text = parity.table([r])
-    assert "| qwen3-0.6b-shape | v1 | FLASH_ATTN | fp8 | 16 | 1000 | 1000 | yes | yes | +229.0 / -1.0 | yes | " \
-           "identical |" in text, text
+    assert (
+        "| qwen3-0.6b-shape | v1 | FLASH_ATTN | fp8 | 16 | 1000 | 1000 | yes | yes | +229.0 / -1.0 | yes | "
+        "identical |" in text
+    ), text
     runs["extensible"] = _case_json(A, 1000, 40 << 20, sensitivity=False, cached=(0, 0))
     r = parity.row(CASE, runs)
     assert r["sensitivity_proven"] is False and len(r["budget_problems"]) == 2, r["budget_problems"]
@@ -171,19 +222,29 @@ def test_row_and_table_report_every_column():
 def throughput_run(mode, seconds, engine=80.0, written=0):
     """A ``--throughput`` case file: one window of 25,600 tokens per entry of ``seconds``."""
     rate = 25600 * len(seconds) / sum(seconds) if seconds else 0.0
-    return {"case": {"model": "llama-8b-shape", "runner": "v2", "mode": mode}, "engine_seconds": engine,
-            "memory": {"num_gpu_blocks": 16384}, "compile_cache_files_written": written,
-            "throughput": {"tokens_per_s": rate, "num_seqs": 256, "steps_per_window": 100,
-                           "windows": [{"tokens": 25600, "seconds": s} for s in seconds]}}
+    return {
+        "case": {"model": "llama-8b-shape", "runner": "v2", "mode": mode},
+        "engine_seconds": engine,
+        "memory": {"num_gpu_blocks": 16384},
+        "compile_cache_files_written": written,
+        "throughput": {
+            "tokens_per_s": rate,
+            "num_seqs": 256,
+            "steps_per_window": 100,
+            "windows": [{"tokens": 25600, "seconds": s} for s in seconds],
+        },
+    }
 
 
 def test_throughput_json_is_pytest_benchmark_shaped_with_the_ratio():
-    bench = parity.throughput_benchmark([throughput_run("legacy", [3.2] * 3, 80.0)],
-                                        [throughput_run("extensible", [3.2 / 0.995] * 3, 60.0)])
+    bench = parity.throughput_benchmark(
+        [throughput_run("legacy", [3.2] * 3, 80.0)], [throughput_run("extensible", [3.2 / 0.995] * 3, 60.0)]
+    )
     assert [b["extra_info"]["key"] for b in bench["benchmarks"]] == ["serve/decode/legacy", "serve/decode/extensible"]
     stats = bench["benchmarks"][1]["stats"]
-    assert stats["rounds"] == 3 and stats["median"] == pytest.approx(1 / 7960.0) and stats["ops"] == \
-        pytest.approx(7960.0)
+    assert (
+        stats["rounds"] == 3 and stats["median"] == pytest.approx(1 / 7960.0) and stats["ops"] == pytest.approx(7960.0)
+    )
     assert bench["ratio"]["decode_tokens_per_s"] == pytest.approx(0.995)
     assert bench["ratio"]["engine_seconds"] == pytest.approx(0.75) and bench["ratio"]["same_block_count"]
 
@@ -205,11 +266,15 @@ def test_decode_ratio_refuses_runs_with_different_window_counts():
         parity.throughput_benchmark([throughput_run("legacy", [1.0] * 3)], [throughput_run("extensible", [1.0] * 2)])
 
 
-@pytest.mark.parametrize("legacy_written,ext_written,comparable", [
-    (12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, None), (0, None, None)])
+@pytest.mark.parametrize(
+    "legacy_written,ext_written,comparable",
+    [(12, 0, False), (0, 12, False), (0, 0, True), (12, 7, True), (None, 0, None), (0, None, None)],
+)
 def test_start_ratio_is_comparable_only_from_the_same_compile_cache(legacy_written, ext_written, comparable):
-    ratio = parity.throughput_benchmark([throughput_run("legacy", [1.0] * 3, 51.0, legacy_written)],
-                                        [throughput_run("extensible", [1.0] * 3, 21.9, ext_written)])["ratio"]
+    ratio = parity.throughput_benchmark(
+        [throughput_run("legacy", [1.0] * 3, 51.0, legacy_written)],
+        [throughput_run("extensible", [1.0] * 3, 21.9, ext_written)],
+    )["ratio"]
     assert ratio["engine_seconds_comparable"] is comparable, (legacy_written, ext_written, ratio)
 
 
@@ -235,7 +300,7 @@ def test_two_pairs_cancel_a_drift_that_one_pair_takes_for_a_difference():
     # the order legacy, extensible, extensible, legacy reads 0.98 and 1/0.98 around 1 (Note [Legacy, extensible,
     # extensible, legacy]).
     base = [1.0, 1.1, 1.2]
-    run = [[s * 1.02 ** i for s in base] for i in range(4)]  # in the order the runs ran
+    run = [[s * 1.02**i for s in base] for i in range(4)]  # in the order the runs ran
     legacy = [throughput_run("legacy", run[0]), throughput_run("legacy", run[3])]
     ext = [throughput_run("extensible", run[1]), throughput_run("extensible", run[2])]
     one = parity.throughput_benchmark(legacy[:1], ext[:1])["ratio"]
@@ -260,20 +325,30 @@ def test_the_start_ratio_is_taken_between_each_modes_last_run():
 def test_throughput_lines_say_what_did_not_pair_and_write_the_rest(tmp_path):
     def pair(legacy, ext, second=(None, None)):
         return {"legacy": [legacy, second[0]], "extensible": [ext, second[1]]}
+
     failed = {"error": "exit 1 after 30 s: CUDA out of memory"}
-    pairs = {"a": pair(throughput_run("legacy", [1.0] * 4), throughput_run("extensible", [1.0] * 5)),
-             "b": pair(throughput_run("legacy", []), throughput_run("extensible", [])),
-             "c": pair(throughput_run("legacy", [2.0, 2.0]), None),
-             "d": pair(throughput_run("legacy", [1.0, 1.2]), throughput_run("extensible", [1.1, 1.2]),
-                       (failed, throughput_run("extensible", [1.0, 1.0])))}  # a second pair that failed: left out
+    pairs = {
+        "a": pair(throughput_run("legacy", [1.0] * 4), throughput_run("extensible", [1.0] * 5)),
+        "b": pair(throughput_run("legacy", []), throughput_run("extensible", [])),
+        "c": pair(throughput_run("legacy", [2.0, 2.0]), None),
+        "d": pair(
+            throughput_run("legacy", [1.0, 1.2]),
+            throughput_run("extensible", [1.1, 1.2]),
+            (failed, throughput_run("extensible", [1.0, 1.0])),
+        ),
+    }  # a second pair that failed: left out
     lines = matrix.throughput_lines(pairs, tmp_path)
-    assert lines[0] == "- a: not compared: throughput pair: legacy timed 4 windows, extensible 5; the windows are " \
-        "compared pairwise", lines
+    assert (
+        lines[0] == "- a: not compared: throughput pair: legacy timed 4 windows, extensible 5; the windows are "
+        "compared pairwise"
+    ), lines
     assert lines[1].startswith("- b: not compared: throughput pair: legacy timed 0 windows"), lines
     assert lines[2] == "- c: legacy: measured; extensible: not run", lines
     # d: tokens/s from the windows (2 x 25,600 tokens over 2.2 and 2.3 s), the ratio from the pairs (1/1.1, 1)
-    assert lines[3].startswith(f"- d: decode {51200 / 2.3:.0f} vs {51200 / 2.2:.0f} tokens/s, extensible/legacy "
-                               f"{(1 / 1.1 + 1) / 2:.3f} (median of 2 paired windows from 1 pair,"), lines
+    assert lines[3].startswith(
+        f"- d: decode {51200 / 2.3:.0f} vs {51200 / 2.2:.0f} tokens/s, extensible/legacy "
+        f"{(1 / 1.1 + 1) / 2:.3f} (median of 2 paired windows from 1 pair,"
+    ), lines
     assert "(ratio 1.00)" in lines[3] and not (tmp_path / "serving-a.json").exists(), lines[3]
 
 
@@ -298,6 +373,7 @@ def test_run_subprocess_resumes_from_the_json_and_does_not_rerun_a_failure(tmp_p
     assert parity.run_subprocess(tmp_path, "bad", ["--fail"], 10) == bad and len(calls) == 2
     parity.run_subprocess(tmp_path, "bad", ["--fail"], 10, retry_failed=True)
     assert len(calls) == 3
+
     def slow(cmd, **kwargs):
         calls.append(cmd)
         raise subprocess.TimeoutExpired(cmd, 5)
@@ -305,8 +381,10 @@ def test_run_subprocess_resumes_from_the_json_and_does_not_rerun_a_failure(tmp_p
     monkeypatch.setattr(parity.subprocess, "run", slow)
     assert parity.run_subprocess(tmp_path, "late", ["--x"], 5, budget_cut=True) is None, "budget: not run"
     assert not (tmp_path / "late.error.txt").exists()
-    assert parity.run_subprocess(tmp_path, "hung", ["--x"], 5)["error"] == "timed out after 5 s: " + \
-        (tmp_path / "hung.log").read_text().strip().splitlines()[-1]
+    assert (
+        parity.run_subprocess(tmp_path, "hung", ["--x"], 5)["error"]
+        == "timed out after 5 s: " + (tmp_path / "hung.log").read_text().strip().splitlines()[-1]
+    )
     assert (tmp_path / "hung.error.txt").exists() and len(calls) == 5
     monkeypatch.setattr(parity.subprocess, "run", fake_run)
     (tmp_path / "cut.json").write_text('{"token_ids": [')  # a call killed mid-write
@@ -319,7 +397,9 @@ def test_matrix_selects_by_group_pattern_and_part():
     assert ids[:2] == ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16", "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b16"]
     assert {c.group for c in matrix.select(matrix.CASES, ["swa"], None)} == {"swa"}
     assert [c.id for c in matrix.select(matrix.CASES, ["*fp8-b32"], None)] == [
-        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b32", "qwen3-0.6b-shape-v2-FLASH_ATTN-fp8-b32"]
+        "qwen3-0.6b-shape-v1-FLASH_ATTN-fp8-b32",
+        "qwen3-0.6b-shape-v2-FLASH_ATTN-fp8-b32",
+    ]
     # a case id is that case alone, though other ids begin with it (its speculative variants)
     exact = [c.id for c in matrix.select(matrix.CASES, ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16"], None)]
     assert exact == ["qwen3-0.6b-shape-v1-FLASH_ATTN-bf16-b16"], f"select by a case id: got {exact}"
@@ -331,8 +411,7 @@ def test_matrix_selects_by_group_pattern_and_part():
     models = {c.model for c in matrix.CASES}
     assert {"qwen3-0.6b-shape", "tiny-llama-swa", "llama-8b-shape"} <= models
     big = [c for c in matrix.CASES if c.model == "llama-8b-shape" and isinstance(c, Case)]
-    assert {c.runner for c in big} == {"v1", "v2"} and all(c.max_num_seqs == 256 and c.capture_sizes == ""
-                                                           for c in big)
+    assert {c.runner for c in big} == {"v1", "v2"} and all(c.max_num_seqs == 256 and c.capture_sizes == "" for c in big)
 
 
 def test_matrix_table_from_files_marks_missing_runs_not_run(tmp_path):
@@ -375,19 +454,49 @@ def test_matrix_table_only_counts_a_throughput_case_with_runs_missing_as_not_run
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_run_case_parses_its_arguments_without_vllm():
-    proc = _python("-m", "integration.run_case", "--model", "qwen3-0.6b-shape", "--runner", "v2", "--mode",
-                   "extensible", "--kv-cache-dtype", "fp8", "--block-size", "32", "--max-model-len", "4096",
-                   "--num-gpu-blocks-override", "900", "--batch-invariant", "--no-peak", "--dry-run", "--out", "x")
+    proc = _python(
+        "-m",
+        "integration.run_case",
+        "--model",
+        "qwen3-0.6b-shape",
+        "--runner",
+        "v2",
+        "--mode",
+        "extensible",
+        "--kv-cache-dtype",
+        "fp8",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",
+        "--num-gpu-blocks-override",
+        "900",
+        "--batch-invariant",
+        "--no-peak",
+        "--dry-run",
+        "--out",
+        "x",
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     engine = plan["engine"]
-    assert (engine["kv_cache_dtype"], engine["block_size"], engine["num_gpu_blocks_override"],
-            engine["max_num_batched_tokens"]) == ("fp8", 32, 900, 16384), engine
+    assert (
+        engine["kv_cache_dtype"],
+        engine["block_size"],
+        engine["num_gpu_blocks_override"],
+        engine["max_num_batched_tokens"],
+    ) == ("fp8", 32, 900, 16384), engine
     assert engine["model"].endswith("integration/models/qwen3-0.6b-shape")
     assert plan["case"]["peak"] is False and plan["case"]["sensitivity"] is True and plan["case"]["batch_invariant"]
     assert _python("-m", "integration.run_case", "--help").returncode == 0
@@ -402,23 +511,29 @@ def test_matrix_lists_its_cases_without_vllm():
     assert "cases, ~" in proc.stdout
 
 
-@pytest.mark.parametrize("batched,seqs,model_len,expected", [
-    (16384, 8, 4096, [2048] * 8),
-    (2040, 8, 256, [255] * 8),
-    (16384, 256, 8192, [64] * 256),
-    (10, 4, 100, [3, 3, 2, 2]),
-    (2048, 8, 256, [255] * 8),  # vLLM's default for 8 x 256: no prompt of 256 tokens leaves one to generate
-])
+@pytest.mark.parametrize(
+    "batched,seqs,model_len,expected",
+    [
+        (16384, 8, 4096, [2048] * 8),
+        (2040, 8, 256, [255] * 8),
+        (16384, 256, 8192, [64] * 256),
+        (10, 4, 100, [3, 3, 2, 2]),
+        (2048, 8, 256, [255] * 8),  # vLLM's default for 8 x 256: no prompt of 256 tokens leaves one to generate
+    ],
+)
 def test_peak_batch_lengths(batched, seqs, model_len, expected):
     assert run_case.peak_batch_lengths(batched, seqs, model_len) == expected
 
 
-@pytest.mark.parametrize("argv,expected", [
-    ([], 2040),  # 8 sequences x (256 - 1)
-    (["--max-model-len", "4096"], 16384),
-    (["--max-num-batched-tokens", "4096"], 4096),
-    (["--max-num-seqs", "0"], None),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        ([], 2040),  # 8 sequences x (256 - 1)
+        (["--max-model-len", "4096"], 16384),
+        (["--max-num-batched-tokens", "4096"], 4096),
+        (["--max-num-seqs", "0"], None),
+    ],
+)
 def test_default_max_num_batched_tokens_is_one_a_peak_batch_can_fill(argv, expected):
     args = run_case.parser().parse_args(["--runner", "v1", "--mode", "legacy", "--out", "x", *argv])
     assert run_case.max_num_batched_tokens(args) == expected
@@ -443,8 +558,9 @@ class _FakeLLM:
         self.free_during_batch = free_during_batch
         sched = type("Sch", (), {"max_num_batched_tokens": 16384, "max_num_seqs": 8})()
         model = type("M", (), {"max_model_len": 4096})()
-        self.llm_engine = type("E", (), {"vllm_config": type("V", (), {"scheduler_config": sched,
-                                                                      "model_config": model})()})()
+        self.llm_engine = type(
+            "E", (), {"vllm_config": type("V", (), {"scheduler_config": sched, "model_config": model})()}
+        )()
 
     def collective_rpc(self, fn):
         return [fn(self.worker)]
@@ -481,11 +597,23 @@ def test_run_peak_reads_memory_after_the_peak_shaped_batch(monkeypatch):
     llm = _FakeLLM(batch_runs)
     peak, ranks = run_case.run_peak(llm, vocab=1000)
     assert "execute_model" not in vars(llm.worker), "the step probe must be removed after the batch"
-    assert peak["batch"] == {"max_num_batched_tokens": 16384, "max_num_seqs": 8, "num_seqs": 8,
-                             "prompt_tokens": 16384, "cached_tokens": 0, "seconds": peak["batch"]["seconds"],
-                             "step_tokens": [16384]}, peak["batch"]
-    after_warmup = {"init_free": 100 << 30, "requested": 90 << 30, "total": 140 << 30, "free_after_warmup": 12 << 30,
-                    "torch_reserved": 17 << 30, "kv_backed_after_warmup": 0}
+    assert peak["batch"] == {
+        "max_num_batched_tokens": 16384,
+        "max_num_seqs": 8,
+        "num_seqs": 8,
+        "prompt_tokens": 16384,
+        "cached_tokens": 0,
+        "seconds": peak["batch"]["seconds"],
+        "step_tokens": [16384],
+    }, peak["batch"]
+    after_warmup = {
+        "init_free": 100 << 30,
+        "requested": 90 << 30,
+        "total": 140 << 30,
+        "free_after_warmup": 12 << 30,
+        "torch_reserved": 17 << 30,
+        "kv_backed_after_warmup": 0,
+    }
     figures = parity.peak_figures(after_warmup, peak)
     # used = 100 GiB - (12 GiB - 800 MiB - 100 MiB released) = 88 GiB + 900 MiB: 1148 MiB under the 90 GiB budget.
     assert figures["over_budget_measured"] == (88 << 30) + 900 * parity.MIB - (90 << 30), figures
@@ -507,8 +635,10 @@ class _DecodeEngine:
 
         self.steps += 1
         self.on_step(self.steps)
-        outs = [types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])])
-                for rid in self.requests]
+        outs = [
+            types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])])
+            for rid in self.requests
+        ]
         self.requests = {rid: n - 1 for rid, n in self.requests.items() if n > 1}  # one token per request per step
         return outs
 
@@ -521,8 +651,11 @@ def _run_throughput(monkeypatch, engine, **kwargs) -> dict:
     import types
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **k: k))
-    monkeypatch.setitem(sys.modules, "vllm.sampling_params",
-                        types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(DELTA="delta")))
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm.sampling_params",
+        types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(DELTA="delta")),
+    )
     return run_case.run_throughput(types.SimpleNamespace(llm_engine=engine), vocab=1000, **kwargs)
 
 
@@ -534,8 +667,7 @@ def test_run_throughput_times_decode_steps_only(monkeypatch):
     assert tp["tokens_per_s"] == pytest.approx(40 / sum(w["seconds"] for w in tp["windows"])) and tp["num_seqs"] == 4
 
 
-def test_run_throughput_collects_garbage_before_the_windows_and_times_what_the_collector_takes_in_each(
-        monkeypatch):
+def test_run_throughput_collects_garbage_before_the_windows_and_times_what_the_collector_takes_in_each(monkeypatch):
     import gc
 
     # inside the second window: a full collection, as Python might start one

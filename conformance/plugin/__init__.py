@@ -22,7 +22,8 @@ NAME = "extensible_kv_conformance"
 # conftest loads "extensible-kv" for the rules. "extensible-kv-meta" is for the meta-tests, which re-run the rules many
 # times, and for sanitizer runs.
 settings.register_profile("extensible-kv", max_examples=25)
-settings.register_profile("extensible-kv-meta", max_examples=5, phases=[Phase.explicit, Phase.generate],
-                          database=None, derandomize=True)
+settings.register_profile(
+    "extensible-kv-meta", max_examples=5, phases=[Phase.explicit, Phase.generate], database=None, derandomize=True
+)
 
 pytest_plugins = [f"{__name__}.watchdog", f"{__name__}.selection", f"{__name__}.summary"]  # each before its importers

@@ -19,6 +19,9 @@ def fail_if_outstanding(spec: str, ledger: Ledger) -> None:
     gc.collect()
     left = ledger.outstanding()
     if left:
-        pytest.fail(f"driver {spec}: leak after the test: expected nothing outstanding, found "
-                    f"{len(left.reservations)} reservation(s) {sorted(left.reservations.values())}, "
-                    f"{left.handles} handle(s), {len(left.mappings)} mapping(s)", pytrace=False)
+        pytest.fail(
+            f"driver {spec}: leak after the test: expected nothing outstanding, found "
+            f"{len(left.reservations)} reservation(s) {sorted(left.reservations.values())}, "
+            f"{left.handles} handle(s), {len(left.mappings)} mapping(s)",
+            pytrace=False,
+        )

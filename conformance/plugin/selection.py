@@ -44,9 +44,13 @@ SELECTION = pytest.StashKey[Selection]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("extensible-kv")
-    group.addoption("--driver", action="store", default=None,
-                    help="comma-separated drivers to test: registered names (host, host-4k, cuda) or "
-                         "module:factory; default: every registered driver, skipping those that cannot run here")
+    group.addoption(
+        "--driver",
+        action="store",
+        default=None,
+        help="comma-separated drivers to test: registered names (host, host-4k, cuda) or "
+        "module:factory; default: every registered driver, skipping those that cannot run here",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -128,20 +132,25 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not asks_for_rules(config):
         return []
     sel = selection(config)
-    lines = [f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, "
-             f"python {platform.python_version()}"]
+    lines = [
+        f"extensible_kv {extensible_kv.__version__}, torch {torch.__version__}, python {platform.python_version()}"
+    ]
     for spec in sel.specs:
         if sel.explicit and watchdog.is_controller(config):
-            lines.append(f"driver {spec}: named explicitly; built only in the pytest-xdist workers (every rule fails "
-                         f"if it cannot run)")
+            lines.append(
+                f"driver {spec}: named explicitly; built only in the pytest-xdist workers (every rule fails "
+                f"if it cannot run)"
+            )
             continue
         if sel.explicit:  # built now, so a spec that does not load is named once, here
             built = build(config, spec)
             reason = built if isinstance(built, str) else None
         else:
             reason = drivers.probe(spec)
-        lines.append(f"driver {spec}: {'available' if reason is None else 'cannot run: ' + reason}"
-                     f"{' (named explicitly: every rule errors)' if sel.explicit and reason else ''}")
+        lines.append(
+            f"driver {spec}: {'available' if reason is None else 'cannot run: ' + reason}"
+            f"{' (named explicitly: every rule errors)' if sel.explicit and reason else ''}"
+        )
     env = {k: v for k, v in os.environ.items() if k.startswith("EXTENSIBLE_KV_")}
     if env:
         lines.append("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))

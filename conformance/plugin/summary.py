@@ -29,11 +29,20 @@ _FIGURES = "extensible_kv_figures"  # workeroutput key: spec -> the figures a wo
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("extensible-kv")
-    group.addoption("--summary-json", action="store", default=None,
-                    help="write the per-driver summary (tests, granularity, commit throughput) to this JSON file")
-    group.addoption("--commit-probe-bytes", action="store", type=int, default=None,
-                    help="bytes to commit once per driver for the summary's throughput figure "
-                         "(default: 8 GiB on GPUs, 256 MiB on the host)")
+    group.addoption(
+        "--summary-json",
+        action="store",
+        default=None,
+        help="write the per-driver summary (tests, granularity, commit throughput) to this JSON file",
+    )
+    group.addoption(
+        "--commit-probe-bytes",
+        action="store",
+        type=int,
+        default=None,
+        help="bytes to commit once per driver for the summary's throughput figure "
+        "(default: 8 GiB on GPUs, 256 MiB on the host)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -83,8 +92,9 @@ def _figures(config: pytest.Config, spec: str) -> dict:
     limit_s = config.getoption("rule_timeout", default=0)
     figures: dict = {}
     try:  # a driver that failed its rules may fail here too: the table then shows what could be measured
-        with limit(config, f"the summary's commit probe on driver {spec} ran past --rule-timeout={limit_s:g} s",
-                   limit_s):
+        with limit(
+            config, f"the summary's commit probe on driver {spec} ran past --rule-timeout={limit_s:g} s", limit_s
+        ):
             figures["granularity"] = built.granularity()
             rate = _commit_throughput(built, probe_bytes)
     except Exception:  # noqa: BLE001 - the rules report the driver's faults; the summary shows "-"
@@ -108,8 +118,11 @@ class Summary:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         output = getattr(session.config, "workeroutput", None)
         if output is not None:  # a pytest-xdist worker: its figures go back to the controller
-            output[_FIGURES] = {spec: _figures(session.config, spec) for spec in selection(session.config).specs
-                                if spec in selection(session.config).built}
+            output[_FIGURES] = {
+                spec: _figures(session.config, spec)
+                for spec in selection(session.config).specs
+                if spec in selection(session.config).built
+            }
 
     def _spec_of(self, report: pytest.TestReport) -> str | None:
         for key, value in getattr(report, "user_properties", ()):
@@ -162,10 +175,18 @@ class Summary:
         if path:
             from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
 
-            write(path, ConformanceSummary(
-                exitstatus=int(exitstatus), torch=torch.__version__, drivers=rows,
-                tests=[{"driver": s, "test": n, "outcome": o, "reason": self.reasons.get((s, n))}
-                       for (s, n), o in sorted(outcomes.items())]))
+            write(
+                path,
+                ConformanceSummary(
+                    exitstatus=int(exitstatus),
+                    torch=torch.__version__,
+                    drivers=rows,
+                    tests=[
+                        {"driver": s, "test": n, "outcome": o, "reason": self.reasons.get((s, n))}
+                        for (s, n), o in sorted(outcomes.items())
+                    ],
+                ),
+            )
             write(os.path.join(os.path.dirname(os.path.abspath(path)), "environment.json"), Environment.collect())
 
 

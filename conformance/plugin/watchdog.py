@@ -31,12 +31,20 @@ _FIRED = "Timeout ("  # how faulthandler's dump begins
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("extensible-kv")
-    group.addoption("--build-timeout", type=seconds, default=BUILD_TIMEOUT_S,
-                    help=f"seconds a driver's build (its module's import and its factory) may take, in check-driver's "
-                         f"preflight and in each pytest-xdist worker (default {BUILD_TIMEOUT_S:g}; 0: no limit)")
-    group.addoption("--rule-timeout", type=seconds, default=RULE_TIMEOUT_S,
-                    help=f"seconds each rule may take in a pytest-xdist worker before the worker is ended and the rule "
-                         f"fails (default {RULE_TIMEOUT_S:g}; 0: no limit)")
+    group.addoption(
+        "--build-timeout",
+        type=seconds,
+        default=BUILD_TIMEOUT_S,
+        help=f"seconds a driver's build (its module's import and its factory) may take, in check-driver's "
+        f"preflight and in each pytest-xdist worker (default {BUILD_TIMEOUT_S:g}; 0: no limit)",
+    )
+    group.addoption(
+        "--rule-timeout",
+        type=seconds,
+        default=RULE_TIMEOUT_S,
+        help=f"seconds each rule may take in a pytest-xdist worker before the worker is ended and the rule "
+        f"fails (default {RULE_TIMEOUT_S:g}; 0: no limit)",
+    )
 
 
 class Watchdog:

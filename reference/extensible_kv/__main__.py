@@ -84,10 +84,15 @@ def _check_driver(args: argparse.Namespace) -> int:
     name = suite()
     missing = [m for m in SUITE_NEEDS if _find(m) is None]
     if name is None or missing:
-        what = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed" if missing else \
-            "the conformance suite is not installed"
-        print(f"error: check-driver needs the conformance extra ({what}): "
-              f"{drivers.install_command('conformance')}", file=sys.stderr)
+        what = (
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+            if missing
+            else "the conformance suite is not installed"
+        )
+        print(
+            f"error: check-driver needs the conformance extra ({what}): {drivers.install_command('conformance')}",
+            file=sys.stderr,
+        )
         return 2
     sys.stdout.flush()
     sys.stderr.flush()
@@ -104,8 +109,10 @@ REPORT_NEEDS = ("pydantic", "matplotlib", "jinja2", "markdown_it", "mdit_py_plug
 
 def _needs_extra(exc: ModuleNotFoundError, command: str) -> int:
     """One line for a command whose extra is not installed."""
-    print(f"error: {command} needs {exc.name}, which is not installed: {drivers.install_command('report')}",
-          file=sys.stderr)
+    print(
+        f"error: {command} needs {exc.name}, which is not installed: {drivers.install_command('report')}",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -119,16 +126,25 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if args.json and _find("pydantic") is None:
         return _needs_extra(ModuleNotFoundError(name="pydantic"), "validate-backend --json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
-    reports = validate_many(args.backend, layouts, driver=args.driver, num_kv_heads=args.num_kv_heads,
-                            head_size=args.head_size, block_size=args.block_size, dtype=dtype,
-                            cache_dtype_str=args.cache_dtype)
+    reports = validate_many(
+        args.backend,
+        layouts,
+        driver=args.driver,
+        num_kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        block_size=args.block_size,
+        dtype=dtype,
+        cache_dtype_str=args.cache_dtype,
+    )
     if args.json:
         from dataclasses import asdict  # noqa: PLC0415
 
         from .measurements import BackendResult, BackendValidation, write  # noqa: PLC0415
 
-        results = [BackendResult(**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()},
-                                 ok=r.ok) for r in reports]
+        results = [
+            BackendResult(**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()}, ok=r.ok)
+            for r in reports
+        ]
         try:
             write(args.json, BackendValidation(results=results))
         except OSError as exc:
@@ -181,41 +197,64 @@ def prog() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; without one, list the commands on stdout and return 2 (nothing was run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _Parser(prog=prog(), description="Growable, virtual-memory-backed tensors and KV caches: the drivers, "
-                                              "their conformance rules, backend checks and measurement reports.")
+    parser = _Parser(
+        prog=prog(),
+        description="Growable, virtual-memory-backed tensors and KV caches: the drivers, "
+        "their conformance rules, backend checks and measurement reports.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(
-        run=_drivers)
-    cd = sub.add_parser("check-driver", help="run every conformance rule on a driver (exit 0: conformant)",
-                        description="Build DRIVER once in a child process (within --build-timeout, default 60 s), "
-                                    "then run every conformance rule on it in a pytest-xdist worker: a driver that "
-                                    "faults or runs past --rule-timeout (default 300 s) fails the rule it was in and "
-                                    "the run goes on to its summary. This process never imports DRIVER's module. "
-                                    "Exit status: 0 when every rule passes, 1 when one fails or the driver cannot be "
-                                    "built, 2 for a spec that names no driver. Needs the conformance extra.")
+    sub.add_parser("drivers", help="list the registered drivers and why any cannot run here").set_defaults(run=_drivers)
+    cd = sub.add_parser(
+        "check-driver",
+        help="run every conformance rule on a driver (exit 0: conformant)",
+        description="Build DRIVER once in a child process (within --build-timeout, default 60 s), "
+        "then run every conformance rule on it in a pytest-xdist worker: a driver that "
+        "faults or runs past --rule-timeout (default 300 s) fails the rule it was in and "
+        "the run goes on to its summary. This process never imports DRIVER's module. "
+        "Exit status: 0 when every rule passes, 1 when one fails or the driver cannot be "
+        "built, 2 for a spec that names no driver. Needs the conformance extra.",
+    )
     cd.add_argument("driver", help="registered driver name (host, host-4k, cuda, hip) or module:factory")
-    rest = cd.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                           help="passed to pytest (e.g. -k zero, -x, -q, --build-timeout 30, --rule-timeout 120, "
-                                "--summary-json PATH)")
+    rest = cd.add_argument(
+        "pytest_args",
+        nargs=argparse.REMAINDER,
+        help="passed to pytest (e.g. -k zero, -x, -q, --build-timeout 30, --rule-timeout 120, --summary-json PATH)",
+    )
     rest.required = False  # none is fine; argparse would name it among the missing arguments beside the driver
     cd.set_defaults(run=_check_driver)
-    vb = sub.add_parser("validate-backend", help="check that attention backends' KV layouts work with block-prefix "
-                                                 "commits")
-    vb.add_argument("backend", nargs="+", type=_backend_spec,
-                    help="vLLM AttentionBackendEnum name (e.g. FLASH_ATTN) or module:Class")
-    vb.add_argument("--layout", choices=["NHD", "HND", "both"], default="NHD",
-                    help="vLLM KV cache layout (VLLM_KV_CACHE_LAYOUT) to check under; 'both' runs NHD and HND")
+    vb = sub.add_parser(
+        "validate-backend", help="check that attention backends' KV layouts work with block-prefix commits"
+    )
+    vb.add_argument(
+        "backend",
+        nargs="+",
+        type=_backend_spec,
+        help="vLLM AttentionBackendEnum name (e.g. FLASH_ATTN) or module:Class",
+    )
+    vb.add_argument(
+        "--layout",
+        choices=["NHD", "HND", "both"],
+        default="NHD",
+        help="vLLM KV cache layout (VLLM_KV_CACHE_LAYOUT) to check under; 'both' runs NHD and HND",
+    )
     vb.add_argument("--driver", default=None, help="driver name or module:factory (default: best available)")
     vb.add_argument("--num-kv-heads", type=_positive_int, default=4)
     vb.add_argument("--head-size", type=_positive_int, default=64)
     vb.add_argument("--block-size", type=_positive_int, default=16)
     vb.add_argument("--dtype", default="bfloat16")
     vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
-    vb.add_argument("--json", metavar="PATH", default=None,
-                    help="also write the results as JSON (extensible_kv.measurements.BackendValidation) to PATH")
+    vb.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the results as JSON (extensible_kv.measurements.BackendValidation) to PATH",
+    )
     vb.set_defaults(run=_validate_backend)
-    env = sub.add_parser("environment", help="write OUT_DIR/environment.json: torch, CUDA/HIP, GPU, driver, python, "
-                                             "platform (extensible_kv.measurements.Environment)")
+    env = sub.add_parser(
+        "environment",
+        help="write OUT_DIR/environment.json: torch, CUDA/HIP, GPU, driver, python, "
+        "platform (extensible_kv.measurements.Environment)",
+    )
     env.add_argument("out_dir", metavar="OUT_DIR")
     env.set_defaults(run=_environment)
     _register_report(sub)

@@ -65,9 +65,11 @@ class BackendReport:
         return ok
 
     def lines(self) -> list[str]:
-        head = (f"backend {self.backend} (layout {self.kv_layout or '-'}) on driver {self.driver}: shape {self.shape}, "
-                f"stride order {self.stride_order}, block dim {self.block_dim}, segments {self.segments}, "
-                f"page {self.page_size_bytes} bytes")
+        head = (
+            f"backend {self.backend} (layout {self.kv_layout or '-'}) on driver {self.driver}: shape {self.shape}, "
+            f"stride order {self.stride_order}, block dim {self.block_dim}, segments {self.segments}, "
+            f"page {self.page_size_bytes} bytes"
+        )
         width = max(len(c.name) for c in self.checks) if self.checks else 5
         rows = [f"  {c.name:<{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.detail}" for c in self.checks]
         return [head, *rows, f"  {'result':<{width}}  {'PASS' if self.ok else 'FAIL'}"]
@@ -93,11 +95,13 @@ def resolve_backend(spec: str) -> type:
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: PLC0415
     except ImportError as exc:
-        raise BackendLoadError(f"backend name {spec!r} needs vllm (install the 'vllm' extra), or pass "
-                               f"module:Class: {exc}") from exc
+        raise BackendLoadError(
+            f"backend name {spec!r} needs vllm (install the 'vllm' extra), or pass module:Class: {exc}"
+        ) from exc
     if spec not in AttentionBackendEnum.__members__:
-        raise BackendLoadError(f"unknown vLLM attention backend {spec!r}; known: "
-                               f"{', '.join(sorted(AttentionBackendEnum.__members__))}")
+        raise BackendLoadError(
+            f"unknown vLLM attention backend {spec!r}; known: {', '.join(sorted(AttentionBackendEnum.__members__))}"
+        )
     try:
         return AttentionBackendEnum[spec].get_class()
     except Exception as exc:  # a backend module may fail to import on this machine (missing kernels)
@@ -127,7 +131,7 @@ def _block_values(view: torch.Tensor, block_dim: int, n: int) -> torch.Tensor:
     """Values that differ per block (1..16, exact in every float and int KV dtype), shaped like ``view``."""
     shape = [1] * view.dim()
     shape[block_dim] = n
-    vals = (torch.arange(n) % 16 + 1).reshape(shape).expand(*view.shape[:block_dim], n, *view.shape[block_dim + 1:])
+    vals = (torch.arange(n) % 16 + 1).reshape(shape).expand(*view.shape[:block_dim], n, *view.shape[block_dim + 1 :])
     return vals.to(view.dtype)
 
 
@@ -136,10 +140,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().contiguous().view(torch.uint8)
 
 
-def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_layout: str | None = None,
-                     num_kv_heads: int = 4, head_size: int = 64, block_size: int = 16,
-                     dtype: torch.dtype = torch.bfloat16, cache_dtype_str: str = "auto",
-                     max_blocks: int | None = None) -> BackendReport:
+def validate_backend(
+    backend: type,
+    *,
+    driver: Driver | str | None = None,
+    kv_layout: str | None = None,
+    num_kv_heads: int = 4,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dtype_str: str = "auto",
+    max_blocks: int | None = None,
+) -> BackendReport:
     """Run the checks of the module docstring; never raises for a backend's fault, reports it instead."""
     name = getattr(backend, "__name__", str(backend))
     report = BackendReport(name, kv_layout)
@@ -150,8 +162,15 @@ def validate_backend(backend: type, *, driver: Driver | str | None = None, kv_la
         return report
     with kv_cache_layout(kv_layout):
         try:
-            layer = attention_layer("layer", backend, block_size=block_size, num_kv_heads=num_kv_heads,
-                                    head_size=head_size, dtype=dtype, cache_dtype_str=cache_dtype_str)
+            layer = attention_layer(
+                "layer",
+                backend,
+                block_size=block_size,
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                dtype=dtype,
+                cache_dtype_str=cache_dtype_str,
+            )
             report.shape, report.stride_order = layer.shape_of(1), layer.stride_order
             report.block_dim = block_dim = layer.block_dim  # each read asks the backend for its shape again
             report.page_size_bytes = page = layer.page_size_bytes()
@@ -195,12 +214,15 @@ def _does_not_fit(driver: Driver, page: int, max_blocks: int, exc: Exception) ->
         limit = f"{total} bytes ({free} free)"
     except Exception as info_exc:  # noqa: BLE001 - the driver's own call; the size error is the finding
         limit = f"unknown (mem_info raised {type(info_exc).__name__})"
-    return " ".join(f"page {page} bytes x {max_blocks} blocks = {page * max_blocks} bytes reserved; driver "
-                    f"{driver.name} holds {limit}: {type(exc).__name__}: {exc}".split())
+    return " ".join(
+        f"page {page} bytes x {max_blocks} blocks = {page * max_blocks} bytes reserved; driver "
+        f"{driver.name} holds {limit}: {type(exc).__name__}: {exc}".split()
+    )
 
 
-def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim: int, page: int, max_blocks: int,
-              driver: Driver) -> None:
+def _exercise(
+    report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim: int, page: int, max_blocks: int, driver: Driver
+) -> None:
     t = cache.tensor("kv")
     segs = t.num_segments
     report.segments = segs
@@ -212,9 +234,11 @@ def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim:
     full = cache.layer_views("layer")[0]
     used = footprint(full, block_dim, n1)
     outside = [(lo, hi) for lo, hi in used if not any(c_lo <= lo and hi <= c_hi for c_lo, c_hi in committed)]
-    if not report.add("blocks inside commit", not outside,
-                      f"blocks [0, {n1}) occupy {len(used)} byte range(s); outside the committed prefixes: "
-                      f"{outside[:3] or 'none'}"):
+    if not report.add(
+        "blocks inside commit",
+        not outside,
+        f"blocks [0, {n1}) occupy {len(used)} byte range(s); outside the committed prefixes: {outside[:3] or 'none'}",
+    ):
         return  # writing would touch uncommitted memory
     # Sentinels in bytes that are backed (same granules) but not committed.
     raw = t.full_view()
@@ -230,9 +254,11 @@ def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim:
     view.copy_(values)
     driver.synchronize()
     touched = sum(int((raw[lo:hi] != 0xEE).sum()) for lo, hi in sentinels)
-    report.add("uncommitted untouched", touched == 0,
-               f"{touched} of {sum(hi - lo for lo, hi in sentinels)} sentinel bytes after the committed prefixes "
-               f"changed")
+    report.add(
+        "uncommitted untouched",
+        touched == 0,
+        f"{touched} of {sum(hi - lo for lo, hi in sentinels)} sentinel bytes after the committed prefixes changed",
+    )
     same = bool(torch.equal(_bytes(view), _bytes(values)))
     report.add("blocks read back", same, f"{n1} blocks written through view shape {tuple(full.shape)}")
     ptr = full.data_ptr()
@@ -242,9 +268,12 @@ def _exercise(report: BackendReport, cache: ExtensibleKVCacheBuffers, block_dim:
     kept = bool(torch.equal(_bytes(grown.narrow(block_dim, 0, n1)), _bytes(values)))
     new_zero = not bool(_bytes(grown.narrow(block_dim, n1, n2 - n1)).any())
     moved = cache.layer_views("layer")[0].data_ptr() != ptr
-    report.add("survives growth", kept and new_zero and not moved,
-               f"grown {n1}->{n2} blocks: old data {'kept' if kept else 'CHANGED'}, new blocks "
-               f"{'zero' if new_zero else 'NOT zero'}, address {'moved' if moved else 'stable'}")
+    report.add(
+        "survives growth",
+        kept and new_zero and not moved,
+        f"grown {n1}->{n2} blocks: old data {'kept' if kept else 'CHANGED'}, new blocks "
+        f"{'zero' if new_zero else 'NOT zero'}, address {'moved' if moved else 'stable'}",
+    )
 
 
 def validate_many(specs: list[str], layouts: list[str | None], **kwargs) -> list[BackendReport]:

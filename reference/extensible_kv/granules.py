@@ -75,8 +75,10 @@ def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
 
 def new_granule_runs(segment_bytes: int, num_segments: int, old: int, new: int, granularity: int) -> list[Interval]:
     """Contiguous runs of granules that a growth from ``old`` to ``new`` bytes per segment must newly map."""
-    return subtract(backed_granules(segment_bytes, num_segments, new, granularity),
-                    backed_granules(segment_bytes, num_segments, old, granularity))
+    return subtract(
+        backed_granules(segment_bytes, num_segments, new, granularity),
+        backed_granules(segment_bytes, num_segments, old, granularity),
+    )
 
 
 def chunks(lo: int, hi: int, max_granules: int | None) -> list[Interval]:

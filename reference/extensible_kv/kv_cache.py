@@ -94,8 +94,14 @@ class KVCacheStats:
 class ExtensibleKVCacheBuffers(Unshareable):
     """The KV cache buffers of a model (see the module docstring)."""
 
-    def __init__(self, buffers: Sequence[KVBuffer], max_num_blocks: int, *, driver: Driver | str | None = None,
-                 legacy: bool = False) -> None:
+    def __init__(
+        self,
+        buffers: Sequence[KVBuffer],
+        max_num_blocks: int,
+        *,
+        driver: Driver | str | None = None,
+        legacy: bool = False,
+    ) -> None:
         max_num_blocks = _check_int("max_num_blocks", max_num_blocks)
         if max_num_blocks <= 0:
             raise InvalidSizeError(f"max_num_blocks must be positive, got {max_num_blocks}")
@@ -112,14 +118,17 @@ class ExtensibleKVCacheBuffers(Unshareable):
             if b.page_size_bytes <= 0:
                 raise InvalidSizeError(f"buffer {b.name}: page_size_bytes must be positive, got {b.page_size_bytes}")
             if b.page_size_bytes * max_num_blocks >= MAX_BYTES:
-                raise InvalidSizeError(f"buffer {b.name}: max_num_blocks={max_num_blocks} pages of "
-                                       f"{b.page_size_bytes} bytes do not fit a 64-bit address space (at most "
-                                       f"{MAX_BYTES - 1} bytes)")
+                raise InvalidSizeError(
+                    f"buffer {b.name}: max_num_blocks={max_num_blocks} pages of "
+                    f"{b.page_size_bytes} bytes do not fit a 64-bit address space (at most "
+                    f"{MAX_BYTES - 1} bytes)"
+                )
         segments = [b.segments(max_num_blocks) for b in buffers]
         for b, seg in zip(buffers, segments):
             if b.page_size_bytes % seg.count:
-                raise LayoutError(f"buffer {b.name}: {seg.count} segments do not divide its {b.page_size_bytes}-byte "
-                                  f"page")
+                raise LayoutError(
+                    f"buffer {b.name}: {seg.count} segments do not divide its {b.page_size_bytes}-byte page"
+                )
         driver = resolve(driver)
         self._driver = driver
         self._buffers = tuple(buffers)
@@ -130,8 +139,12 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._tensors: dict[str, ExtensibleTensor] = {}
         try:
             for b, seg in zip(buffers, segments):
-                self._tensors[b.name] = ExtensibleTensor(b.page_size_bytes * max_num_blocks, seg.count,
-                                                         driver=driver, alignment=b.page_size_bytes // seg.count)
+                self._tensors[b.name] = ExtensibleTensor(
+                    b.page_size_bytes * max_num_blocks,
+                    seg.count,
+                    driver=driver,
+                    alignment=b.page_size_bytes // seg.count,
+                )
         except BaseException:
             self.close()
             raise
@@ -197,9 +210,10 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if num_blocks < 0:
             raise InvalidSizeError(f"num_blocks must be non-negative, got {num_blocks}")
         if num_blocks > self._max_num_blocks:
-            raise InvalidSizeError(f"num_blocks={num_blocks} exceeds the reserved upper bound "
-                                   f"max_num_blocks={self._max_num_blocks}")
-        with self._lock: return self._ensure(num_blocks, zero_new)  # one line: Note [Locked sections ...] in reaper
+            raise InvalidSizeError(
+                f"num_blocks={num_blocks} exceeds the reserved upper bound max_num_blocks={self._max_num_blocks}"
+            )
+        with self._lock: return self._ensure(num_blocks, zero_new)  # one line: see reaper  # fmt: skip
 
     def _ensure(self, num_blocks: int, zero_new: bool) -> int:
         self._check_open("ensure_blocks")
@@ -226,7 +240,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         views handed out keep their addresses and must not be touched until ``recommit_physical()``. Refused unless
         open (``ReleasedError`` when released already). A release that does not finish leaves the buffers
         ``failed``: ``close()`` returns the rest."""
-        with self._lock: return self._release()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._release()  # one line: see reaper  # fmt: skip
 
     def _release(self) -> None:
         self._check_open("release_physical")
@@ -238,14 +252,16 @@ class ExtensibleKVCacheBuffers(Unshareable):
         """Map zeroed pages back for the block count on record in every buffer, at the same addresses, as one step;
         return the block count. On any exception the buffers recommitted in the step are released again and the
         buffers stay ``released``. Refused unless released."""
-        with self._lock: return self._recommit()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._recommit()  # one line: see reaper  # fmt: skip
 
     def _recommit(self) -> int:
         if self.state != "released":
             self._check_open("recommit_physical")
-            raise ReleasedError(f"recommit_physical on ExtensibleKVCacheBuffers that are not released "
-                                f"({len(self._buffers)} buffer(s), {self._num_blocks} blocks committed): call "
-                                f"release_physical() first")
+            raise ReleasedError(
+                f"recommit_physical on ExtensibleKVCacheBuffers that are not released "
+                f"({len(self._buffers)} buffer(s), {self._num_blocks} blocks committed): call "
+                f"release_physical() first"
+            )
         try:
             for t in self._tensors.values():
                 t.recommit_physical()
@@ -286,22 +302,41 @@ class ExtensibleKVCacheBuffers(Unshareable):
         rows = []
         for b in self._buffers:
             t = self._tensors[b.name]
-            s = t.stats() if not t.closed else TensorStats(0, 0, 0, 0, t.segment_bytes, t.num_segments,
-                                                          t.granularity, 0, "closed")
-            rows.append(BufferStats(b.name, tuple(layer.name for layer in b.layers), s.num_segments,
-                                    b.page_size_bytes, s.reserved_bytes, s.committed_bytes, s.backed_bytes,
-                                    s.waste_bytes))
+            s = (
+                t.stats()
+                if not t.closed
+                else TensorStats(0, 0, 0, 0, t.segment_bytes, t.num_segments, t.granularity, 0, "closed")
+            )
+            rows.append(
+                BufferStats(
+                    b.name,
+                    tuple(layer.name for layer in b.layers),
+                    s.num_segments,
+                    b.page_size_bytes,
+                    s.reserved_bytes,
+                    s.committed_bytes,
+                    s.backed_bytes,
+                    s.waste_bytes,
+                )
+            )
         return KVCacheStats(
-            driver=self._driver.name, granularity=self._driver.granularity(), max_num_blocks=self._max_num_blocks,
-            num_blocks=self.num_blocks, reserved_bytes=sum(r.reserved_bytes for r in rows),
-            committed_bytes=sum(r.committed_bytes for r in rows), backed_bytes=sum(r.backed_bytes for r in rows),
-            waste_bytes=sum(r.waste_bytes for r in rows), buffers=tuple(rows), state=self.state)
+            driver=self._driver.name,
+            granularity=self._driver.granularity(),
+            max_num_blocks=self._max_num_blocks,
+            num_blocks=self.num_blocks,
+            reserved_bytes=sum(r.reserved_bytes for r in rows),
+            committed_bytes=sum(r.committed_bytes for r in rows),
+            backed_bytes=sum(r.backed_bytes for r in rows),
+            waste_bytes=sum(r.waste_bytes for r in rows),
+            buffers=tuple(rows),
+            state=self.state,
+        )
 
     def close(self) -> None:
         """Drop the views this object holds and close every buffer (forcing: callers promise not to use views). A
         buffer whose close fails is tried again by the next ``close()``; the others are closed meanwhile, and the
         first failure is raised."""
-        with self._lock: return self._close()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._close()  # one line: see reaper  # fmt: skip
 
     def _close(self) -> None:
         self._closed = True
@@ -318,15 +353,21 @@ class ExtensibleKVCacheBuffers(Unshareable):
     def _check_open(self, op: str, *, failed_too: bool = True) -> None:
         state = self.state
         if state == "closed":
-            raise ClosedError(f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
-                              f"max_num_blocks={self._max_num_blocks})")
+            raise ClosedError(
+                f"{op} on closed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                f"max_num_blocks={self._max_num_blocks})"
+            )
         if state == "released" and failed_too:  # queries (stats, tensor) still answer
-            raise ReleasedError(f"{op} on released ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
-                                f"{self._num_blocks} blocks on record): their pages were released by "
-                                f"release_physical(); call recommit_physical() first")
+            raise ReleasedError(
+                f"{op} on released ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                f"{self._num_blocks} blocks on record): their pages were released by "
+                f"release_physical(); call recommit_physical() first"
+            )
         if state == "failed" and failed_too:
             failed = [name for name, t in self._tensors.items() if t.state == "failed"]
             what = "close() did not finish" if self._closed else f"buffer(s) {failed} could not undo a growth step"
-            raise FailedStateError(f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
-                                   f"max_num_blocks={self._max_num_blocks}): {what}; retry close() to return the "
-                                   f"memory they hold")
+            raise FailedStateError(
+                f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
+                f"max_num_blocks={self._max_num_blocks}): {what}; retry close() to return the "
+                f"memory they hold"
+            )

@@ -38,8 +38,10 @@ def block_dim(shape: Sequence[int], what: str = "shape", num_blocks: int = BLOCK
     block dimension would be a guess. The one way this package finds a block dimension."""
     shape = tuple(shape)
     if shape.count(num_blocks) != 1:
-        raise LayoutError(f"{what}: the shape {shape} for num_blocks={num_blocks} has "
-                          f"{shape.count(num_blocks)} block dims, expected 1")
+        raise LayoutError(
+            f"{what}: the shape {shape} for num_blocks={num_blocks} has "
+            f"{shape.count(num_blocks)} block dims, expected 1"
+        )
     return shape.index(num_blocks)
 
 
@@ -58,26 +60,32 @@ def segments_of(view: torch.Tensor, block_dim: int, buffer_bytes: int) -> Segmen
     segment. Their starts must tile the buffer evenly (``k * buffer_bytes / count``), else ``LayoutError``.
     """
     if not 0 <= block_dim < view.dim():
-        raise LayoutError(f"block dim {block_dim} is out of range for a {view.dim()}-d view of shape "
-                          f"{tuple(view.shape)}")
+        raise LayoutError(
+            f"block dim {block_dim} is out of range for a {view.dim()}-d view of shape {tuple(view.shape)}"
+        )
     item = view.element_size()
     block_stride = view.stride(block_dim) * item
-    outer = [d for d in range(view.dim()) if d != block_dim and view.shape[d] > 1
-             and view.stride(d) * item > block_stride]
+    outer = [
+        d for d in range(view.dim()) if d != block_dim and view.shape[d] > 1 and view.stride(d) * item > block_stride
+    ]
     count = math.prod(view.shape[d] for d in outer)
     if count == 1:
         return Segments(1, buffer_bytes)
     if buffer_bytes % count:
-        raise LayoutError(f"{count} segments (outer dims {outer} of shape {tuple(view.shape)}) do not divide the "
-                          f"{buffer_bytes}-byte buffer")
+        raise LayoutError(
+            f"{count} segments (outer dims {outer} of shape {tuple(view.shape)}) do not divide the "
+            f"{buffer_bytes}-byte buffer"
+        )
     pitch = buffer_bytes // count
     starts = {0}
     for d in outer:
         starts = {s + i * view.stride(d) * item for s in starts for i in range(view.shape[d])}
     want = {k * pitch for k in range(count)}
     if starts != want:
-        raise LayoutError(f"segment starts of view shape {tuple(view.shape)} strides {view.stride()} (outer dims "
-                          f"{outer}) are {sorted(starts)[:4]}..., not multiples of the pitch {pitch}")
+        raise LayoutError(
+            f"segment starts of view shape {tuple(view.shape)} strides {view.stride()} (outer dims "
+            f"{outer}) are {sorted(starts)[:4]}..., not multiples of the pitch {pitch}"
+        )
     return Segments(count, pitch)
 
 
@@ -85,18 +93,21 @@ def inverse(order: Sequence[int]) -> list[int]:
     return [list(order).index(i) for i in range(len(order))]
 
 
-def attention_view(raw: torch.Tensor, shape: Sequence[int], stride_order: Sequence[int],
-                   dtype: torch.dtype) -> torch.Tensor:
+def attention_view(
+    raw: torch.Tensor, shape: Sequence[int], stride_order: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
     """The view vLLM builds over a raw int8 buffer: ``raw.view(dtype).view(permuted).permute(inverse)``."""
     shape, order = tuple(shape), tuple(stride_order)
     if sorted(order) != list(range(len(shape))):
-        raise LayoutError(f"stride order {order} is not a permutation of the {len(shape)} dims of the declared "
-                          f"shape {shape}")
+        raise LayoutError(
+            f"stride order {order} is not a permutation of the {len(shape)} dims of the declared shape {shape}"
+        )
     permuted = tuple(shape[i] for i in order)
     item = torch.empty(0, dtype=dtype).element_size()
     if raw.numel() != math.prod(shape) * item:
-        raise LayoutError(f"shape {shape} of {dtype} needs {math.prod(shape) * item} bytes, the buffer has "
-                          f"{raw.numel()}")
+        raise LayoutError(
+            f"shape {shape} of {dtype} needs {math.prod(shape) * item} bytes, the buffer has {raw.numel()}"
+        )
     return raw.view(dtype).view(permuted).permute(*inverse(order))
 
 
@@ -114,8 +125,13 @@ def mamba_state_bytes(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dt
     return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes))
 
 
-def mamba_state_views(raw: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
-                      page_size_bytes: int, num_blocks: int) -> list[torch.Tensor]:
+def mamba_state_views(
+    raw: torch.Tensor,
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+    page_size_bytes: int,
+    num_blocks: int,
+) -> list[torch.Tensor]:
     """Mamba state views: per state, ``(num_blocks, *shape)`` with one page per block, states back to back."""
     need = mamba_state_bytes(shapes, dtypes)
     if need > page_size_bytes:  # refused before any view is built: a view past the page may run past the buffer
@@ -126,8 +142,10 @@ def mamba_state_views(raw: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes
         target = (num_blocks, *shape)
         tail = torch.empty(target, device="meta").stride()[1:]
         if page_size_bytes % item or offset % item:
-            raise LayoutError(f"Mamba state {tuple(shape)} of {dtype}: page {page_size_bytes} or offset {offset} "
-                              f"is not a multiple of its {item}-byte element")
+            raise LayoutError(
+                f"Mamba state {tuple(shape)} of {dtype}: page {page_size_bytes} or offset {offset} "
+                f"is not a multiple of its {item}-byte element"
+            )
         views.append(torch.as_strided(raw.view(dtype), target, (page_size_bytes // item, *tail), offset // item))
         offset += math.prod(shape) * item
     return views
@@ -141,8 +159,9 @@ def footprint(view: torch.Tensor, block_dim: int, num_blocks: int) -> list[tuple
     """
     item = view.element_size()
     span = view.storage_offset() + sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
-    index = torch.as_strided(torch.arange(span, dtype=torch.int64), view.shape, view.stride(),
-                             view.storage_offset()).narrow(block_dim, 0, num_blocks)
+    index = torch.as_strided(
+        torch.arange(span, dtype=torch.int64), view.shape, view.stride(), view.storage_offset()
+    ).narrow(block_dim, 0, num_blocks)
     elements = torch.unique(index.reshape(-1))
     if elements.numel() == 0:
         return []
@@ -179,8 +198,10 @@ class AttentionLayer:
         view = attention_view(raw, self.shape_of(num_blocks), self.stride_order, self.dtype)
         if self.block_major and self.block_dim != 0:  # already block-major: vLLM skips it too
             if view.dim() < 3 or view.shape[0] != 2 or self.block_dim != 1:
-                raise LayoutError(f"layer {self.name}: block-major re-stride needs a (2, num_blocks, ...) layout, "
-                                  f"got shape {tuple(view.shape)}")
+                raise LayoutError(
+                    f"layer {self.name}: block-major re-stride needs a (2, num_blocks, ...) layout, "
+                    f"got shape {tuple(view.shape)}"
+                )
             view = block_major(view)
         return [view]
 
@@ -221,8 +242,10 @@ def agreed_segments(views: Iterable[tuple[str, torch.Tensor, int]], buffer_bytes
         if first is None:
             first = (name, seg)
         elif seg != first[1]:
-            raise LayoutError(f"layers sharing one buffer disagree on segments: {first[0]} has {first[1].count}, "
-                              f"{name} has {seg.count}")
+            raise LayoutError(
+                f"layers sharing one buffer disagree on segments: {first[0]} has {first[1].count}, "
+                f"{name} has {seg.count}"
+            )
     return first[1] if first else None
 
 
@@ -239,8 +262,10 @@ def buffer_segments(layers: Sequence[Layer], page_size_bytes: int, num_blocks: i
     def views() -> Iterator[tuple[str, torch.Tensor, int]]:
         for layer in layers:
             if layer.page_size_bytes() > page_size_bytes:
-                raise LayoutError(f"layer {layer.name} needs {layer.page_size_bytes()} bytes per block, the "
-                                  f"buffer's page is {page_size_bytes}")
+                raise LayoutError(
+                    f"layer {layer.name} needs {layer.page_size_bytes()} bytes per block, the "
+                    f"buffer's page is {page_size_bytes}"
+                )
             for view, block_dim in zip(layer.views(raw, num_blocks), layer.block_dims()):
                 yield layer.name, view, block_dim
 
@@ -256,17 +281,29 @@ def backend_stride_order(backend: type) -> tuple[int, ...] | None:
         return None
 
 
-def attention_layer(name: str, backend: type, *, block_size: int, num_kv_heads: int, head_size: int,
-                    dtype: torch.dtype, cache_dtype_str: str = "auto", block_major: bool = False) -> AttentionLayer:
+def attention_layer(
+    name: str,
+    backend: type,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    cache_dtype_str: str = "auto",
+    block_major: bool = False,
+) -> AttentionLayer:
     """An AttentionLayer from a vLLM attention backend class (its own shape and stride order)."""
 
     def shape_of(num_blocks: int) -> tuple[int, ...]:
-        return tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
-                                                cache_dtype_str=cache_dtype_str))
+        return tuple(
+            backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=cache_dtype_str)
+        )
 
     shape = shape_of(1)
     order = backend_stride_order(backend) or tuple(range(len(shape)))
     if sorted(order) != list(range(len(shape))):
-        raise LayoutError(f"backend {getattr(backend, '__name__', backend)}: stride order {order} does not match its "
-                          f"declared {len(shape)}-d shape {shape}")
+        raise LayoutError(
+            f"backend {getattr(backend, '__name__', backend)}: stride order {order} does not match its "
+            f"declared {len(shape)}-d shape {shape}"
+        )
     return AttentionLayer(name, shape_of, order, dtype, block_major)

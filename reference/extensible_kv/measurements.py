@@ -53,7 +53,7 @@ def _beyond_limit(value: object, where: str) -> str | None:
         return None if abs(value) < LIMIT else where  # NaN compares false: refused too
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        if (found := _beyond_limit(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")):
+        if found := _beyond_limit(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"):
             return found
     return None
 
@@ -188,9 +188,11 @@ class ServingSpeed(Record):
         if legacy and ext:
             expected = start_comparable(legacy.compiled, ext.compiled)
             if self.ratio.engine_seconds_comparable != expected:
-                raise ValueError(f"ratio.engine_seconds_comparable is {self.ratio.engine_seconds_comparable}, but "
-                                 f"compiled is {legacy.compiled} (legacy) and {ext.compiled} (extensible): "
-                                 f"expected {expected}")
+                raise ValueError(
+                    f"ratio.engine_seconds_comparable is {self.ratio.engine_seconds_comparable}, but "
+                    f"compiled is {legacy.compiled} (legacy) and {ext.compiled} (extensible): "
+                    f"expected {expected}"
+                )
         return self
 
 
@@ -225,10 +227,18 @@ class Environment(Record):
                 packages[name] = metadata.version(name)
             except metadata.PackageNotFoundError:
                 pass
-        return cls(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), gpu=gpu, gpu_memory=memory,
-                   gpu_driver=_nvidia_driver(), torch=torch.__version__, cuda=torch.version.cuda,
-                   hip=getattr(torch.version, "hip", None), python=platform.python_version(),
-                   platform=platform.platform(), packages=packages)
+        return cls(
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            gpu=gpu,
+            gpu_memory=memory,
+            gpu_driver=_nvidia_driver(),
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            hip=getattr(torch.version, "hip", None),
+            python=platform.python_version(),
+            platform=platform.platform(),
+            packages=packages,
+        )
 
 
 def _nvidia_driver() -> str | None:
@@ -236,8 +246,13 @@ def _nvidia_driver() -> str | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
     return out[0] if out else None
@@ -485,10 +500,19 @@ def read(path: str | Path, model: type[M]) -> M:
 
 
 # pydantic's error types in the words of JSON
-_WANTED = {"model_type": "an object", "dict_type": "an object", "model_attributes_type": "an object",
-           "list_type": "a list", "int_type": "an integer", "int_from_float": "an integer",
-           "float_type": "a number", "string_type": "a string", "bool_type": "true or false",
-           "greater_than_equal": "a non-negative integer", "finite_number": "a finite number"}
+_WANTED = {
+    "model_type": "an object",
+    "dict_type": "an object",
+    "model_attributes_type": "an object",
+    "list_type": "a list",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "greater_than_equal": "a non-negative integer",
+    "finite_number": "a finite number",
+}
 _BRANCHES = ("int", "float", "constrained-int", "constrained-float")  # the branches of a Number (int | float)
 
 

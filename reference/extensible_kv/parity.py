@@ -24,7 +24,7 @@ def first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
         if list(x) != list(y):
             x, y = list(x), list(y)
             j = next(k for k, (p, q) in enumerate(zip(x + [None], y + [None])) if p != q)
-            return f"prompt {i} first differs at token {j}: {x[j:j + 4]} vs {y[j:j + 4]}"
+            return f"prompt {i} first differs at token {j}: {x[j : j + 4]} vs {y[j : j + 4]}"
     return None
 
 
@@ -67,8 +67,9 @@ def classify(legacy: Sequence[dict | None], ext: dict | None) -> Verdict:
             return Verdict(NONDETERMINISTIC, f"legacy runs disagree: {diff}", False)
         deterministic = True
     if (bad := _problem(ext)) is not None:
-        return replace(bad, baseline_deterministic=deterministic,
-                       detail=f"extensible: {bad.detail}" if bad.detail else "")
+        return replace(
+            bad, baseline_deterministic=deterministic, detail=f"extensible: {bad.detail}" if bad.detail else ""
+        )
     if reason := refusal(ext):
         return Verdict(EXTENSIBLE_REFUSED, reason, deterministic)
     diff = first_difference(ext["token_ids"], legacy[0]["token_ids"])

@@ -96,7 +96,7 @@ def sweep() -> None:
     ``sys.unraisablehook``, as the interpreter reports a failed finalizer, and retried by later sweeps; any other
     exception (an interrupt) leaves the record owned and propagates."""
     if _owned and not inside_section():
-        with busy(), _sweeping: return _sweep_locked()  # one line: Note [Locked sections are one line]
+        with busy(), _sweeping: return _sweep_locked()  # one line: Note [Locked sections are one line]  # fmt: skip
 
 
 def _sweep_locked() -> None:

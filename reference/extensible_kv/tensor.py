@@ -72,8 +72,20 @@ import torch
 from . import granules
 from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES
-from .errors import BusyError, ClosedError, CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, \
-    FailedStateError, InvalidArgumentError, InvalidSizeError, ProtocolViolation, ReleasedError, SegmentIndexError
+from .errors import (
+    BusyError,
+    ClosedError,
+    CommitError,
+    CommitOutOfMemory,
+    DriverError,
+    DriverOutOfMemory,
+    FailedStateError,
+    InvalidArgumentError,
+    InvalidSizeError,
+    ProtocolViolation,
+    ReleasedError,
+    SegmentIndexError,
+)
 from .reaper import Owned, busy, disown, own, sweep
 
 
@@ -94,8 +106,10 @@ class Unshareable:
     would be a second owner that frees the memory under the first one's views."""
 
     def _refuse(self) -> None:
-        raise TypeError(f"{type(self).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
-                        f"would free it under the first one's views; share the object, or copy a view's bytes")
+        raise TypeError(
+            f"{type(self).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
+            f"would free it under the first one's views; share the object, or copy a view's bytes"
+        )
 
     def __copy__(self) -> None:
         self._refuse()
@@ -215,9 +229,9 @@ class _Memory(Owned):
         if self.pid != os.getpid():  # Note [Forked children]
             return
         try:
-            with busy(): return _teardown(self)  # one line: Note [Locked sections are one line] in ``reaper``
+            with busy(): return _teardown(self)  # one line: see reaper  # fmt: skip
         except BaseException:
-            with busy(): self.settle()
+            with busy(): self.settle()  # fmt: skip
             raise
 
 
@@ -277,8 +291,9 @@ class ExtensibleTensor(Unshareable):
     ``driver`` is a driver object, a driver spec string, or ``None`` for the best available driver.
     """
 
-    def __init__(self, max_num_bytes: int, num_segments: int = 1, *, driver: Driver | str | None = None,
-                 alignment: int = 1) -> None:
+    def __init__(
+        self, max_num_bytes: int, num_segments: int = 1, *, driver: Driver | str | None = None, alignment: int = 1
+    ) -> None:
         max_num_bytes = _check_int("max_num_bytes", max_num_bytes)
         num_segments = _check_int("num_segments", num_segments)
         alignment = _check_int("alignment", alignment)
@@ -287,21 +302,27 @@ class ExtensibleTensor(Unshareable):
         if num_segments <= 0:
             raise InvalidSizeError(f"num_segments must be positive, got {num_segments}")
         if max_num_bytes % num_segments:
-            raise InvalidSizeError(f"num_segments={num_segments} does not divide max_num_bytes={max_num_bytes} "
-                                   f"(remainder {max_num_bytes % num_segments})")
+            raise InvalidSizeError(
+                f"num_segments={num_segments} does not divide max_num_bytes={max_num_bytes} "
+                f"(remainder {max_num_bytes % num_segments})"
+            )
         if alignment <= 0:
             raise InvalidSizeError(f"alignment must be positive, got {alignment}")
         segment_bytes = max_num_bytes // num_segments
         if segment_bytes % alignment:
-            raise InvalidSizeError(f"segment size {segment_bytes} (max_num_bytes={max_num_bytes} / "
-                                   f"num_segments={num_segments}) is not a multiple of alignment={alignment}")
+            raise InvalidSizeError(
+                f"segment size {segment_bytes} (max_num_bytes={max_num_bytes} / "
+                f"num_segments={num_segments}) is not a multiple of alignment={alignment}"
+            )
         driver = resolve(driver)
         self._driver = driver
         self._granularity = g = driver.granularity()
         reserved = -(-max_num_bytes // g) * g
         if reserved >= MAX_BYTES:
-            raise InvalidSizeError(f"max_num_bytes={max_num_bytes} rounded up to the {driver.name} granularity {g} "
-                                   f"does not fit a 64-bit address space (at most {MAX_BYTES - 1} bytes)")
+            raise InvalidSizeError(
+                f"max_num_bytes={max_num_bytes} rounded up to the {driver.name} granularity {g} "
+                f"does not fit a 64-bit address space (at most {MAX_BYTES - 1} bytes)"
+            )
         self._max_num_bytes = max_num_bytes
         self._num_segments = num_segments
         self._segment_bytes = segment_bytes
@@ -318,7 +339,7 @@ class ExtensibleTensor(Unshareable):
         own(self._memory)
         self._finalizer = weakref.finalize(self, sweep)
         self._finalizer.atexit = False  # Note [Nothing is unmapped at interpreter exit]
-        with busy(): self._memory.reserve(g)  # one line: Note [Locked sections are one line] in ``reaper``
+        with busy(): self._memory.reserve(g)  # one line: Note [Locked sections are one line] in ``reaper``  # fmt: skip
         self._base = self._memory.base
 
     # -- properties --------------------------------------------------------------------------------------------
@@ -378,7 +399,7 @@ class ExtensibleTensor(Unshareable):
     def stats(self) -> TensorStats:
         """The accounting; in the ``failed`` state it says so, counts nothing as committed and reports what is
         still mapped as backed."""
-        with self._lock: return self._stats()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._stats()  # one line: see reaper  # fmt: skip
 
     def _stats(self) -> TensorStats:
         if self._state == "closed":
@@ -387,8 +408,9 @@ class ExtensibleTensor(Unshareable):
         if self._state in ("failed", "released"):
             backed = sum(size for _, size in memory.mappings)
         else:
-            runs = granules.backed_granules(self._segment_bytes, self._num_segments, self._per_segment,
-                                            self._granularity)
+            runs = granules.backed_granules(
+                self._segment_bytes, self._num_segments, self._per_segment, self._granularity
+            )
             backed = sum(hi - lo for lo, hi in runs) * self._granularity
         return TensorStats(
             reserved_bytes=memory.reserved if memory.base is not None else 0,
@@ -404,8 +426,10 @@ class ExtensibleTensor(Unshareable):
 
     def __repr__(self) -> str:
         state = self._state if self._state != "open" else f"{self._per_segment}/{self._segment_bytes} bytes per segment"
-        return (f"ExtensibleTensor({self._max_num_bytes} bytes, {self._num_segments} segment(s), {state}, "
-                f"driver={self._driver.name})")
+        return (
+            f"ExtensibleTensor({self._max_num_bytes} bytes, {self._num_segments} segment(s), {state}, "
+            f"driver={self._driver.name})"
+        )
 
     # -- growth ------------------------------------------------------------------------------------------------
     def resize_per_segment_(self, nbytes: int, zero_new: bool = True) -> ExtensibleTensor:
@@ -416,7 +440,7 @@ class ExtensibleTensor(Unshareable):
         committed before are never touched. The base address never changes.
         """
         nbytes = _check_int("nbytes", nbytes)
-        with self._lock: return self._resize(nbytes, zero_new)  # one line: Note [Locked sections are one line]
+        with self._lock: return self._resize(nbytes, zero_new)  # one line: see reaper  # fmt: skip
 
     def _resize(self, nbytes: int, zero_new: bool) -> ExtensibleTensor:
         self._check_open("resize_per_segment_")
@@ -424,15 +448,17 @@ class ExtensibleTensor(Unshareable):
         if nbytes <= 0:
             raise InvalidSizeError(f"resize_per_segment_ needs a positive size, got nbytes={nbytes}")
         if nbytes < old:
-            raise InvalidSizeError(f"ExtensibleTensor is grow-only: cannot shrink from {old} to {nbytes} "
-                                   f"bytes per segment")
+            raise InvalidSizeError(
+                f"ExtensibleTensor is grow-only: cannot shrink from {old} to {nbytes} bytes per segment"
+            )
         if nbytes > self._segment_bytes:
-            raise InvalidSizeError(f"nbytes={nbytes} per segment exceeds the segment capacity "
-                                   f"{self._segment_bytes} (max_num_bytes={self._max_num_bytes}, "
-                                   f"num_segments={self._num_segments})")
+            raise InvalidSizeError(
+                f"nbytes={nbytes} per segment exceeds the segment capacity "
+                f"{self._segment_bytes} (max_num_bytes={self._max_num_bytes}, "
+                f"num_segments={self._num_segments})"
+            )
         if nbytes % self._alignment:
-            raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment="
-                                   f"{self._alignment}")
+            raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment={self._alignment}")
         return self._grow(old, nbytes, zero_new) if nbytes > old else self
 
     def _grow(self, old: int, new: int, zero_new: bool) -> ExtensibleTensor:
@@ -443,7 +469,7 @@ class ExtensibleTensor(Unshareable):
         mark = len(self._memory.mappings)
         self._op = "create"
         try:
-            with busy(): self._back(runs, old, new, zero_new)  # one line: Note [Locked sections are one line]
+            with busy(): self._back(runs, old, new, zero_new)  # one line: see reaper  # fmt: skip
             sweep()  # what a collection inside the step left to the reaper: Note [Finalizers never wait ...]
             self._per_segment = new
             return self
@@ -454,10 +480,14 @@ class ExtensibleTensor(Unshareable):
             op = self._op
             kind = CommitOutOfMemory if isinstance(exc, DriverOutOfMemory) else CommitError
             detail = f"; rollback also failed: {'; '.join(problems)}" if problems else ""
-            raise kind(f"growing {self._driver.name} ExtensibleTensor from {old} to {new} bytes per segment "
-                       f"({self._num_segments} segment(s), {new * self._num_segments} bytes in all) failed at "
-                       f"{op}: {exc}; kept {old} bytes per segment{detail}",
-                       operation=op, requested=new, committed=old) from exc
+            raise kind(
+                f"growing {self._driver.name} ExtensibleTensor from {old} to {new} bytes per segment "
+                f"({self._num_segments} segment(s), {new * self._num_segments} bytes in all) failed at "
+                f"{op}: {exc}; kept {old} bytes per segment{detail}",
+                operation=op,
+                requested=new,
+                committed=old,
+            ) from exc
 
     def _back(self, runs: list[tuple[int, int]], old: int, new: int, zero_new: bool) -> None:
         """Map, grant and zero the new granules ``runs`` (inside ``busy()``); each handle is on record from the line
@@ -488,7 +518,7 @@ class ExtensibleTensor(Unshareable):
         released stays on record for ``close()``. Returns what could not be undone."""
         memory, failure = self._memory, f"undoing a growth step from {old} bytes per segment did not finish"
         self._state, self._failure, self._per_segment = "failed", failure, old  # one step: the state says it first
-        with busy(): problems = self._undo_since(count)  # one line: Note [Locked sections are one line]
+        with busy(): problems = self._undo_since(count)  # one line: Note [Locked sections are one line]  # fmt: skip
         if len(memory.mappings) > count or memory.uncertain():
             self._failure = f"undoing a growth step from {old} bytes per segment failed: {'; '.join(problems)}"
             return problems
@@ -525,7 +555,7 @@ class ExtensibleTensor(Unshareable):
     def rollback_to(self, mark: tuple[int, int]) -> list[str]:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step); a tensor
         that is not open is left as it is. Returns what could not be undone (the tensor is then ``failed``)."""
-        with self._lock: return self._retract_to(*mark)  # one line: Note [Locked sections are one line]
+        with self._lock: return self._retract_to(*mark)  # one line: Note [Locked sections are one line]  # fmt: skip
 
     def _retract_to(self, per_segment: int, count: int) -> list[str]:
         if self._state != "open" or (self._per_segment, len(self._memory.mappings)) == (per_segment, count):
@@ -539,15 +569,15 @@ class ExtensibleTensor(Unshareable):
         touched until ``recommit_physical()``. Refused unless open (``ReleasedError`` when released already). A
         release that does not finish (a driver call fails, an exception lands) leaves the tensor ``failed``:
         ``close()`` returns the rest."""
-        with self._lock: return self._release()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._release()  # one line: see reaper  # fmt: skip
 
     def _release(self) -> None:
         self._check_open("release_physical")
         self._state, self._failure = "failed", "release_physical() did not finish"  # until every page is returned
         try:
-            with busy(): _unback(self._memory)  # one line: Note [Locked sections are one line] in ``reaper``
+            with busy(): _unback(self._memory)  # one line: see reaper  # fmt: skip
         except BaseException:
-            with busy(): self._memory.settle()
+            with busy(): self._memory.settle()  # fmt: skip
             raise
         self._state = "released"
 
@@ -556,14 +586,16 @@ class ExtensibleTensor(Unshareable):
         nothing: a recommit that fails (``CommitError``/``CommitOutOfMemory``, as growth) or is interrupted leaves
         the tensor ``released`` with its size on record (or ``failed`` where its own rollback could not finish).
         Refused unless released."""
-        with self._lock: return self._recommit()  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._recommit()  # one line: see reaper  # fmt: skip
 
     def _recommit(self) -> ExtensibleTensor:
         if self._state != "released":
             self._check_open("recommit_physical")
-            raise ReleasedError(f"recommit_physical on an ExtensibleTensor that is not released "
-                                f"({self._per_segment} bytes per segment committed, driver={self._driver.name}): "
-                                f"call release_physical() first")
+            raise ReleasedError(
+                f"recommit_physical on an ExtensibleTensor that is not released "
+                f"({self._per_segment} bytes per segment committed, driver={self._driver.name}): "
+                f"call release_physical() first"
+            )
         size = self._per_segment
         try:
             self._state, self._per_segment = "open", 0
@@ -584,14 +616,16 @@ class ExtensibleTensor(Unshareable):
         itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
             raise SegmentIndexError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
-        with self._lock: return self._segment_view(index, dtype, itemsize)  # one line: see ``reaper``
+        with self._lock: return self._segment_view(index, dtype, itemsize)  # one line: see ``reaper``  # fmt: skip
 
     def _segment_view(self, index: int, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
         self._check_open("segment_view")
         start = index * self._segment_bytes
         if start % itemsize or self._per_segment % itemsize:
-            raise InvalidSizeError(f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
-                                   f"not a whole number of {dtype} elements of {itemsize} bytes")
+            raise InvalidSizeError(
+                f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
+                f"not a whole number of {dtype} elements of {itemsize} bytes"
+            )
         return self._view(start, self._per_segment, dtype)
 
     def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -602,9 +636,10 @@ class ExtensibleTensor(Unshareable):
         """
         itemsize = _itemsize(dtype)
         if self._max_num_bytes % itemsize:
-            raise InvalidSizeError(f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} "
-                                   f"elements of {itemsize} bytes")
-        with self._lock: return self._full_view(dtype)  # one line: Note [Locked sections are one line]
+            raise InvalidSizeError(
+                f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} elements of {itemsize} bytes"
+            )
+        with self._lock: return self._full_view(dtype)  # one line: Note [Locked sections are one line]  # fmt: skip
 
     def _full_view(self, dtype: torch.dtype) -> torch.Tensor:
         self._check_open("full_view")
@@ -615,7 +650,7 @@ class ExtensibleTensor(Unshareable):
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self._driver.device)
         keeper = _ViewKeeper(self)
-        with busy(): raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)  # one line: ``reaper``
+        with busy(): raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)  # one line  # fmt: skip
         self._views.add(keeper)
         return raw.view(dtype)
 
@@ -632,7 +667,7 @@ class ExtensibleTensor(Unshareable):
         lands), the tensor is ``failed`` and ``close()`` again returns the rest.
         """
         sweep()
-        with self._lock: return self._close(force)  # one line: Note [Locked sections are one line] in ``reaper``
+        with self._lock: return self._close(force)  # one line: see reaper  # fmt: skip
 
     def _close(self, force: bool) -> None:
         if self._state == "closed":
@@ -640,8 +675,10 @@ class ExtensibleTensor(Unshareable):
         if self._views and not force:
             gc.collect()
         if self._views and not force:
-            raise BusyError(f"cannot close {self!r}: {len(self._views)} view(s) of its memory are alive; drop "
-                            f"them first or pass force=True")
+            raise BusyError(
+                f"cannot close {self!r}: {len(self._views)} view(s) of its memory are alive; drop "
+                f"them first or pass force=True"
+            )
         self._state, self._failure = "failed", "close() did not finish"  # until everything is returned
         self._memory.teardown()  # always now, never deferred: the caller waits for the memory to go
         disown(self._memory)
@@ -650,14 +687,20 @@ class ExtensibleTensor(Unshareable):
 
     def _check_open(self, op: str) -> None:
         if self._state == "released":
-            raise ReleasedError(f"{op} on a released ExtensibleTensor ({self._max_num_bytes} bytes, "
-                                f"{self._num_segments} segment(s), {self._per_segment} bytes per segment on record, "
-                                f"driver={self._driver.name}): its pages were released by release_physical(); call "
-                                f"recommit_physical() first")
+            raise ReleasedError(
+                f"{op} on a released ExtensibleTensor ({self._max_num_bytes} bytes, "
+                f"{self._num_segments} segment(s), {self._per_segment} bytes per segment on record, "
+                f"driver={self._driver.name}): its pages were released by release_physical(); call "
+                f"recommit_physical() first"
+            )
         if self._state == "closed":
-            raise ClosedError(f"{op} on a closed ExtensibleTensor ({self._max_num_bytes} bytes, "
-                              f"{self._num_segments} segment(s), driver={self._driver.name})")
+            raise ClosedError(
+                f"{op} on a closed ExtensibleTensor ({self._max_num_bytes} bytes, "
+                f"{self._num_segments} segment(s), driver={self._driver.name})"
+            )
         if self._state == "failed":
-            raise FailedStateError(f"{op} on a failed ExtensibleTensor ({self._max_num_bytes} bytes, "
-                                   f"{self._num_segments} segment(s), driver={self._driver.name}): {self._failure}; "
-                                   f"retry close() to return the memory it still holds")
+            raise FailedStateError(
+                f"{op} on a failed ExtensibleTensor ({self._max_num_bytes} bytes, "
+                f"{self._num_segments} segment(s), driver={self._driver.name}): {self._failure}; "
+                f"retry close() to return the memory it still holds"
+            )

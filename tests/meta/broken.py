@@ -11,9 +11,21 @@ import os
 
 import torch
 
-from extensible_kv.drivers.host import (_MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_PRIVATE, _MAP_SHARED,
-                                        _MEMFD_NAME, _PROT_NONE, _PROT_READ, _PROT_WRITE, MIB, HostDriver, HostHandle,
-                                        _lib)
+from extensible_kv.drivers.host import (
+    _MAP_ANONYMOUS,
+    _MAP_FIXED,
+    _MAP_NORESERVE,
+    _MAP_PRIVATE,
+    _MAP_SHARED,
+    _MEMFD_NAME,
+    _PROT_NONE,
+    _PROT_READ,
+    _PROT_WRITE,
+    MIB,
+    HostDriver,
+    HostHandle,
+    _lib,
+)
 from extensible_kv.errors import DriverError
 
 
@@ -356,8 +368,9 @@ records_only = functools.partial(RecordsOnly, "broken-records-only")
 unmap_accepts_a_prefix = functools.partial(UnmapAcceptsAPrefix, "broken-unmap-accepts-a-prefix")
 unmap_refuses_after_unmapping = functools.partial(UnmapRefusesAfterUnmapping, "broken-unmap-refuses-after-unmapping")
 set_access_on_partly_mapped = functools.partial(SetAccessOnPartlyMapped, "broken-set-access-on-partly-mapped")
-set_access_refuses_after_opening = functools.partial(SetAccessRefusesAfterOpening,
-                                                     "broken-set-access-refuses-after-opening")
+set_access_refuses_after_opening = functools.partial(
+    SetAccessRefusesAfterOpening, "broken-set-access-refuses-after-opening"
+)
 free_with_mappings = functools.partial(FreeWithMappings, "broken-free-with-mappings")
 free_of_a_subrange = functools.partial(FreeOfASubrange, "broken-free-of-a-subrange")
 free_keeps_the_range = functools.partial(FreeKeepsTheRange, "broken-free-keeps-the-range")

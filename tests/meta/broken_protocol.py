@@ -36,9 +36,23 @@ from typing import Any
 import torch
 
 from extensible_kv.drivers.records import check_alignment, mapped_parts
-from extensible_kv.drivers.host import (_MAP_ANONYMOUS, _MAP_FAILED, _MAP_FIXED, _MAP_NORESERVE, _MAP_PRIVATE,
-                                        _MAP_SHARED, _MEMFD_NAME, _PROT_NONE, _PROT_READ, _PROT_WRITE, MIB,
-                                        PAGE_BYTES, HostDriver, HostHandle, _lib)
+from extensible_kv.drivers.host import (
+    _MAP_ANONYMOUS,
+    _MAP_FAILED,
+    _MAP_FIXED,
+    _MAP_NORESERVE,
+    _MAP_PRIVATE,
+    _MAP_SHARED,
+    _MEMFD_NAME,
+    _PROT_NONE,
+    _PROT_READ,
+    _PROT_WRITE,
+    MIB,
+    PAGE_BYTES,
+    HostDriver,
+    HostHandle,
+    _lib,
+)
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 from extensible_kv.reaper import busy
 
@@ -686,8 +700,12 @@ class RefusedMapLeavesItsTail(_Broken):
         except DriverError:
             g = self._granularity
             k = 0
-            while (k + 1) * g <= size and offset + (k + 1) * g <= handle.size and not handle.released \
-                    and self._free_and_reserved(va + k * g):
+            while (
+                (k + 1) * g <= size
+                and offset + (k + 1) * g <= handle.size
+                and not handle.released
+                and self._free_and_reserved(va + k * g)
+            ):
                 k += 1
             for i in range(1, k):
                 _lib().mmap(va + i * g, g, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset + i * g)
@@ -696,8 +714,9 @@ class RefusedMapLeavesItsTail(_Broken):
             raise
 
     def _free_and_reserved(self, a: int) -> bool:
-        return any(r <= a < r + s for r, s in self._reservations.items()) \
-            and not any(m <= a < m + s for m, (s, _) in self._mappings.items())
+        return any(r <= a < r + s for r, s in self._reservations.items()) and not any(
+            m <= a < m + s for m, (s, _) in self._mappings.items()
+        )
 
 
 def prove_refused_map_leaves_its_tail(make: Callable[[], HostDriver]) -> list[str]:
@@ -781,8 +800,9 @@ def prove_refused_unmap_keeps_access(make: Callable[[], HostDriver]) -> list[boo
 
 # -- the factories and the cases -------------------------------------------------------------------------------------
 set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
-set_access_checks_the_ends_only = functools.partial(SetAccessChecksTheEndsOnly,
-                                                    "broken-set-access-checks-the-ends-only")
+set_access_checks_the_ends_only = functools.partial(
+    SetAccessChecksTheEndsOnly, "broken-set-access-checks-the-ends-only"
+)
 unmap_takes_a_tiled_range = functools.partial(UnmapTakesATiledRange, "broken-unmap-takes-a-tiled-range")
 mapping_table_of_32 = functools.partial(MappingTableOf32, "broken-mapping-table-of-32")
 create_counts_outside_the_lock = functools.partial(CreateCountsOutsideTheLock, "broken-create-counts-outside-the-lock")
@@ -791,10 +811,12 @@ reserve_records_unlocked = functools.partial(ReserveRecordsUnlocked, "broken-res
 create_takes_a_power_of_two = functools.partial(CreateTakesAPowerOfTwo, "broken-create-takes-a-power-of-two")
 mapped_is_a_flag = functools.partial(MappedIsAFlag, "broken-mapped-is-a-flag")
 total_is_the_machine = functools.partial(TotalIsTheMachine, "broken-total-is-the-machine")
-free_keeps_the_alignment_padding = functools.partial(FreeKeepsTheAlignmentPadding,
-                                                     "broken-free-keeps-the-alignment-padding")
-reserve_trims_from_the_raw_start = functools.partial(ReserveTrimsFromTheRawStart,
-                                                     "broken-reserve-trims-from-the-raw-start")
+free_keeps_the_alignment_padding = functools.partial(
+    FreeKeepsTheAlignmentPadding, "broken-free-keeps-the-alignment-padding"
+)
+reserve_trims_from_the_raw_start = functools.partial(
+    ReserveTrimsFromTheRawStart, "broken-reserve-trims-from-the-raw-start"
+)
 remap_restores_access = functools.partial(RemapRestoresAccess, "broken-remap-restores-access")
 second_mapping_shares_access = functools.partial(SecondMappingSharesAccess, "broken-second-mapping-shares-access")
 map_fills_the_handle = functools.partial(MapFillsTheHandle, "broken-map-fills-the-handle")
@@ -804,8 +826,9 @@ reserve_fails_with_os_error = functools.partial(ReserveFailsWithOSError, "broken
 native_failure_names_the_call = functools.partial(NativeFailureNamesTheCall, "broken-native-failure-names-the-call")
 create_fails_with_os_error = functools.partial(CreateFailsWithOSError, "broken-create-fails-with-os-error")
 refused_map_leaves_its_tail = functools.partial(RefusedMapLeavesItsTail, "broken-refused-map-leaves-its-tail")
-refused_set_access_revokes_the_tail = functools.partial(RefusedSetAccessRevokesTheTail,
-                                                        "broken-refused-set-access-revokes-the-tail")
+refused_set_access_revokes_the_tail = functools.partial(
+    RefusedSetAccessRevokesTheTail, "broken-refused-set-access-revokes-the-tail"
+)
 refused_unmap_revokes_the_tail = functools.partial(RefusedUnmapRevokesTheTail, "broken-refused-unmap-revokes-the-tail")
 
 
@@ -822,44 +845,64 @@ class Case:
 
 _G = 2 * MIB  # HostDriver's default granularity, the broken drivers' granularity
 CASES: dict[str, Case] = {
-    "set_access_first_mapping_only": Case(set_access_first_mapping_only, "several mappings",
-                                          prove_set_access_first_mapping_only, [True, True, True]),
-    "set_access_checks_the_ends_only": Case(set_access_checks_the_ends_only, "several mappings",
-                                            prove_set_access_checks_the_ends_only, "DriverError(set_access)"),
-    "unmap_takes_a_tiled_range": Case(unmap_takes_a_tiled_range, "several mappings",
-                                      prove_unmap_takes_a_tiled_range, "DriverError(unmap)"),
+    "set_access_first_mapping_only": Case(
+        set_access_first_mapping_only, "several mappings", prove_set_access_first_mapping_only, [True, True, True]
+    ),
+    "set_access_checks_the_ends_only": Case(
+        set_access_checks_the_ends_only,
+        "several mappings",
+        prove_set_access_checks_the_ends_only,
+        "DriverError(set_access)",
+    ),
+    "unmap_takes_a_tiled_range": Case(
+        unmap_takes_a_tiled_range, "several mappings", prove_unmap_takes_a_tiled_range, "DriverError(unmap)"
+    ),
     "mapping_table_of_32": Case(mapping_table_of_32, "many live mappings", prove_mapping_table_of_32, "done"),
-    "create_counts_outside_the_lock": Case(create_counts_outside_the_lock, "two threads",
-                                           prove_create_counts_outside_the_lock, (BUDGET, BUDGET)),
-    "map_checks_then_maps_unlocked": Case(map_checks_then_maps_unlocked, "two threads",
-                                          prove_map_checks_then_maps_unlocked, 1),
+    "create_counts_outside_the_lock": Case(
+        create_counts_outside_the_lock, "two threads", prove_create_counts_outside_the_lock, (BUDGET, BUDGET)
+    ),
+    "map_checks_then_maps_unlocked": Case(
+        map_checks_then_maps_unlocked, "two threads", prove_map_checks_then_maps_unlocked, 1
+    ),
     "reserve_records_unlocked": Case(reserve_records_unlocked, "two threads", prove_reserve_records_unlocked, 0),
-    "create_takes_a_power_of_two": Case(create_takes_a_power_of_two, "memory accounting",
-                                        prove_create_takes_a_power_of_two, [0, 0, 0]),
-    "mapped_is_a_flag": Case(mapped_is_a_flag, "memory accounting", prove_mapped_is_a_flag,
-                             [(BUDGET - _G, BUDGET), (BUDGET, BUDGET)]),
-    "total_is_the_machine": Case(total_is_the_machine, "memory accounting", prove_total_is_the_machine,
-                                 (BUDGET, BUDGET)),
-    "free_keeps_the_alignment_padding": Case(free_keeps_the_alignment_padding, "address space",
-                                             prove_free_keeps_the_alignment_padding, 0),
-    "reserve_trims_from_the_raw_start": Case(reserve_trims_from_the_raw_start, "address space",
-                                             prove_reserve_trims_from_the_raw_start, True),
+    "create_takes_a_power_of_two": Case(
+        create_takes_a_power_of_two, "memory accounting", prove_create_takes_a_power_of_two, [0, 0, 0]
+    ),
+    "mapped_is_a_flag": Case(
+        mapped_is_a_flag, "memory accounting", prove_mapped_is_a_flag, [(BUDGET - _G, BUDGET), (BUDGET, BUDGET)]
+    ),
+    "total_is_the_machine": Case(
+        total_is_the_machine, "memory accounting", prove_total_is_the_machine, (BUDGET, BUDGET)
+    ),
+    "free_keeps_the_alignment_padding": Case(
+        free_keeps_the_alignment_padding, "address space", prove_free_keeps_the_alignment_padding, 0
+    ),
+    "reserve_trims_from_the_raw_start": Case(
+        reserve_trims_from_the_raw_start, "address space", prove_reserve_trims_from_the_raw_start, True
+    ),
     "remap_restores_access": Case(remap_restores_access, "access state", prove_remap_restores_access, False),
-    "second_mapping_shares_access": Case(second_mapping_shares_access, "access state",
-                                         prove_second_mapping_shares_access, False),
+    "second_mapping_shares_access": Case(
+        second_mapping_shares_access, "access state", prove_second_mapping_shares_access, False
+    ),
     "map_fills_the_handle": Case(map_fills_the_handle, "access state", prove_map_fills_the_handle, [0x3C] * 4),
     "device_with_an_index": Case(device_with_an_index, "identity", prove_device_names_the_tensors_device, True),
     "device_is_a_string": Case(device_is_a_string, "identity", prove_device_names_the_tensors_device, True),
-    "reserve_fails_with_os_error": Case(reserve_fails_with_os_error, "native failures",
-                                        prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"),
-    "native_failure_names_the_call": Case(native_failure_names_the_call, "native failures",
-                                          prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"),
-    "create_fails_with_os_error": Case(create_fails_with_os_error, "native failures",
-                                       prove_create_failure_is_typed, "DriverError(create)"),
-    "refused_map_leaves_its_tail": Case(refused_map_leaves_its_tail, "refusals", prove_refused_map_leaves_its_tail,
-                                        ["done", "done"]),
-    "refused_set_access_revokes_the_tail": Case(refused_set_access_revokes_the_tail, "refusals",
-                                                prove_refused_set_access_keeps_access, [True, True, True]),
-    "refused_unmap_revokes_the_tail": Case(refused_unmap_revokes_the_tail, "refusals",
-                                           prove_refused_unmap_keeps_access, [True, True, True]),
+    "reserve_fails_with_os_error": Case(
+        reserve_fails_with_os_error, "native failures", prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"
+    ),
+    "native_failure_names_the_call": Case(
+        native_failure_names_the_call, "native failures", prove_reserve_failure_is_typed, "DriverOutOfMemory(reserve)"
+    ),
+    "create_fails_with_os_error": Case(
+        create_fails_with_os_error, "native failures", prove_create_failure_is_typed, "DriverError(create)"
+    ),
+    "refused_map_leaves_its_tail": Case(
+        refused_map_leaves_its_tail, "refusals", prove_refused_map_leaves_its_tail, ["done", "done"]
+    ),
+    "refused_set_access_revokes_the_tail": Case(
+        refused_set_access_revokes_the_tail, "refusals", prove_refused_set_access_keeps_access, [True, True, True]
+    ),
+    "refused_unmap_revokes_the_tail": Case(
+        refused_unmap_revokes_the_tail, "refusals", prove_refused_unmap_keeps_access, [True, True, True]
+    ),
 }

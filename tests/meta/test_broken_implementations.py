@@ -66,23 +66,39 @@ SABOTAGED_TENSORS = {
     "per_granule": {"test_one_handle_per_contiguous_run_of_new_granules"},
     "no_dedup": {"test_straddling_granule_is_mapped_once"},
     "wide_views": {"test_views_cover_exactly_the_committed_bytes", "test_segments_grow_in_lockstep"},
-    "skip_rollback": {"test_failed_growth_rolls_back_completely",
-                      "test_failure_at_every_call_of_a_tensor_growth_step_rolls_back"},
+    "skip_rollback": {
+        "test_failed_growth_rolls_back_completely",
+        "test_failure_at_every_call_of_a_tensor_growth_step_rolls_back",
+    },
     "leaky_teardown": {"test_garbage_collection_frees_exactly_once", "test_close_twice_is_harmless"},
     "single_segment": {"test_ensure_blocks_maps_the_granules_of_the_block_prefix_and_no_more"},
-    "no_retract": {"test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count",
-                   "test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer"},
+    "no_retract": {
+        "test_failed_ensure_blocks_keeps_every_buffer_at_the_old_block_count",
+        "test_failure_at_every_call_of_a_kv_growth_step_rolls_back_every_buffer",
+    },
 }
 
 
-def run_rules(tmp_path: Path, driver: str, sabotage: str | None = None,
-              rules: set[str] = frozenset()) -> tuple[int, set[str], str]:
+def run_rules(
+    tmp_path: Path, driver: str, sabotage: str | None = None, rules: set[str] = frozenset()
+) -> tuple[int, set[str], str]:
     """Run ``rules`` (default: all) on ``driver``; return pytest's exit code, the failed rule names, the output."""
     report = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("EXTENSIBLE_KV_SABOTAGE", None)
-    cmd = [sys.executable, "-m", "pytest", *rule_paths(), "--driver", driver, "-q", "-p", "no:cacheprovider",
-           f"--junitxml={report}", "--hypothesis-profile=extensible-kv-meta"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *rule_paths(),
+        "--driver",
+        driver,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        "--hypothesis-profile=extensible-kv-meta",
+    ]
     if rules:
         cmd += ["-k", " or ".join(sorted(rules))]
     if sabotage:
@@ -103,7 +119,8 @@ def test_suite_fails_a_broken_driver(tmp_path, factory):
     missing = BROKEN_DRIVERS[factory] - failed
     assert rc == 1 and not missing, (
         f"broken driver {factory}: expected the suite to fail (exit 1) with at least {sorted(BROKEN_DRIVERS[factory])}"
-        f"; got exit {rc}, failed {sorted(failed)}\n{tail}")
+        f"; got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )
 
 
 @pytest.mark.parametrize("sabotage", SABOTAGED_TENSORS, ids=list(SABOTAGED_TENSORS))
@@ -112,11 +129,13 @@ def test_suite_fails_a_sabotaged_tensor(tmp_path, sabotage):
     missing = SABOTAGED_TENSORS[sabotage] - failed
     assert rc == 1 and not missing, (
         f"tensor sabotage {sabotage} on host: expected the suite to fail (exit 1) with at least "
-        f"{sorted(SABOTAGED_TENSORS[sabotage])}; got exit {rc}, failed {sorted(failed)}\n{tail}")
+        f"{sorted(SABOTAGED_TENSORS[sabotage])}; got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )
 
 
 @pytest.mark.parametrize("spec", ["host", "host-4k"])
 def test_suite_passes_the_intact_host_driver(tmp_path, spec):
     rc, failed, tail = run_rules(tmp_path, spec)
-    assert rc == 0 and not failed, f"intact host driver {spec}: expected exit 0 and no failures; got exit {rc}, " \
-                                   f"failed {sorted(failed)}\n{tail}"
+    assert rc == 0 and not failed, (
+        f"intact host driver {spec}: expected exit 0 and no failures; got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )

@@ -42,7 +42,8 @@ def test_the_proof_shows_the_break(name):
     assert intact == case.want and broken != case.want, (
         f"broken driver {name} ({case.area}), {case.proof.__name__}: expected the intact host driver to observe "
         f"{case.want!r} and the broken one something else; the intact one observed {intact!r}, the broken one "
-        f"{broken!r}")
+        f"{broken!r}"
+    )
 
 
 def check_driver(tmp_path: Path, factory: str) -> tuple[int, list[str], str]:
@@ -51,8 +52,19 @@ def check_driver(tmp_path: Path, factory: str) -> tuple[int, list[str], str]:
     report = tmp_path / "junit.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXTENSIBLE_KV_", "PYTEST_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "reference"), os.environ.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "extensible_kv", "check-driver", f"tests.meta.broken_protocol:{factory}", "--",
-           "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "extensible_kv",
+        "check-driver",
+        f"tests.meta.broken_protocol:{factory}",
+        "--",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     failed = []
@@ -66,8 +78,10 @@ def check_driver(tmp_path: Path, factory: str) -> tuple[int, list[str], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get(RUN_ENV) != "1", reason=f"{RUN_ENV}=1 runs check-driver on every broken driver "
-                                                          f"(2 to 5 minutes each on two cores)")
+@pytest.mark.skipif(
+    os.environ.get(RUN_ENV) != "1",
+    reason=f"{RUN_ENV}=1 runs check-driver on every broken driver (2 to 5 minutes each on two cores)",
+)
 @pytest.mark.parametrize("name", CASES)
 def test_the_rules_alone_catch_it(tmp_path, name):
     rc, failed, out = check_driver(tmp_path, name)
@@ -75,4 +89,5 @@ def test_the_rules_alone_catch_it(tmp_path, name):
     stopped = rc == pytest.ExitCode.INTERRUPTED and STOPPED_AT_THE_FIRST_FAILURE in out  # -x under xdist
     assert failed and (rc == pytest.ExitCode.TESTS_FAILED or stopped), (
         f"broken driver {name} ({CASES[name].area}): expected check-driver to fail (exit 1, or 2 when xdist stops at "
-        f"the first failure) with a rule named; got exit {rc}, failed rules {failed}\n{out[-3000:]}")
+        f"the first failure) with a rule named; got exit {rc}, failed rules {failed}\n{out[-3000:]}"
+    )

@@ -273,8 +273,11 @@ class FakeHip:
 
     def outstanding(self) -> dict[str, Any]:
         """Everything still held: an empty dict of empties means nothing leaked."""
-        return {"reservations": dict(self.reservations), "live handles": self.live_handles(),
-                "mappings": {va: size for va, (size, _) in self.mappings.items()}}
+        return {
+            "reservations": dict(self.reservations),
+            "live handles": self.live_handles(),
+            "mappings": {va: size for va, (size, _) in self.mappings.items()},
+        }
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     def _enter(self, name: str, *args: Any) -> hipError_t | None:
@@ -396,8 +399,11 @@ class FakeHip:
             return err, None
         if not isinstance(prop, hipMemAllocationProp) or prop.garbage_fields() or flags != 0:
             return hipError_t.hipErrorInvalidValue, None
-        if (prop.type is not hipMemAllocationType.hipMemAllocationTypePinned
-                or int(prop.location.type) != LOCATION_DEVICE or not 0 <= prop.location.id < self.devices):
+        if (
+            prop.type is not hipMemAllocationType.hipMemAllocationTypePinned
+            or int(prop.location.type) != LOCATION_DEVICE
+            or not 0 <= prop.location.id < self.devices
+        ):
             return hipError_t.hipErrorInvalidValue, None
         if not self._aligned(size) or size == 0:
             return hipError_t.hipErrorInvalidValue, None
@@ -458,8 +464,9 @@ class FakeHip:
         if self.access_per_mapping and inside != [(va, size)]:  # rocm-systems#2516
             return (hipError_t.hipErrorInvalidValue,)
         for kind, ident, flags in descs:
-            if kind not in (LOCATION_DEVICE, LOCATION_HOST) or (kind == LOCATION_DEVICE and
-                                                               not 0 <= ident < self.devices):
+            if kind not in (LOCATION_DEVICE, LOCATION_HOST) or (
+                kind == LOCATION_DEVICE and not 0 <= ident < self.devices
+            ):
                 return (hipError_t.hipErrorInvalidValue,)
             if kind == LOCATION_HOST and not self.host_location:
                 return (hipError_t.hipErrorInvalidValue,)

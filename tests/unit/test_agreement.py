@@ -49,8 +49,16 @@ def test_ranks_commit_the_minimum_block_count(tmp_path):
     script.write_text(RANK)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), os.environ.get("PYTHONPATH", "")]))
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(store), str(tmp_path / f"r{r}.json")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(store), str(tmp_path / f"r{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     for r, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{text[-3000:]}"

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", "extensible_kv", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "extensible_kv", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 BAD_CLI = {
@@ -27,12 +28,17 @@ BAD_CLI = {
     "unknown_command": (("frobnicate",), 2, "invalid choice"),
     "bad_dtype": (("validate-backend", "x:y", "--dtype", "float7"), 2, "--dtype 'float7' is not a torch dtype"),
     "bad_layout": (("validate-backend", "x:y", "--layout", "XYZ"), 2, "invalid choice"),
-    "missing_module": (("validate-backend", "no_such_module:Backend", "--driver", "host"), 1,
-                       "could not be loaded"),
-    "not_a_backend": (("validate-backend", "conformance.layouts:flash_nhd", "--driver", "host"), 1,
-                      "has no attribute 'get_kv_cache_shape'"),
-    "bad_driver": (("validate-backend", "tests.unit._factories:KVFirstBackend", "--driver", "nope"), 1,
-                   "unknown driver 'nope'"),
+    "missing_module": (("validate-backend", "no_such_module:Backend", "--driver", "host"), 1, "could not be loaded"),
+    "not_a_backend": (
+        ("validate-backend", "conformance.layouts:flash_nhd", "--driver", "host"),
+        1,
+        "has no attribute 'get_kv_cache_shape'",
+    ),
+    "bad_driver": (
+        ("validate-backend", "tests.unit._factories:KVFirstBackend", "--driver", "nope"),
+        1,
+        "unknown driver 'nope'",
+    ),
 }
 
 
@@ -40,6 +46,7 @@ BAD_CLI = {
 def test_bad_command_lines_exit_nonzero_with_the_reason(args, code, needle):
     proc = _cli(*args)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == code and needle in out, \
-        f"python -m extensible_kv {' '.join(args)}: expected exit {code} mentioning {needle!r}, got " \
+    assert proc.returncode == code and needle in out, (
+        f"python -m extensible_kv {' '.join(args)}: expected exit {code} mentioning {needle!r}, got "
         f"{proc.returncode}:\n{out[-1500:]}"
+    )

@@ -34,9 +34,15 @@ def _env(markers: Path | None = None) -> dict[str, str]:
 
 
 def _start(*args: str, markers: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "extensible_kv", "check-driver", *args], cwd=ROOT,
-                            env=_env(markers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "extensible_kv", "check-driver", *args],
+        cwd=ROOT,
+        env=_env(markers),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, what: str, limit_s: float = LIMIT_S) -> tuple[int, str, str]:
@@ -63,16 +69,25 @@ def _running(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
-@pytest.mark.parametrize(("factory", "options", "words"), [
-    ("segfault", [], ["ended the process with SIGSEGV", "in segfault"]),
-    ("hang", ["--build-timeout", "2"], ["did not finish within 2 s", "--build-timeout"]),
-], ids=["segfaults", "hangs"])
+@pytest.mark.parametrize(
+    ("factory", "options", "words"),
+    [
+        ("segfault", [], ["ended the process with SIGSEGV", "in segfault"]),
+        ("hang", ["--build-timeout", "2"], ["did not finish within 2 s", "--build-timeout"]),
+    ],
+    ids=["segfaults", "hangs"],
+)
 def test_a_driver_that_cannot_be_built_is_one_line_a_summary_and_exit_1(factory, options, words):
     spec = f"{FACTORIES}:{factory}"
     code, out, err = _finish(_start(spec, *options), f"check-driver {spec}")
     lines = err.splitlines()
-    got = {"exit": code, "stderr lines": len(lines), "names why": all(w in err for w in words),
-           "summary": TITLE in out and spec in out, "pytest ran": "test session starts" in out}
+    got = {
+        "exit": code,
+        "stderr lines": len(lines),
+        "names why": all(w in err for w in words),
+        "summary": TITLE in out and spec in out,
+        "pytest ran": "test session starts" in out,
+    }
     want = {"exit": 1, "stderr lines": 1, "names why": True, "summary": True, "pytest ran": False}
     assert got == want, f"check-driver {spec} {' '.join(options)}: expected {want}, got {got}\n{out[-2000:]}{err}"
 
@@ -83,18 +98,31 @@ def test_a_hung_rule_fails_naming_its_limit_and_no_controller_imports_the_driver
     code, out, err = _finish(proc, f"check-driver {spec} --rule-timeout 3")
     importers = _importers(tmp_path)
     parents = set(importers.values())  # the command (parent of the preflight) and pytest's controller (of workers)
-    got = {"exit": code, "names the limit": "ran past --rule-timeout=3 s" in out,
-           "the other rule passed": "1 failed, 1 passed" in out, "summary": TITLE in out,
-           "imported in a child and a worker": len(importers) >= 2,
-           "imported by a parent": sorted(parents & set(importers))}
-    want = {"exit": 1, "names the limit": True, "the other rule passed": True, "summary": True,
-            "imported in a child and a worker": True, "imported by a parent": []}
-    assert got == want, f"check-driver {spec} --rule-timeout 3 (command pid {proc.pid}, importers pid -> parent " \
-                        f"{importers}): expected {want}, got {got}\n{(out + err)[-3000:]}"
+    got = {
+        "exit": code,
+        "names the limit": "ran past --rule-timeout=3 s" in out,
+        "the other rule passed": "1 failed, 1 passed" in out,
+        "summary": TITLE in out,
+        "imported in a child and a worker": len(importers) >= 2,
+        "imported by a parent": sorted(parents & set(importers)),
+    }
+    want = {
+        "exit": 1,
+        "names the limit": True,
+        "the other rule passed": True,
+        "summary": True,
+        "imported in a child and a worker": True,
+        "imported by a parent": [],
+    }
+    assert got == want, (
+        f"check-driver {spec} --rule-timeout 3 (command pid {proc.pid}, importers pid -> parent "
+        f"{importers}): expected {want}, got {got}\n{(out + err)[-3000:]}"
+    )
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    ("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
 def test_a_signal_to_check_driver_ends_every_process_it_started(tmp_path, sig, status):
     spec = f"{FACTORIES}:hang_in_zero"
     proc = _start(spec, "-k", "test_zero_sets_exactly_the_range", markers=tmp_path)
@@ -102,8 +130,10 @@ def test_a_signal_to_check_driver_ends_every_process_it_started(tmp_path, sig, s
     while not any(parent != proc.pid for parent in _importers(tmp_path).values()):  # a worker has the driver
         if time.monotonic() > deadline or proc.poll() is not None:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"check-driver {spec}: no worker imported the driver within {LIMIT_S} s (exit "
-                        f"{proc.poll()})\n{proc.communicate()[1][-2000:]}")
+            pytest.fail(
+                f"check-driver {spec}: no worker imported the driver within {LIMIT_S} s (exit "
+                f"{proc.poll()})\n{proc.communicate()[1][-2000:]}"
+            )
         time.sleep(0.5)
     os.kill(proc.pid, sig)  # the command alone, as `kill` or a terminal's Ctrl-C reaching its process does
     code, out, err = _finish(proc, f"check-driver {spec} after {sig.name}", limit_s=60)
@@ -116,5 +146,7 @@ def test_a_signal_to_check_driver_ends_every_process_it_started(tmp_path, sig, s
         os.kill(pid, signal.SIGKILL)
     got = {"exit": code, "left running": left}
     want = {"exit": status, "left running": []}
-    assert got == want, f"{sig.name} to check-driver {spec} (pid {proc.pid}; preflight, controller and workers " \
-                        f"{sorted(started)}): expected {want}, got {got}\n{(out + err)[-2000:]}"
+    assert got == want, (
+        f"{sig.name} to check-driver {spec} (pid {proc.pid}; preflight, controller and workers "
+        f"{sorted(started)}): expected {want}, got {got}\n{(out + err)[-2000:]}"
+    )

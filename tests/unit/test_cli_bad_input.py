@@ -47,86 +47,199 @@ VALID = {"run/validate-backend.json": BACKENDS % "[]"}  # one valid measurement 
 
 ROWS = {
     # report: a run folder with one bad file is refused, naming the file
-    "report_truncated_json": ({"run/conformance-cuda.json": '{"exitstatus": 0, "drivers": [{"driver": "cu'},
-                              ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                              ("conformance-cuda.json", "not valid JSON")),
-    "report_empty_json": ({"run/bench-cuda.json": ""}, ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                          ("bench-cuda.json", "empty")),
-    "report_json_list": ({"run/integration/call1/case.json": "[1, 2]"},
-                         ("report", "{tmp}/run", "--out", "{tmp}/out"), 2, ("case.json", "object", "list")),
-    "report_wrong_field": ({"run/conformance-host.json": '{"drivers": 5}'},
-                           ("report", "{tmp}/run", "--out", "{tmp}/out"), 2, ("conformance-host.json", "drivers")),
-    "report_wrong_nested_field": ({"run/integration/case.json": CASE % '{"total": "80 GB"}'},
-                                  ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                                  ("case.json", "memory.total", "integer", '"80 GB"')),
-    "report_bench_wrong_field": ({"run/bench-cuda.json": _bench({"key": "commit/extensible", "bytes": "1 GiB"})},
-                                 ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                                 ("bench-cuda.json", "extra_info.bytes", "integer", '"1 GiB"')),
-    "report_backends_wrong_field": ({"run/validate-backend-cuda.json": BACKENDS % '[{"name": "layout", "ok": "yes"}]'},
-                                    ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                                    ("validate-backend-cuda.json", "results[0].checks[0].ok", "true or false")),
-    "report_environment_wrong_field": (VALID | {"run/environment.json": '{"gpu_memory": -1}'},
-                                       ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                                       ("environment.json", "gpu_memory", "non-negative integer", "-1")),
-    "report_case_missing_field": ({"run/integration/case.json": '{"case": {"model": "m"}, "memory": {}}'},
-                                  ("report", "{tmp}/run", "--out", "{tmp}/out"), 2,
-                                  ("case.json", "case.runner is missing")),
-    "report_out_is_a_file": (VALID | {"taken": ""},
-                             ("report", "{tmp}/run", "--out", "{tmp}/taken"), 2, ("cannot write", "taken")),
+    "report_truncated_json": (
+        {"run/conformance-cuda.json": '{"exitstatus": 0, "drivers": [{"driver": "cu'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("conformance-cuda.json", "not valid JSON"),
+    ),
+    "report_empty_json": (
+        {"run/bench-cuda.json": ""},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("bench-cuda.json", "empty"),
+    ),
+    "report_json_list": (
+        {"run/integration/call1/case.json": "[1, 2]"},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("case.json", "object", "list"),
+    ),
+    "report_wrong_field": (
+        {"run/conformance-host.json": '{"drivers": 5}'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("conformance-host.json", "drivers"),
+    ),
+    "report_wrong_nested_field": (
+        {"run/integration/case.json": CASE % '{"total": "80 GB"}'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("case.json", "memory.total", "integer", '"80 GB"'),
+    ),
+    "report_bench_wrong_field": (
+        {"run/bench-cuda.json": _bench({"key": "commit/extensible", "bytes": "1 GiB"})},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("bench-cuda.json", "extra_info.bytes", "integer", '"1 GiB"'),
+    ),
+    "report_backends_wrong_field": (
+        {"run/validate-backend-cuda.json": BACKENDS % '[{"name": "layout", "ok": "yes"}]'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("validate-backend-cuda.json", "results[0].checks[0].ok", "true or false"),
+    ),
+    "report_environment_wrong_field": (
+        VALID | {"run/environment.json": '{"gpu_memory": -1}'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("environment.json", "gpu_memory", "non-negative integer", "-1"),
+    ),
+    "report_case_missing_field": (
+        {"run/integration/case.json": '{"case": {"model": "m"}, "memory": {}}'},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("case.json", "case.runner is missing"),
+    ),
+    "report_out_is_a_file": (
+        VALID | {"taken": ""},
+        ("report", "{tmp}/run", "--out", "{tmp}/taken"),
+        2,
+        ("cannot write", "taken"),
+    ),
     "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
     # check-driver: the driver is required, and a spec that names no driver is one line (nothing imported here)
     "check_driver_without_a_driver": ({}, ("check-driver",), 2, ("check-driver", "required: driver")),
-    "check_driver_no_such_module": ({}, ("check-driver", "nosuchpkg:factory"), 2,
-                                    ("'nosuchpkg:factory'", "no module named 'nosuchpkg'")),
-    "check_driver_spec_syntax": ({}, ("check-driver", "no such:factory"), 2,
-                                 ("'no such:factory'", "neither a registered driver name nor")),
+    "check_driver_no_such_module": (
+        {},
+        ("check-driver", "nosuchpkg:factory"),
+        2,
+        ("'nosuchpkg:factory'", "no module named 'nosuchpkg'"),
+    ),
+    "check_driver_spec_syntax": (
+        {},
+        ("check-driver", "no such:factory"),
+        2,
+        ("'no such:factory'", "neither a registered driver name nor"),
+    ),
     "check_driver_unknown_name": ({}, ("check-driver", "nope"), 2, ("unknown driver 'nope'", "host-4k")),
-    "check_driver_no_such_factory": ({}, ("check-driver", "tests.unit._factories:nothing"), 2,
-                                     ("tests.unit._factories has no callable 'nothing'",)),
+    "check_driver_no_such_factory": (
+        {},
+        ("check-driver", "tests.unit._factories:nothing"),
+        2,
+        ("tests.unit._factories has no callable 'nothing'",),
+    ),
     # validate-backend: sizes are positive ints, backend specs well formed, a failing backend does not stop the rest
     "block_size_zero": ({}, ("validate-backend", GOOD, "--block-size", "0"), 2, ("--block-size", "'0'", "positive")),
-    "num_kv_heads_negative": ({}, ("validate-backend", GOOD, "--num-kv-heads", "-1"), 2,
-                              ("--num-kv-heads", "'-1'", "positive")),
+    "num_kv_heads_negative": (
+        {},
+        ("validate-backend", GOOD, "--num-kv-heads", "-1"),
+        2,
+        ("--num-kv-heads", "'-1'", "positive"),
+    ),
     "head_size_zero": ({}, ("validate-backend", GOOD, "--head-size", "0"), 2, ("--head-size", "'0'", "positive")),
     "spec_without_module": ({}, ("validate-backend", ":Flash"), 2, ("':Flash'", "module:Class")),
-    "spec_without_class": ({}, ("validate-backend", "tests.unit._factories:"), 2,
-                           ("'tests.unit._factories:'", "module:Class")),
-    "backend_shape_raises": ({}, ("validate-backend", RAISING, GOOD, "--driver", "host-4k"), 1,
-                             ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size")),
-    "backend_shape_empty": ({}, ("validate-backend", EMPTY, GOOD, "--driver", "host-4k"), 1,
-                            ("1 of 2 failed", "EmptyBackend/NHD", "0 bytes per block")),
+    "spec_without_class": (
+        {},
+        ("validate-backend", "tests.unit._factories:"),
+        2,
+        ("'tests.unit._factories:'", "module:Class"),
+    ),
+    "backend_shape_raises": (
+        {},
+        ("validate-backend", RAISING, GOOD, "--driver", "host-4k"),
+        1,
+        ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size"),
+    ),
+    "backend_shape_empty": (
+        {},
+        ("validate-backend", EMPTY, GOOD, "--driver", "host-4k"),
+        1,
+        ("1 of 2 failed", "EmptyBackend/NHD", "0 bytes per block"),
+    ),
     # validate-backend: a page the driver cannot hold is a failed check naming page, blocks and the driver's limit
-    "backend_page_exceeds_the_driver": ({}, ("validate-backend", GOOD, "--driver", "host", "--num-kv-heads", "64",
-                                             "--head-size", "65536"), 1,
-                                        ("page 268435456 bytes x 64 blocks", "driver host holds 1073741824 bytes",
-                                         "CommitOutOfMemory")),
-    "backend_page_exceeds_the_address_space": ({}, ("validate-backend", GOOD, "--driver", "host", "--num-kv-heads",
-                                                    "100000", "--head-size", "1000000000000"), 1,
-                                               ("page 6400000000000000000 bytes x 64 blocks",
-                                                "driver host holds 1073741824 bytes", "InvalidSizeError")),
-    "backend_json_unwritable": ({"taken": ""}, ("validate-backend", GOOD, "--driver", "host-4k", "--json",
-                                                "{tmp}/taken/vb.json"), 2, ("cannot write", "vb.json")),
-    "backend_json_written": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--json", "{tmp}/vb.json"), 0,
-                             ("1 of 1 passed",)),
+    "backend_page_exceeds_the_driver": (
+        {},
+        ("validate-backend", GOOD, "--driver", "host", "--num-kv-heads", "64", "--head-size", "65536"),
+        1,
+        ("page 268435456 bytes x 64 blocks", "driver host holds 1073741824 bytes", "CommitOutOfMemory"),
+    ),
+    "backend_page_exceeds_the_address_space": (
+        {},
+        ("validate-backend", GOOD, "--driver", "host", "--num-kv-heads", "100000", "--head-size", "1000000000000"),
+        1,
+        ("page 6400000000000000000 bytes x 64 blocks", "driver host holds 1073741824 bytes", "InvalidSizeError"),
+    ),
+    "backend_json_unwritable": (
+        {"taken": ""},
+        ("validate-backend", GOOD, "--driver", "host-4k", "--json", "{tmp}/taken/vb.json"),
+        2,
+        ("cannot write", "vb.json"),
+    ),
+    "backend_json_written": (
+        {},
+        ("validate-backend", GOOD, "--driver", "host-4k", "--json", "{tmp}/vb.json"),
+        0,
+        ("1 of 1 passed",),
+    ),
     # environment: one line when the folder cannot be written
     "environment_unwritable": ({"taken": ""}, ("environment", "{tmp}/taken"), 2, ("cannot write", "environment.json")),
     # fp8 KV caches are a normal setting: a correct backend passes
-    "fp8_e4m3": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e4m3fn"), 0,
-                 ("1 of 1 passed",)),
-    "fp8_e5m2": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e5m2"), 0,
-                 ("1 of 1 passed",)),
-    "fp8_cache_dtype": ({}, ("validate-backend", GOOD, "--driver", "host-4k", "--cache-dtype", "fp8", "--dtype",
-                             "float8_e4m3fn", "--layout", "both"), 0, ("2 of 2 passed",)),
+    "fp8_e4m3": (
+        {},
+        ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e4m3fn"),
+        0,
+        ("1 of 1 passed",),
+    ),
+    "fp8_e5m2": (
+        {},
+        ("validate-backend", GOOD, "--driver", "host-4k", "--dtype", "float8_e5m2"),
+        0,
+        ("1 of 1 passed",),
+    ),
+    "fp8_cache_dtype": (
+        {},
+        (
+            "validate-backend",
+            GOOD,
+            "--driver",
+            "host-4k",
+            "--cache-dtype",
+            "fp8",
+            "--dtype",
+            "float8_e4m3fn",
+            "--layout",
+            "both",
+        ),
+        0,
+        ("2 of 2 passed",),
+    ),
     # bench-summary: valid JSON of the wrong shape is refused, naming the file and the field
     "bench_json_list": ({"bench.json": "[]"}, ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "object")),
-    "bench_no_benchmarks": ({"bench.json": '{"machine_info": {}}'}, ("bench-summary", "{tmp}/bench.json"), 2,
-                            ("bench.json", "benchmarks")),
-    "bench_no_keys": ({"bench.json": _bench({"driver": "cuda"})}, ("bench-summary", "{tmp}/bench.json"), 2,
-                      ("bench.json", "extra_info.key")),
-    "bench_extra_info_list": ({"bench.json": '{"benchmarks": [{"extra_info": [1]}]}'},
-                              ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "benchmarks[0].extra_info")),
-    "bench_median_text": ({"bench.json": _bench({"key": "commit/extensible"}, {"median": "fast"})},
-                          ("bench-summary", "{tmp}/bench.json"), 2, ("bench.json", "stats.median", "number")),
+    "bench_no_benchmarks": (
+        {"bench.json": '{"machine_info": {}}'},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "benchmarks"),
+    ),
+    "bench_no_keys": (
+        {"bench.json": _bench({"driver": "cuda"})},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "extra_info.key"),
+    ),
+    "bench_extra_info_list": (
+        {"bench.json": '{"benchmarks": [{"extra_info": [1]}]}'},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "benchmarks[0].extra_info"),
+    ),
+    "bench_median_text": (
+        {"bench.json": _bench({"key": "commit/extensible"}, {"median": "fast"})},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "stats.median", "number"),
+    ),
 }
 
 
@@ -137,10 +250,17 @@ def test_cli_answers_bad_input_with_one_line(tmp_path, files, args, code, words)
         (tmp_path / name).write_text(text)
     argv = [a.format(tmp=tmp_path) for a in args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
-    proc = subprocess.run([sys.executable, "-m", "extensible_kv", *argv], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)
-    shown = (f"python -m extensible_kv {' '.join(argv)}: exit {proc.returncode}\n{proc.stdout[-2000:]}"
-             f"{proc.stderr[-3000:]}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "extensible_kv", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    shown = (
+        f"python -m extensible_kv {' '.join(argv)}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    )
     assert "Traceback" not in proc.stdout + proc.stderr, shown
     assert proc.returncode == code, shown
     if code == 0:

@@ -20,17 +20,20 @@ COMMANDS = ("drivers", "check-driver", "validate-backend", "environment", "repor
 
 def test_without_a_command_it_lists_every_command_and_exits_2():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
-    proc = subprocess.run([sys.executable, "-m", "extensible_kv"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "extensible_kv"], capture_output=True, text=True, env=env, timeout=120)
     listed = [c for c in COMMANDS if f"\n    {c}" in proc.stdout]
     got = (proc.returncode, listed, proc.stderr)
-    assert got == (2, list(COMMANDS), ""), f"python -m extensible_kv without a command: expected (exit 2, every " \
-                                           f"command listed on stdout, nothing on stderr), got {got}\n{proc.stdout}"
+    assert got == (2, list(COMMANDS), ""), (
+        f"python -m extensible_kv without a command: expected (exit 2, every "
+        f"command listed on stdout, nothing on stderr), got {got}\n{proc.stdout}"
+    )
 
 
-@pytest.mark.parametrize(("argv0", "prog"), [("/venv/bin/extensible-kv", "extensible-kv"),
-                                             (cli.__file__, "python -m extensible_kv")],
-                         ids=["console script", "python -m"])
+@pytest.mark.parametrize(
+    ("argv0", "prog"),
+    [("/venv/bin/extensible-kv", "extensible-kv"), (cli.__file__, "python -m extensible_kv")],
+    ids=["console script", "python -m"],
+)
 def test_the_help_names_the_command_as_it_was_started(monkeypatch, capsys, argv0, prog):
     monkeypatch.setattr(sys, "argv", [argv0])
     with pytest.raises(SystemExit) as info:
@@ -40,27 +43,38 @@ def test_the_help_names_the_command_as_it_was_started(monkeypatch, capsys, argv0
     assert got == (0, f"usage: {prog}"), f"--help started as {argv0}: expected (exit 0, 'usage: {prog}'), got {got}"
 
 
-@pytest.mark.parametrize(("checkout", "cwd_is_root", "expected"), [
-    (None, False, "pip install 'extensible-kv[rocm]'"),
-    ("root", True, "pip install -e '.[rocm]'"),
-    ("root", False, "pip install -e '{root}[rocm]'"),
-], ids=["installed from an index", "checkout, at its root", "checkout, elsewhere"])
-def test_the_install_hint_follows_how_the_package_was_installed(monkeypatch, tmp_path, checkout, cwd_is_root,
-                                                                 expected):
+@pytest.mark.parametrize(
+    ("checkout", "cwd_is_root", "expected"),
+    [
+        (None, False, "pip install 'extensible-kv[rocm]'"),
+        ("root", True, "pip install -e '.[rocm]'"),
+        ("root", False, "pip install -e '{root}[rocm]'"),
+    ],
+    ids=["installed from an index", "checkout, at its root", "checkout, elsewhere"],
+)
+def test_the_install_hint_follows_how_the_package_was_installed(monkeypatch, tmp_path, checkout, cwd_is_root, expected):
     root = tmp_path / "clone"
     root.mkdir()
     monkeypatch.setattr(drivers, "_checkout", lambda: root if checkout else None)
     monkeypatch.chdir(root if cwd_is_root else tmp_path)
     got = drivers.install_command("rocm")
-    assert got == expected.format(root=root), f"install_command('rocm') ({checkout=}, {cwd_is_root=}): expected " \
-                                              f"{expected.format(root=root)!r}, got {got!r}"
+    assert got == expected.format(root=root), (
+        f"install_command('rocm') ({checkout=}, {cwd_is_root=}): expected {expected.format(root=root)!r}, got {got!r}"
+    )
 
 
 def test_a_drivers_probe_reason_ends_with_the_install_command(monkeypatch):
     monkeypatch.setattr(drivers, "_checkout", lambda: None)
-    monkeypatch.setitem(drivers._REGISTRY, "fake-gpu", drivers._Entry(
-        object, lambda: "fake-bindings is not installed; install the 'rocm' extra (pip install -e .[rocm])",
-        gpu=True, extra="rocm"))
+    monkeypatch.setitem(
+        drivers._REGISTRY,
+        "fake-gpu",
+        drivers._Entry(
+            object,
+            lambda: "fake-bindings is not installed; install the 'rocm' extra (pip install -e .[rocm])",
+            gpu=True,
+            extra="rocm",
+        ),
+    )
     got = drivers.probe("fake-gpu")
     expected = "fake-bindings is not installed; install the 'rocm' extra (pip install 'extensible-kv[rocm]')"
     assert got == expected, f"probe('fake-gpu') installed from an index: expected {expected!r}, got {got!r}"

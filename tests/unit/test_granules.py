@@ -41,8 +41,7 @@ def check(fn: str, args: tuple, actual: list[tuple[int, int]], expected_points: 
         assert lo < hi, f"{call}: expected non-empty intervals, got {(lo, hi)} in {actual}"
     for (_, hi), (lo, _) in zip(actual, actual[1:]):
         assert hi < lo, f"{call}: expected sorted intervals with gaps between them, got {actual}"
-    assert points(actual) == expected_points, \
-        f"{call}: expected {intervals_of(expected_points)}, got {actual}"
+    assert points(actual) == expected_points, f"{call}: expected {intervals_of(expected_points)}, got {actual}"
 
 
 @st.composite
@@ -50,8 +49,13 @@ def layouts(draw):
     """(segment_bytes, num_segments, granularity, old, new) with old <= new <= segment_bytes."""
     segment_bytes = draw(st.integers(1, 5000))
     old = draw(st.integers(0, segment_bytes))
-    return (segment_bytes, draw(st.integers(1, 5)), draw(st.sampled_from([1, 7, 64, 4096])), old,
-            draw(st.integers(old, segment_bytes)))
+    return (
+        segment_bytes,
+        draw(st.integers(1, 5)),
+        draw(st.sampled_from([1, 7, 64, 4096])),
+        old,
+        draw(st.integers(old, segment_bytes)),
+    )
 
 
 def interval_lists(limit: int = 80):
@@ -70,16 +74,21 @@ def test_committed_ranges_are_the_merged_committed_bytes(layout):
 @given(layouts())
 def test_new_ranges_are_exactly_the_bytes_a_growth_adds(layout):
     s, n, _, old, new = layout
-    check("new_ranges", (s, n, old, new), gr.new_ranges(s, n, old, new),
-          committed_bytes(s, n, new) - committed_bytes(s, n, old))
+    check(
+        "new_ranges",
+        (s, n, old, new),
+        gr.new_ranges(s, n, old, new),
+        committed_bytes(s, n, new) - committed_bytes(s, n, old),
+    )
 
 
 @MODEL
 @given(layouts())
 def test_backed_granules_are_the_granules_any_committed_byte_touches(layout):
     s, n, g, _, new = layout
-    check("backed_granules", (s, n, new, g), gr.backed_granules(s, n, new, g),
-          granules_of(committed_bytes(s, n, new), g))
+    check(
+        "backed_granules", (s, n, new, g), gr.backed_granules(s, n, new, g), granules_of(committed_bytes(s, n, new), g)
+    )
 
 
 @MODEL
@@ -90,8 +99,9 @@ def test_new_granule_runs_are_backed_new_minus_backed_old(layout):
     runs = gr.new_granule_runs(*args)
     already = granules_of(committed_bytes(s, n, old), g)
     check("new_granule_runs", args, runs, granules_of(committed_bytes(s, n, new), g) - already)
-    assert not points(runs) & already, \
+    assert not points(runs) & already, (
         f"new_granule_runs{args}: expected no already-backed granule, got {sorted(points(runs) & already)}"
+    )
 
 
 @MODEL
@@ -102,9 +112,10 @@ def test_growth_steps_map_every_backed_granule_exactly_once(layout, mid):
     steps = [(0, old), (old, mid), (mid, new)]
     mapped = [p for a, b in steps for lo, hi in gr.new_granule_runs(s, n, a, b, g) for p in range(lo, hi)]
     expected = granules_of(committed_bytes(s, n, new), g)
-    assert sorted(mapped) == sorted(expected), \
-        f"new_granule_runs over steps {steps} ({s=}, {n=}, {g=}): expected each of {intervals_of(expected)} " \
+    assert sorted(mapped) == sorted(expected), (
+        f"new_granule_runs over steps {steps} ({s=}, {n=}, {g=}): expected each of {intervals_of(expected)} "
         f"once, got granules {sorted(mapped)}"
+    )
 
 
 @MODEL
@@ -150,8 +161,7 @@ EXAMPLES = [
 ]
 
 
-@pytest.mark.parametrize(("fn", "args", "expected"), EXAMPLES,
-                         ids=[f"{fn}{args}" for fn, args, _ in EXAMPLES])
+@pytest.mark.parametrize(("fn", "args", "expected"), EXAMPLES, ids=[f"{fn}{args}" for fn, args, _ in EXAMPLES])
 def test_granule_arithmetic_matches_worked_examples(fn, args, expected):
     actual = getattr(gr, fn)(*args)
     assert actual == expected, f"{fn}{args}: expected {expected}, got {actual}"

@@ -13,18 +13,20 @@ from conformance.helpers import expect, expect_equal
 DRIVER = SimpleNamespace(name="fake")
 
 
-@pytest.mark.parametrize("expected, actual", [(3, 3), ([True, False], [True, False]), ({1: 2}, {1: 2}),
-                                              ((hex(4096), 8), (hex(4096), 8))])
+@pytest.mark.parametrize(
+    "expected, actual", [(3, 3), ([True, False], [True, False]), ({1: 2}, {1: 2}), ((hex(4096), 8), (hex(4096), 8))]
+)
 def test_expect_equal_passes_equal_values(expected, actual):
     expect_equal(DRIVER, "op", expected, actual)
 
 
 def test_expect_equal_fails_naming_the_driver_the_operation_and_the_values_it_compared():
     with pytest.raises(AssertionError) as info:
-        expect_equal(DRIVER, "accessible granules after growth", [True, True, False], [True, False, False],
-                     segment=1)
-    assert str(info.value) == ("driver fake: accessible granules after growth: expected [True, True, False], got "
-                               "[True, False, False], segment=1")
+        expect_equal(DRIVER, "accessible granules after growth", [True, True, False], [True, False, False], segment=1)
+    assert str(info.value) == (
+        "driver fake: accessible granules after growth: expected [True, True, False], got "
+        "[True, False, False], segment=1"
+    )
 
 
 def test_expect_equal_refuses_tensors():

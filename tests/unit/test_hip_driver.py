@@ -19,8 +19,18 @@ from extensible_kv import ExtensibleTensor
 from extensible_kv.drivers import Ledger
 from extensible_kv.errors import CommitError, CommitOutOfMemory, DriverError, DriverOutOfMemory, DriverUnavailable
 
-from ._fake_hip import KIB, LOCATION_DEVICE, LOCATION_HOST, MIB, READ_WRITE, FakeHip, FakePointer, hipError_t, \
-    hipMemAllocationGranularity_flags, hipMemAllocationType
+from ._fake_hip import (
+    KIB,
+    LOCATION_DEVICE,
+    LOCATION_HOST,
+    MIB,
+    READ_WRITE,
+    FakeHip,
+    FakePointer,
+    hipError_t,
+    hipMemAllocationGranularity_flags,
+    hipMemAllocationType,
+)
 
 GIB = 1 << 30
 STREAM = 0x5EED  # the hipStream_t torch would hand out; tests stand in for torch's current stream
@@ -68,8 +78,11 @@ def assert_nothing_held(fake: FakeHip) -> None:
 
 # -- probe ----------------------------------------------------------------------------------------------------------
 PROBE_CASES = {
-    "library does not load": (dict(init_raises=OSError("libamdhip64.so: cannot open shared object file")), 0,
-                              "the HIP runtime library (libamdhip64.so) could not be loaded (libamdhip64.so"),
+    "library does not load": (
+        dict(init_raises=OSError("libamdhip64.so: cannot open shared object file")),
+        0,
+        "the HIP runtime library (libamdhip64.so) could not be loaded (libamdhip64.so",
+    ),
     "hipInit fails": (dict(init_error=hipError_t.hipErrorNoDevice), 0, "hipInit failed: hipErrorNoDevice"),
     "no device at all": (dict(devices=0), 0, "no HIP device 0 (found 0)"),
     "ordinal past the devices": (dict(devices=2), 2, "no HIP device 2 (found 2)"),
@@ -81,8 +94,9 @@ PROBE_CASES = {
 def test_probe_names_the_reason_the_driver_cannot_run(install, fake_kwargs, ordinal, expected):
     install(FakeHip(**fake_kwargs))
     reason = hip_driver.probe(ordinal)
-    assert reason is not None and reason.startswith(expected), \
+    assert reason is not None and reason.startswith(expected), (
         f"probe({ordinal}) with {fake_kwargs}: expected a reason starting {expected!r}, got {reason!r}"
+    )
     with pytest.raises(DriverUnavailable) as info:
         hip_driver.HipDriver(ordinal)
     assert str(info.value) == reason, f"HipDriver({ordinal}): expected DriverUnavailable({reason!r}), got {info.value}"
@@ -94,23 +108,26 @@ def test_probe_says_hip_python_is_not_installed(monkeypatch):
 
     monkeypatch.setattr(hip_driver, "_bindings", missing)
     reason = hip_driver.probe()
-    assert reason == ("hip-python is not installed (No module named 'hip'); install the 'rocm' extra "
-                      "(pip install -e .[rocm])"), f"probe() without hip-python: got {reason!r}"
+    assert reason == (
+        "hip-python is not installed (No module named 'hip'); install the 'rocm' extra (pip install -e .[rocm])"
+    ), f"probe() without hip-python: got {reason!r}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("hip") is not None, reason="hip-python is installed here")
 def test_probe_without_hip_python_on_this_machine_says_so():
     reason = hip_driver.probe()
-    assert reason is not None and reason.startswith("hip-python is not installed ("), \
+    assert reason is not None and reason.startswith("hip-python is not installed ("), (
         f"probe() on a machine without hip-python: expected 'hip-python is not installed (...', got {reason!r}"
+    )
 
 
 @pytest.mark.skipif(bool(getattr(torch.version, "hip", None)), reason="torch here is a ROCm build")
 def test_probe_says_torch_is_not_a_rocm_build(install):
     install(FakeHip(), torch_ok=False)
     reason = hip_driver.probe()
-    assert reason is not None and "was built without ROCm (torch.version.hip is None)" in reason, \
+    assert reason is not None and "was built without ROCm (torch.version.hip is None)" in reason, (
         f"probe() with a working fake HIP but a torch without ROCm: got {reason!r}"
+    )
 
 
 def test_probe_passes_when_hip_a_device_and_vmm_are_there(install):
@@ -124,42 +141,49 @@ def test_probe_passes_when_hip_a_device_and_vmm_are_there(install):
 def test_granularity_is_queried_as_recommended_never_assumed(make, recommended):
     drv, fake = make(FakeHip(recommended=recommended, minimum=4 * KIB))
     queries = fake.calls_of("hipMemGetAllocationGranularity")
-    assert [c.args[1] for c in queries] == [hipMemAllocationGranularity_flags.hipMemAllocationGranularityRecommended], \
+    assert [c.args[1] for c in queries] == [hipMemAllocationGranularity_flags.hipMemAllocationGranularityRecommended], (
         f"expected one granularity query with the Recommended flag, got {[c.args[1] for c in queries]}"
+    )
     prop = queries[0].args[0]
     got = (prop.garbage_fields(), prop.type, int(prop.location.type), prop.location.id)
-    assert got == ([], hipMemAllocationType.hipMemAllocationTypePinned, LOCATION_DEVICE, 0), \
+    assert got == ([], hipMemAllocationType.hipMemAllocationTypePinned, LOCATION_DEVICE, 0), (
         f"allocation properties: expected (no unset field, pinned, device location, ordinal 0), got {got}"
+    )
     assert drv.granularity() == recommended, f"granularity(): expected {recommended}, got {drv.granularity()}"
     t = ExtensibleTensor(16 * recommended, driver=drv)
     try:
-        (size, alignment, _, _), = [c.args for c in fake.calls_of("hipMemAddressReserve")]
-        assert (size, alignment, t.base_address % recommended) == (16 * recommended, recommended, 0), \
-            f"reserve: expected ({16 * recommended}, alignment {recommended}, aligned base), got " \
+        ((size, alignment, _, _),) = [c.args for c in fake.calls_of("hipMemAddressReserve")]
+        assert (size, alignment, t.base_address % recommended) == (16 * recommended, recommended, 0), (
+            f"reserve: expected ({16 * recommended}, alignment {recommended}, aligned base), got "
             f"({size}, {alignment}, base % g = {t.base_address % recommended})"
+        )
     finally:
         t.close()
     assert_nothing_held(fake)
 
 
-@pytest.mark.parametrize(("granularity", "expected"), [
-    (4 * KIB, 256 * MIB), (2 * MIB, 256 * MIB), (6 * MIB, 252 * MIB), (192 * MIB, 192 * MIB), (512 * MIB, 512 * MIB),
-])
+@pytest.mark.parametrize(
+    ("granularity", "expected"),
+    [(4 * KIB, 256 * MIB), (2 * MIB, 256 * MIB), (6 * MIB, 252 * MIB), (192 * MIB, 192 * MIB), (512 * MIB, 512 * MIB)],
+)
 def test_max_handle_bytes_is_256_mib_rounded_down_to_the_granularity(make, granularity, expected):
     drv, _ = make(FakeHip(recommended=granularity))
     assert hip_driver.HANDLE_CHUNK_BYTES == 256 * MIB
-    assert drv.max_handle_bytes == expected, \
+    assert drv.max_handle_bytes == expected, (
         f"granularity {granularity}: expected max_handle_bytes {expected}, got {drv.max_handle_bytes}"
+    )
 
 
 def test_reserve_passes_size_and_alignment_and_returns_an_int(make):
     drv, fake = make()
     g = drv.granularity()
     va = drv.reserve(8 * g, 4 * g)
-    assert [c.args for c in fake.calls_of("hipMemAddressReserve")] == [(8 * g, 4 * g, 0, 0)], \
+    assert [c.args for c in fake.calls_of("hipMemAddressReserve")] == [(8 * g, 4 * g, 0, 0)], (
         f"expected hipMemAddressReserve(size, alignment, 0, 0), got {fake.calls_of('hipMemAddressReserve')}"
-    assert type(va) is int and not isinstance(va, FakePointer) and va % (4 * g) == 0, \
+    )
+    assert type(va) is int and not isinstance(va, FakePointer) and va % (4 * g) == 0, (
         f"reserve returned {va!r}: expected an int aligned to {4 * g}"
+    )
     drv.free(va, 8 * g)
     assert ranges(fake, "hipMemAddressFree") == [(va, 8 * g)]
     assert_nothing_held(fake)
@@ -171,9 +195,10 @@ def test_reserve_over_reserves_when_hip_ignores_the_alignment(make):
     va = drv.reserve(8 * g, 4 * g)
     assert va % (4 * g) == 0, f"reserve returned {va:#x}, not aligned to {4 * g}"
     sizes = [c.args[0] for c in fake.calls_of("hipMemAddressReserve")]
-    assert sizes == [8 * g, 12 * g] and fake.count("hipMemAddressFree") == 1, \
+    assert sizes == [8 * g, 12 * g] and fake.count("hipMemAddressFree") == 1, (
         f"expected a misaligned reservation freed and one of size + alignment taken, got reserve sizes {sizes}"
-    (raw, raw_size), = fake.reservations.items()
+    )
+    ((raw, raw_size),) = fake.reservations.items()
     assert raw <= va and va + 8 * g <= raw + raw_size, "the aligned range must lie inside the underlying reservation"
     drv.free(va, 8 * g)
     assert_nothing_held(fake)
@@ -186,13 +211,15 @@ def test_map_uses_offset_zero_and_refuses_any_other_offset(make):
     va = drv.reserve(4 * g, g)
     handle = drv.create(2 * g)
     drv.map(va, 2 * g, handle, 0)
-    assert [c.args for c in fake.calls_of("hipMemMap")] == [(va, 2 * g, 0, handle, 0)], \
+    assert [c.args for c in fake.calls_of("hipMemMap")] == [(va, 2 * g, 0, handle, 0)], (
         f"expected hipMemMap(va, size, offset 0, handle, flags 0), got {fake.calls_of('hipMemMap')}"
+    )
     before = fake.count("hipMemMap")
     with pytest.raises(DriverError) as info:
         drv.map(va + 2 * g, g, handle, g)
-    assert info.value.operation == "map" and "offset must be 0" in str(info.value), \
+    assert info.value.operation == "map" and "offset must be 0" in str(info.value), (
         f"map with offset {g}: expected a DriverError naming the offset rule, got {info.value}"
+    )
     assert fake.count("hipMemMap") == before, "a refused offset must not reach hipMemMap"
     drv.unmap(va, 2 * g)
     drv.release(handle)
@@ -210,15 +237,17 @@ def test_set_access_issues_one_call_per_mapping_in_the_range(make):
     for start, size, h in zip(starts, sizes, handles):
         drv.map(start, size, h)
     drv.set_access(va, 6 * g)
-    assert ranges(fake, "hipMemSetAccess") == list(zip(starts, sizes)), \
-        f"set_access over 3 mappings: expected one hipMemSetAccess per mapping {list(zip(starts, sizes))}, got " \
+    assert ranges(fake, "hipMemSetAccess") == list(zip(starts, sizes)), (
+        f"set_access over 3 mappings: expected one hipMemSetAccess per mapping {list(zip(starts, sizes))}, got "
         f"{ranges(fake, 'hipMemSetAccess')}"
+    )
     assert all(drv.accessible(s) for s in starts) and not drv.accessible(va + 6 * g)
     before = fake.count("hipMemSetAccess")
     with pytest.raises(DriverError) as info:
         drv.set_access(va + 4 * g, 4 * g)  # the last 2 granules are not mapped
-    assert info.value.operation == "set_access" and fake.count("hipMemSetAccess") == before, \
+    assert info.value.operation == "set_access" and fake.count("hipMemSetAccess") == before, (
         f"set_access over a partly unmapped range: expected a DriverError before any HIP call, got {info.value}"
+    )
     for start, size, h in zip(starts, sizes, handles):
         drv.unmap(start, size)
         drv.release(h)
@@ -237,8 +266,9 @@ def test_unmap_and_free_refuse_what_hip_cannot_undo(make):
         drv.unmap(va, 2 * g)  # two mappings in one call: ROCR-Runtime#285
     with pytest.raises(DriverError, match="still has 2 mapping"):
         drv.free(va, 4 * g)
-    assert fake.count("hipMemUnmap") == 0 and fake.count("hipMemAddressFree") == 0, \
+    assert fake.count("hipMemUnmap") == 0 and fake.count("hipMemAddressFree") == 0, (
         "refused unmap/free calls must not reach HIP"
+    )
     for i, h in enumerate(handles):
         drv.unmap(va + i * g, g)
         drv.release(h)
@@ -257,11 +287,13 @@ def test_growing_by_1_gib_at_2_mib_makes_four_256_mib_handles_each_mapped_and_ac
     chunks = [(t.base_address + i * 256 * MIB, 256 * MIB) for i in range(4)]
     maps = [(c.args[0], c.args[1], c.args[2]) for c in fake.calls_of("hipMemMap", before)]
     assert maps == [(va, size, 0) for va, size in chunks], f"expected 4 maps at offset 0 covering 1 GiB, got {maps}"
-    assert ranges(fake, "hipMemSetAccess", before) == chunks, \
+    assert ranges(fake, "hipMemSetAccess", before) == chunks, (
         f"expected one hipMemSetAccess per 256 MiB mapping, got {ranges(fake, 'hipMemSetAccess', before)}"
+    )
     order = vmm_names(fake, before)
-    assert order == ["hipMemCreate", "hipMemMap", "hipMemRelease"] * 4 + ["hipMemSetAccess"] * 4, \
+    assert order == ["hipMemCreate", "hipMemMap", "hipMemRelease"] * 4 + ["hipMemSetAccess"] * 4, (
         f"expected create, map, release per chunk, then access per mapping; got {order}"
+    )
     assert not fake.live_handles() and len(fake.mappings) == 4
     t.close()
     assert sorted(ranges(fake, "hipMemUnmap")) == chunks and fake.count("hipMemAddressFree") == 1
@@ -291,11 +323,13 @@ HOST_CASES = {
 
 
 @pytest.mark.parametrize(("driver_kwargs", "fake_kwargs", "host"), HOST_CASES.values(), ids=HOST_CASES.keys())
-def test_access_descriptors_grant_the_device_and_the_host_when_host_access_is_on(make, driver_kwargs, fake_kwargs,
-                                                                                 host):
+def test_access_descriptors_grant_the_device_and_the_host_when_host_access_is_on(
+    make, driver_kwargs, fake_kwargs, host
+):
     drv, fake = make(FakeHip(**fake_kwargs), **driver_kwargs)
-    assert drv.host_access is host, \
+    assert drv.host_access is host, (
         f"{driver_kwargs} on {fake_kwargs}: expected host_access={host}, got {drv.host_access}"
+    )
     t = ExtensibleTensor(GIB, driver=drv)
     t.resize_per_segment_(512 * MIB, zero_new=False)
     expected = ((LOCATION_DEVICE, 0, READ_WRITE),) + (((LOCATION_HOST, 0, READ_WRITE),) if host else ())
@@ -317,8 +351,9 @@ def test_calls_run_on_the_driver_device_and_restore_the_threads_device(make):
     before = len(fake.calls)
     t.resize_per_segment_(256 * MIB, zero_new=False)
     step = [(c.name, c.args) for c in fake.calls[before:] if c.name in ("hipSetDevice", "hipMemCreate")]
-    assert step[:3] == [("hipSetDevice", (1,)), step[1], ("hipSetDevice", (0,))] and step[1][0] == "hipMemCreate", \
+    assert step[:3] == [("hipSetDevice", (1,)), step[1], ("hipSetDevice", (0,))] and step[1][0] == "hipMemCreate", (
         f"expected hipMemCreate between hipSetDevice(1) and hipSetDevice(0), got {step[:3]}"
+    )
     assert step[1][1][1].location.id == 1 and fake.current_device == 0
     descs = {c.args[2] for c in fake.calls_of("hipMemSetAccess")}
     assert descs == {((LOCATION_DEVICE, 1, READ_WRITE),)}, f"expected device 1 access, got {descs}"
@@ -364,13 +399,15 @@ def test_failure_at_every_call_of_a_growth_step_releases_every_handle_and_unmaps
         assert info.value.operation == FAILING[fn], f"{where}: CommitError names {info.value.operation!r}"
         assert t.bytes_per_segment == layout["first"], f"{where}: size changed to {t.bytes_per_segment}"
         assert not fake.live_handles(), f"{where}: handles never released: {fake.live_handles()}"
-        assert fake.mappings == kept, \
+        assert fake.mappings == kept, (
             f"{where}: expected exactly the mappings from before the step, found {sorted(fake.mappings)}"
+        )
         made = ranges(fake, "hipMemMap", before)
         undone = ranges(fake, "hipMemUnmap", before)
         succeeded = made[:-1] if fn == "hipMemMap" else made
-        assert sorted(undone) == sorted(succeeded), \
+        assert sorted(undone) == sorted(succeeded), (
             f"{where}: expected every range the step mapped to be unmapped once, mapped {succeeded}, unmapped {undone}"
+        )
         t.resize_per_segment_(layout["per"], zero_new=False)  # still usable: the same step now succeeds
         t.close()
         assert_nothing_held(fake)
@@ -383,8 +420,9 @@ def test_out_of_memory_is_typed_all_the_way_up(make):
     with pytest.raises(CommitOutOfMemory) as info:
         t.resize_per_segment_(GIB, zero_new=False)
     cause = info.value.__cause__
-    assert isinstance(cause, DriverOutOfMemory) and "hipMemCreate(" in str(cause) and \
-        "hipErrorOutOfMemory" in str(cause), f"expected a DriverOutOfMemory naming hipMemCreate, got {cause!r}"
+    assert (
+        isinstance(cause, DriverOutOfMemory) and "hipMemCreate(" in str(cause) and "hipErrorOutOfMemory" in str(cause)
+    ), f"expected a DriverOutOfMemory naming hipMemCreate, got {cause!r}"
     assert not fake.live_handles() and not fake.mappings
     t.close()
     assert_nothing_held(fake)
@@ -399,8 +437,9 @@ def test_driver_errors_name_the_operation_the_call_and_the_hip_error(make):
     with pytest.raises(DriverError) as info:
         drv.map(va, g, handle)
     message = str(info.value)
-    assert info.value.operation == "map" and f"hipMemMap({va:#x}" in message and "hipErrorInvalidValue" in message, \
+    assert info.value.operation == "map" and f"hipMemMap({va:#x}" in message and "hipErrorInvalidValue" in message, (
         f"expected a map DriverError naming hipMemMap, the address and the HIP error, got {message!r}"
+    )
     drv.map(va, g, handle)  # the failed call left no record behind
     drv.unmap(va, g)
     drv.release(handle)

@@ -19,8 +19,14 @@ from extensible_kv.drivers import host
 from extensible_kv.drivers.host import PAGE_BYTES, HostDriver
 from extensible_kv.errors import DriverError, DriverOutOfMemory, DriverUnavailable
 
-BAD_GRANULARITY = {"0": 0, "-4096": -PAGE_BYTES, "4097": PAGE_BYTES + 1, "6144": PAGE_BYTES + PAGE_BYTES // 2,
-                   "'4096'": "4096", "4096.0": 4096.0}
+BAD_GRANULARITY = {
+    "0": 0,
+    "-4096": -PAGE_BYTES,
+    "4097": PAGE_BYTES + 1,
+    "6144": PAGE_BYTES + PAGE_BYTES // 2,
+    "'4096'": "4096",
+    "4096.0": 4096.0,
+}
 BAD_BUDGET = {"0": 0, "-1": -1, "'1'": "1", "1.5": 1.5}
 
 
@@ -29,23 +35,26 @@ def test_a_granularity_that_is_not_a_positive_multiple_of_the_page_is_refused_na
     with pytest.raises(ValueError) as info:
         HostDriver(granularity=value)
     message = str(info.value)
-    assert repr(value) in message and str(PAGE_BYTES) in message, \
+    assert repr(value) in message and str(PAGE_BYTES) in message, (
         f"HostDriver(granularity={value!r}): expected a message naming {value!r} and {PAGE_BYTES}, got {message!r}"
+    )
 
 
 @pytest.mark.parametrize("value", BAD_BUDGET.values(), ids=BAD_BUDGET.keys())
 def test_a_budget_that_is_not_a_positive_int_is_refused_naming_it(value):
     with pytest.raises(ValueError) as info:
         HostDriver(granularity=PAGE_BYTES, budget_bytes=value)
-    assert repr(value) in str(info.value), \
+    assert repr(value) in str(info.value), (
         f"HostDriver(budget_bytes={value!r}): expected a message naming {value!r}, got {str(info.value)!r}"
+    )
 
 
 @pytest.mark.parametrize("budget", [1, PAGE_BYTES, 3 << 20])
 def test_a_new_driver_has_its_whole_budget_free(budget):
     got = HostDriver(granularity=PAGE_BYTES, budget_bytes=budget).mem_info()
-    assert got == (budget, budget), f"HostDriver(budget_bytes={budget}).mem_info(): expected {(budget, budget)}, " \
-                                    f"got {got}"
+    assert got == (budget, budget), (
+        f"HostDriver(budget_bytes={budget}).mem_info(): expected {(budget, budget)}, got {got}"
+    )
 
 
 def test_the_defaults_are_2_mib_granules_named_host_with_fresh_pages_filled_with_0xa5():
@@ -69,11 +78,13 @@ def test_the_defaults_are_2_mib_granules_named_host_with_fresh_pages_filled_with
 def test_without_memfd_create_the_probe_says_why_and_the_driver_is_unavailable(monkeypatch):
     monkeypatch.delattr(os, "memfd_create")
     reason = host.probe()
-    assert reason and reason.startswith("os.memfd_create is missing (") and reason.endswith(")"), \
+    assert reason and reason.startswith("os.memfd_create is missing (") and reason.endswith(")"), (
         f"host.probe() without os.memfd_create: expected a reason that starts with the cause, got {reason!r}"
+    )
     for needle in ("Linux", "Python", "glibc >= 2.27"):
-        assert needle in reason, f"host.probe() without os.memfd_create: expected {needle!r} in the reason, " \
-                                 f"got {reason!r}"
+        assert needle in reason, (
+            f"host.probe() without os.memfd_create: expected {needle!r} in the reason, got {reason!r}"
+        )
     with pytest.raises(DriverUnavailable) as info:
         HostDriver(granularity=PAGE_BYTES)
     assert str(info.value) == reason, f"HostDriver() without memfd_create: expected {reason!r}, got {info.value}"
@@ -87,10 +98,11 @@ def test_accessible_is_false_where_the_kernel_maps_nothing_and_refuses_addresses
     for bad in (-PAGE_BYTES, 2**64):
         with pytest.raises(DriverError) as info:
             driver.accessible(bad)
-        assert info.value.operation == "accessible" and str(bad) in str(info.value), \
-            f"accessible({bad}): expected a DriverError of op 'accessible' naming {bad}, got " \
-            f"{info.value.operation!r}: " \
+        assert info.value.operation == "accessible" and str(bad) in str(info.value), (
+            f"accessible({bad}): expected a DriverError of op 'accessible' naming {bad}, got "
+            f"{info.value.operation!r}: "
             f"{info.value}"
+        )
 
 
 def test_a_reservation_the_kernel_cannot_make_is_out_of_memory_naming_the_call_and_errno():
@@ -103,8 +115,9 @@ def test_a_reservation_the_kernel_cannot_make_is_out_of_memory_naming_the_call_a
     assert got == ("reserve", errno.ENOMEM), f"reserve(2**62): expected ('reserve', ENOMEM), got {got}"
     for needle in (f"mmap(PROT_NONE, {size + PAGE_BYTES} bytes)", os.strerror(errno.ENOMEM)):
         assert needle in str(err), f"reserve(2**62) error: expected {needle!r} in it, got {str(err)!r}"
-    assert not driver._reservations, \
+    assert not driver._reservations, (
         f"reservations after the refused reserve: expected none, got {driver._reservations}"
+    )
 
 
 class _LibcFailing:
@@ -122,6 +135,7 @@ class _LibcFailing:
 
             ctypes.set_errno(self.err)
             return host._MAP_FAILED if self.name == "mmap" else -1  # what the restype makes of MAP_FAILED
+
         return fail
 
 
@@ -129,17 +143,22 @@ class _LibcFailing:
 FAILING = {
     "set_access": ("mprotect", lambda d, va, h: d.set_access(va, PAGE_BYTES), "mprotect({va:#x}, 4096, RW)"),
     "unmap": ("mmap", lambda d, va, h: d.unmap(va, PAGE_BYTES), "mmap(PROT_NONE, MAP_FIXED, {va:#x}, 4096)"),
-    "map": ("mmap", lambda d, va, h: d.map(va + PAGE_BYTES, PAGE_BYTES, h, 0),
-            "mmap(MAP_FIXED, {va2:#x}, 4096, fd={fd}, offset=0)"),
+    "map": (
+        "mmap",
+        lambda d, va, h: d.map(va + PAGE_BYTES, PAGE_BYTES, h, 0),
+        "mmap(MAP_FIXED, {va2:#x}, 4096, fd={fd}, offset=0)",
+    ),
     "free": ("munmap", lambda d, va, h: d.free(va, 2 * PAGE_BYTES), "munmap({va:#x}, 8192)"),
 }
 
 
-@pytest.mark.parametrize("err,kind", [(errno.EACCES, DriverError), (errno.ENOMEM, DriverOutOfMemory)],
-                         ids=["EACCES", "ENOMEM"])
+@pytest.mark.parametrize(
+    "err,kind", [(errno.EACCES, DriverError), (errno.ENOMEM, DriverOutOfMemory)], ids=["EACCES", "ENOMEM"]
+)
 @pytest.mark.parametrize("op", FAILING)
 def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno_and_changes_nothing(
-        monkeypatch, op, err, kind):
+    monkeypatch, op, err, kind
+):
     function, call, template = FAILING[op]
     driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=1 << 20)
     va = driver.reserve(2 * PAGE_BYTES, PAGE_BYTES)
@@ -154,11 +173,13 @@ def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno_and_
     monkeypatch.undo()
     e = info.value
     got = (type(e), e.operation, e.code)
-    assert got == (kind, op, err), f"{op} with {function} failing {errno.errorcode[err]}: expected " \
-                                   f"{(kind, op, err)}, got {got}"
+    assert got == (kind, op, err), (
+        f"{op} with {function} failing {errno.errorcode[err]}: expected {(kind, op, err)}, got {got}"
+    )
     detail = template.format(va=va, va2=va + PAGE_BYTES, fd=handle.fd)
-    assert e.detail == f"{detail}: {os.strerror(err)}", \
+    assert e.detail == f"{detail}: {os.strerror(err)}", (
         f"{op} error detail: expected {detail!r} and strerror, got {e.detail!r}"
+    )
     after = (dict(driver._reservations), dict(driver._mappings), handle.maps)
     assert after == records, f"{op} failed in libc: expected the records unchanged ({records}), got {after}"
     if op != "free":
@@ -173,8 +194,11 @@ def test_a_failing_libc_call_raises_a_typed_error_naming_the_call_and_errno_and_
 OUTSIDE = {
     "reserve size 2**64 + 4096": ("reserve", lambda d: d.reserve(2**64 + 4096, 4096), "size=18446744073709555712"),
     "reserve size -4096": ("reserve", lambda d: d.reserve(-4096, 4096), "size=-4096 is outside [1, 2**63)"),
-    "reserve alignment 2**64": ("reserve", lambda d: d.reserve(4096, 2**64),
-                                "alignment=18446744073709551616 is outside [0, 2**63)"),
+    "reserve alignment 2**64": (
+        "reserve",
+        lambda d: d.reserve(4096, 2**64),
+        "alignment=18446744073709551616 is outside [0, 2**63)",
+    ),
     "create size 2**64 + 4096": ("create", lambda d: d.create(2**64 + 4096), "size=18446744073709555712"),
     "free va -4096": ("free", lambda d: d.free(-4096, 4096), "va=-4096 is outside [0, 2**63)"),
     "free size 0": ("free", lambda d: d.free(4096, 0), "size=0 is outside [1, 2**63)"),
@@ -193,8 +217,9 @@ OUTSIDE = {
 
 
 @pytest.mark.parametrize("op,call,needle", OUTSIDE.values(), ids=OUTSIDE.keys())
-def test_every_argument_outside_the_address_space_is_refused_before_libc_naming_the_operation(monkeypatch, op,
-                                                                                               call, needle):
+def test_every_argument_outside_the_address_space_is_refused_before_libc_naming_the_operation(
+    monkeypatch, op, call, needle
+):
     driver = HostDriver(granularity=PAGE_BYTES)
 
     def no_libc():
@@ -204,11 +229,13 @@ def test_every_argument_outside_the_address_space_is_refused_before_libc_naming_
     with pytest.raises(DriverError) as info:
         call(driver)
     e = info.value
-    assert e.operation == op and needle in e.detail, \
-        f"host driver {op}: expected DriverError({op!r}, ...{needle}...), got {type(e).__name__}({e.operation!r}, " \
+    assert e.operation == op and needle in e.detail, (
+        f"host driver {op}: expected DriverError({op!r}, ...{needle}...), got {type(e).__name__}({e.operation!r}, "
         f"{e.detail!r})"
-    assert not driver._reservations and not driver._mappings, \
+    )
+    assert not driver._reservations and not driver._mappings, (
         f"host driver {op}: after the refusal expected no records, got {driver._reservations}, {driver._mappings}"
+    )
 
 
 def test_map_of_a_released_handle_is_refused_naming_it_and_records_nothing():
@@ -257,8 +284,9 @@ def test_a_released_handle_mapped_twice_is_held_until_its_last_mapping_goes():
     driver.free(va, 2 * PAGE_BYTES)
     total = 1 << 20
     expected = [total - PAGE_BYTES, total - PAGE_BYTES, total]
-    assert free == expected, f"host mem_info free bytes after release, unmap 1 of 2, unmap 2 of 2: expected " \
-                             f"{expected}, got {free}"
+    assert free == expected, (
+        f"host mem_info free bytes after release, unmap 1 of 2, unmap 2 of 2: expected {expected}, got {free}"
+    )
 
 
 def test_a_reservation_the_kernel_refuses_is_out_of_memory_whatever_its_errno(monkeypatch):
@@ -295,8 +323,10 @@ def test_an_aligned_reservation_holds_exactly_its_size_in_the_kernel(alignment):
     driver.free(va, 3 * PAGE_BYTES)
     after = _prot_none_bytes()
     got = (va % alignment, during - before, after - before)
-    assert got == (0, 3 * PAGE_BYTES, 0), f"reserve(3 pages, alignment {alignment}): expected (va % alignment, " \
-                                          f"kernel PROT_NONE growth, after free) = (0, {3 * PAGE_BYTES}, 0), got {got}"
+    assert got == (0, 3 * PAGE_BYTES, 0), (
+        f"reserve(3 pages, alignment {alignment}): expected (va % alignment, "
+        f"kernel PROT_NONE growth, after free) = (0, {3 * PAGE_BYTES}, 0), got {got}"
+    )
 
 
 @pytest.mark.parametrize("alignment", [6000, 3 * PAGE_BYTES])
@@ -308,10 +338,15 @@ def test_a_reservation_aligned_off_the_granularity_is_refused_naming_it_and_rese
     with pytest.raises(DriverError) as info:
         driver.reserve(4 * PAGE_BYTES, alignment)
     got = (info.value.operation, str(info.value), _prot_none_bytes() - before)
-    expected = ("reserve", f"reserve failed: alignment={alignment} is not a multiple of the granularity "
-                           f"{2 * PAGE_BYTES}", 0)
-    assert got == expected, f"HostDriver.reserve(4 pages, alignment {alignment}): expected (op, message, kernel " \
-                            f"PROT_NONE growth) {expected}, got {got}"
+    expected = (
+        "reserve",
+        f"reserve failed: alignment={alignment} is not a multiple of the granularity {2 * PAGE_BYTES}",
+        0,
+    )
+    assert got == expected, (
+        f"HostDriver.reserve(4 pages, alignment {alignment}): expected (op, message, kernel "
+        f"PROT_NONE growth) {expected}, got {got}"
+    )
 
 
 def test_a_handle_is_not_inherited_across_exec():
@@ -342,8 +377,11 @@ def test_release_twice_and_a_failed_memfd_create_are_typed_errors_naming_the_han
     with pytest.raises(DriverError) as info:
         driver.create(PAGE_BYTES)
     got = (info.value.operation, info.value.detail, info.value.code)
-    expected = ("create", f"memfd_create for {PAGE_BYTES} bytes: [Errno {errno.EMFILE}] {os.strerror(errno.EMFILE)}",
-                errno.EMFILE)
+    expected = (
+        "create",
+        f"memfd_create for {PAGE_BYTES} bytes: [Errno {errno.EMFILE}] {os.strerror(errno.EMFILE)}",
+        errno.EMFILE,
+    )
     assert got == expected, f"create with memfd_create failing: expected {expected}, got {got}"
     assert driver.mem_info()[0] == driver.mem_info()[1], f"a failed create holds {driver.mem_info()}"
 
@@ -362,28 +400,33 @@ def test_a_libc_binding_made_afresh_serves_every_operation_at_64_bit_addresses(m
     driver.map(va + PAGE_BYTES, PAGE_BYTES, handle, 0)
     driver.set_access(va + PAGE_BYTES, PAGE_BYTES)
     got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
-    assert got == ["reserved", "accessible"], \
-        f"HostDriver reserve + map/set_access of the 2nd page at {va:#x}: expected the kernel to map ['reserved', " \
+    assert got == ["reserved", "accessible"], (
+        f"HostDriver reserve + map/set_access of the 2nd page at {va:#x}: expected the kernel to map ['reserved', "
         f"'accessible'], got {got}"
+    )
     ctypes.memset(va + PAGE_BYTES, 0x5A, PAGE_BYTES)
     data = os.pread(handle.fd, PAGE_BYTES, 0)
-    assert data == b"\x5a" * PAGE_BYTES, \
+    assert data == b"\x5a" * PAGE_BYTES, (
         f"HostDriver map at {va + PAGE_BYTES:#x}: expected a write there to reach the memfd, read {data[:8]!r}..."
+    )
     driver.unmap(va + PAGE_BYTES, PAGE_BYTES)
     driver.release(handle)
     got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
-    assert got == ["reserved", "reserved"], f"HostDriver unmap at {va + PAGE_BYTES:#x}: expected the kernel to map " \
-                                            f"['reserved', 'reserved'], got {got}"
+    assert got == ["reserved", "reserved"], (
+        f"HostDriver unmap at {va + PAGE_BYTES:#x}: expected the kernel to map ['reserved', 'reserved'], got {got}"
+    )
     driver.free(va, 2 * PAGE_BYTES)
     got = kernel_granules(va, 2 * PAGE_BYTES, PAGE_BYTES)
-    assert got == ["nothing", "nothing"], f"HostDriver free({va:#x}): expected the kernel to map nothing there, " \
-                                          f"got {got}"
+    assert got == ["nothing", "nothing"], (
+        f"HostDriver free({va:#x}): expected the kernel to map nothing there, got {got}"
+    )
     ctypes.set_errno(0)  # the errno a failed call reports must be the kernel's, not one left from before
     with pytest.raises(DriverOutOfMemory) as info:
         driver.reserve(1 << 62, PAGE_BYTES)
     got = (info.value.operation, info.value.code)
-    assert got == ("reserve", errno.ENOMEM), f"HostDriver reserve(2**62) the kernel refuses: expected " \
-                                             f"('reserve', ENOMEM={errno.ENOMEM}), got {got}"
+    assert got == ("reserve", errno.ENOMEM), (
+        f"HostDriver reserve(2**62) the kernel refuses: expected ('reserve', ENOMEM={errno.ENOMEM}), got {got}"
+    )
 
 
 def test_create_may_take_exactly_the_free_budget_and_past_it_is_refused_naming_the_sizes():
@@ -396,31 +439,38 @@ def test_create_may_take_exactly_the_free_budget_and_past_it_is_refused_naming_t
     e = info.value
     got = (e.operation, e.detail, e.code)
     expected = ("create", f"{total} bytes asked, {total - PAGE_BYTES} of {total} bytes free", errno.ENOMEM)
-    assert got == expected, f"HostDriver create({total}) with {PAGE_BYTES} of {total} held: expected {expected}, " \
-                            f"got {got}"
+    assert got == expected, (
+        f"HostDriver create({total}) with {PAGE_BYTES} of {total} held: expected {expected}, got {got}"
+    )
     after = kernel_memfds()
-    assert after == before, f"HostDriver create refused for the budget: expected the kernel's memfds unchanged " \
-                            f"({before}), got {after}"
+    assert after == before, (
+        f"HostDriver create refused for the budget: expected the kernel's memfds unchanged ({before}), got {after}"
+    )
     rest = driver.create(total - PAGE_BYTES)  # exactly what is free
     try:
         got = (os.fstat(rest.fd).st_size, driver.mem_info())
         expected = (total - PAGE_BYTES, (0, total))
-        assert got == expected, f"HostDriver create of exactly the free {total - PAGE_BYTES} bytes: expected (memfd " \
-                                f"size, mem_info) {expected}, got {got}"
+        assert got == expected, (
+            f"HostDriver create of exactly the free {total - PAGE_BYTES} bytes: expected (memfd "
+            f"size, mem_info) {expected}, got {got}"
+        )
     finally:
         driver.release(rest)
         driver.release(first)
     got = driver.mem_info()
-    assert got == (total, total), f"HostDriver mem_info after releasing both handles: expected {(total, total)}, " \
-                                  f"got {got}"
+    assert got == (total, total), (
+        f"HostDriver mem_info after releasing both handles: expected {(total, total)}, got {got}"
+    )
 
 
 def _sealed_memfd_create(real):
     """``os.memfd_create`` whose memfds the kernel refuses to grow (``F_SEAL_GROW``): ``ftruncate`` fails EPERM."""
+
     def memfd_create(name, flags=os.MFD_CLOEXEC):
         fd = real(name, flags | os.MFD_ALLOW_SEALING)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
         return fd
+
     return memfd_create
 
 
@@ -434,7 +484,8 @@ UNSIZABLE = {
 
 @pytest.mark.parametrize("size,sealed,err,kind", UNSIZABLE.values(), ids=UNSIZABLE.keys())
 def test_a_memfd_the_kernel_cannot_size_or_fill_is_a_typed_create_error_naming_errno_and_is_closed(
-        monkeypatch, size, sealed, err, kind):
+    monkeypatch, size, sealed, err, kind
+):
     driver = HostDriver(granularity=PAGE_BYTES, budget_bytes=size)
     if sealed:
         monkeypatch.setattr(os, "memfd_create", _sealed_memfd_create(os.memfd_create))
@@ -444,11 +495,13 @@ def test_a_memfd_the_kernel_cannot_size_or_fill_is_a_typed_create_error_naming_e
     e = info.value
     got = (type(e), e.operation, e.code, e.detail)
     expected = (kind, "create", err, f"ftruncate/fill of a {size}-byte memfd: {OSError(err, os.strerror(err))}")
-    assert got == expected, f"HostDriver create({size}) with the kernel refusing {errno.errorcode[err]}: expected " \
-                            f"{expected}, got {got}"
+    assert got == expected, (
+        f"HostDriver create({size}) with the kernel refusing {errno.errorcode[err]}: expected {expected}, got {got}"
+    )
     after = kernel_memfds()
-    assert after == before, f"HostDriver create({size}) refused: expected its memfd closed (the kernel's memfds " \
-                            f"{before}), got {after}"
+    assert after == before, (
+        f"HostDriver create({size}) refused: expected its memfd closed (the kernel's memfds {before}), got {after}"
+    )
     got = driver.mem_info()
     assert got == (size, size), f"HostDriver mem_info after the refused create: expected {(size, size)}, got {got}"
 
@@ -460,8 +513,11 @@ def test_a_forked_child_is_refused_every_call_naming_the_operation_and_both_proc
     handle = driver.create(PAGE_BYTES)
     driver.map(va, PAGE_BYTES, handle, 0)
     driver.set_access(va, PAGE_BYTES)
-    calls = {"release": lambda: driver.release(handle), "create": lambda: driver.create(PAGE_BYTES),
-             "unmap": lambda: driver.unmap(va, PAGE_BYTES)}
+    calls = {
+        "release": lambda: driver.release(handle),
+        "create": lambda: driver.create(PAGE_BYTES),
+        "unmap": lambda: driver.unmap(va, PAGE_BYTES),
+    }
     r, w = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a multi-threaded process: the child only calls
@@ -485,16 +541,21 @@ def test_a_forked_child_is_refused_every_call_naming_the_operation_and_both_proc
         report = pipe.read()
     os.waitpid(pid, 0)
     seen = json.loads(report or "{}")
-    detail = f"unit-host driver built in process {os.getpid()} used from forked process {pid}; build a new driver " \
-             f"in the child"
+    detail = (
+        f"unit-host driver built in process {os.getpid()} used from forked process {pid}; build a new driver "
+        f"in the child"
+    )
     for op in calls:
         expected = ["DriverError", op, detail, None]
-        assert seen.get(op) == expected, f"HostDriver {op} from a forked child: expected {expected}, got " \
-                                         f"{seen.get(op)!r}"
+        assert seen.get(op) == expected, (
+            f"HostDriver {op} from a forked child: expected {expected}, got {seen.get(op)!r}"
+        )
     got = (kernel_granules(va, PAGE_BYTES, PAGE_BYTES), os.fstat(handle.fd).st_size, driver.mem_info())
     expected = (["accessible"], PAGE_BYTES, ((1 << 20) - PAGE_BYTES, 1 << 20))
-    assert got == expected, f"HostDriver in the parent after the child's refused calls: expected (kernel map, memfd " \
-                            f"size, mem_info) {expected}, got {got}"
+    assert got == expected, (
+        f"HostDriver in the parent after the child's refused calls: expected (kernel map, memfd "
+        f"size, mem_info) {expected}, got {got}"
+    )
     driver.unmap(va, PAGE_BYTES)
     driver.release(handle)
     driver.free(va, PAGE_BYTES)

@@ -25,17 +25,20 @@ def _child(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with the package importable; a hang is killed after ``TIMEOUT_S``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "reference"), str(ROOT)])}
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                              env=env, timeout=TIMEOUT_S)
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"child process hung for {TIMEOUT_S} s (a deadlock): stdout {exc.stdout!r}", pytrace=False)
 
 
 def _expect_child(proc: subprocess.CompletedProcess, what: str, expected_out: str) -> None:
     got = (proc.returncode, proc.stdout.strip())
-    assert got == (0, expected_out), (f"host driver: {what}: expected exit 0 printing {expected_out!r}, got exit "
-                                      f"{proc.returncode} printing {proc.stdout.strip()!r}; stderr: "
-                                      f"{proc.stderr[-2000:]}")
+    assert got == (0, expected_out), (
+        f"host driver: {what}: expected exit 0 printing {expected_out!r}, got exit "
+        f"{proc.returncode} printing {proc.stdout.strip()!r}; stderr: "
+        f"{proc.stderr[-2000:]}"
+    )
 
 
 def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock():
@@ -67,8 +70,9 @@ def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock
         live.resize_per_segment_(4096)  # its first call collects `dead`, whose finalizer unmaps on the same driver
         print(driver.armed, len(driver._reservations), len(driver._mappings))
     """)
-    _expect_child(proc, "a tensor collected inside a locked call of its own driver (fired, reservations, mappings)",
-                  "False 1 1")
+    _expect_child(
+        proc, "a tensor collected inside a locked call of its own driver (fired, reservations, mappings)", "False 1 1"
+    )
 
 
 def test_interpreter_exit_leaves_memory_mapped_under_a_writing_daemon_thread():
@@ -179,17 +183,27 @@ def test_a_signal_handler_raising_at_random_moments_of_growth_and_close_hangs_no
     # closed afterwards, retrying once from its failure state. Then: the driver's lock is free, and no budget byte,
     # reservation, mapping or memfd is held.
     proc = _child(SIGNALS_CHILD.format(base=base))
-    _expect_child(proc, f"{base} from a SIGALRM handler at random moments (interrupted some, lock free, held bytes, "
-                        f"reservations, mappings, memfds)", "True True 0 0 0 0")
+    _expect_child(
+        proc,
+        f"{base} from a SIGALRM handler at random moments (interrupted some, lock free, held bytes, "
+        f"reservations, mappings, memfds)",
+        "True True 0 0 0 0",
+    )
 
 
 SMALL_MISTAKES = {
     "driver=42": (lambda: ExtensibleTensor(4096, driver=42), DriverLoadError, "driver=42 is a int"),
     "driver=object()": (lambda: ExtensibleTensor(4096, driver=object()), DriverLoadError, "lacks the protocol"),
-    "segment_view dtype 'float32'": (lambda: ExtensibleTensor(4096, driver="host-4k").segment_view(0, "float32"),
-                                     InvalidArgumentError, "dtype must be a torch.dtype"),
-    "full_view dtype None": (lambda: ExtensibleTensor(4096, driver="host-4k").full_view(None),
-                             InvalidArgumentError, "dtype must be a torch.dtype"),
+    "segment_view dtype 'float32'": (
+        lambda: ExtensibleTensor(4096, driver="host-4k").segment_view(0, "float32"),
+        InvalidArgumentError,
+        "dtype must be a torch.dtype",
+    ),
+    "full_view dtype None": (
+        lambda: ExtensibleTensor(4096, driver="host-4k").full_view(None),
+        InvalidArgumentError,
+        "dtype must be a torch.dtype",
+    ),
     "Ledger(42)": (lambda: Ledger(42), DriverLoadError, r"Ledger\(42\): a int, which lacks the protocol's granularity"),
     "Ledger('host-4k')": (lambda: Ledger("host-4k"), DriverLoadError, r"Ledger\('host-4k'\): a str, which lacks"),
 }

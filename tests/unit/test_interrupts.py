@@ -70,8 +70,13 @@ class Kernel:
 
     def reserved_in(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The parts of ``spans`` the kernel holds as reservations (anonymous, no access)."""
-        return [(max(lo, s_lo), min(hi, s_hi)) for lo, hi, perms, inode, name in self.rows
-                if perms == "---p" and inode == 0 and not name for s_lo, s_hi in spans if lo < s_hi and s_lo < hi]
+        return [
+            (max(lo, s_lo), min(hi, s_hi))
+            for lo, hi, perms, inode, name in self.rows
+            if perms == "---p" and inode == 0 and not name
+            for s_lo, s_hi in spans
+            if lo < s_hi and s_lo < hi
+        ]
 
     def memfds(self) -> set[int]:
         """Inodes of the host driver's memfds this process holds open (``/proc/self/fd``) or mapped."""
@@ -227,9 +232,16 @@ def expect_returned(d: HostDriver, where: str, before: Baseline, bases: list[tup
         "test fds closed": before.closed_of_ours(),
         "driver lock held": d._lock.locked(),
     }
-    want = {"reservations": {}, "mappings": 0, "free budget": d.mem_info()[1], "memfds": [],
-            "reservations the kernel holds": [], "kernel at the bases": ["nothing"] * len(bases),
-            "test fds closed": [], "driver lock held": False}
+    want = {
+        "reservations": {},
+        "mappings": 0,
+        "free budget": d.mem_info()[1],
+        "memfds": [],
+        "reservations the kernel holds": [],
+        "kernel at the bases": ["nothing"] * len(bases),
+        "test fds closed": [],
+        "driver lock held": False,
+    }
     assert got == want, f"{d.name}: {where}: expected everything returned {want}, got {got}"
 
 
@@ -314,8 +326,9 @@ def _tidy(d: HostDriver, made: dict) -> None:
             d.free(va, d.granularity())
 
 
-def _sweep_driver_call(spans: ReservedSpans, name: str, op: str,
-                       check: Callable[[HostDriver, dict, Baseline, str], None]) -> int:
+def _sweep_driver_call(
+    spans: ReservedSpans, name: str, op: str, check: Callable[[HostDriver, dict, Baseline, str], None]
+) -> int:
     """Interrupt ``op`` at every line it reaches; after each, ``check``, then tidy and expect everything returned.
     Returns how many line events the call has."""
     d = host_driver(name)
@@ -353,9 +366,10 @@ def _records_match_the_kernel(d: HostDriver, made: dict, before: Baseline, where
     kernel = "mapped" if kernel in ("mapped", "accessible") else kernel
     handle = made.get("handle")
     maps = handle.maps if handle is not None else 0
-    assert (recorded, maps) == (kernel, int(recorded == "mapped")), \
-        f"{d.name}: {where}: expected the driver's records (state, the handle's map count) to say what the kernel " \
+    assert (recorded, maps) == (kernel, int(recorded == "mapped")), (
+        f"{d.name}: {where}: expected the driver's records (state, the handle's map count) to say what the kernel "
         f"maps ({kernel!r}, {int(kernel == 'mapped')}), got ({recorded!r}, {maps})"
+    )
 
 
 @pytest.mark.parametrize("name", DRIVERS)
@@ -373,9 +387,10 @@ def _release_again_spares_a_reused_fd(d: HostDriver, made: dict, before: Baselin
         outcome = "released"
     except DriverError:
         outcome = "refused"
-    assert (outcome, before.closed_of_ours()) == (expected, []), \
-        f"{d.name}: {where}, then release() again after the test opened {os.devnull}: expected ({expected!r}, no fd " \
+    assert (outcome, before.closed_of_ours()) == (expected, []), (
+        f"{d.name}: {where}, then release() again after the test opened {os.devnull}: expected ({expected!r}, no fd "
         f"of the test closed), got ({outcome!r}, closed {before.closed_of_ours()})"
+    )
 
 
 @pytest.mark.parametrize("name", DRIVERS)
@@ -385,8 +400,9 @@ def test_an_interrupted_release_never_closes_an_fd_twice(name, spans):
 
 def _budget_is_whole(d: HostDriver, made: dict, before: Baseline, where: str) -> None:
     got = d.mem_info()
-    assert got == (d.mem_info()[1], d.mem_info()[1]), \
+    assert got == (d.mem_info()[1], d.mem_info()[1]), (
         f"{d.name}: {where}: expected the interrupted create to hold none of the budget, mem_info {got}"
+    )
 
 
 @pytest.mark.parametrize("name", DRIVERS)
@@ -412,9 +428,10 @@ def test_a_collected_tensor_returns_its_memory_at_once_after_interrupted_driver_
         del t
         gc.collect()
         got = (dict(d._reservations), Kernel().granules(base, 2 * PAGE_BYTES, PAGE_BYTES))
-        assert got == ({}, ["nothing", "nothing"]), \
-            f"host-4k: a tensor collected after interrupted driver calls: expected its reservation returned during " \
+        assert got == ({}, ["nothing", "nothing"]), (
+            f"host-4k: a tensor collected after interrupted driver calls: expected its reservation returned during "
             f"the collection, got (driver reservations, kernel) {got}"
+        )
     finally:
         before.close()
 
@@ -441,7 +458,7 @@ def _grown_tensor(d: HostDriver) -> dict:
     t.resize_per_segment_(g // 2)
     data = [shared_pattern(1024, i, t.device) for i in range(2)]
     for i, chunk in enumerate(data):
-        t.segment_view(i)[:chunk.numel()].copy_(chunk)
+        t.segment_view(i)[: chunk.numel()].copy_(chunk)
     return {"t": t, "old": g // 2, "new": g + g // 2, "data": data, "base": t.base_address}
 
 
@@ -455,15 +472,22 @@ def _expect_open_or_failed(d: HostDriver, ctx: dict, raised: BaseException | Non
             t.segment_view(0)
         return [(ctx["base"], t.max_num_bytes)]
     backed = -(-size // g) * g
-    got = (t.state, t.bytes_per_segment, d.mem_info()[0] + 2 * backed - d.mem_info()[1],
-           Kernel().granules(ctx["base"], 4 * g, g))
+    got = (
+        t.state,
+        t.bytes_per_segment,
+        d.mem_info()[0] + 2 * backed - d.mem_info()[1],
+        Kernel().granules(ctx["base"], 4 * g, g),
+    )
     half = ["accessible"] * (backed // g) + ["reserved"] * (2 - backed // g)
     want = ("open", size, 0, half + half)
-    assert got == want, f"{d.name}: {where}: expected (state, bytes_per_segment, budget held beyond the mapped " \
-                        f"bytes, kernel granules) {want}, got {got}"
+    assert got == want, (
+        f"{d.name}: {where}: expected (state, bytes_per_segment, budget held beyond the mapped "
+        f"bytes, kernel granules) {want}, got {got}"
+    )
     for i, chunk in enumerate(ctx["data"]):
-        assert torch.equal(t.segment_view(i)[:chunk.numel()], chunk), \
+        assert torch.equal(t.segment_view(i)[: chunk.numel()], chunk), (
             f"{d.name}: {where}: segment {i} lost the bytes written before the step"
+        )
     return [(ctx["base"], t.max_num_bytes)]
 
 
@@ -489,8 +513,9 @@ def _close_built(ctx: dict, d: HostDriver) -> None:
 
 
 def _expect_built_or_not(d: HostDriver, ctx: dict, raised: BaseException | None, where: str) -> list:
-    assert ("t" in ctx) == (raised is None), \
+    assert ("t" in ctx) == (raised is None), (
         f"{d.name}: {where}: expected a tensor exactly when the constructor returned, got {ctx.get('t')!r}"
+    )
     return [(ctx["t"].base_address, ctx["t"].max_num_bytes)] if "t" in ctx else []
 
 
@@ -517,8 +542,9 @@ def _kv(d: HostDriver) -> dict:
     """Two buffers, ``kv`` (two segments, one granule per block) and ``state`` (one segment, half a granule per
     block), one block committed; the step grows each segment of each buffer by one granule."""
     g = d.granularity()
-    cache = ExtensibleKVCacheBuffers([KVBuffer("kv", g, num_segments=2), KVBuffer("state", g // 2, num_segments=1)],
-                                     4, driver=d)
+    cache = ExtensibleKVCacheBuffers(
+        [KVBuffer("kv", g, num_segments=2), KVBuffer("state", g // 2, num_segments=1)], 4, driver=d
+    )
     cache.ensure_blocks(1)
     bases = [(cache.tensor(b).base_address, cache.tensor(b).max_num_bytes) for b in ("kv", "state")]
     return {"cache": cache, "old": 1, "new": 3, "bases": bases}
@@ -536,27 +562,46 @@ def _expect_kv_open_or_failed(d: HostDriver, ctx: dict, raised: BaseException | 
     per_segment = {"kv": blocks * g // 2, "state": blocks * g // 2}
     sizes = {b.name: cache.tensor(b.name).bytes_per_segment for b in cache.buffers}
     backed = -(-blocks // 2)
-    want_granules = [(["accessible"] * backed + ["reserved"] * (2 - backed)) * 2,
-                     ["accessible"] * backed + ["reserved"] * (2 - backed)]
+    want_granules = [
+        (["accessible"] * backed + ["reserved"] * (2 - backed)) * 2,
+        ["accessible"] * backed + ["reserved"] * (2 - backed),
+    ]
     kernel = Kernel()
     got = (cache.state, cache.num_blocks, sizes, [kernel.granules(base, size, g) for base, size in ctx["bases"]])
     want = ("open", blocks, per_segment, want_granules)
-    assert got == want, f"{d.name}: {where}: expected (state, blocks, bytes per segment, kernel granules) {want}, " \
-                        f"got {got}"
+    assert got == want, (
+        f"{d.name}: {where}: expected (state, blocks, bytes per segment, kernel granules) {want}, got {got}"
+    )
     return ctx["bases"]
 
 
 STEPS = [
-    Case("resize_per_segment_", _grown_tensor, lambda ctx, d: ctx["t"].resize_per_segment_(ctx["new"]),
-         _expect_open_or_failed, lambda ctx, d: close_retrying(ctx["t"])),
-    Case("close", _grown_tensor, lambda ctx, d: ctx["t"].close(), _expect_closed_or_not,
-         lambda ctx, d: close_retrying(ctx["t"])),
-    Case("ensure_blocks", _kv, lambda ctx, d: ctx["cache"].ensure_blocks(ctx["new"]), _expect_kv_open_or_failed,
-         lambda ctx, d: close_retrying(ctx["cache"])),
+    Case(
+        "resize_per_segment_",
+        _grown_tensor,
+        lambda ctx, d: ctx["t"].resize_per_segment_(ctx["new"]),
+        _expect_open_or_failed,
+        lambda ctx, d: close_retrying(ctx["t"]),
+    ),
+    Case(
+        "close",
+        _grown_tensor,
+        lambda ctx, d: ctx["t"].close(),
+        _expect_closed_or_not,
+        lambda ctx, d: close_retrying(ctx["t"]),
+    ),
+    Case(
+        "ensure_blocks",
+        _kv,
+        lambda ctx, d: ctx["cache"].ensure_blocks(ctx["new"]),
+        _expect_kv_open_or_failed,
+        lambda ctx, d: close_retrying(ctx["cache"]),
+    ),
 ]
 CONSTRUCTION = Case("ExtensibleTensor()", lambda d: {}, _build, _expect_built_or_not, _close_built)
-COLLECTION = Case("collection of a dead tensor", _dead_in_a_cycle, lambda ctx, d: gc.collect(), _expect_collected,
-                  _probe_sweep)
+COLLECTION = Case(
+    "collection of a dead tensor", _dead_in_a_cycle, lambda ctx, d: gc.collect(), _expect_collected, _probe_sweep
+)
 
 
 def _sweep_case(spans: ReservedSpans, name: str, case: Case) -> None:
@@ -575,9 +620,10 @@ def _sweep_case(spans: ReservedSpans, name: str, case: Case) -> None:
                 ctx = case.make(d)
                 trap, raised, swallowed = trapped(lambda ctx=ctx: case.step(ctx, d), n)
             where = f"{case.name} interrupted at line event {n} of {total} ({trap.fired})"
-            assert trap.fired is not None and (raised is not None or swallowed), \
-                f"{name}: {where}: expected the interrupt to fire and come out of the step or a finalizer, got " \
+            assert trap.fired is not None and (raised is not None or swallowed), (
+                f"{name}: {where}: expected the interrupt to fire and come out of the step or a finalizer, got "
                 f"fired={trap.fired}, raised={raised!r}, swallowed={swallowed}"
+            )
             expect_lock_free(d, where, *(ctx[k] for k in ("t", "cache") if k in ctx))
             bases = case.after(d, ctx, raised, where)
             del raised, trap  # the interrupt's traceback holds the frames of the step

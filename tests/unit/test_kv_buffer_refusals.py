@@ -20,36 +20,91 @@ def _layer(name="l0"):
 
 BAD_BUFFERS = {
     "no_buffers": ([], 10, InvalidSizeError, "ExtensibleKVCacheBuffers needs at least one buffer"),
-    "zero_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 0, InvalidSizeError,
-                    "max_num_blocks must be positive, got 0"),
-    "negative_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], -3, InvalidSizeError,
-                        "max_num_blocks must be positive, got -3"),
-    "float_blocks": ([KVBuffer("b", layouts.PAGE, (_layer(),))], 10.0, InvalidSizeError,
-                     "max_num_blocks must be an int, got float 10.0"),
-    "duplicate_buffer": ([KVBuffer("b", layouts.PAGE, (_layer("x"),)), KVBuffer("b", layouts.PAGE, (_layer("y"),))],
-                         10, InvalidSizeError, "duplicate buffer names: ['b']"),
-    "duplicate_layer": ([KVBuffer("a", layouts.PAGE, (_layer(),)), KVBuffer("b", layouts.PAGE, (_layer(),))], 10,
-                        InvalidSizeError, "duplicate layer names: ['l0']"),
-    "zero_page": ([KVBuffer("b", 0, (_layer(),))], 10, InvalidSizeError,
-                  "buffer b: page_size_bytes must be positive, got 0"),
-    "float_page": ([KVBuffer("b", 4096.0, num_segments=1)], 10, InvalidSizeError,
-                   "page_size_bytes of buffer b must be an int, got float 4096.0"),
-    "page_too_small": ([KVBuffer("b", layouts.PAGE // 2, (_layer(),))], 10, LayoutError,
-                       f"layer l0 needs {layouts.PAGE} bytes per block, the buffer's page is {layouts.PAGE // 2}"),
-    "layouts_disagree": ([KVBuffer("b", layouts.PAGE, (_layer("x"), layouts.kv_first("y")))], 10, LayoutError,
-                         "layers sharing one buffer disagree on segments: x has 1, y has 2"),
-    "order_not_a_permutation": ([KVBuffer("b", layouts.PAGE, (AttentionLayer(
-        "x", lambda b: (b, 2, 16, 128), (0, 1, 2), torch.bfloat16),))], 10, LayoutError,
-        "stride order (0, 1, 2) is not a permutation of the 4 dims of the declared shape (10, 2, 16, 128)"),
-    "layers_and_segments": ([KVBuffer("b", layouts.PAGE, (_layer(),), num_segments=2)], 10, LayoutError,
-                            "buffer b: give layers or num_segments, not both"),
-    "zero_segments": ([KVBuffer("b", layouts.PAGE, num_segments=0)], 10, InvalidSizeError,
-                      "buffer b: num_segments must be positive, got 0"),
-    "float_segments": ([KVBuffer("b", 4096, num_segments=1.0)], 10, InvalidSizeError,
-                       "num_segments of buffer b must be an int, got float 1.0"),
-    "past_the_address_space": ([KVBuffer("b", 2**62, num_segments=1)], 2, InvalidSizeError,
-                               f"buffer b: max_num_blocks=2 pages of {2**62} bytes do not fit a 64-bit address space "
-                               f"(at most {2**63 - 1} bytes)"),
+    "zero_blocks": (
+        [KVBuffer("b", layouts.PAGE, (_layer(),))],
+        0,
+        InvalidSizeError,
+        "max_num_blocks must be positive, got 0",
+    ),
+    "negative_blocks": (
+        [KVBuffer("b", layouts.PAGE, (_layer(),))],
+        -3,
+        InvalidSizeError,
+        "max_num_blocks must be positive, got -3",
+    ),
+    "float_blocks": (
+        [KVBuffer("b", layouts.PAGE, (_layer(),))],
+        10.0,
+        InvalidSizeError,
+        "max_num_blocks must be an int, got float 10.0",
+    ),
+    "duplicate_buffer": (
+        [KVBuffer("b", layouts.PAGE, (_layer("x"),)), KVBuffer("b", layouts.PAGE, (_layer("y"),))],
+        10,
+        InvalidSizeError,
+        "duplicate buffer names: ['b']",
+    ),
+    "duplicate_layer": (
+        [KVBuffer("a", layouts.PAGE, (_layer(),)), KVBuffer("b", layouts.PAGE, (_layer(),))],
+        10,
+        InvalidSizeError,
+        "duplicate layer names: ['l0']",
+    ),
+    "zero_page": (
+        [KVBuffer("b", 0, (_layer(),))],
+        10,
+        InvalidSizeError,
+        "buffer b: page_size_bytes must be positive, got 0",
+    ),
+    "float_page": (
+        [KVBuffer("b", 4096.0, num_segments=1)],
+        10,
+        InvalidSizeError,
+        "page_size_bytes of buffer b must be an int, got float 4096.0",
+    ),
+    "page_too_small": (
+        [KVBuffer("b", layouts.PAGE // 2, (_layer(),))],
+        10,
+        LayoutError,
+        f"layer l0 needs {layouts.PAGE} bytes per block, the buffer's page is {layouts.PAGE // 2}",
+    ),
+    "layouts_disagree": (
+        [KVBuffer("b", layouts.PAGE, (_layer("x"), layouts.kv_first("y")))],
+        10,
+        LayoutError,
+        "layers sharing one buffer disagree on segments: x has 1, y has 2",
+    ),
+    "order_not_a_permutation": (
+        [KVBuffer("b", layouts.PAGE, (AttentionLayer("x", lambda b: (b, 2, 16, 128), (0, 1, 2), torch.bfloat16),))],
+        10,
+        LayoutError,
+        "stride order (0, 1, 2) is not a permutation of the 4 dims of the declared shape (10, 2, 16, 128)",
+    ),
+    "layers_and_segments": (
+        [KVBuffer("b", layouts.PAGE, (_layer(),), num_segments=2)],
+        10,
+        LayoutError,
+        "buffer b: give layers or num_segments, not both",
+    ),
+    "zero_segments": (
+        [KVBuffer("b", layouts.PAGE, num_segments=0)],
+        10,
+        InvalidSizeError,
+        "buffer b: num_segments must be positive, got 0",
+    ),
+    "float_segments": (
+        [KVBuffer("b", 4096, num_segments=1.0)],
+        10,
+        InvalidSizeError,
+        "num_segments of buffer b must be an int, got float 1.0",
+    ),
+    "past_the_address_space": (
+        [KVBuffer("b", 2**62, num_segments=1)],
+        2,
+        InvalidSizeError,
+        f"buffer b: max_num_blocks=2 pages of {2**62} bytes do not fit a 64-bit address space "
+        f"(at most {2**63 - 1} bytes)",
+    ),
 }
 
 
@@ -74,10 +129,10 @@ def test_ensure_blocks_without_zeroing_leaves_the_drivers_fresh_bytes():
     cache = ExtensibleKVCacheBuffers([KVBuffer("b", 4096, num_segments=1)], 4, driver="host-4k")
     try:
         cache.ensure_blocks(2, zero_new=False)
-        raw = cache.tensor("b").segment_view(0)[:2 * 4096]
+        raw = cache.tensor("b").segment_view(0)[: 2 * 4096]
         assert int(raw.count_nonzero()) > 0, "ensure_blocks(zero_new=False) zeroed the new blocks anyway"
         cache.ensure_blocks(4)
-        new = cache.tensor("b").segment_view(0)[2 * 4096:4 * 4096]
+        new = cache.tensor("b").segment_view(0)[2 * 4096 : 4 * 4096]
         assert int(new.count_nonzero()) == 0, f"ensure_blocks(zero_new=True): {int(new.count_nonzero())} nonzero bytes"
     finally:
         cache.close()
@@ -85,11 +140,14 @@ def test_ensure_blocks_without_zeroing_leaves_the_drivers_fresh_bytes():
 
 def test_unknown_layer_and_buffer_names_are_refused_listing_the_known_ones():
     names = [f"l{i:02d}" for i in range(10)]
-    cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, tuple(_layer(n) for n in names))], 10,
-                                     driver="host-4k")
+    cache = ExtensibleKVCacheBuffers(
+        [KVBuffer("b", layouts.PAGE, tuple(_layer(n) for n in names))], 10, driver="host-4k"
+    )
     try:
-        for call, expected in ((lambda: cache.layer_views("nope"), f"unknown layer 'nope'; layers: {names[:8]}"),
-                               (lambda: cache.tensor("nope"), "unknown buffer 'nope'; buffers: ['b']")):
+        for call, expected in (
+            (lambda: cache.layer_views("nope"), f"unknown layer 'nope'; layers: {names[:8]}"),
+            (lambda: cache.tensor("nope"), "unknown buffer 'nope'; buffers: ['b']"),
+        ):
             with pytest.raises(InvalidSizeError) as info:
                 call()
             assert str(info.value) == expected, f"unknown name: expected {expected!r}, got {info.value}"
@@ -97,11 +155,14 @@ def test_unknown_layer_and_buffer_names_are_refused_listing_the_known_ones():
         cache.close()
 
 
-@pytest.mark.parametrize("blocks,expected", [
-    (-1, "num_blocks must be non-negative, got -1"),
-    (11, "num_blocks=11 exceeds the reserved upper bound max_num_blocks=10"),
-    (2.0, "num_blocks must be an int, got float 2.0"),
-])
+@pytest.mark.parametrize(
+    "blocks,expected",
+    [
+        (-1, "num_blocks must be non-negative, got -1"),
+        (11, "num_blocks=11 exceeds the reserved upper bound max_num_blocks=10"),
+        (2.0, "num_blocks must be an int, got float 2.0"),
+    ],
+)
 def test_ensure_blocks_refuses_a_count_outside_the_reservation_naming_it(blocks, expected):
     cache = ExtensibleKVCacheBuffers([KVBuffer("b", layouts.PAGE, (_layer(),))], 10, driver="host-4k")
     try:
@@ -118,16 +179,20 @@ def test_use_after_close_names_the_operation():
     tensor = cache.tensor("b")
     cache.close()
     whole = "on closed ExtensibleKVCacheBuffers (1 buffer(s), max_num_blocks=10)"
-    for call, op in ((lambda: cache.tensor("b"), "tensor"), (lambda: cache.layer_views("l0"), "layer views"),
-                     (lambda: cache.ensure_blocks(5), "ensure_blocks"),
-                     (lambda: cache.committed_layer_views("l0"), "layer views")):
+    for call, op in (
+        (lambda: cache.tensor("b"), "tensor"),
+        (lambda: cache.layer_views("l0"), "layer views"),
+        (lambda: cache.ensure_blocks(5), "ensure_blocks"),
+        (lambda: cache.committed_layer_views("l0"), "layer views"),
+    ):
         with pytest.raises(ClosedError) as info:
             call()
         assert str(info.value) == f"{op} {whole}", f"{op} after close: expected {op} {whole!r}, got {info.value}"
     with pytest.raises(ClosedError) as info:
         tensor.stats()
-    assert str(info.value).startswith("stats on a closed ExtensibleTensor ("), \
+    assert str(info.value).startswith("stats on a closed ExtensibleTensor ("), (
         f"ExtensibleTensor.stats() after close: expected a ClosedError naming stats, got {info.value}"
+    )
 
 
 def _kv_first(name: str, first: int, block_major: bool = True) -> AttentionLayer:
@@ -138,8 +203,9 @@ def _kv_first(name: str, first: int, block_major: bool = True) -> AttentionLayer
 def test_the_block_major_re_stride_takes_a_three_dim_kv_first_layout():
     raw = torch.zeros(2 * 4 * 8 * 2, dtype=torch.int8)
     (view,) = _kv_first("kv", 2).views(raw, 4)
-    assert (tuple(view.shape), view.stride()) == ((2, 4, 8), (8, 16, 1)), \
+    assert (tuple(view.shape), view.stride()) == ((2, 4, 8), (8, 16, 1)), (
         f"block-major (2, 4, 8): expected shape (2, 4, 8) and strides (8, 16, 1), got {view.shape}, {view.stride()}"
+    )
 
 
 def test_the_block_major_re_stride_refuses_a_layout_that_is_not_kv_first_naming_it():
@@ -152,29 +218,37 @@ def test_the_block_major_re_stride_refuses_a_layout_that_is_not_kv_first_naming_
 
 def test_kv_buffers_whose_growth_could_not_be_undone_refuse_views_and_growth_until_close_returns_everything():
     ledger = Ledger(HostDriver(granularity=4096))
-    cache = ExtensibleKVCacheBuffers([KVBuffer("a", layouts.PAGE, (_layer("la"),)),
-                                      KVBuffer("b", layouts.PAGE, (_layer("lb"),))], 8, driver=ledger)
+    cache = ExtensibleKVCacheBuffers(
+        [KVBuffer("a", layouts.PAGE, (_layer("la"),)), KVBuffer("b", layouts.PAGE, (_layer("lb"),))], 8, driver=ledger
+    )
     cache.ensure_blocks(1)
     ledger.fail("zero", 2)  # buffer b's step fails after its map ...
     ledger.fail("unmap", 1)  # ... and its rollback cannot unmap it
     with pytest.raises(CommitError, match="rollback also failed"):
         cache.ensure_blocks(4)
     outcomes = {}
-    for what, call in {"ensure_blocks": lambda: cache.ensure_blocks(2), "raw": lambda: cache.raw("b"),
-                       "committed_layer_views": lambda: cache.committed_layer_views("la")}.items():
+    for what, call in {
+        "ensure_blocks": lambda: cache.ensure_blocks(2),
+        "raw": lambda: cache.raw("b"),
+        "committed_layer_views": lambda: cache.committed_layer_views("la"),
+    }.items():
         try:
             call()
             outcomes[what] = "handed out"
         except FailedStateError as exc:
             outcomes[what] = "refused" if "retry close()" in str(exc) else f"message: {exc}"
     refused = dict.fromkeys(("ensure_blocks", "raw", "committed_layer_views"), "refused")
-    assert outcomes == refused, f"KV buffers after a growth whose rollback could not unmap: expected growth and " \
-                                f"views {refused}, got {outcomes}"
+    assert outcomes == refused, (
+        f"KV buffers after a growth whose rollback could not unmap: expected growth and views {refused}, got {outcomes}"
+    )
     got = (cache.state, cache.num_blocks, cache.stats().state, cache.tensor("a").bytes_per_segment)
     want = ("failed", 0, "failed", layouts.PAGE)
-    assert got == want, f"KV buffers after a growth whose rollback could not unmap (buffer a retracted, buffer b " \
-                        f"failed): expected (state, num_blocks, stats state, a's bytes per segment) {want}, got {got}"
+    assert got == want, (
+        f"KV buffers after a growth whose rollback could not unmap (buffer a retracted, buffer b "
+        f"failed): expected (state, num_blocks, stats state, a's bytes per segment) {want}, got {got}"
+    )
     cache.close()
     got = (cache.state, bool(ledger.outstanding()))
-    assert got == ("closed", False), f"KV buffers close() from the failed state: expected (closed, nothing " \
-                                     f"outstanding), got {got}"
+    assert got == ("closed", False), (
+        f"KV buffers close() from the failed state: expected (closed, nothing outstanding), got {got}"
+    )

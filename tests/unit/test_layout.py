@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extensible_kv.layout import (BLOCK_SENTINEL, AttentionLayer, LayoutError, attention_layer, backend_stride_order,
-                                  block_dim)
+from extensible_kv.layout import (
+    BLOCK_SENTINEL,
+    AttentionLayer,
+    LayoutError,
+    attention_layer,
+    backend_stride_order,
+    block_dim,
+)
 
 
 class KVFirst:
@@ -44,8 +50,9 @@ class WrongOrder(KVFirst):
 
 
 def _layer(backend: type, **kwargs) -> AttentionLayer:
-    return attention_layer("layer.0", backend, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                           **kwargs)
+    return attention_layer(
+        "layer.0", backend, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **kwargs
+    )
 
 
 def test_a_layer_takes_the_backends_shape_and_stride_order():
@@ -54,17 +61,20 @@ def test_a_layer_takes_the_backends_shape_and_stride_order():
     got = (layer.name, layer.stride_order, layer.dtype, layer.block_major, layer.shape_of(7))
     expected = ("layer.0", (1, 0, 2, 3, 4), torch.bfloat16, True, (2, 7, 16, 2, 64))
     assert got == expected, f"attention_layer(KVFirst): expected {expected}, got {got}"
-    assert KVFirst.calls[-1] == (7, 16, 2, 64, "fp8"), \
+    assert KVFirst.calls[-1] == (7, 16, 2, 64, "fp8"), (
         f"get_kv_cache_shape arguments: expected (7, 16, 2, 64, 'fp8'), got {KVFirst.calls[-1]}"
-    assert (layer.block_dim, layer.page_size_bytes()) == (1, 2 * 16 * 2 * 64 * 2), \
-        f"block dim and page bytes: expected (1, {2 * 16 * 2 * 64 * 2}), got " \
+    )
+    assert (layer.block_dim, layer.page_size_bytes()) == (1, 2 * 16 * 2 * 64 * 2), (
+        f"block dim and page bytes: expected (1, {2 * 16 * 2 * 64 * 2}), got "
         f"{(layer.block_dim, layer.page_size_bytes())}"
+    )
 
 
 @pytest.mark.parametrize("backend", [NoOrder, OrderNotImplemented], ids=["no method", "NotImplementedError"])
 def test_a_backend_without_a_stride_order_gets_the_identity(backend):
-    assert backend_stride_order(backend) is None, \
+    assert backend_stride_order(backend) is None, (
         f"backend_stride_order({backend.__name__}): expected None, got {backend_stride_order(backend)}"
+    )
     order = _layer(backend).stride_order
     assert order == (0, 1, 2, 3, 4), f"attention_layer({backend.__name__}).stride_order: expected identity, got {order}"
 
@@ -88,8 +98,9 @@ def test_a_layer_defaults_to_the_models_cache_dtype_and_the_plain_layout():
     layer.shape_of(3)
     got = (KVFirst.calls[-1], layer.block_major)
     expected = ((3, 16, 2, 64, "auto"), False)
-    assert got == expected, f"attention_layer(KVFirst) defaults (shape call, block_major): expected {expected}, " \
-                            f"got {got}"
+    assert got == expected, (
+        f"attention_layer(KVFirst) defaults (shape call, block_major): expected {expected}, got {got}"
+    )
 
 
 def test_the_refusal_names_the_backend_by_its_name_or_as_given():
@@ -111,8 +122,9 @@ def test_the_refusal_names_the_backend_by_its_name_or_as_given():
     assert str(info.value) == expected, f"attention_layer(Unnamed()) error: expected {expected!r}, got {info.value}"
 
 
-@pytest.mark.parametrize("shape,expected", [((2, BLOCK_SENTINEL, 16, 8, 64), 1), ((BLOCK_SENTINEL, 2, 16), 0),
-                                            ((4, 16, BLOCK_SENTINEL), 2)])
+@pytest.mark.parametrize(
+    "shape,expected", [((2, BLOCK_SENTINEL, 16, 8, 64), 1), ((BLOCK_SENTINEL, 2, 16), 0), ((4, 16, BLOCK_SENTINEL), 2)]
+)
 def test_block_dim_is_the_one_dimension_of_the_sentinel_block_count(shape, expected):
     assert block_dim(shape) == expected, f"block_dim{shape}: expected {expected}, got {block_dim(shape)}"
 

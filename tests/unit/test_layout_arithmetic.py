@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extensible_kv.layout import (LayoutError, MambaLayer, attention_view, block_major, footprint,
-                                  mamba_state_views)
+from extensible_kv.layout import LayoutError, MambaLayer, attention_view, block_major, footprint, mamba_state_views
 
 SHAPES = ((3, 4), (5,), (2, 2))
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -18,8 +17,9 @@ STATE_BYTES = (3 * 4 * 4, 5 * 2, 2 * 2 * 8)  # 48, 10, 32
 def test_an_unpadded_mamba_page_is_the_sum_of_its_states_bytes():
     layer = MambaLayer("mamba.0", SHAPES, DTYPES)
     got = layer.page_size_bytes()
-    assert type(got) is int and got == sum(STATE_BYTES), \
+    assert type(got) is int and got == sum(STATE_BYTES), (
         f"MambaLayer{SHAPES}.page_size_bytes(): expected int {sum(STATE_BYTES)}, got {got!r}"
+    )
     padded = MambaLayer("mamba.0", SHAPES, DTYPES, page_size_padded=4096).page_size_bytes()
     assert padded == 4096, f"page_size_bytes() with page_size_padded=4096: expected 4096, got {padded}"
 
@@ -37,24 +37,29 @@ def test_mamba_states_lie_back_to_back_in_each_page():
     assert got == expected, f"mamba_state_views (shape, strides, byte offset): expected {expected}, got {got}"
     for k, v in enumerate(views):  # each state's bytes of block 2 lie in page 2 at the state's own offset
         v[2].fill_(k + 1)
-    page2 = raw[2 * page:3 * page]
+    page2 = raw[2 * page : 3 * page]
     filled = [bool(page2[a:b].any()) for a, b in ((0, 48), (48, 64), (64, 96))]
-    assert filled == [True] * 3 and not raw[:2 * page].any(), \
+    assert filled == [True] * 3 and not raw[: 2 * page].any(), (
         f"mamba_state_views: block 2's states must fill page 2 and nothing else, got {raw.view(blocks, page)}"
+    )
 
 
 def test_a_page_counts_each_states_own_element_size():
     # One bfloat16 state of 8 elements fills a 16-byte page exactly (at 4 bytes an element it would need 32).
     raw = torch.zeros(16 * 2, dtype=torch.uint8)
     (view,) = mamba_state_views(raw, ((8,),), (torch.bfloat16,), 16, 2)
-    assert (tuple(view.shape), view.stride()) == ((2, 8), (8, 1)), \
+    assert (tuple(view.shape), view.stride()) == ((2, 8), (8, 1)), (
         f"mamba_state_views((8,) bf16, page 16): expected shape (2, 8) strides (8, 1), got {view.shape} {view.stride()}"
+    )
 
 
-@pytest.mark.parametrize("page,message", [
-    (98, "Mamba state (3, 4) of torch.float32: page 98 or offset 0 is not a multiple of its 4-byte element"),
-    (64, "Mamba states need 96 bytes per block, the page has 64"),
-])
+@pytest.mark.parametrize(
+    "page,message",
+    [
+        (98, "Mamba state (3, 4) of torch.float32: page 98 or offset 0 is not a multiple of its 4-byte element"),
+        (64, "Mamba states need 96 bytes per block, the page has 64"),
+    ],
+)
 def test_mamba_states_that_do_not_fit_the_page_are_refused_naming_the_sizes(page, message):
     raw = torch.zeros(page * 2, dtype=torch.uint8)
     with pytest.raises(LayoutError) as info:
@@ -77,8 +82,9 @@ def test_block_major_keeps_the_views_storage_offset():
     buf = torch.arange(100, dtype=torch.float32)
     view = buf[4:28].view(2, 3, 4)[:, :2]  # (K/V, blocks, hidden), 4 elements in
     got = block_major(view)
-    assert got.storage_offset() == 4 and got.stride() == (4, 8, 1), \
+    assert got.storage_offset() == 4 and got.stride() == (4, 8, 1), (
         f"block_major: expected storage offset 4 and strides (4, 8, 1), got {got.storage_offset()}, {got.stride()}"
+    )
     assert got[1, 0].tolist() == [8.0, 9.0, 10.0, 11.0], f"block_major: V of block 0 at elements 8..11, got {got[1, 0]}"
 
 

@@ -26,6 +26,7 @@ def _recorded(op: str):
     def method(self, *args, **kwargs):
         self.seen.append(op)
         return getattr(HostDriver, op)(self, *args, **kwargs)
+
     return method
 
 
@@ -45,9 +46,10 @@ def ledger():
     for va, size in led.outstanding().reservations.items():
         led.free(va, size)
     inner = led.inner
-    assert not led.outstanding() and not inner._mappings and not inner._reservations, \
-        f"ledger teardown: expected nothing left, got {led.outstanding()}, inner mappings {inner._mappings}, " \
+    assert not led.outstanding() and not inner._mappings and not inner._reservations, (
+        f"ledger teardown: expected nothing left, got {led.outstanding()}, inner mappings {inner._mappings}, "
         f"inner reservations {inner._reservations}"
+    )
 
 
 @dataclass
@@ -75,8 +77,14 @@ def world(ledger):
 
 def state(w: World) -> tuple:
     """Everything a call that reached the inner driver (or the ledger's books) would change."""
-    return (list(w.inner.seen), dict(w.inner._mappings), dict(w.inner._reservations), len(w.ledger.calls),
-            w.ledger.outstanding(), [w.inner.accessible(w.va + k * G) for k in range(4)])
+    return (
+        list(w.inner.seen),
+        dict(w.inner._mappings),
+        dict(w.inner._reservations),
+        len(w.ledger.calls),
+        w.ledger.outstanding(),
+        [w.inner.accessible(w.va + k * G) for k in range(4)],
+    )
 
 
 NOT_A_MULTIPLE = f"not a positive multiple of the granularity {G}"
@@ -86,54 +94,104 @@ VIOLATIONS = {
     "reserve misaligned size": (lambda w: w.ledger.reserve(G + 1, G), f"reserve with size={G + 1}: {NOT_A_MULTIPLE}"),
     "create misaligned size": (lambda w: w.ledger.create(G // 2), f"create with size={G // 2}: {NOT_A_MULTIPLE}"),
     "create zero size": (lambda w: w.ledger.create(0), f"create with size=0: {NOT_A_MULTIPLE}"),
-    "map misaligned va": (lambda w: w.ledger.map(w.va + 2 * G + 1, G, w.spare),
-                          "map with va={va+2G+1:#x}: " + NOT_A_MULTIPLE),
-    "map misaligned size": (lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
-                            f"map with size={G + 1}: {NOT_A_MULTIPLE}"),
-    "map misaligned va and size": (lambda w: w.ledger.map(w.va + 2 * G + 1, G + 1, w.spare),
-                                   "map with va={va+2G+1:#x}, " + f"size={G + 1}: {NOT_A_MULTIPLE}"),
-    "map misaligned offset": (lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
-                              f"map with offset=1: {NOT_A_MULTIPLE}"),
-    "map past the handle": (lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
-                            f"map offset {G} + size {2 * G} exceeds the {2 * G}-byte handle"),
-    "map outside a reservation": (lambda w: w.ledger.map(w.va + 4 * G, G, w.spare),
-                                  "map [{va+4G:#x}, +" + f"{G}) is outside every live reservation"),
-    "map straddling a reservation end": (lambda w: w.ledger.map(w.va + 3 * G, 2 * G, w.spare),
-                                         "map [{va+3G:#x}, +" + f"{2 * G}) is outside every live reservation"),
-    "map overlapping a live mapping": (lambda w: w.ledger.map(w.va + G, 2 * G, w.spare),
-                                       "map [{va+G:#x}, +" + f"{2 * G}) overlaps the live mapping " + "[{va:#x}, +"
-                                       + f"{2 * G}): a granule would be mapped twice"),
-    "map of a handle the ledger did not create": (lambda w: w.ledger.map(w.va + 2 * G, G, w.foreign),
-                                                  "map of a handle that is not live: {foreign!r}"),
-    "unmap first half of a mapping": (lambda w: w.ledger.unmap(w.va, G),
-                                      "unmap({va:#x}, " + f"{G}) is not exactly one live mapping"),
-    "unmap second half of a mapping": (lambda w: w.ledger.unmap(w.va + G, G),
-                                       "unmap({va+G:#x}, " + f"{G}) is not exactly one live mapping"),
-    "unmap more than a mapping": (lambda w: w.ledger.unmap(w.va, 3 * G),
-                                  "unmap({va:#x}, " + f"{3 * G}) is not exactly one live mapping"),
-    "reserve off the granularity's alignment": (lambda w: w.ledger.reserve(G, G + G // 2),
-                                                 f"reserve with alignment={G + G // 2}: {NOT_A_MULTIPLE}"),
-    "set_access misaligned va": (lambda w: w.ledger.set_access(w.va + 1, G),
-                                 "set_access with va={va+1:#x}: " + NOT_A_MULTIPLE),
-    "set_access misaligned size": (lambda w: w.ledger.set_access(w.va, G + 1),
-                                   f"set_access with size={G + 1}: {NOT_A_MULTIPLE}"),
-    "set_access over a partly mapped range": (lambda w: w.ledger.set_access(w.va, 3 * G),
-                                              "set_access [{va:#x}, +" + f"{3 * G}) covers only {2 * G} mapped bytes"),
-    "free with live mappings": (lambda w: w.ledger.free(w.va, 4 * G),
-                                "free({va:#x}, " + f"{4 * G}) with 1 live mapping(s)"),
-    "free with the wrong size": (lambda w: w.ledger.free(w.empty, G),
-                                 "free({empty:#x}, " + f"{G}) is not exactly one live reservation"),
-    "free of an unknown address": (lambda w: w.ledger.free(w.empty + G, G),
-                                   "free({empty+G:#x}, " + f"{G}) is not exactly one live reservation"),
-    "release of an unknown handle": (lambda w: w.ledger.release(w.foreign),
-                                     "release of a handle that is not live: {foreign!r}"),
+    "map misaligned va": (
+        lambda w: w.ledger.map(w.va + 2 * G + 1, G, w.spare),
+        "map with va={va+2G+1:#x}: " + NOT_A_MULTIPLE,
+    ),
+    "map misaligned size": (
+        lambda w: w.ledger.map(w.va + 2 * G, G + 1, w.spare),
+        f"map with size={G + 1}: {NOT_A_MULTIPLE}",
+    ),
+    "map misaligned va and size": (
+        lambda w: w.ledger.map(w.va + 2 * G + 1, G + 1, w.spare),
+        "map with va={va+2G+1:#x}, " + f"size={G + 1}: {NOT_A_MULTIPLE}",
+    ),
+    "map misaligned offset": (
+        lambda w: w.ledger.map(w.va + 2 * G, G, w.spare, 1),
+        f"map with offset=1: {NOT_A_MULTIPLE}",
+    ),
+    "map past the handle": (
+        lambda w: w.ledger.map(w.va + 2 * G, 2 * G, w.spare, G),
+        f"map offset {G} + size {2 * G} exceeds the {2 * G}-byte handle",
+    ),
+    "map outside a reservation": (
+        lambda w: w.ledger.map(w.va + 4 * G, G, w.spare),
+        "map [{va+4G:#x}, +" + f"{G}) is outside every live reservation",
+    ),
+    "map straddling a reservation end": (
+        lambda w: w.ledger.map(w.va + 3 * G, 2 * G, w.spare),
+        "map [{va+3G:#x}, +" + f"{2 * G}) is outside every live reservation",
+    ),
+    "map overlapping a live mapping": (
+        lambda w: w.ledger.map(w.va + G, 2 * G, w.spare),
+        "map [{va+G:#x}, +"
+        + f"{2 * G}) overlaps the live mapping "
+        + "[{va:#x}, +"
+        + f"{2 * G}): a granule would be mapped twice",
+    ),
+    "map of a handle the ledger did not create": (
+        lambda w: w.ledger.map(w.va + 2 * G, G, w.foreign),
+        "map of a handle that is not live: {foreign!r}",
+    ),
+    "unmap first half of a mapping": (
+        lambda w: w.ledger.unmap(w.va, G),
+        "unmap({va:#x}, " + f"{G}) is not exactly one live mapping",
+    ),
+    "unmap second half of a mapping": (
+        lambda w: w.ledger.unmap(w.va + G, G),
+        "unmap({va+G:#x}, " + f"{G}) is not exactly one live mapping",
+    ),
+    "unmap more than a mapping": (
+        lambda w: w.ledger.unmap(w.va, 3 * G),
+        "unmap({va:#x}, " + f"{3 * G}) is not exactly one live mapping",
+    ),
+    "reserve off the granularity's alignment": (
+        lambda w: w.ledger.reserve(G, G + G // 2),
+        f"reserve with alignment={G + G // 2}: {NOT_A_MULTIPLE}",
+    ),
+    "set_access misaligned va": (
+        lambda w: w.ledger.set_access(w.va + 1, G),
+        "set_access with va={va+1:#x}: " + NOT_A_MULTIPLE,
+    ),
+    "set_access misaligned size": (
+        lambda w: w.ledger.set_access(w.va, G + 1),
+        f"set_access with size={G + 1}: {NOT_A_MULTIPLE}",
+    ),
+    "set_access over a partly mapped range": (
+        lambda w: w.ledger.set_access(w.va, 3 * G),
+        "set_access [{va:#x}, +" + f"{3 * G}) covers only {2 * G} mapped bytes",
+    ),
+    "free with live mappings": (
+        lambda w: w.ledger.free(w.va, 4 * G),
+        "free({va:#x}, " + f"{4 * G}) with 1 live mapping(s)",
+    ),
+    "free with the wrong size": (
+        lambda w: w.ledger.free(w.empty, G),
+        "free({empty:#x}, " + f"{G}) is not exactly one live reservation",
+    ),
+    "free of an unknown address": (
+        lambda w: w.ledger.free(w.empty + G, G),
+        "free({empty+G:#x}, " + f"{G}) is not exactly one live reservation",
+    ),
+    "release of an unknown handle": (
+        lambda w: w.ledger.release(w.foreign),
+        "release of a handle that is not live: {foreign!r}",
+    ),
 }
 
 
 def _message(w: World, template: str) -> str:
     """The expected message: the driver's name, then ``template`` with the world's addresses filled in."""
-    values = {"va": w.va, "va+1": w.va + 1, "va+G": w.va + G, "va+2G+1": w.va + 2 * G + 1, "va+3G": w.va + 3 * G,
-              "va+4G": w.va + 4 * G, "empty": w.empty, "empty+G": w.empty + G}
+    values = {
+        "va": w.va,
+        "va+1": w.va + 1,
+        "va+G": w.va + G,
+        "va+2G+1": w.va + 2 * G + 1,
+        "va+3G": w.va + 3 * G,
+        "va+4G": w.va + 4 * G,
+        "empty": w.empty,
+        "empty+G": w.empty + G,
+    }
     text = template.replace("{foreign!r}", repr(w.foreign))
     for key, value in sorted(values.items(), key=lambda kv: -len(kv[0])):
         text = text.replace("{" + key + ":#x}", f"{value:#x}")
@@ -180,11 +238,13 @@ def test_injected_failure_raises_driver_error_without_reaching_the_inner_driver(
     with pytest.raises(DriverError) as info:
         VALID_CALLS[op](world)
     got = (info.type, info.value.operation, world.inner.seen, world.ledger.outstanding())
-    assert got == (DriverError, op, seen, books), \
+    assert got == (DriverError, op, seen, books), (
         f"Ledger.fail({op!r}) then {op}: expected (DriverError, {op!r}, {seen}, {books}), got {got}"
+    )
     VALID_CALLS[op](world)
-    assert world.inner.seen == [*seen, op], \
+    assert world.inner.seen == [*seen, op], (
         f"Ledger.fail({op!r}): expected the retry of {op} to reach the inner driver, inner saw {world.inner.seen}"
+    )
 
 
 @pytest.mark.parametrize("nth", [1, 2, 3])
@@ -198,9 +258,10 @@ def test_fail_nth_makes_exactly_the_nth_next_call_fail(ledger, nth):
         except DriverError as exc:
             outcomes.append(exc.operation)
     expected = ["ok"] * (nth - 1) + ["create", "ok", "ok"]
-    assert outcomes == expected and ledger.inner.seen == ["create"] * (nth + 1), \
-        f"Ledger.fail('create', {nth}) then {nth + 2} creates: expected {expected} with {nth + 1} reaching the " \
+    assert outcomes == expected and ledger.inner.seen == ["create"] * (nth + 1), (
+        f"Ledger.fail('create', {nth}) then {nth + 2} creates: expected {expected} with {nth + 1} reaching the "
         f"inner driver, got {outcomes} with inner calls {ledger.inner.seen}"
+    )
 
 
 def test_fail_raises_the_given_error(ledger):
@@ -216,8 +277,9 @@ def test_fail_rejects_unknown_operations_and_nth_below_one(ledger, op, nth):
     with pytest.raises(ValueError):
         ledger.fail(op, nth)
     ledger.create(G)  # nothing was armed
-    assert ledger.inner.seen == ["create"], \
+    assert ledger.inner.seen == ["create"], (
         f"Ledger.fail({op!r}, {nth}): expected a later create to reach the driver, inner saw {ledger.inner.seen}"
+    )
 
 
 def test_outstanding_reflects_reservations_handles_and_mappings(ledger):
@@ -235,12 +297,21 @@ def test_outstanding_reflects_reservations_handles_and_mappings(ledger):
     ledger.free(va, 2 * G)
     got.append(ledger.outstanding())
     res, mapping = {va: 2 * G}, {va + G: G}
-    expected = [Outstanding(), Outstanding(res), Outstanding(res, 1), Outstanding(res, 1, mapping),
-                Outstanding(res, 0, mapping), Outstanding(res), Outstanding()]
-    assert got == expected, f"Ledger.outstanding() through reserve/create/map/release/unmap/free: " \
-                            f"expected {expected}, got {got}"
-    assert [bool(o) for o in got] == [False] + [True] * 5 + [False], \
+    expected = [
+        Outstanding(),
+        Outstanding(res),
+        Outstanding(res, 1),
+        Outstanding(res, 1, mapping),
+        Outstanding(res, 0, mapping),
+        Outstanding(res),
+        Outstanding(),
+    ]
+    assert got == expected, (
+        f"Ledger.outstanding() through reserve/create/map/release/unmap/free: expected {expected}, got {got}"
+    )
+    assert [bool(o) for o in got] == [False] + [True] * 5 + [False], (
         f"bool(Ledger.outstanding()): expected empty only at both ends, got {[bool(o) for o in got]}"
+    )
 
 
 def test_count_counts_calls_of_an_op_from_an_index_on(world):
@@ -265,9 +336,17 @@ def test_every_call_is_recorded_with_its_arguments_in_order(ledger):
     ledger.unmap(va + G, G)
     ledger.release(handle)
     ledger.free(va, 4 * G)
-    expected = [Call("reserve", (4 * G, 2 * G)), Call("create", (2 * G,)), Call("map", (va + G, G, G)),
-                Call("set_access", (va + G, G)), Call("zero", (va + G, G)), Call("synchronize", ()),
-                Call("unmap", (va + G, G)), Call("release", (id(handle),)), Call("free", (va, 4 * G))]
+    expected = [
+        Call("reserve", (4 * G, 2 * G)),
+        Call("create", (2 * G,)),
+        Call("map", (va + G, G, G)),
+        Call("set_access", (va + G, G)),
+        Call("zero", (va + G, G)),
+        Call("synchronize", ()),
+        Call("unmap", (va + G, G)),
+        Call("release", (id(handle),)),
+        Call("free", (va, 4 * G)),
+    ]
     got = ledger.calls[mark:]
     assert got == expected, f"Ledger.calls: expected {expected}, got {got}"
 
@@ -283,8 +362,10 @@ def test_map_passes_the_offset_to_the_inner_driver(ledger):
     ledger.inner.tensor(va, G, None).fill_(7)
     whole = ledger.inner.tensor(va + G, 2 * G, None)
     got = (int((whole[:G] == 7).sum()), int((whole[G:] == 7).sum()))
-    assert got == (0, G), f"Ledger.map(offset={G}): expected granule 1 of the handle written ({(0, G)} as " \
-                          f"(7s in granule 0, 7s in granule 1)), got {got}"
+    assert got == (0, G), (
+        f"Ledger.map(offset={G}): expected granule 1 of the handle written ({(0, G)} as "
+        f"(7s in granule 0, 7s in granule 1)), got {got}"
+    )
     del whole
     ledger.unmap(va, G)
     ledger.unmap(va + G, 2 * G)
@@ -293,8 +374,12 @@ def test_map_passes_the_offset_to_the_inner_driver(ledger):
 
 
 def test_outstanding_is_true_while_anything_is_held():
-    cases = {"nothing": (Outstanding(), False), "a reservation": (Outstanding({1 << 20: G}), True),
-             "a handle": (Outstanding({}, 1), True), "a mapping": (Outstanding({}, 0, {1 << 20: G}), True)}
+    cases = {
+        "nothing": (Outstanding(), False),
+        "a reservation": (Outstanding({1 << 20: G}), True),
+        "a handle": (Outstanding({}, 1), True),
+        "a mapping": (Outstanding({}, 0, {1 << 20: G}), True),
+    }
     got = {name: bool(o) for name, (o, _) in cases.items()}
     expected = {name: truth for name, (_, truth) in cases.items()}
     assert got == expected, f"bool(Outstanding): expected {expected}, got {got}"

@@ -26,8 +26,10 @@ def test_a_write_cut_short_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_p
         write(path, CaseSpec(model="second", runner="v2", backend="FLASH_ATTN", mode="extensible"))
     monkeypatch.undo()
     got = (path.read_text() == before, sorted(p.name for p in tmp_path.iterdir()))
-    assert got == (True, ["case.json"]), f"measurements.write interrupted mid-file: expected case.json unchanged " \
-                                         f"and alone, got (unchanged, files) = {got}"
+    assert got == (True, ["case.json"]), (
+        f"measurements.write interrupted mid-file: expected case.json unchanged "
+        f"and alone, got (unchanged, files) = {got}"
+    )
 
 
 def test_a_write_replaces_the_file_whole(tmp_path):
@@ -36,13 +38,20 @@ def test_a_write_replaces_the_file_whole(tmp_path):
     write(path, CaseSpec(model="second", runner="v2", backend="FLASH_ATTN", mode="extensible"))
     got = CaseSpec.model_validate_json(path.read_text())
     files = sorted(p.name for p in path.parent.iterdir())
-    assert (got.model, files) == ("second", ["case.json"]), f"measurements.write twice: expected the second model " \
-                                                            f"alone in the folder, got {got.model!r} and {files}"
+    assert (got.model, files) == ("second", ["case.json"]), (
+        f"measurements.write twice: expected the second model alone in the folder, got {got.model!r} and {files}"
+    )
 
 
 # -- numbers a device can hold (Note [Numbers a device can hold] in extensible_kv.measurements) ----------------------
-CASE = Path(__file__).resolve().parent / "report_fixtures" / "full" / "integration" / "call1" / \
-    "tiny-llama-v1-FLASH_ATTN-extensible.json"
+CASE = (
+    Path(__file__).resolve().parent
+    / "report_fixtures"
+    / "full"
+    / "integration"
+    / "call1"
+    / "tiny-llama-v1-FLASH_ATTN-extensible.json"
+)
 
 
 def _case_with(tmp_path: Path, path: tuple, value: object) -> Path:
@@ -74,14 +83,16 @@ def test_a_number_beyond_what_hardware_holds_is_refused_naming_the_file_and_fiel
     with pytest.raises(BadFile) as caught:
         read(bad, IntegrationCase)
     message = str(caught.value)
-    assert message.startswith(f"{bad}: {field} should be ") and ("2**63" in message or "2**40" in message), \
-        f"read(IntegrationCase) of {field} = {str(value)[:20]}: expected a BadFile naming the file, the field and " \
+    assert message.startswith(f"{bad}: {field} should be ") and ("2**63" in message or "2**40" in message), (
+        f"read(IntegrationCase) of {field} = {str(value)[:20]}: expected a BadFile naming the file, the field and "
         f"its limit, got {message!r}"
+    )
 
 
 def test_the_largest_numbers_a_device_holds_are_kept(tmp_path):
     ok = read(_case_with(tmp_path, ("memory", "num_gpu_blocks"), 2**40 - 1), IntegrationCase)
-    assert ok.memory.num_gpu_blocks == 2**40 - 1, f"read(IntegrationCase): expected 2**40 - 1 blocks kept, got " \
-                                                  f"{ok.memory.num_gpu_blocks}"
+    assert ok.memory.num_gpu_blocks == 2**40 - 1, (
+        f"read(IntegrationCase): expected 2**40 - 1 blocks kept, got {ok.memory.num_gpu_blocks}"
+    )
     ok = read(_case_with(tmp_path, ("memory", "total"), 2**63 - 1), IntegrationCase)
     assert ok.memory.total == 2**63 - 1, f"read(IntegrationCase): expected 2**63 - 1 bytes kept, got {ok.memory.total}"

@@ -19,37 +19,56 @@ GRANULES = "extensible_kv.granules.x_merge__mutmut_{}"
 
 
 def test_score_counts_timeouts_and_faults_as_killed_and_leaves_equivalents_out():
-    results = {HOST.format(1): "killed", HOST.format(2): "timeout", HOST.format(3): "segfault",
-               HOST.format(4): "survived", HOST.format(5): "survived", HOST.format(6): "not checked",
-               GRANULES.format(1): "killed", GRANULES.format(2): "no tests"}
+    results = {
+        HOST.format(1): "killed",
+        HOST.format(2): "timeout",
+        HOST.format(3): "segfault",
+        HOST.format(4): "survived",
+        HOST.format(5): "survived",
+        HOST.format(6): "not checked",
+        GRANULES.format(1): "killed",
+        GRANULES.format(2): "no tests",
+    }
     got = mutation.score(results, {HOST.format(5): "cannot change behaviour"}, ["drivers/host.py", "granules.py"])
     host = got["files"]["drivers/host.py"]
-    expected = {"mutants": 6, "killed": 3, "equivalent": 1, "survived": 1, "no_tests": 0, "not_checked": 1,
-                "score": round(3 / 5, 4)}
+    expected = {
+        "mutants": 6,
+        "killed": 3,
+        "equivalent": 1,
+        "survived": 1,
+        "no_tests": 0,
+        "not_checked": 1,
+        "score": round(3 / 5, 4),
+    }
     assert host == expected, f"score(drivers/host.py): expected {expected}, got {host}"
     assert got["files"]["granules.py"]["score"] == 0.5, got["files"]["granules.py"]
     listed = [s["mutant"] for s in got["survivors"]]
-    assert listed == [HOST.format(4), HOST.format(6), GRANULES.format(2)], \
+    assert listed == [HOST.format(4), HOST.format(6), GRANULES.format(2)], (
         f"survivors: expected the unkilled mutants not listed as equivalent, got {listed}"
+    )
 
 
 def test_merge_joins_runs_over_disjoint_files_and_refuses_a_file_scored_twice(tmp_path):
     a = {"tool": "mutmut", "driver": "host-4k", "files": {"granules.py": {"score": 1.0}}, "survivors": []}
-    b = {"tool": "mutmut", "driver": "host-4k", "files": {"drivers/host.py": {"score": 0.99}},
-         "survivors": [{"mutant": HOST.format(4), "status": "survived"}]}
+    b = {
+        "tool": "mutmut",
+        "driver": "host-4k",
+        "files": {"drivers/host.py": {"score": 0.99}},
+        "survivors": [{"mutant": HOST.format(4), "status": "survived"}],
+    }
     paths = []
     for name, part in (("a.json", a), ("b.json", b), ("c.json", a)):
         (tmp_path / name).write_text(json.dumps(part))
         paths.append(str(tmp_path / name))
     merged = mutation.merge(paths[:2])
-    assert set(merged["files"]) == {"granules.py", "drivers/host.py"} and merged["survivors"] == b["survivors"], \
+    assert set(merged["files"]) == {"granules.py", "drivers/host.py"} and merged["survivors"] == b["survivors"], (
         f"merge(a, b): expected both files and b's survivor, got {merged}"
+    )
     with pytest.raises(SystemExit, match=r"granules.py is scored in both .*a.json and .*c.json"):
         mutation.merge([paths[0], paths[2]])
 
 
-def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_is_scored(tmp_path, monkeypatch,
-                                                                                         capsys):
+def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_is_scored(tmp_path, monkeypatch, capsys):
     # mutmut exits 1 when its stats or clean-test run fails; the verdicts left on disk are then an earlier run's.
     class FailingRun:
         def __init__(self, argv, cwd, stdout, stderr, start_new_session, env):
@@ -67,19 +86,23 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
     out = tmp_path / "score.json"
     code = mutation.main(["--files", "granules.py", "--out", str(out)])
     err = capsys.readouterr().err
-    assert (code, out.exists()) == (1, False), f"ci/mutation.py after mutmut exited 1: expected (1, no {out}), got " \
-                                               f"({code}, {out.exists()})"
-    assert "mutmut run exited 1" in err and "Failed to run clean test" in err and "test_x.py::test_y" in err, \
+    assert (code, out.exists()) == (1, False), (
+        f"ci/mutation.py after mutmut exited 1: expected (1, no {out}), got ({code}, {out.exists()})"
+    )
+    assert "mutmut run exited 1" in err and "Failed to run clean test" in err and "test_x.py::test_y" in err, (
         f"ci/mutation.py after mutmut exited 1: expected the exit code and mutmut's last lines on stderr, got {err!r}"
+    )
 
 
-@pytest.mark.parametrize("rules_only,selection",
-                         [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')])
+@pytest.mark.parametrize(
+    "rules_only,selection", [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')]
+)
 def test_the_rules_only_mode_selects_the_rules_alone(tmp_path, monkeypatch, rules_only, selection):
     monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
     monkeypatch.setattr(mutation, "COPIED", ())  # the package only: the selection is what is checked
     mutation._prepare(["drivers/host.py"], rules_only=rules_only)
     config = (tmp_path / "work" / "pyproject.toml").read_text()
     line = next(x for x in config.splitlines() if x.startswith("pytest_add_cli_args_test_selection"))
-    assert selection in line, f"_prepare(rules_only={rules_only}): expected the test selection to start " \
-                              f"{selection!r}, got {line!r}"
+    assert selection in line, (
+        f"_prepare(rules_only={rules_only}): expected the test selection to start {selection!r}, got {line!r}"
+    )

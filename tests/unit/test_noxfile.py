@@ -21,16 +21,20 @@ CASES = {
     "find-links": ({"PIP_FIND_LINKS": "/opt/wheels"}, False, None),
     "no index": ({"PIP_NO_INDEX": "1"}, False, None),
     "an empty variable is no source": ({"PIP_CONSTRAINT": ""}, False, CPU),
-    "another index named": ({"EXTENSIBLE_KV_TORCH_INDEX": "https://mirror.example/cpu"}, False,
-                            "https://mirror.example/cpu"),
+    "another index named": (
+        {"EXTENSIBLE_KV_TORCH_INDEX": "https://mirror.example/cpu"},
+        False,
+        "https://mirror.example/cpu",
+    ),
     "named even over a constraint file": ({"EXTENSIBLE_KV_TORCH_INDEX": CPU, "PIP_CONSTRAINT": "c.txt"}, False, CPU),
     "the step turned off": ({"EXTENSIBLE_KV_TORCH_INDEX": ""}, False, None),
 }
 
 
 @pytest.mark.parametrize(("environ", "gpu", "expected"), CASES.values(), ids=CASES.keys())
-def test_the_sessions_take_torch_from_the_cpu_index_only_on_a_machine_without_gpu_or_pip_sources(environ, gpu,
-                                                                                                  expected):
+def test_the_sessions_take_torch_from_the_cpu_index_only_on_a_machine_without_gpu_or_pip_sources(
+    environ, gpu, expected
+):
     sys.path.insert(0, str(ROOT))
     try:
         import noxfile  # noqa: PLC0415
@@ -40,9 +44,16 @@ def test_the_sessions_take_torch_from_the_cpu_index_only_on_a_machine_without_gp
     assert got == expected, f"torch_index({environ}, gpu={gpu}): expected {expected!r}, got {got!r}"
 
 
-@pytest.mark.parametrize(("environ", "gpu", "words"), [
-    ({}, False, "no GPU here"), ({}, True, "has a GPU"), ({"PIP_FIND_LINKS": "/w"}, False, "PIP_FIND_LINKS"),
-    ({"EXTENSIBLE_KV_TORCH_INDEX": ""}, False, "set empty")], ids=["cpu", "gpu", "find-links", "off"])
+@pytest.mark.parametrize(
+    ("environ", "gpu", "words"),
+    [
+        ({}, False, "no GPU here"),
+        ({}, True, "has a GPU"),
+        ({"PIP_FIND_LINKS": "/w"}, False, "PIP_FIND_LINKS"),
+        ({"EXTENSIBLE_KV_TORCH_INDEX": ""}, False, "set empty"),
+    ],
+    ids=["cpu", "gpu", "find-links", "off"],
+)
 def test_the_sessions_say_why_they_take_torch_from_where_they_do(environ, gpu, words):
     sys.path.insert(0, str(ROOT))
     try:

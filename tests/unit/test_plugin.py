@@ -45,12 +45,19 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT / "reference"), str(ROOT)])
     # The checkout's copy, loaded once (an install made before the suite's entry point was dropped is blocked).
     plugin = ["-p", "no:extensible_kv_conformance", "-p", "conformance.plugin"]
-    return subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "-v", "-s", *args],
-                          cwd=tmp_path, env={**env, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "-v", "-s", *args],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize(("args", "header"), [([], False), (["--driver", "host-4k"], True)],
-                         ids=["not asked", "--driver given"])
+@pytest.mark.parametrize(
+    ("args", "header"), [([], False), (["--driver", "host-4k"], True)], ids=["not asked", "--driver given"]
+)
 def test_the_plugin_leaves_another_project_alone(tmp_path, args, header):
     proc = _run(tmp_path, *args)
     out = proc.stdout + proc.stderr
@@ -61,7 +68,13 @@ def test_the_plugin_leaves_another_project_alone(tmp_path, args, header):
         "the suite's header": "driver host-4k: available" in out or "extensible_kv 0.1.0" in out,
         "the suite's summary": "extensible-kv conformance summary" in out,
     }
-    want = {"exit": 0, "their test ran once, unparametrized": True, "their hypothesis default": True,
-            "the suite's header": header, "the suite's summary": False}
-    assert got == want, f"pytest -p conformance.plugin {' '.join(args)} in another project: expected {want}, got " \
-                        f"{got}\n{out[-3000:]}"
+    want = {
+        "exit": 0,
+        "their test ran once, unparametrized": True,
+        "their hypothesis default": True,
+        "the suite's header": header,
+        "the suite's summary": False,
+    }
+    assert got == want, (
+        f"pytest -p conformance.plugin {' '.join(args)} in another project: expected {want}, got {got}\n{out[-3000:]}"
+    )

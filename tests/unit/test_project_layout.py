@@ -18,7 +18,7 @@ def _imported_modules(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
             module = ".".join([*base, *(node.module.split(".") if node.module else [])])
             names += [module] + [f"{module}.{alias.name}" for alias in node.names]
     return names
@@ -35,7 +35,10 @@ def test_no_test_module_imports_another_test_module():
 
 
 def test_the_reference_package_never_imports_pytest():
-    found = [f"{path.relative_to(ROOT)} imports {name}"
-             for path in sorted((ROOT / "reference").rglob("*.py")) for name in _imported_modules(path)
-             if name == "pytest" or name.startswith(("pytest.", "_pytest"))]
+    found = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "reference").rglob("*.py"))
+        for name in _imported_modules(path)
+        if name == "pytest" or name.startswith(("pytest.", "_pytest"))
+    ]
     assert found == [], f"reference/ must not import pytest: {found}"

@@ -17,8 +17,9 @@ def test_the_protocol_class_defines_exactly_the_driver_methods_in_their_order():
     methods = tuple(name for name, value in vars(Driver).items() if callable(value) and not name.startswith("_"))
     attributes = tuple(vars(Driver)["__annotations__"])
     got = (methods, attributes)
-    assert got == (DRIVER_METHODS, DRIVER_ATTRIBUTES), \
+    assert got == (DRIVER_METHODS, DRIVER_ATTRIBUTES), (
         f"Driver: expected methods {DRIVER_METHODS} and attributes {DRIVER_ATTRIBUTES}, got {got}"
+    )
 
 
 def test_each_protocol_method_has_its_contract_in_its_docstring():
@@ -26,8 +27,9 @@ def test_each_protocol_method_has_its_contract_in_its_docstring():
     assert missing == [], f"Driver methods without a docstring naming their rules: {missing}"
 
 
-@pytest.mark.parametrize("cls", [Ledger, HostDriver, cuda.CudaDriver, hip.HipDriver],
-                         ids=["Ledger", "HostDriver", "CudaDriver", "HipDriver"])
+@pytest.mark.parametrize(
+    "cls", [Ledger, HostDriver, cuda.CudaDriver, hip.HipDriver], ids=["Ledger", "HostDriver", "CudaDriver", "HipDriver"]
+)
 def test_every_driver_class_implements_every_protocol_method(cls):
     missing = [name for name in DRIVER_METHODS if not callable(getattr(cls, name, None))]
     assert missing == [], f"{cls.__name__}: expected every protocol method, missing {missing}"
@@ -62,8 +64,18 @@ def test_device_array_is_public_and_describes_the_memory_and_holds_its_keeper():
     keeper = object()
     array = DeviceArray(0x7000_0000_0000, 8192, keeper)
     got = ("DeviceArray" in drivers.__all__, array.__cuda_array_interface__, array.keeper is keeper)
-    want = (True, {"shape": (8192,), "typestr": "|u1", "data": (0x7000_0000_0000, False), "version": 3,
-                   "strides": None, "stream": None}, True)
+    want = (
+        True,
+        {
+            "shape": (8192,),
+            "typestr": "|u1",
+            "data": (0x7000_0000_0000, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        },
+        True,
+    )
     assert got == want, f"extensible_kv.drivers.DeviceArray: expected {want}, got {got}"
 
 

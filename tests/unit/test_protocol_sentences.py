@@ -44,26 +44,31 @@ def test_the_protocol_writes_each_id_once_and_each_method_states_its_promises_wi
     ids = protocol_ids()
     twice = sorted({i for i in ids if ids.count(i) > 1})
     bare = [m for m in DRIVER_METHODS if not DEFINED.search(getattr(Driver, m).__doc__ or "")]
-    assert (twice, bare, len(ids) > 0) == ([], [], True), \
-        f"drivers/_protocol.py: expected every id defined once and an id in every method's docstring, got ids " \
+    assert (twice, bare, len(ids) > 0) == ([], [], True), (
+        f"drivers/_protocol.py: expected every id defined once and an id in every method's docstring, got ids "
         f"defined more than once {twice}, methods without an id {bare}, {len(ids)} ids in all"
+    )
 
 
 def test_the_model_implements_every_protocol_id_and_names_no_other():
     ids = set(protocol_ids())
     named = set(NAMED.findall((SUITE / "protocol_model.py").read_text()))
     got = (sorted(ids - set(IMPLEMENTED)), sorted(set(IMPLEMENTED) - ids), sorted(named - ids))
-    assert got == ([], [], []), \
-        f"conformance/protocol_model.py: expected a clause for every protocol id and no other id, got ids without " \
+    assert got == ([], [], []), (
+        f"conformance/protocol_model.py: expected a clause for every protocol id and no other id, got ids without "
         f"a clause {got[0]}, clauses of ids the protocol lacks {got[1]}, other ids named {got[2]}"
+    )
 
 
 def test_a_rule_names_every_protocol_id_and_the_rules_name_no_other():
     ids = set(protocol_ids())
     docs = rule_docstrings()
-    named = {i: sorted(k for k, doc in docs.items() if i in NAMED.findall(doc))
-             for i in {n for doc in docs.values() for n in NAMED.findall(doc)}}
+    named = {
+        i: sorted(k for k, doc in docs.items() if i in NAMED.findall(doc))
+        for i in {n for doc in docs.values() for n in NAMED.findall(doc)}
+    }
     got = (sorted(ids - set(named)), {i: where for i, where in sorted(named.items()) if i not in ids})
-    assert got == ([], {}), \
-        f"conformance/*.py: expected a rule naming every protocol id and none naming another, got ids no " \
+    assert got == ([], {}), (
+        f"conformance/*.py: expected a rule naming every protocol id and none naming another, got ids no "
         f"rule names {got[0]}, unknown ids and the rules naming them {got[1]}"
+    )

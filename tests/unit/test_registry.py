@@ -38,31 +38,39 @@ BAD_SPECS = {
 def test_get_driver_refuses_a_bad_spec_with_driver_load_error_naming_it(spec):
     with pytest.raises(DriverLoadError) as info:
         drivers.get_driver(spec)
-    assert repr(spec) in str(info.value), \
+    assert repr(spec) in str(info.value), (
         f"get_driver({spec!r}): expected a DriverLoadError naming {spec!r}, got {str(info.value)!r}"
+    )
 
 
-@pytest.mark.parametrize(("factory", "missing"), [
-    ("partial", [m for m in drivers.DRIVER_METHODS if m not in ("granularity", "reserve")]
-     + ["device", "max_handle_bytes"]),
-    ("bare", [*drivers.DRIVER_METHODS, "name", "device", "max_handle_bytes"]),
-])
+@pytest.mark.parametrize(
+    ("factory", "missing"),
+    [
+        (
+            "partial",
+            [m for m in drivers.DRIVER_METHODS if m not in ("granularity", "reserve")] + ["device", "max_handle_bytes"],
+        ),
+        ("bare", [*drivers.DRIVER_METHODS, "name", "device", "max_handle_bytes"]),
+    ],
+)
 def test_get_driver_refuses_a_factory_result_lacking_the_protocol_and_lists_what_is_missing(factory, missing):
     spec = f"{FACTORIES}:{factory}"
     with pytest.raises(DriverLoadError) as info:
         drivers.get_driver(spec)
     message = str(info.value)
     named = set(re.findall(r"\w+", message.rpartition("lacks the protocol's")[2]))
-    assert spec in message and named == set(missing), \
+    assert spec in message and named == set(missing), (
         f"get_driver({spec!r}): expected a message naming the spec and exactly {sorted(missing)}, got {message!r}"
+    )
 
 
 @pytest.mark.skipif(drivers.probe("cuda") is None, reason="a CUDA driver can run here")
 def test_get_driver_raises_driver_unavailable_for_cuda_without_a_gpu():
     with pytest.raises(DriverUnavailable) as info:
         drivers.get_driver("cuda")
-    assert "'cuda'" in str(info.value), \
+    assert "'cuda'" in str(info.value), (
         f"get_driver('cuda'): expected DriverUnavailable naming 'cuda', got {str(info.value)!r}"
+    )
 
 
 def test_registered_lists_gpu_drivers_first_and_includes_the_host_drivers(registry):
@@ -70,8 +78,9 @@ def test_registered_lists_gpu_drivers_first_and_includes_the_host_drivers(regist
     drivers.register("zzz-gpu", object, lambda: None, gpu=True)
     names = drivers.registered()
     gpu_flags = [registry[n].gpu for n in names]
-    assert gpu_flags == sorted(gpu_flags, reverse=True) and {"host", "host-4k", "cuda"} <= set(names), \
+    assert gpu_flags == sorted(gpu_flags, reverse=True) and {"host", "host-4k", "cuda"} <= set(names), (
         f"registered(): expected GPU drivers first and host, host-4k, cuda present, got {names} (gpu {gpu_flags})"
+    )
 
 
 def test_best_available_is_host_when_no_gpu_probe_passes(registry):
@@ -86,8 +95,9 @@ def test_best_available_is_the_first_gpu_driver_whose_probe_passes(registry):
     drivers.register("aaa-gpu-down", object, lambda: "no device (test)", gpu=True)
     drivers.register("aab-gpu-up", object, lambda: None, gpu=True)
     got = drivers.best_available()
-    assert got == "aab-gpu-up", f"best_available() with 'aaa-gpu-down' failing and 'aab-gpu-up' passing: " \
-                                f"expected 'aab-gpu-up', got {got!r}"
+    assert got == "aab-gpu-up", (
+        f"best_available() with 'aaa-gpu-down' failing and 'aab-gpu-up' passing: expected 'aab-gpu-up', got {got!r}"
+    )
 
 
 @pytest.mark.parametrize("name", ["pkg:factory", ":", "host:", ""])
@@ -100,8 +110,9 @@ def test_register_refuses_empty_names_and_names_containing_a_colon(registry, nam
 def test_a_module_factory_spec_loads_a_working_driver():
     spec = f"{FACTORIES}:host_4k"
     drv = drivers.get_driver(spec)
-    assert (drv.name, drv.granularity()) == ("unit-host-4k", 4096), \
+    assert (drv.name, drv.granularity()) == ("unit-host-4k", 4096), (
         f"get_driver({spec!r}): expected ('unit-host-4k', 4096), got {(drv.name, drv.granularity())}"
+    )
     va = drv.reserve(2 * 4096, 4096)
     handle = drv.create(4096)
     try:
@@ -115,5 +126,6 @@ def test_a_module_factory_spec_loads_a_working_driver():
     finally:
         drv.release(handle)
         drv.free(va, 2 * 4096)
-    assert state == (True, False, 7 * 4096), \
+    assert state == (True, False, 7 * 4096), (
         f"{spec} driver: expected (mapped, unmapped, sum) == (True, False, {7 * 4096}), got {state}"
+    )

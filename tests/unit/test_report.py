@@ -141,8 +141,12 @@ def test_conformance_counts_equal_the_input(full):
         for key in ("passed", "failed", "skipped", "granularity", "commit_gb_per_s", "commit_bytes"):
             assert got[key] == want[key], f"{name}: summary.json {key} = {got[key]}, input {want[key]}"
         row = md_row(md, "file", name, needs="passed")
-        assert (row["driver"], row["passed"], row["failed"], row["skipped"]) == \
-            (want["driver"], str(want["passed"]), str(want["failed"]), str(want["skipped"])), row
+        assert (row["driver"], row["passed"], row["failed"], row["skipped"]) == (
+            want["driver"],
+            str(want["passed"]),
+            str(want["failed"]),
+            str(want["skipped"]),
+        ), row
         assert row["commit probe (GB/s)"] == f"{want['commit_gb_per_s']:,.2f}"
         outcomes = {}
         for t in data["tests"]:
@@ -179,14 +183,18 @@ def test_commit_benchmark_numbers_equal_the_input(full):
 def test_scaling_and_kv_growth_rows_equal_the_input(full):
     _, md, _, _ = full
     rows = [r for t in md_tables(md) for r in t if "us per handle" in r]
-    scale = sorted((b for b in read_json(FULL / "bench-cuda.json")["benchmarks"]
-                    if b["extra_info"]["key"].startswith("scale/")),
-                   key=lambda b: (b["extra_info"]["nominal_gib"], b["extra_info"]["segments"]))
+    scale = sorted(
+        (b for b in read_json(FULL / "bench-cuda.json")["benchmarks"] if b["extra_info"]["key"].startswith("scale/")),
+        key=lambda b: (b["extra_info"]["nominal_gib"], b["extra_info"]["segments"]),
+    )
     assert len(rows) == len(scale)
     for row, b in zip(rows, scale):
         x = b["extra_info"]
-        assert (row["nominal (GiB)"], row["segments"], row["handles"]) == \
-            (str(x["nominal_gib"]), str(x["segments"]), str(x["handles"])), row
+        assert (row["nominal (GiB)"], row["segments"], row["handles"]) == (
+            str(x["nominal_gib"]),
+            str(x["segments"]),
+            str(x["handles"]),
+        ), row
         assert row["median (ms)"] == ms(b["stats"]["median"]) and row["GB/s"] == gbps(x["bytes"], b["stats"]["median"])
         assert row["bytes per handle (MiB)"] == f"{x['bytes'] / x['handles'] / MIB:,.2f}"
     kv = bench_entry("kv/1seg/fresh")
@@ -235,8 +243,9 @@ def test_memory_segments_follow_the_documented_formulas(full):
     backed, committed = ext["extensible"]["kv"]["backed_bytes"], ext["extensible"]["kv"]["committed_bytes"]
     assert e["kv_committed"] == committed and e["kv_padding"] == backed - committed
     assert e["graph_pools"] == em["cudagraph_memory"]
-    assert e["other_non_kv"] == (em["init_free"] - em["free_after_warmup"] - backed - em["weights"]
-                                 - em["cudagraph_memory"])
+    assert e["other_non_kv"] == (
+        em["init_free"] - em["free_after_warmup"] - backed - em["weights"] - em["cudagraph_memory"]
+    )
     growth = em["peak"]["growth"]  # measured at the peak-shaped batch, never derived from the profiled peak
     headroom = growth["before_batch"]["torch_reserved"] + growth["during_batch"]["torch_reserved"]
     assert e["activation_headroom"] == headroom and headroom > 0
@@ -249,8 +258,10 @@ def test_memory_segments_follow_the_documented_formulas(full):
     row = md_row(md, "case file", EXT, needs="over budget at peak")
     assert row["over budget at peak"] == f"{e['over_budget_at_peak'] / MIB:+,.2f}", row
     assert row["torch growth at the measured peak"] == f"{headroom / MIB:,.2f}", row
-    glance = ("Memory beyond gpu_memory_utilization at the measured peak, extensible and entry-point "
-              f"runs: {e['over_budget_at_peak'] / MIB:+,.2f} MiB (1 of 2 run(s) recorded it).")
+    glance = (
+        "Memory beyond gpu_memory_utilization at the measured peak, extensible and entry-point "
+        f"runs: {e['over_budget_at_peak'] / MIB:+,.2f} MiB (1 of 2 run(s) recorded it)."
+    )
     assert glance in md, f"at a glance: expected {glance!r}"
 
 
@@ -275,8 +286,9 @@ def test_backend_validation_comes_from_the_json(full):
     _, md, summary, _ = full
     data = read_json(FULL / "validate-backend-cuda.json")["results"]
     rows = summary["backend_validation"]
-    assert [(r["backend"], r["kv_layout"], r["ok"]) for r in rows] == [(r["backend"], r["kv_layout"], r["ok"])
-                                                                       for r in data]
+    assert [(r["backend"], r["kv_layout"], r["ok"]) for r in rows] == [
+        (r["backend"], r["kv_layout"], r["ok"]) for r in data
+    ]
     failed = next(r for r in data if not r["ok"])
     not_ok = [c["name"] for c in failed["checks"] if not c["ok"]]
     assert rows[1]["checks_not_ok"] == not_ok and rows[1]["segments"] == failed["segments"], rows[1]
@@ -330,13 +342,17 @@ def test_missing_inputs_read_not_measured_and_no_default_numbers(partial):
     assert "not measured" in html
 
 
-@pytest.mark.parametrize("second_legacy,ext_tokens,outcome,deterministic,identical", [
-    ("same", "same", "identical", "yes", "yes"),
-    ("same", "changed", "differs", "yes", "no"),
-    ("changed", "same", "baseline nondeterministic", "no", "not measured"),
-])
+@pytest.mark.parametrize(
+    "second_legacy,ext_tokens,outcome,deterministic,identical",
+    [
+        ("same", "same", "identical", "yes", "yes"),
+        ("same", "changed", "differs", "yes", "no"),
+        ("changed", "same", "baseline nondeterministic", "no", "not measured"),
+    ],
+)
 def test_greedy_parity_names_a_nondeterministic_baseline_with_its_first_difference(
-        tmp_path, second_legacy, ext_tokens, outcome, deterministic, identical):
+    tmp_path, second_legacy, ext_tokens, outcome, deterministic, identical
+):
     run = tmp_path / "run"
     (run / "integration").mkdir(parents=True)
     legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
@@ -352,8 +368,11 @@ def test_greedy_parity_names_a_nondeterministic_baseline_with_its_first_differen
     got = (row["legacy runs"], row["baseline deterministic?"], row["tokens identical?"], row["outcome"])
     assert got == ("2", deterministic, identical, outcome), f"parity row: expected {outcome}, got {row}"
     if outcome != "identical":
-        first = (f"prompt 0 first differs at token 3: {tokens[0][3:7]} vs {changed[0][3:7]}"
-                 if second_legacy == "changed" else f"{changed[0][3:7]} vs {tokens[0][3:7]}")
+        first = (
+            f"prompt 0 first differs at token 3: {tokens[0][3:7]} vs {changed[0][3:7]}"
+            if second_legacy == "changed"
+            else f"{changed[0][3:7]} vs {tokens[0][3:7]}"
+        )
         assert first in row["detail"], f"parity detail: expected the first difference {first!r}, got {row['detail']!r}"
 
 
@@ -362,8 +381,9 @@ def test_a_refused_combination_is_listed_with_vllms_reason_and_left_out_of_the_a
     rel = "call1/tiny-llama-v2-FLEX_ATTENTION-legacy.json"
     reason = case_file(PARTIAL, rel)["refused"]
     listed = section(md, "vLLM integration: memory accounting").split("### Refused combinations", 1)[-1]
-    assert f"- {rel}: {reason}\n" in listed.split("###")[0], \
+    assert f"- {rel}: {reason}\n" in listed.split("###")[0], (
         f"refused case: expected {rel!r} with {reason!r} under Refused combinations, got {listed[:400]!r}"
+    )
     assert all(c["path"] != rel for c in summary["integration"]["cases"]), "a refused case has no memory figures"
 
 
@@ -486,10 +506,13 @@ def test_the_report_writes_only_into_its_output_folder_which_git_ignores(tmp_pat
     outside = [p for p in written if not p.startswith(out.as_posix() + "/")]
     assert written and not outside, f"report {run.name}: expected files only under {out}/, got {outside or written}"
     assert (tmp_path / out / "report.html").is_file(), f"report {run.name}: no report.html in {out}/: {written}"
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True,
-                             check=False)
-    assert ignored.stdout.split() == written, f"git check-ignore {written}: expected every rendered file ignored, " \
-                                              f"got {ignored.stdout.split()} (exit {ignored.returncode})"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert ignored.stdout.split() == written, (
+        f"git check-ignore {written}: expected every rendered file ignored, "
+        f"got {ignored.stdout.split()} (exit {ignored.returncode})"
+    )
 
 
 # -- the writers: their files read back through the schema and render ----------------------------------------------
@@ -497,8 +520,9 @@ def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # a child pytest, not a worker
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "reference"), str(ROOT)])
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(args)}: expected exit 0, got {proc.returncode}\n{proc.stdout[-3000:]}" \
-                                 f"{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(args)}: expected exit 0, got {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -507,18 +531,49 @@ def test_the_writers_files_load_through_the_schema_and_render(tmp_path):
     import torch
 
     out = tmp_path / "out"
-    _run("-m", "pytest", "conformance/test_driver_contract.py", "-k", "granularity_is_a_positive", "--driver",
-         "host-4k", f"--summary-json={out}/conformance-host-4k.json", "-p", "no:cacheprovider", "-q")
+    _run(
+        "-m",
+        "pytest",
+        "conformance/test_driver_contract.py",
+        "-k",
+        "granularity_is_a_positive",
+        "--driver",
+        "host-4k",
+        f"--summary-json={out}/conformance-host-4k.json",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    )
     summary = read(out / "conformance-host-4k.json", ConformanceSummary)
     assert summary.torch == torch.__version__ and summary.drivers[0].driver == "host-4k", summary
     assert summary.drivers[0].passed == len(summary.tests) >= 1, summary
-    _run("-m", "pytest", "bench/test_commit.py::test_commit_scaling[1GiB-1seg]", "--bench-driver", "host-4k",
-         "--benchmark-enable", f"--benchmark-json={out}/bench-host-4k.json", "-p", "no:cacheprovider", "-q")
+    _run(
+        "-m",
+        "pytest",
+        "bench/test_commit.py::test_commit_scaling[1GiB-1seg]",
+        "--bench-driver",
+        "host-4k",
+        "--benchmark-enable",
+        f"--benchmark-json={out}/bench-host-4k.json",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    )
     bench = read(out / "bench-host-4k.json", BenchmarkFile)
     machine = bench.machine_info.environment
     assert machine is not None and machine.torch == torch.__version__ and machine.python, bench.machine_info
-    _run("-m", "extensible_kv", "validate-backend", "tests.unit._factories:KVFirstBackend", "--driver",
-         "host-4k", "--layout", "both", "--json", str(out / "validate-backend-host-4k.json"))
+    _run(
+        "-m",
+        "extensible_kv",
+        "validate-backend",
+        "tests.unit._factories:KVFirstBackend",
+        "--driver",
+        "host-4k",
+        "--layout",
+        "both",
+        "--json",
+        str(out / "validate-backend-host-4k.json"),
+    )
     results = read(out / "validate-backend-host-4k.json", BackendValidation).results
     assert [(r.kv_layout, r.ok, r.driver) for r in results] == [("NHD", True, "host-4k"), ("HND", True, "host-4k")]
     (out / "environment.json").unlink()
@@ -539,8 +594,9 @@ def test_committed_runs_load_and_render(tmp_path):
         doc = document.run_document(run, rendering.Figures(None, "not drawn in this test"))
         assert "| case file |" in doc.markdown or not run.cases, folder.name
         tables = len(md_tables(doc.markdown))  # each a table in the HTML too, none left a paragraph of pipes
-        assert doc.html.count("<table") == tables and "<p>|" not in doc.html, \
+        assert doc.html.count("<table") == tables and "<p>|" not in doc.html, (
             f"{folder.name}: {tables} Markdown tables, {doc.html.count('<table')} HTML tables"
+        )
 
 
 # -- the rendering -------------------------------------------------------------------------------------------------
@@ -556,8 +612,9 @@ def _with_outcome(tmp_path: Path, test: str, reason: str) -> Path:
 def test_text_from_the_files_stays_text_in_the_html_and_one_cell_in_markdown(tmp_path):
     run = _with_outcome(tmp_path, "conformance/test_x.py::test_<script>alert(1)</script>[cuda]", "a | b")
     md, _, html = render(run, tmp_path / "out")
-    assert "<script>" not in html.lower() and "&lt;script&gt;alert(1)&lt;/script&gt;" in html, \
+    assert "<script>" not in html.lower() and "&lt;script&gt;alert(1)&lt;/script&gt;" in html, (
         "expected the test name escaped in report.html"
+    )
     row = md_row(md, "outcome", "skipped", needs="reason")
     assert row["reason"] == "a | b", f"expected the reason as one cell 'a | b', got {row}"
     assert "<td>a | b</td>" in html, "expected the reason as one table cell in report.html"
@@ -572,11 +629,20 @@ def test_html_has_a_table_of_contents_linking_every_section(full):
 
 
 def test_one_number_format():
-    cases = [(None, "MiB", False, "not measured"), (True, "count", False, "yes"), (1234567, "count", False,
-             "1,234,567"), (-202, "count", True, "-202"), (3 << 20, "MiB", True, "+3.00"), (1 << 30, "GiB", False,
-             "1.000"), (0.0016, "ms", False, "1.600"), (5e-4, "us", False, "500.0"), (671.0886, "GB/s", False,
-             "671.09"), (0.71428, "ratio", False, "0.7143"), (-0.0043, "%", True, "-0.004 %"), ("x", "text", False,
-             "x")]
+    cases = [
+        (None, "MiB", False, "not measured"),
+        (True, "count", False, "yes"),
+        (1234567, "count", False, "1,234,567"),
+        (-202, "count", True, "-202"),
+        (3 << 20, "MiB", True, "+3.00"),
+        (1 << 30, "GiB", False, "1.000"),
+        (0.0016, "ms", False, "1.600"),
+        (5e-4, "us", False, "500.0"),
+        (671.0886, "GB/s", False, "671.09"),
+        (0.71428, "ratio", False, "0.7143"),
+        (-0.0043, "%", True, "-0.004 %"),
+        ("x", "text", False, "x"),
+    ]
     for value, unit, signed, want in cases:
         got = numbers.number(value, unit, signed)
         assert got == want, f"number({value!r}, {unit!r}, signed={signed}): expected {want!r}, got {got!r}"
@@ -595,7 +661,7 @@ def test_segments_are_summarised_not_listed():
 
 
 def _overlaps(boxes: list) -> list:
-    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
 
 
 def test_kv_blocks_plot_is_readable(tmp_path):
@@ -608,12 +674,14 @@ def test_kv_blocks_plot_is_readable(tmp_path):
     renderer = fig.canvas.get_renderer()
     fig.canvas.draw()
     blocks, difference = fig.axes[:2]  # counts from 55k to 16M blocks: only a log axis shows them all
-    assert (blocks.get_xscale(), difference.get_xscale()) == ("log", "linear"), \
-        f"kv_blocks_figure: expected a log axis of blocks and a linear one of MiB, got {blocks.get_xscale()} and " \
+    assert (blocks.get_xscale(), difference.get_xscale()) == ("log", "linear"), (
+        f"kv_blocks_figure: expected a log axis of blocks and a linear one of MiB, got {blocks.get_xscale()} and "
         f"{difference.get_xscale()}"
+    )
     least = min(b.blocks for p in pairs for b in (p.legacy, p.other) if b.blocks)
-    assert blocks.get_xlim()[0] < least, f"kv_blocks_figure: the axis starts at {blocks.get_xlim()[0]}, above the " \
-                                          f"shortest bar ({least} blocks)"
+    assert blocks.get_xlim()[0] < least, (
+        f"kv_blocks_figure: the axis starts at {blocks.get_xlim()[0]}, above the shortest bar ({least} blocks)"
+    )
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
@@ -657,8 +725,15 @@ def test_the_reference_core_imports_nothing_from_report():
     for path in files:
         names = [n.module or "" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
         names += [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names]
-        bad = [n for n in names if n == "report" or "report." in n or n.endswith(".report") or n == "measurements"
-               or n.endswith(".measurements")]
+        bad = [
+            n
+            for n in names
+            if n == "report"
+            or "report." in n
+            or n.endswith(".report")
+            or n == "measurements"
+            or n.endswith(".measurements")
+        ]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}: expected nothing from report or measurements"
 
 
@@ -667,8 +742,9 @@ def test_the_templates_ship_as_package_data():
     globs = config.get("extensible_kv.report", [])
     templates = Path(report.__file__).parent / "templates"
     names = sorted(p.relative_to(templates.parent).as_posix() for p in templates.iterdir())
-    assert names and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in names), \
+    assert names and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in names), (
         f"expected package-data {globs} to cover {names}"
+    )
 
 
 def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured_against_profiled(tmp_path):
@@ -676,14 +752,44 @@ def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured
     (run / "integration").mkdir(parents=True)
     legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
     mib = 1 << 20
-    mm = dict(ext, memory=dict(ext["memory"], encoder_cache={
-        "profiled_bytes": 8 * 1179648, "held_bytes": 28 * 1179648, "items_held": 28, "bytes_per_item": 1179648,
-        "capacity_items": 28, "items_at_peak": 28}))
-    peak = dict(ext["memory"]["peak"], over_budget_measured=-3 * mib, over_budget_prefill=-20 * mib,
-                over_budget_phase="speculative")
-    spec = dict(ext, memory=dict(ext["memory"], peak=peak, speculative={
-        "k": 4, "method": "ngram", "requests": 64, "rows": 320, "vocab": 151936, "step_peak_allocated": 700 * mib + 5,
-        "step_reserved_growth": 42 * mib, "over_budget_measured": -3 * mib, "widest_steps": 2}))
+    mm = dict(
+        ext,
+        memory=dict(
+            ext["memory"],
+            encoder_cache={
+                "profiled_bytes": 8 * 1179648,
+                "held_bytes": 28 * 1179648,
+                "items_held": 28,
+                "bytes_per_item": 1179648,
+                "capacity_items": 28,
+                "items_at_peak": 28,
+            },
+        ),
+    )
+    peak = dict(
+        ext["memory"]["peak"],
+        over_budget_measured=-3 * mib,
+        over_budget_prefill=-20 * mib,
+        over_budget_phase="speculative",
+    )
+    spec = dict(
+        ext,
+        memory=dict(
+            ext["memory"],
+            peak=peak,
+            speculative={
+                "k": 4,
+                "method": "ngram",
+                "requests": 64,
+                "rows": 320,
+                "vocab": 151936,
+                "step_peak_allocated": 700 * mib + 5,
+                "step_reserved_growth": 42 * mib,
+                "over_budget_measured": -3 * mib,
+                "widest_steps": 2,
+            },
+        ),
+    )
     for name, data in (("c-legacy.json", legacy), ("mm-extensible.json", mm), ("spec-extensible.json", spec)):
         (run / "integration" / name).write_text(json.dumps(data))
     md, summary, _ = render(run, tmp_path / "out")
@@ -691,23 +797,34 @@ def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured
     tables = md_tables(part.split("### ")[0])
     encoder, speculative = tables[0], tables[1]
     e = mm["memory"]["encoder_cache"]
-    expected = {"case file": "mm-extensible.json", "encoder cache, profiled": f"{e['profiled_bytes'] / mib:,.2f}",
-                "encoder cache, measured": f"{e['held_bytes'] / mib:,.2f}",
-                "items measured / cache capacity": f"{e['items_held']} / {e['capacity_items']}"}
+    expected = {
+        "case file": "mm-extensible.json",
+        "encoder cache, profiled": f"{e['profiled_bytes'] / mib:,.2f}",
+        "encoder cache, measured": f"{e['held_bytes'] / mib:,.2f}",
+        "items measured / cache capacity": f"{e['items_held']} / {e['capacity_items']}",
+    }
     assert encoder == [expected], f"encoder cache line: expected {[expected]}, got {encoder}"
     s = spec["memory"]["speculative"]
-    expected = {"case file": "spec-extensible.json", "logits rows": f"{s['rows']}",
-                "speculative step, measured": f"{s['step_peak_allocated'] / mib:,.2f}",
-                "activation peak, profiled": f"{spec['memory']['profiled_peak_activation'] / mib:,.2f}",
-                "reserved growth in the step": f"{s['step_reserved_growth'] / mib:,.2f}",
-                "over budget in the step": f"{s['over_budget_measured'] / mib:+,.2f}",
-                "over budget at peak set by": "speculative"}
+    expected = {
+        "case file": "spec-extensible.json",
+        "logits rows": f"{s['rows']}",
+        "speculative step, measured": f"{s['step_peak_allocated'] / mib:,.2f}",
+        "activation peak, profiled": f"{spec['memory']['profiled_peak_activation'] / mib:,.2f}",
+        "reserved growth in the step": f"{s['step_reserved_growth'] / mib:,.2f}",
+        "over budget in the step": f"{s['over_budget_measured'] / mib:+,.2f}",
+        "over budget at peak set by": "speculative",
+    }
     assert speculative == [expected], f"speculative line: expected {[expected]}, got {speculative}"
     cases = {c["path"]: c for c in summary["integration"]["cases"]}
-    got = (cases["mm-extensible.json"]["encoder_cache_held"], cases["spec-extensible.json"]["speculative_step"],
-           cases["spec-extensible.json"]["over_budget_at_peak"], cases["c-legacy.json"]["speculative_rows"])
-    assert got == (e["held_bytes"], s["step_peak_allocated"], -3 * mib, None), \
+    got = (
+        cases["mm-extensible.json"]["encoder_cache_held"],
+        cases["spec-extensible.json"]["speculative_step"],
+        cases["spec-extensible.json"]["over_budget_at_peak"],
+        cases["c-legacy.json"]["speculative_rows"],
+    )
+    assert got == (e["held_bytes"], s["step_peak_allocated"], -3 * mib, None), (
         f"summary.json (encoder cache held, speculative step, over budget at peak, legacy rows): got {got}"
+    )
 
 
 def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_variants():
@@ -718,10 +835,20 @@ def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_vari
         spec = {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": "legacy", **settings}
         return Case("c.json", IntegrationCase.model_validate({"case": spec})).key
 
-    got = [key(), key(kv_cache_dtype="auto", block_size=16, speculative=None), key(kv_cache_dtype="fp8"),
-           key(speculative="ngram:4", block_size=32), key(mode="extensible", corrupt=True)]
-    expected = ["m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/legacy", "m/v1/FLASH_ATTN/kv_cache_dtype=fp8/legacy",
-                "m/v1/FLASH_ATTN/block_size=32/speculative=ngram:4/legacy", "m/v1/FLASH_ATTN/extensible+corrupt"]
+    got = [
+        key(),
+        key(kv_cache_dtype="auto", block_size=16, speculative=None),
+        key(kv_cache_dtype="fp8"),
+        key(speculative="ngram:4", block_size=32),
+        key(mode="extensible", corrupt=True),
+    ]
+    expected = [
+        "m/v1/FLASH_ATTN/legacy",
+        "m/v1/FLASH_ATTN/legacy",
+        "m/v1/FLASH_ATTN/kv_cache_dtype=fp8/legacy",
+        "m/v1/FLASH_ATTN/block_size=32/speculative=ngram:4/legacy",
+        "m/v1/FLASH_ATTN/extensible+corrupt",
+    ]
     assert got == expected, f"Case.key: expected {expected}, got {got}"
 
 
@@ -740,63 +867,138 @@ def test_runs_of_one_case_pair_across_file_versions_and_never_across_kv_dtypes()
         return Case(path, IntegrationCase.model_validate(data))
 
     legacy = [case("a-legacy.json", "legacy"), case("a-legacy-r2.json", "legacy")]
-    cases = [*legacy, case("a-extensible.json", "extensible", 4096, multimodal=False),
-             case("b-extensible.json", "extensible", 2048, kv_cache_dtype="fp8", multimodal=False)]
+    cases = [
+        *legacy,
+        case("a-extensible.json", "extensible", 4096, multimodal=False),
+        case("b-extensible.json", "extensible", 2048, kv_cache_dtype="fp8", multimodal=False),
+    ]
     rows = {r.case.path: [c.path for c in r.legacy] for r in parity_rows(cases)}
     expected = {"a-extensible.json": ["a-legacy.json", "a-legacy-r2.json"], "b-extensible.json": []}
     assert rows == expected, f"parity_rows legacy runs per case: expected {expected}, got {rows}"
-    partners = {b.case.path: (b.kv_partner or b.legacy_partner).path for b in accounting.account(cases)
-                if b.kv_partner or b.legacy_partner}
-    expected = {"a-legacy.json": "a-extensible.json", "a-legacy-r2.json": "a-extensible.json",
-                "a-extensible.json": "a-legacy.json"}  # the first run (-r2 is the second)
+    partners = {
+        b.case.path: (b.kv_partner or b.legacy_partner).path
+        for b in accounting.account(cases)
+        if b.kv_partner or b.legacy_partner
+    }
+    expected = {
+        "a-legacy.json": "a-extensible.json",
+        "a-legacy-r2.json": "a-extensible.json",
+        "a-extensible.json": "a-legacy.json",
+    }  # the first run (-r2 is the second)
     assert partners == expected, f"account partners: expected {expected}, got {partners}"
 
 
 def serving_file(legacy_rate, ext_rate, windows, legacy_compiled, ext_compiled, legacy_start=51.0, ext_start=21.9):
     """A ``serving-*.json`` as ``integration.parity.throughput_benchmark`` writes it."""
+
     def bench(mode, rate, start, compiled):
-        return {"name": f"decode_throughput[{mode}]", "param": mode, "group": "serve/decode",
-                "stats": {"median": 1 / rate}, "extra_info": {
-                    "tokens_per_s": rate, "num_seqs": 256, "num_gpu_blocks": 16384, "engine_seconds": start,
-                    "compiled": compiled, "model": "llama-8b-shape", "runner": "v1"}}
+        return {
+            "name": f"decode_throughput[{mode}]",
+            "param": mode,
+            "group": "serve/decode",
+            "stats": {"median": 1 / rate},
+            "extra_info": {
+                "tokens_per_s": rate,
+                "num_seqs": 256,
+                "num_gpu_blocks": 16384,
+                "engine_seconds": start,
+                "compiled": compiled,
+                "model": "llama-8b-shape",
+                "runner": "v1",
+            },
+        }
+
     comparable = None if legacy_compiled is None or ext_compiled is None else legacy_compiled == ext_compiled
-    return {"benchmarks": [bench("legacy", legacy_rate, legacy_start, legacy_compiled),
-                           bench("extensible", ext_rate, ext_start, ext_compiled)],
-            "ratio": {"decode_tokens_per_s": sorted(windows)[len(windows) // 2], "decode_window_ratios": windows,
-                      "decode_range": [min(windows), max(windows)], "target_decode": 0.99,
-                      "engine_seconds": ext_start / legacy_start, "engine_seconds_comparable": comparable,
-                      "same_block_count": True}}
+    return {
+        "benchmarks": [
+            bench("legacy", legacy_rate, legacy_start, legacy_compiled),
+            bench("extensible", ext_rate, ext_start, ext_compiled),
+        ],
+        "ratio": {
+            "decode_tokens_per_s": sorted(windows)[len(windows) // 2],
+            "decode_window_ratios": windows,
+            "decode_range": [min(windows), max(windows)],
+            "target_decode": 0.99,
+            "engine_seconds": ext_start / legacy_start,
+            "engine_seconds_comparable": comparable,
+            "same_block_count": True,
+        },
+    }
 
 
 def test_serving_speed_shows_the_paired_decode_ratio_and_a_start_ratio_only_from_the_same_compile_cache(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    files = {"serving-a.json": serving_file(21444.2, 21161.3, [0.949, 0.98, 0.987, 0.992, 1.003], True, False),
-             "serving-b.json": serving_file(20263.4, 21527.0, [0.995, 1.145, 1.032, 1.006, 0.996], False, False,
-                                            16.9, 16.71),
-             "serving-c.json": serving_file(8000.0, 8000.0, [1.0], None, False, 40.0, 20.0)}
+    files = {
+        "serving-a.json": serving_file(21444.2, 21161.3, [0.949, 0.98, 0.987, 0.992, 1.003], True, False),
+        "serving-b.json": serving_file(
+            20263.4, 21527.0, [0.995, 1.145, 1.032, 1.006, 0.996], False, False, 16.9, 16.71
+        ),
+        "serving-c.json": serving_file(8000.0, 8000.0, [1.0], None, False, 40.0, 20.0),
+    }
     for name, data in files.items():
         (run / name).write_text(json.dumps(data))
     md, summary, _ = render(run, tmp_path / "out")
     rows = md_tables(section(md, "Serving speed"))[0]
-    got = [(r["file"], r["decode tokens/s, legacy"], r["extensible / legacy"], r["window ratios"], r["met?"],
-            r["engine start s, legacy / extensible"], r["start ratio"], r["start"]) for r in rows]
+    got = [
+        (
+            r["file"],
+            r["decode tokens/s, legacy"],
+            r["extensible / legacy"],
+            r["window ratios"],
+            r["met?"],
+            r["engine start s, legacy / extensible"],
+            r["start ratio"],
+            r["start"],
+        )
+        for r in rows
+    ]
     expected = [
-        ("serving-a.json", "21,444", "0.987", "0.949 to 1.003 (5 windows)", "NO", "51.00 / 21.90", "-",
-         "not comparable: legacy compiled, extensible loaded the compile cache"),
-        ("serving-b.json", "20,263", "1.006", "0.995 to 1.145 (5 windows)", "yes", "16.90 / 16.71",
-         f"{16.71 / 16.9:.4g}", "both loaded the compile cache"),
-        ("serving-c.json", "8,000", "1", "1 to 1 (1 window)", "yes", "40.00 / 20.00", "-",
-         "compile cache not recorded")]
+        (
+            "serving-a.json",
+            "21,444",
+            "0.987",
+            "0.949 to 1.003 (5 windows)",
+            "NO",
+            "51.00 / 21.90",
+            "-",
+            "not comparable: legacy compiled, extensible loaded the compile cache",
+        ),
+        (
+            "serving-b.json",
+            "20,263",
+            "1.006",
+            "0.995 to 1.145 (5 windows)",
+            "yes",
+            "16.90 / 16.71",
+            f"{16.71 / 16.9:.4g}",
+            "both loaded the compile cache",
+        ),
+        (
+            "serving-c.json",
+            "8,000",
+            "1",
+            "1 to 1 (1 window)",
+            "yes",
+            "40.00 / 20.00",
+            "-",
+            "compile cache not recorded",
+        ),
+    ]
     assert got == expected, f"serving speed rows: expected {expected}, got {got}"
     glance = [line for line in section(md, "At a glance").splitlines() if line.startswith("- Serving speed")]
-    assert glance[0] == ("- Serving speed (serving-a.json): decode extensible / legacy 0.987 (target >= 0.99: NOT "
-                         "met); engine start ratio not shown (not comparable: legacy compiled, extensible loaded the "
-                         "compile cache)."), glance
+    assert glance[0] == (
+        "- Serving speed (serving-a.json): decode extensible / legacy 0.987 (target >= 0.99: NOT "
+        "met); engine start ratio not shown (not comparable: legacy compiled, extensible loaded the "
+        "compile cache)."
+    ), glance
     s = {e["source"]: e for e in summary["serving"]}
-    assert (s["serving-a.json"]["decode_target_met"], s["serving-b.json"]["decode_target_met"],
-            s["serving-b.json"]["extensible"]["tokens_per_s"], s["serving-a.json"]["engine_seconds_comparable"]) == \
-        (False, True, 21527.0, False), f"summary.json serving: got {summary['serving']}"
+    assert (
+        s["serving-a.json"]["decode_target_met"],
+        s["serving-b.json"]["decode_target_met"],
+        s["serving-b.json"]["extensible"]["tokens_per_s"],
+        s["serving-a.json"]["engine_seconds_comparable"],
+    ) == (False, True, 21527.0, False), f"summary.json serving: got {summary['serving']}"
 
 
 def test_a_run_without_serving_files_reads_serving_speed_not_measured(tmp_path):
@@ -811,17 +1013,28 @@ def test_a_run_without_serving_files_reads_serving_speed_not_measured(tmp_path):
     assert "- Serving speed: not measured." in section(md, "At a glance") and summary["serving"] == []
 
 
-@pytest.mark.parametrize("where,value,field", [
-    ("legacy rate", -1, "extra_info.tokens_per_s"), ("legacy rate", 0, "extra_info.tokens_per_s"),
-    ("ratio", -0.5, "ratio.decode_tokens_per_s"), ("range", [1.0], "ratio.decode_range"),
-    ("windows", [1.0, 0], "ratio.decode_window_ratios[1]"), ("mode", "fast", "param"),
-    ("start compared", None, "engine_seconds_comparable")])
+@pytest.mark.parametrize(
+    "where,value,field",
+    [
+        ("legacy rate", -1, "extra_info.tokens_per_s"),
+        ("legacy rate", 0, "extra_info.tokens_per_s"),
+        ("ratio", -0.5, "ratio.decode_tokens_per_s"),
+        ("range", [1.0], "ratio.decode_range"),
+        ("windows", [1.0, 0], "ratio.decode_window_ratios[1]"),
+        ("mode", "fast", "param"),
+        ("start compared", None, "engine_seconds_comparable"),
+    ],
+)
 def test_a_serving_file_with_an_impossible_figure_is_refused_naming_the_field(tmp_path, capsys, where, value, field):
     data = serving_file(21444.2, 21161.3, [0.949, 1.003], True, True)
-    target = {"legacy rate": (data["benchmarks"][0]["extra_info"], "tokens_per_s"),
-              "ratio": (data["ratio"], "decode_tokens_per_s"), "range": (data["ratio"], "decode_range"),
-              "windows": (data["ratio"], "decode_window_ratios"), "mode": (data["benchmarks"][0], "param"),
-              "start compared": (data["benchmarks"][0]["extra_info"], "compiled")}[where]  # compared, yet unknown
+    target = {
+        "legacy rate": (data["benchmarks"][0]["extra_info"], "tokens_per_s"),
+        "ratio": (data["ratio"], "decode_tokens_per_s"),
+        "range": (data["ratio"], "decode_range"),
+        "windows": (data["ratio"], "decode_window_ratios"),
+        "mode": (data["benchmarks"][0], "param"),
+        "start compared": (data["benchmarks"][0]["extra_info"], "compiled"),
+    }[where]  # compared, yet unknown
     target[0][target[1]] = value
     run = tmp_path / "run"
     run.mkdir()
@@ -833,8 +1046,12 @@ def test_a_serving_file_with_an_impossible_figure_is_refused_naming_the_field(tm
 
 
 # -- untrusted files: every string from a file is text, and the page loads nothing from outside ---------------------
-HOSTILE = ["![x](https://example.invalid/beacon.png)", "<img src=https://example.invalid/pixel.png>",
-           "<script>alert(1)</script>", "$\\undefined{x}$ _a_ *b* [c](d) | e &amp; `f` ~g~"]
+HOSTILE = [
+    "![x](https://example.invalid/beacon.png)",
+    "<img src=https://example.invalid/pixel.png>",
+    "<script>alert(1)</script>",
+    "$\\undefined{x}$ _a_ *b* [c](d) | e &amp; `f` ~g~",
+]
 URL_ATTRIBUTES = {"src", "href", "srcset", "poster", "data", "action", "formaction", "background", "xlink:href"}
 
 
@@ -867,8 +1084,12 @@ def hostile_run(tmp_path: Path, name: str) -> Path:
         (run / rel).write_text(json.dumps(data))
 
     edit("environment.json", lambda d: d.update(gpu=name))
-    edit("conformance-cuda.json", lambda d: d["tests"].append(
-        {"driver": "cuda", "test": f"conformance/test_x.py::test_y[{name}]", "outcome": "skipped", "reason": name}))
+    edit(
+        "conformance-cuda.json",
+        lambda d: d["tests"].append(
+            {"driver": "cuda", "test": f"conformance/test_x.py::test_y[{name}]", "outcome": "skipped", "reason": name}
+        ),
+    )
     edit("validate-backend-cuda.json", lambda d: d["results"][0].update(backend=name))
     for case in (run / "integration").rglob("*.json"):
         edit(case.relative_to(run).as_posix(), lambda d: d["case"].update(model=name))
@@ -887,9 +1108,10 @@ def test_strings_from_the_files_are_text_in_the_markdown_and_the_html(tmp_path, 
         p = Page(text)
         images = [v for tag, _, v in p.urls if tag == "img"]
         ours = [v for v in images if v.startswith("data:image/png;base64,") or re.fullmatch(r"[a-z0-9-]+\.png", v)]
-        assert images == ours and "script" not in p.tags, \
-            f"{what} of a run whose files say {name!r}: expected only the report's own images and no script, got " \
+        assert images == ours and "script" not in p.tags, (
+            f"{what} of a run whose files say {name!r}: expected only the report's own images and no script, got "
             f"images {[v[:60] for v in images if v not in ours]} and tags {sorted(set(p.tags))}"
+        )
         assert name in "".join(p.text), f"{what}: expected {name!r} shown as text, not found"
 
 
@@ -898,11 +1120,15 @@ def test_the_html_loads_nothing_from_outside_the_page(tmp_path, full):
     pages = {"full": full[3], "hostile": render(hostile, tmp_path / "out")[2]}
     for what, page in pages.items():
         p = Page(page)
-        outside = [(tag, k, v[:80]) for tag, k, v in p.urls
-                   if not (k == "href" and v.startswith("#")) and not (k == "src" and v.startswith("data:image/png;"))]
+        outside = [
+            (tag, k, v[:80])
+            for tag, k, v in p.urls
+            if not (k == "href" and v.startswith("#")) and not (k == "src" and v.startswith("data:image/png;"))
+        ]
         loaders = sorted({"script", "link", "iframe", "object", "embed", "base", "form"} & set(p.tags))
-        assert not outside and not loaders, f"report.html of {what}: expected only in-page links and embedded PNGs, " \
-                                            f"got {outside} and tags {loaders}"
+        assert not outside and not loaders, (
+            f"report.html of {what}: expected only in-page links and embedded PNGs, got {outside} and tags {loaders}"
+        )
 
 
 def test_a_count_beyond_what_hardware_holds_is_refused_naming_the_file_and_field(tmp_path, capsys):
@@ -913,9 +1139,10 @@ def test_a_count_beyond_what_hardware_holds_is_refused_naming_the_file_and_field
     (run / "integration" / EXT).write_text(json.dumps(data))
     code = report_main([str(run), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == 2 and f"{EXT}: memory.total should be less than 2**63" in err, \
-        f"report of a case with memory.total = 10**400: expected exit 2 and an error naming the file and field, got " \
+    assert code == 2 and f"{EXT}: memory.total should be less than 2**63" in err, (
+        f"report of a case with memory.total = 10**400: expected exit 2 and an error naming the file and field, got "
         f"{code}: {err!r}"
+    )
     assert not (tmp_path / "out").exists(), "nothing written for a refused run folder"
 
 
@@ -923,8 +1150,16 @@ def test_a_count_beyond_what_hardware_holds_is_refused_naming_the_file_and_field
 N_CONFORMANCE_TESTS = len(read_json(FULL / "conformance-cuda.json")["tests"])
 
 
-def verdict_run(tmp_path: Path, *, tokens_differ=False, over_budget=16 * MIB, decode=0.99, failed_rule=False,
-                serving=True, legacy_runs=2) -> Path:
+def verdict_run(
+    tmp_path: Path,
+    *,
+    tokens_differ=False,
+    over_budget=16 * MIB,
+    decode=0.99,
+    failed_rule=False,
+    serving=True,
+    legacy_runs=2,
+) -> Path:
     """A run that passes every check at its threshold: every rule passed, two legacy runs that agree and an extensible
     run with their tokens, 16 MiB beyond the budget at the measured peak, decode extensible / legacy 0.99. The
     arguments break one check each."""
@@ -933,8 +1168,7 @@ def verdict_run(tmp_path: Path, *, tokens_differ=False, over_budget=16 * MIB, de
     conformance = read_json(FULL / "conformance-cuda.json")
     for i, t in enumerate(conformance["tests"]):
         t["outcome"] = "failed" if failed_rule and i == 0 else "passed"
-    conformance["drivers"][0].update(passed=len(conformance["tests"]) - failed_rule, failed=int(failed_rule),
-                                     skipped=0)
+    conformance["drivers"][0].update(passed=len(conformance["tests"]) - failed_rule, failed=int(failed_rule), skipped=0)
     conformance["exitstatus"] = int(failed_rule)
     (run / "conformance-cuda.json").write_text(json.dumps(conformance))
     legacy, ext = case_file(FULL, LEGACY), case_file(FULL, EXT)
@@ -942,11 +1176,11 @@ def verdict_run(tmp_path: Path, *, tokens_differ=False, over_budget=16 * MIB, de
     ext["token_ids"] = [[t + 1 for t in tokens[0]], *tokens[1:]] if tokens_differ else tokens
     ext["memory"]["peak"]["over_budget_measured"] = over_budget
     for name, data in (("c-legacy.json", legacy), ("c-legacy-r2.json", legacy), ("c-extensible.json", ext))[
-            2 - legacy_runs:]:
+        2 - legacy_runs :
+    ]:
         (run / "integration" / name).write_text(json.dumps(data))
     if serving:
-        (run / "serving-x.json").write_text(json.dumps(serving_file(20000.0, 20000.0 * decode, [decode], False,
-                                                                    False)))
+        (run / "serving-x.json").write_text(json.dumps(serving_file(20000.0, 20000.0 * decode, [decode], False, False)))
     return run
 
 
@@ -958,27 +1192,54 @@ def verdict_lines(md: str) -> tuple[str, dict[str, str]]:
     return md_text(lines[2].strip("*")), cases
 
 
-@pytest.mark.parametrize("broken,run_line,case_line", [
-    ({}, "safe to turn on: yes", "safe to turn on: yes"),
-    ({"tokens_differ": True}, "safe to turn on: no: greedy tokens differ from legacy",
-     "safe to turn on: no: greedy tokens differ from legacy"),
-    ({"over_budget": 17 * MIB}, f"safe to turn on: no: {17:+,.2f} MiB beyond the budget at the measured peak",
-     f"safe to turn on: no: {17:+,.2f} MiB beyond the budget at the measured peak"),
-    ({"decode": 0.98}, "safe to turn on: no: decode extensible / legacy 0.98 is below 0.99", "safe to turn on: yes"),
-    ({"failed_rule": True}, f"safe to turn on: no: 1 of {N_CONFORMANCE_TESTS} conformance tests failed",
-     "safe to turn on: yes"),
-    ({"serving": False}, "safe to turn on: unknown: decode extensible / legacy not measured", "safe to turn on: yes"),
-    ({"legacy_runs": 1}, "safe to turn on: unknown: tokens not compared with a deterministic baseline",
-     "safe to turn on: unknown: tokens not compared with a deterministic baseline"),
-], ids=["passing", "tokens-differ", "over-budget-17MiB", "decode-0.98", "failed-rule", "no-serving", "one-legacy"])
+@pytest.mark.parametrize(
+    "broken,run_line,case_line",
+    [
+        ({}, "safe to turn on: yes", "safe to turn on: yes"),
+        (
+            {"tokens_differ": True},
+            "safe to turn on: no: greedy tokens differ from legacy",
+            "safe to turn on: no: greedy tokens differ from legacy",
+        ),
+        (
+            {"over_budget": 17 * MIB},
+            f"safe to turn on: no: {17:+,.2f} MiB beyond the budget at the measured peak",
+            f"safe to turn on: no: {17:+,.2f} MiB beyond the budget at the measured peak",
+        ),
+        (
+            {"decode": 0.98},
+            "safe to turn on: no: decode extensible / legacy 0.98 is below 0.99",
+            "safe to turn on: yes",
+        ),
+        (
+            {"failed_rule": True},
+            f"safe to turn on: no: 1 of {N_CONFORMANCE_TESTS} conformance tests failed",
+            "safe to turn on: yes",
+        ),
+        (
+            {"serving": False},
+            "safe to turn on: unknown: decode extensible / legacy not measured",
+            "safe to turn on: yes",
+        ),
+        (
+            {"legacy_runs": 1},
+            "safe to turn on: unknown: tokens not compared with a deterministic baseline",
+            "safe to turn on: unknown: tokens not compared with a deterministic baseline",
+        ),
+    ],
+    ids=["passing", "tokens-differ", "over-budget-17MiB", "decode-0.98", "failed-rule", "no-serving", "one-legacy"],
+)
 def test_the_report_starts_with_a_verdict_per_run_and_per_case(tmp_path, broken, run_line, case_line):
     md, summary, page = render(verdict_run(tmp_path, **broken), tmp_path / "out")
     got_run, cases = verdict_lines(md)
-    assert got_run.startswith(run_line) and cases["c-extensible.json"].startswith(case_line), \
-        f"verdict of a run with {broken or 'every check at its threshold'}: expected {run_line!r} and, for its " \
+    assert got_run.startswith(run_line) and cases["c-extensible.json"].startswith(case_line), (
+        f"verdict of a run with {broken or 'every check at its threshold'}: expected {run_line!r} and, for its "
         f"case, {case_line!r}; got {got_run!r} and {cases}"
-    assert (summary["verdict"]["run"], summary["verdict"]["cases"]["c-extensible.json"]) == \
-        (got_run, cases["c-extensible.json"]), f"summary.json verdict: got {summary['verdict']}"
+    )
+    assert (summary["verdict"]["run"], summary["verdict"]["cases"]["c-extensible.json"]) == (
+        got_run,
+        cases["c-extensible.json"],
+    ), f"summary.json verdict: got {summary['verdict']}"
     first = re.search(r"</h1>\s*<p><strong>(.*?)</strong></p>", page, re.DOTALL)
     assert first and unescape(first.group(1)) == got_run, "report.html: expected the verdict under the title"
 
@@ -992,8 +1253,9 @@ def test_memory_plots_keep_fixed_block_runs_apart_with_no_overlapping_labels_and
     pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
     from extensible_kv.report import figures
 
-    groups = accounting.groups(accounting.account(load_run(ROOT / "reports" / "runs" /
-                                                           "h200-matrix-current-2026-12-03").cases))
+    groups = accounting.groups(
+        accounting.account(load_run(ROOT / "reports" / "runs" / "h200-matrix-current-2026-12-03").cases)
+    )
     fixed_seen = 0
     for group, members in groups.items():
         title = " ".join(group)
@@ -1001,12 +1263,19 @@ def test_memory_plots_keep_fixed_block_runs_apart_with_no_overlapping_labels_and
         renderer = fig.canvas.get_renderer()
         fig.canvas.draw()
         for ax in fig.axes:
-            for boxes in (_texts(ax, renderer), [t.get_window_extent(renderer) for t in ax.get_xticklabels()
-                                                 if t.get_visible() and t.get_text()]):
+            for boxes in (
+                _texts(ax, renderer),
+                [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()],
+            ):
                 assert not _overlaps(boxes), f"memory plot {title}, panel {ax.get_title()!r}: overlapping labels"
         handles = [h for legend in fig.legends for h in legend.legend_handles]
-        entries = [(h.get_label(), *((h.get_hatch(), h.get_facecolor()) if hasattr(h, "get_hatch") else
-                                     (None, h.get_marker()))) for h in handles]
+        entries = [
+            (
+                h.get_label(),
+                *((h.get_hatch(), h.get_facecolor()) if hasattr(h, "get_hatch") else (None, h.get_marker())),
+            )
+            for h in handles
+        ]
         styles = [str(style) for _, *style in entries]
         assert len(set(styles)) == len(styles), f"memory plot {title}: legend entries share a style: {entries}"
         hatches = [hatch for _, hatch, _ in entries if hatch]
@@ -1022,9 +1291,10 @@ def test_memory_plots_keep_fixed_block_runs_apart_with_no_overlapping_labels_and
             fixed_seen += 1
             low, high = budget[0].get_ylim()
             far = [b.over_budget / MIB for b in fixed if b.over_budget is not None]
-            assert len(budget) == 2 and not any(low <= v <= high for v in far), \
-                f"memory plot {title}: expected the runs at a fixed block count ({far} MiB) in a panel of their own, " \
+            assert len(budget) == 2 and not any(low <= v <= high for v in far), (
+                f"memory plot {title}: expected the runs at a fixed block count ({far} MiB) in a panel of their own, "
                 f"got panels {[ax.get_ylabel() for ax in budget]} with the first spanning {low:.0f} to {high:.0f} MiB"
+            )
     assert fixed_seen, "expected a group with runs at a fixed block count in h200-matrix-current-2026-12-03"
 
 
@@ -1033,20 +1303,25 @@ def test_the_sleep_and_connector_scripts_tables_are_rendered_as_text(tmp_path):
     (run / "sleep").mkdir(parents=True)
     (run / "connectors").mkdir()
     hostile = "![x](https://example.invalid/beacon.png)"
-    (run / "sleep" / "summary.json").write_text(json.dumps(
-        {"pairs": [{"pair": hostile, "wake_ratio": 0.5, "verdict": "pass"}], "cases": [], "skipped": []}))
-    (run / "connectors" / "summary.json").write_text(json.dumps(
-        {"rows": [{"case": "qwen3-v2-example-extensible", "loaded_again": 40, "tokens": [[1, 2]]}]}))
+    (run / "sleep" / "summary.json").write_text(
+        json.dumps({"pairs": [{"pair": hostile, "wake_ratio": 0.5, "verdict": "pass"}], "cases": [], "skipped": []})
+    )
+    (run / "connectors" / "summary.json").write_text(
+        json.dumps({"rows": [{"case": "qwen3-v2-example-extensible", "loaded_again": 40, "tokens": [[1, 2]]}]})
+    )
     out = tmp_path / "out"
     assert report_main([str(run), "--out", str(out)]) == 0, "report of a run with only the scripts' tables"
     md = (out / "report.md").read_text()
     pairs = md_tables(section(md, "sleep mode: pairs"))[0]
     rows = md_tables(section(md, "KV connectors: rows"))[0]
     got = (pairs[0]["pair"], pairs[0]["wake_ratio"], rows[0]["loaded_again"], "tokens" in rows[0])
-    assert got == (hostile, "0.5", "40", False), f"the scripts' tables (pair, wake ratio, loads, a list column): " \
-                                                 f"expected ({hostile!r}, '0.5', '40', False), got {got}"
+    assert got == (hostile, "0.5", "40", False), (
+        f"the scripts' tables (pair, wake ratio, loads, a list column): "
+        f"expected ({hostile!r}, '0.5', '40', False), got {got}"
+    )
     html = (out / "report.html").read_text()
-    assert "example.invalid" not in re.sub(r"<code>.*?</code>|>[^<]*<", "", html), \
+    assert "example.invalid" not in re.sub(r"<code>.*?</code>|>[^<]*<", "", html), (
         "a file string reached the HTML as markup"
-    (run / "sleep" / "summary.json").write_text(json.dumps({"pairs": [{"pair": "p", "freed_diff": 10 ** 400}]}))
+    )
+    (run / "sleep" / "summary.json").write_text(json.dumps({"pairs": [{"pair": "p", "freed_diff": 10**400}]}))
     assert report_main([str(run), "--out", str(out)]) == 2, "a summary.json with a count of 10**400 is refused"

@@ -41,7 +41,7 @@ def test_close_refuses_while_a_view_is_alive_and_force_closes_anyway():
     shown = repr(tensor)
     with pytest.raises(BusyError) as info:
         tensor.close()
-    expected = (f"cannot close {shown}: 1 view(s) of its memory are alive; drop them first or pass force=True")
+    expected = f"cannot close {shown}: 1 view(s) of its memory are alive; drop them first or pass force=True"
     assert str(info.value) == expected, f"close() with a live view: expected {expected!r}, got {info.value}"
     assert not tensor.closed and ledger.outstanding(), "close() refused: expected the tensor still open"
     tensor.close(force=True)
@@ -70,8 +70,11 @@ def _refusals(tensor: ExtensibleTensor) -> dict[str, str]:
     """What views and growth of ``tensor`` do: ``FailedStateError`` naming the call and saying to retry close(),
     or what else they did."""
     outcomes = {}
-    for what, call in {"segment_view": lambda: tensor.segment_view(0), "full_view": tensor.full_view,
-                       "resize_per_segment_": lambda: tensor.resize_per_segment_(tensor.segment_bytes)}.items():
+    for what, call in {
+        "segment_view": lambda: tensor.segment_view(0),
+        "full_view": tensor.full_view,
+        "resize_per_segment_": lambda: tensor.resize_per_segment_(tensor.segment_bytes),
+    }.items():
         try:
             call()
             outcomes[what] = "handed out"
@@ -90,19 +93,30 @@ def test_a_close_that_unmapped_everything_and_failed_to_free_leaves_a_failed_ten
     with pytest.raises(DriverError):
         tensor.close()
     got = _refusals(tensor)  # a view now would be of unmapped memory: reading it faults
-    assert got == REFUSED, f"HostDriver views and growth after close() unmapped everything and failed at free: " \
-                           f"expected {REFUSED}, got {got}"
+    assert got == REFUSED, (
+        f"HostDriver views and growth after close() unmapped everything and failed at free: "
+        f"expected {REFUSED}, got {got}"
+    )
     stats = tensor.stats()
-    got = (tensor.state, tensor.closed, stats.state, stats.committed_bytes, stats.backed_bytes, stats.mappings,
-           tensor.bytes_per_segment)
-    assert got == ("failed", False, "failed", 0, 0, 0, 0), \
-        f"HostDriver tensor whose close() failed at free: expected (state, closed, stats state, committed, backed, " \
+    got = (
+        tensor.state,
+        tensor.closed,
+        stats.state,
+        stats.committed_bytes,
+        stats.backed_bytes,
+        stats.mappings,
+        tensor.bytes_per_segment,
+    )
+    assert got == ("failed", False, "failed", 0, 0, 0, 0), (
+        f"HostDriver tensor whose close() failed at free: expected (state, closed, stats state, committed, backed, "
         f"mappings, bytes_per_segment) ('failed', False, 'failed', 0, 0, 0, 0), got {got}"
+    )
     tensor.close()
     got = (tensor.state, bool(ledger.outstanding()), kernel_granules(base, 4 * G, G))
-    assert got == ("closed", False, ["nothing"] * 4), \
-        f"HostDriver close() retried from the failed state: expected (closed, nothing outstanding, the kernel maps " \
+    assert got == ("closed", False, ["nothing"] * 4), (
+        f"HostDriver close() retried from the failed state: expected (closed, nothing outstanding, the kernel maps "
         f"nothing), got {got}"
+    )
 
 
 def test_a_growth_whose_rollback_could_not_unmap_leaves_a_failed_tensor_and_close_returns_everything():
@@ -113,19 +127,22 @@ def test_a_growth_whose_rollback_could_not_unmap_leaves_a_failed_tensor_and_clos
     with pytest.raises(CommitError, match="rollback also failed: unmap"):
         tensor.resize_per_segment_(2 * G)
     got = _refusals(tensor)
-    assert got == REFUSED, f"HostDriver views and growth after a rollback that could not unmap: expected " \
-                           f"{REFUSED}, got {got}"
+    assert got == REFUSED, (
+        f"HostDriver views and growth after a rollback that could not unmap: expected {REFUSED}, got {got}"
+    )
     stats = tensor.stats()
     got = (tensor.state, stats.state, stats.committed_bytes, stats.mappings)
     want = ("failed", "failed", 0, len(ledger.outstanding().mappings))
-    assert got == want and want[3] > 1, \
-        f"HostDriver tensor whose rollback could not unmap: expected (state, stats state, committed, mappings on " \
+    assert got == want and want[3] > 1, (
+        f"HostDriver tensor whose rollback could not unmap: expected (state, stats state, committed, mappings on "
         f"record) {want} (the driver's mappings, more than the first), got {got}"
+    )
     tensor.close()
     got = (tensor.state, bool(ledger.outstanding()), kernel_granules(base, 4 * G, G))
-    assert got == ("closed", False, ["nothing"] * 4), \
-        f"HostDriver close() of a tensor whose rollback could not unmap: expected (closed, nothing outstanding, the " \
+    assert got == ("closed", False, ["nothing"] * 4), (
+        f"HostDriver close() of a tensor whose rollback could not unmap: expected (closed, nothing outstanding, the "
         f"kernel maps nothing), got {got}"
+    )
 
 
 def test_full_view_refuses_a_dtype_that_does_not_tile_the_reservation_and_a_closed_tensor():
@@ -137,15 +154,23 @@ def test_full_view_refuses_a_dtype_that_does_not_tile_the_reservation_and_a_clos
     tensor.close()
     with pytest.raises(ClosedError) as info:
         tensor.full_view(torch.uint8)
-    assert str(info.value).startswith("full_view on a closed ExtensibleTensor ("), \
+    assert str(info.value).startswith("full_view on a closed ExtensibleTensor ("), (
         f"full_view after close: expected a ClosedError naming full_view, got {info.value}"
+    )
 
 
-@pytest.mark.parametrize("call,error,message", [
-    (lambda t: t.resize_per_segment_(1.5), InvalidSizeError, "nbytes must be an int, got float 1.5"),
-    (lambda t: t.resize_per_segment_(0), InvalidSizeError, "resize_per_segment_ needs a positive size, got nbytes=0"),
-    (lambda t: t.segment_view(0, "float32"), Exception, "dtype must be a torch.dtype, got str 'float32'"),
-])
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda t: t.resize_per_segment_(1.5), InvalidSizeError, "nbytes must be an int, got float 1.5"),
+        (
+            lambda t: t.resize_per_segment_(0),
+            InvalidSizeError,
+            "resize_per_segment_ needs a positive size, got nbytes=0",
+        ),
+        (lambda t: t.segment_view(0, "float32"), Exception, "dtype must be a torch.dtype, got str 'float32'"),
+    ],
+)
 def test_bad_arguments_to_a_tensor_get_their_whole_message_and_change_nothing(call, error, message):
     ledger = Ledger(HostDriver(granularity=G))
     tensor = ExtensibleTensor(2 * G, driver=ledger)
@@ -161,14 +186,16 @@ def test_bad_arguments_to_a_tensor_get_their_whole_message_and_change_nothing(ca
 def test_an_empty_view_has_the_dtype_asked_for_and_a_closed_tensor_refuses_growth_naming_it():
     tensor = ExtensibleTensor(2 * G, driver=Ledger(HostDriver(granularity=G)))
     view = tensor.segment_view(0, torch.int16)
-    assert (view.dtype, view.numel()) == (torch.int16, 0), \
+    assert (view.dtype, view.numel()) == (torch.int16, 0), (
         f"segment_view before growth: expected int16 and 0 elements, got {view.dtype}, {view.numel()}"
+    )
     del view
     tensor.close()
     with pytest.raises(ClosedError) as info:
         tensor.resize_per_segment_(G)
-    assert str(info.value).startswith("resize_per_segment_ on a closed ExtensibleTensor ("), \
+    assert str(info.value).startswith("resize_per_segment_ on a closed ExtensibleTensor ("), (
         f"resize_per_segment_ after close: expected a ClosedError naming it, got {info.value}"
+    )
 
 
 def test_views_are_on_the_drivers_device_under_another_default_device():
@@ -181,8 +208,10 @@ def test_views_are_on_the_drivers_device_under_another_default_device():
         got = (empty.device, empty.dtype, empty.numel(), committed.device, committed.numel())
         del empty, committed
         expected = (torch.device("cpu"), torch.int16, 0, torch.device("cpu"), G)
-        assert got == expected, f"HostDriver {NAME} segment_view before and after growth under torch.device('meta'): " \
-                                f"expected (device, dtype, numel, device, numel) {expected}, got {got}"
+        assert got == expected, (
+            f"HostDriver {NAME} segment_view before and after growth under torch.device('meta'): "
+            f"expected (device, dtype, numel, device, numel) {expected}, got {got}"
+        )
     finally:
         tensor.close()
 
@@ -217,9 +246,10 @@ def test_close_collects_views_that_only_garbage_keeps_alive_and_then_closes():
         del view, cycle
         tensor.close()
     got = (tensor.closed, bool(ledger.outstanding()), kernel_granules(base, 2 * G, G))
-    assert got == (True, False, ["nothing", "nothing"]), \
-        f"HostDriver close() with a view only a reference cycle keeps: expected (closed, outstanding, kernel " \
+    assert got == (True, False, ["nothing", "nothing"]), (
+        f"HostDriver close() with a view only a reference cycle keeps: expected (closed, outstanding, kernel "
         f"granules) (True, False, ['nothing', 'nothing']), got {got}"
+    )
 
 
 def test_close_runs_no_garbage_collection_when_no_view_blocks_it():
@@ -230,9 +260,10 @@ def test_close_runs_no_garbage_collection_when_no_view_blocks_it():
         with _collections() as started:
             tensor.close(force=force)
         got = (started, tensor.closed, bool(ledger.outstanding()))
-        assert got == ([], True, False), \
-            f"HostDriver close(force={force}) with {int(force)} live view(s): expected (collections, closed, " \
+        assert got == ([], True, False), (
+            f"HostDriver close(force={force}) with {int(force)} live view(s): expected (collections, closed, "
             f"outstanding) ([], True, False), got {got}"
+        )
         del view
 
 
@@ -286,16 +317,19 @@ def test_a_tensor_still_open_at_interpreter_exit_stays_mapped_also_after_a_faile
     got = [kernel_granules(base, 2 * G, G)]
     tensor.close()
     got.append(kernel_granules(base, 2 * G, G))
-    assert got == [["accessible", "reserved"], ["nothing", "nothing"]], \
-        f"HostDriver close() failing at unmap, then close() again: expected the kernel to map [['accessible', " \
+    assert got == [["accessible", "reserved"], ["nothing", "nothing"]], (
+        f"HostDriver close() failing at unmap, then close() again: expected the kernel to map [['accessible', "
         f"'reserved'], ['nothing', 'nothing']], got {got}"
+    )
     # In a child interpreter (running this same package) that exits with both kinds of tensor open.
     package = Path(extensible_kv.__file__).resolve().parents[1]
     path = [str(package), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(EXIT_CHILD)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXIT_CHILD)], capture_output=True, text=True, env=env, timeout=120
+    )
     got = (proc.returncode, proc.stdout.strip())
-    assert got == (0, "accessible accessible"), \
-        f"HostDriver tensors open at interpreter exit (one never closed, one whose close failed): expected exit 0 " \
+    assert got == (0, "accessible accessible"), (
+        f"HostDriver tensors open at interpreter exit (one never closed, one whose close failed): expected exit 0 "
         f"with the kernel mapping both ('accessible accessible'), got {got}; stderr: {proc.stderr[-2000:]}"
+    )

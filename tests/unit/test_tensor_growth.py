@@ -22,11 +22,14 @@ def test_a_growth_to_one_byte_per_segment_backs_one_granule_in_each_segment():
         tensor.resize_per_segment_(1)
         got = (tensor.bytes_per_segment, kernel_granules(tensor.base_address, 4 * G, G))
         expected = (1, ["accessible", "reserved", "accessible", "reserved"])
-        assert got == expected, f"HostDriver {NAME} resize_per_segment_(1) of 2 segments of 2 granules: expected " \
-                                f"(bytes per segment, kernel granules) {expected}, got {got}"
+        assert got == expected, (
+            f"HostDriver {NAME} resize_per_segment_(1) of 2 segments of 2 granules: expected "
+            f"(bytes per segment, kernel granules) {expected}, got {got}"
+        )
         views = [tensor.segment_view(i).tolist() for i in range(2)]
-        assert views == [[0], [0]], f"HostDriver {NAME} segment views after resize_per_segment_(1): expected one " \
-                                    f"zeroed byte each, got {views}"
+        assert views == [[0], [0]], (
+            f"HostDriver {NAME} segment views after resize_per_segment_(1): expected one zeroed byte each, got {views}"
+        )
     finally:
         tensor.close()
 
@@ -48,10 +51,14 @@ def test_a_driver_capping_handles_at_one_granule_gets_one_handle_per_granule():
     try:
         tensor.resize_per_segment_(3 * G)
         backing = [kernel_backing(tensor.base_address + i * G) for i in range(3)]
-        assert None not in backing and len({inode for inode, _ in backing}) == 3 and \
-            [offset for _, offset in backing] == [0, 0, 0], \
-            f"HostDriver with max_handle_bytes={G}, resize_per_segment_({3 * G}): expected each granule backed by " \
+        assert (
+            None not in backing
+            and len({inode for inode, _ in backing}) == 3
+            and [offset for _, offset in backing] == [0, 0, 0]
+        ), (
+            f"HostDriver with max_handle_bytes={G}, resize_per_segment_({3 * G}): expected each granule backed by "
             f"its own memfd at offset 0, got (inode, offset) {backing}"
+        )
     finally:
         tensor.close()
 
@@ -68,9 +75,10 @@ def test_growth_passes_the_map_offset_so_a_driver_without_a_default_offset_grows
     try:
         tensor.resize_per_segment_(2 * G)
         got = (kernel_granules(tensor.base_address, 2 * G, G), int(tensor.segment_view(0).count_nonzero()))
-        assert got == (["accessible", "accessible"], 0), \
-            f"HostDriver with map(va, size, handle, offset), resize_per_segment_({2 * G}): expected (kernel " \
+        assert got == (["accessible", "accessible"], 0), (
+            f"HostDriver with map(va, size, handle, offset), resize_per_segment_({2 * G}): expected (kernel "
             f"granules, nonzero bytes) (['accessible', 'accessible'], 0), got {got}"
+        )
     finally:
         tensor.close()
 
@@ -96,15 +104,19 @@ def test_a_failed_growth_raises_commit_error_of_the_drivers_kind_naming_operatio
         with pytest.raises(CommitError) as info:
             tensor.resize_per_segment_(G)
         e = info.value
-        expected = (f"growing {NAME} ExtensibleTensor from 0 to {G} bytes per segment (2 segment(s), {2 * G} bytes "
-                    f"in all) failed at {op}: {error}; kept 0 bytes per segment")
+        expected = (
+            f"growing {NAME} ExtensibleTensor from 0 to {G} bytes per segment (2 segment(s), {2 * G} bytes "
+            f"in all) failed at {op}: {error}; kept 0 bytes per segment"
+        )
         got = (type(e), str(e), e.operation, e.requested, e.committed, e.__cause__)
-        assert got == (kind, expected, op, G, 0, error), \
-            f"HostDriver {NAME} growth with {op} failing ({type(error).__name__}): expected {(kind, expected)}, " \
+        assert got == (kind, expected, op, G, 0, error), (
+            f"HostDriver {NAME} growth with {op} failing ({type(error).__name__}): expected {(kind, expected)}, "
             f"got {got[:2]}, operation/requested/committed/cause {got[2:]}"
+        )
         granules = kernel_granules(tensor.base_address, 4 * G, G)
-        assert granules == ["reserved"] * 4, \
+        assert granules == ["reserved"] * 4, (
             f"HostDriver {NAME} after the failed growth: expected the kernel to map 4 reserved granules, got {granules}"
+        )
     finally:
         tensor.close()
 
@@ -121,15 +133,18 @@ def test_a_rollback_that_fails_twice_names_both_failures_and_close_returns_the_r
     ledger.fail("release", 2, release_error)  # nor release granule 2's handle (granule 0's was released)
     with pytest.raises(CommitError) as info:
         tensor.resize_per_segment_(G)
-    expected = (f"growing {NAME} ExtensibleTensor from 0 to {G} bytes per segment (2 segment(s), {2 * G} bytes in "
-                f"all) failed at map: {map_error}; kept 0 bytes per segment; rollback also failed: "
-                f"unmap({base:#x}, {G}): {unmap_error}; release: {release_error}")
-    assert str(info.value) == expected, \
-        f"HostDriver {NAME} growth failing at map with the rollback's unmap and release failing: expected " \
+    expected = (
+        f"growing {NAME} ExtensibleTensor from 0 to {G} bytes per segment (2 segment(s), {2 * G} bytes in "
+        f"all) failed at map: {map_error}; kept 0 bytes per segment; rollback also failed: "
+        f"unmap({base:#x}, {G}): {unmap_error}; release: {release_error}"
+    )
+    assert str(info.value) == expected, (
+        f"HostDriver {NAME} growth failing at map with the rollback's unmap and release failing: expected "
         f"{expected!r}, got {str(info.value)!r}"
+    )
     tensor.close()  # retries what the rollback could not undo
     got = (ledger.outstanding(), kernel_granules(base, 4 * G, G), kernel_memfds())
-    assert not got[0] and got[1] == ["nothing"] * 4 and got[2] == before, \
-        f"HostDriver {NAME} close() after the failed rollback: expected nothing outstanding, nothing mapped and the " \
+    assert not got[0] and got[1] == ["nothing"] * 4 and got[2] == before, (
+        f"HostDriver {NAME} close() after the failed rollback: expected nothing outstanding, nothing mapped and the "
         f"kernel's memfds back to {before}, got {got}"
-
+    )

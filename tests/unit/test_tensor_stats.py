@@ -18,9 +18,16 @@ def test_stats_account_every_byte_of_a_two_segment_tensor():
     try:
         tensor.resize_per_segment_(2 * G + 100)
         got = tensor.stats()
-        expected = TensorStats(reserved_bytes=10 * G, committed_bytes=2 * (2 * G + 100), backed_bytes=6 * G,
-                               bytes_per_segment=2 * G + 100, segment_bytes=5 * G - 100, num_segments=2, granularity=G,
-                               mappings=len(ledger.outstanding().mappings))
+        expected = TensorStats(
+            reserved_bytes=10 * G,
+            committed_bytes=2 * (2 * G + 100),
+            backed_bytes=6 * G,
+            bytes_per_segment=2 * G + 100,
+            segment_bytes=5 * G - 100,
+            num_segments=2,
+            granularity=G,
+            mappings=len(ledger.outstanding().mappings),
+        )
         assert got == expected, f"ExtensibleTensor.stats(): expected {expected}, got {got}"
         assert got.waste_bytes == 6 * G - 2 * (2 * G + 100), f"waste_bytes: got {got.waste_bytes}"
     finally:

@@ -42,8 +42,9 @@ def _mla(raw):  # (B, N, 576), one latent head
 
 
 def _hybrid(raw):  # K/V-first (2, B, N, H, D) re-strided block-major, as vLLM does for attention next to Mamba
-    return block_major(attention_view(raw, (2, _blocks(raw, ATTN_PAGE), BLOCK, HEADS, HEAD), (0, 1, 2, 3, 4),
-                                      torch.bfloat16))
+    return block_major(
+        attention_view(raw, (2, _blocks(raw, ATTN_PAGE), BLOCK, HEADS, HEAD), (0, 1, 2, 3, 4), torch.bfloat16)
+    )
 
 
 def _mamba(raw):  # Mamba states packed in the attention page of a hybrid model
@@ -67,8 +68,12 @@ def _reshape(kind: str):
 
 
 def _config(num_blocks: int, page: int):
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
-        SimpleNamespace(size=num_blocks * page, shared_by=[f"layer{i}"], block_stride=0) for i in range(2)])
+    return SimpleNamespace(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            SimpleNamespace(size=num_blocks * page, shared_by=[f"layer{i}"], block_stride=0) for i in range(2)
+        ],
+    )
 
 
 class FakeConnector:
@@ -86,8 +91,7 @@ class FakeConnector:
         self.calls.append(("register_kv_caches", kv_caches, self._kv_cache_config.num_blocks))
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend):
-        self.calls.append(("register_cross_layers_kv_cache", kv_cache, attn_backend,
-                           self._kv_cache_config.num_blocks))
+        self.calls.append(("register_cross_layers_kv_cache", kv_cache, attn_backend, self._kv_cache_config.num_blocks))
 
     def set_host_xfer_buffer_ops(self, copy_operation):
         self.calls.append(("set_host_xfer_buffer_ops", copy_operation))
@@ -128,18 +132,23 @@ def test_the_connector_gets_the_legacy_layout_of_exactly_the_committed_blocks(ki
         state.ensure_blocks(COMMITTED, reason="final size")
         registration = connector.register(state)
         (method, handed, told), xfer = conn.calls
-        assert (method, told, xfer) == ("register_kv_caches", COMMITTED, ("set_host_xfer_buffer_ops",
-                                                                           "copy_kv_blocks")), conn.methods()
+        assert (method, told, xfer) == (
+            "register_kv_caches",
+            COMMITTED,
+            ("set_host_xfer_buffer_ops", "copy_kv_blocks"),
+        ), conn.methods()
         legacy = _reshape(kind)({name: torch.zeros(COMMITTED * page, dtype=torch.int8) for name in views})
         for name in views:
             for k, (got, want) in enumerate(zip(_flat(handed[name]), _flat(legacy[name]), strict=True)):
                 assert _signature(got) == _signature(want), (
                     f"{kind} layer {name} view {k}: expected the legacy (shape, stride, offset, dtype, storage "
-                    f"bytes) for {COMMITTED} blocks {_signature(want)}, got {_signature(got)}")
+                    f"bytes) for {COMMITTED} blocks {_signature(want)}, got {_signature(got)}"
+                )
                 base = state.buffers.tensor(state.layer_buffer[name]).base_address
                 assert got.untyped_storage().data_ptr() == base, f"{kind} {name}: not at the buffer's base address"
-        assert registration.storage_bytes == registration.committed_bytes == 2 * COMMITTED * page, \
+        assert registration.storage_bytes == registration.committed_bytes == 2 * COMMITTED * page, (
             registration.to_dict()
+        )
         assert all(row["storage_bytes"] == COMMITTED * page for row in registration.tensors), registration.tensors
     finally:
         state.buffers.close()
@@ -165,7 +174,8 @@ def test_a_narrowed_view_reads_and_writes_the_runners_own_bytes(kind):
                 runner_part = runners.narrow(dim, 0, mine.shape[dim])
                 assert torch.equal(runner_part, values), (
                     f"{kind} layer {name} view {k}: what the connector wrote is not what the runner reads in the "
-                    f"committed blocks")
+                    f"committed blocks"
+                )
     finally:
         state.buffers.close()
 
@@ -181,8 +191,9 @@ def test_layers_sharing_one_tensor_keep_sharing_it():
         state.ensure_blocks(COMMITTED, reason="final size")
         connector.register(state)
         handed = conn.calls[0][1]
-        assert handed["layer2"] is handed["layer0"] and handed["layer1"] is not handed["layer0"], \
+        assert handed["layer2"] is handed["layer0"] and handed["layer1"] is not handed["layer0"], (
             "layers sharing a KV cache tensor must be handed one tensor object, the others their own"
+        )
     finally:
         state.buffers.close()
 
@@ -199,7 +210,8 @@ def test_the_connectors_kv_cache_config_says_the_committed_count_when_it_registe
         got = (conn.calls[0][2], config.num_blocks, [t.size for t in config.kv_cache_tensors])
         assert got == (COMMITTED, COMMITTED, [COMMITTED * page] * 2), (
             f"the connector's KVCacheConfig: expected {COMMITTED} blocks of {page} bytes per tensor when it "
-            f"registers, got (count seen, count, sizes) {got}")
+            f"registers, got (count seen, count, sizes) {got}"
+        )
     finally:
         state.buffers.close()
 
@@ -236,13 +248,13 @@ def test_cross_layer_blocks_are_reserved_as_one_buffer_and_handed_over_narrowed(
             assert view.untyped_storage().data_ptr() == cross.untyped_storage().data_ptr(), name
         state.ensure_blocks(COMMITTED, reason="final size")
         connector.register(state)
-        (method, handed, got_backend, told), = conn.calls
+        ((method, handed, got_backend, told),) = conn.calls
         _, want, _ = _uniform()(_config(COMMITTED, ATTN_PAGE), None, "auto", "cpu", [16])
-        assert (method, got_backend, told) == ("register_cross_layers_kv_cache", "BACKEND", COMMITTED), \
-            conn.methods()
+        assert (method, got_backend, told) == ("register_cross_layers_kv_cache", "BACKEND", COMMITTED), conn.methods()
         assert _signature(handed) == _signature(want), (
             f"cross-layer tensor: expected the legacy {_signature(want)} for {COMMITTED} blocks, got "
-            f"{_signature(handed)}")
+            f"{_signature(handed)}"
+        )
     finally:
         state.buffers.close()
 
@@ -275,8 +287,9 @@ def test_a_view_reaching_past_the_committed_blocks_is_refused_even_with_one_page
     committed = torch.zeros(COMMITTED * page, dtype=torch.int8)
     with pytest.raises(ExtensibleKVUnsupported, match=rf"reaches byte \d+, past the {COMMITTED * page} committed"):
         connector.narrow_view(view, committed, page, RESERVED, COMMITTED, "layer x")
-    ok = connector.narrow_view(full[:RESERVED * page].view(RESERVED, page), committed, page, RESERVED, COMMITTED,
-                               "layer y")
+    ok = connector.narrow_view(
+        full[: RESERVED * page].view(RESERVED, page), committed, page, RESERVED, COMMITTED, "layer y"
+    )
     assert _signature(ok) == ((COMMITTED, page), (page, 1), 0, torch.int8, COMMITTED * page), _signature(ok)
 
 
@@ -294,8 +307,11 @@ def test_a_connector_that_refuses_the_kv_caches_gets_a_refusal_naming_it_and_its
     conn.register_kv_caches(_reshape("hybrid")(state.allocate(config)))
     try:
         state.ensure_blocks(COMMITTED, reason="final size")
-        with pytest.raises(ExtensibleKVUnsupported, match=r"KV connector FakeConnector refused .*"
-                                                          r"NotImplementedError: no MambaSpec here"):
+        with pytest.raises(
+            ExtensibleKVUnsupported,
+            match=r"KV connector FakeConnector refused .*"
+            r"NotImplementedError: no MambaSpec here",
+        ):
             connector.register(state)
         assert connector.session(state).registration is None, "a refused registration must not be recorded"
         connector.check_resize(state, COMMITTED + 1, "test")  # not registered: growth is not refused
@@ -341,12 +357,16 @@ def test_growth_and_release_after_registration_are_refused_naming_the_connector(
         state.ensure_blocks(COMMITTED, reason="final size")
         connector.register(state)
         connector.check_resize(state, COMMITTED, "the same count again")  # no growth: allowed
-        with pytest.raises(ExtensibleKVUnsupported, match=rf"growing the KV cache from {COMMITTED} to "
-                                                          rf"{COMMITTED + 1} blocks is refused: KV connector "
-                                                          rf"FakeConnector"):
+        with pytest.raises(
+            ExtensibleKVUnsupported,
+            match=rf"growing the KV cache from {COMMITTED} to "
+            rf"{COMMITTED + 1} blocks is refused: KV connector "
+            rf"FakeConnector",
+        ):
             connector.check_resize(state, COMMITTED + 1, "extensible_kv_commit")
-        with pytest.raises(ExtensibleKVUnsupported, match="sleep: releasing the KV pages is refused: KV connector "
-                                                          "FakeConnector"):
+        with pytest.raises(
+            ExtensibleKVUnsupported, match="sleep: releasing the KV pages is refused: KV connector FakeConnector"
+        ):
             connector.refuse_release(state, "sleep")
     finally:
         state.buffers.close()
@@ -362,8 +382,9 @@ def test_after_registration_the_connectors_own_methods_are_back():
         state.ensure_blocks(COMMITTED, reason="final size")
         connector.register(state)
         assert not set(connector.DEFERRED) & set(vars(conn)), f"left on the instance: {sorted(vars(conn))}"
-        assert connector.register(state) is connector.session(state).registration and len(conn.calls) == 1, \
+        assert connector.register(state) is connector.session(state).registration and len(conn.calls) == 1, (
             "a second register must not register again"
+        )
     finally:
         state.buffers.close()
 
@@ -392,8 +413,11 @@ def test_a_kv_connector_alone_is_no_longer_refused(name):
 
 def test_a_kv_connector_with_sleep_mode_is_refused_naming_both():
     config = _vllm_config("MultiConnector", sleep=True, children=("OffloadingConnector", "ExampleConnector"))
-    with pytest.raises(ExtensibleKVUnsupported, match=r"KV connector MultiConnector\(OffloadingConnector, "
-                                                      r"ExampleConnector\) with sleep mode"):
+    with pytest.raises(
+        ExtensibleKVUnsupported,
+        match=r"KV connector MultiConnector\(OffloadingConnector, "
+        r"ExampleConnector\) with sleep mode",
+    ):
         patches.check_supported(config, _CUDA)
     patches.check_supported(_vllm_config(None, sleep=True), _CUDA)  # sleep mode alone is not refused here
 
@@ -436,8 +460,9 @@ def _v1_original(conn):
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes):
         if self.use_uniform_kv_cache(self.attn_groups):
-            caches, cross, backend = self.allocate_uniform_kv_caches(kv_cache_config, self.attn_groups, "auto",
-                                                                     "cuda", kernel_block_sizes)
+            caches, cross, backend = self.allocate_uniform_kv_caches(
+                kv_cache_config, self.attn_groups, "auto", "cuda", kernel_block_sizes
+            )
             conn.register_cross_layers_kv_cache(cross, backend)
         else:
             caches = self._reshape_kv_cache_tensors(worker_kv.active().allocate(kv_cache_config), kernel_block_sizes)
@@ -471,10 +496,12 @@ def test_the_v1_patch_defers_registration_to_the_final_commit_and_refuses_growth
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         committed = report["kv"]["committed_bytes"]
         assert sum(storages.values()) == committed == 2 * COMMITTED * ATTN_PAGE, (
-            f"V1 {method}: expected the storages handed over to be the {committed} committed bytes, got {storages}")
+            f"V1 {method}: expected the storages handed over to be the {committed} committed bytes, got {storages}"
+        )
         kind = "cross_layers" if uniform else "kv_caches"
-        assert (report["connector"]["num_blocks"], report["connector"]["kind"]) == (COMMITTED, kind), \
-            report["connector"]
+        assert (report["connector"]["num_blocks"], report["connector"]["kind"]) == (COMMITTED, kind), report[
+            "connector"
+        ]
         with pytest.raises(ExtensibleKVUnsupported, match="growing the KV cache"):
             patches.extensible_kv_commit(worker, COMMITTED + 3)
         assert state.buffers.num_blocks == COMMITTED, "a refused growth must commit nothing"
@@ -487,12 +514,16 @@ def test_extents_count_each_storage_once():
     state.allocate(config)
     try:
         state.ensure_blocks(COMMITTED, reason="final size")
-        narrowed = connector.narrow_kv_caches(state, _reshape("hybrid")(
-            {name: state.buffers.raw(buf) for name, buf in state.layer_buffer.items()}))
+        narrowed = connector.narrow_kv_caches(
+            state, _reshape("hybrid")({name: state.buffers.raw(buf) for name, buf in state.layer_buffer.items()})
+        )
         rows, storage_bytes, committed = connector.extents(state, narrowed)
         want_rows = 1 + len(MAMBA_SHAPES)
-        assert (len(rows), storage_bytes, committed) == (want_rows, 2 * COMMITTED * page, 2 * COMMITTED * page), \
-            (rows, storage_bytes, committed)
+        assert (len(rows), storage_bytes, committed) == (want_rows, 2 * COMMITTED * page, 2 * COMMITTED * page), (
+            rows,
+            storage_bytes,
+            committed,
+        )
         spans = [row["view_bytes"] for row in rows]
         assert all(0 < s <= COMMITTED * page for s in spans), spans
         assert math.prod(rows[0]["shape"]) * 2 == COMMITTED * page, rows[0]
@@ -504,10 +535,16 @@ def test_the_scheduler_is_built_from_the_legacy_configuration_of_the_committed_b
     """The engine's KVCacheConfig (the scheduler's, and the scheduler side of a connector, which sizes its CPU tier
     from the bytes per block) says the committed count and the tensor sizes of that count, not the reserved ones."""
     page = ATTN_PAGE
-    config = SimpleNamespace(num_blocks=RESERVED, kv_cache_groups=[],
-                             kv_cache_tensors=[SimpleNamespace(size=RESERVED * page, shared_by=["l0"])])
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(
-        current_platform=SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")))
+    config = SimpleNamespace(
+        num_blocks=RESERVED,
+        kv_cache_groups=[],
+        kv_cache_tensors=[SimpleNamespace(size=RESERVED * page, shared_by=["l0"])],
+    )
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm.platforms",
+        types.SimpleNamespace(current_platform=SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")),
+    )
     monkeypatch.setitem(sys.modules, "vllm.v1.engine", types.SimpleNamespace(core=SimpleNamespace()))
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", SimpleNamespace())
     rpcs = {"extensible_kv_measure": [COMMITTED], "extensible_kv_commit": [{}]}
@@ -516,5 +553,7 @@ def test_the_scheduler_is_built_from_the_legacy_configuration_of_the_committed_b
     got = patches._initialize_kv_caches(lambda self, cfg: config)(engine, vllm_config)
     seen = (got.num_blocks, [t.size for t in got.kv_cache_tensors], vllm_config.cache_config.num_gpu_blocks)
     want = (COMMITTED, [COMMITTED * page], COMMITTED)
-    assert seen == want, f"engine KVCacheConfig after the final commit (num_blocks, tensor sizes, num_gpu_blocks): " \
-                         f"expected {want}, got {seen}"
+    assert seen == want, (
+        f"engine KVCacheConfig after the final commit (num_blocks, tensor sizes, num_gpu_blocks): "
+        f"expected {want}, got {seen}"
+    )

@@ -19,10 +19,22 @@ GIB = 1 << 30
 
 
 def _state(**overrides) -> MemoryState:
-    values = dict(init_free=100 * GIB, requested=90 * GIB, free_now=60 * GIB, kv_backed=2 * GIB, weights=16 * GIB,
-                  profiled_peak=3 * GIB, again_reserved=5 * GIB, again_retained=1 * GIB, served_reserved=2 * GIB,
-                  served_retained=0, bytes_per_block=1 << 20, rounding_bound=4 << 20, capacity_blocks=80_000,
-                  committed_blocks=10)
+    values = dict(
+        init_free=100 * GIB,
+        requested=90 * GIB,
+        free_now=60 * GIB,
+        kv_backed=2 * GIB,
+        weights=16 * GIB,
+        profiled_peak=3 * GIB,
+        again_reserved=5 * GIB,
+        again_retained=1 * GIB,
+        served_reserved=2 * GIB,
+        served_retained=0,
+        bytes_per_block=1 << 20,
+        rounding_bound=4 << 20,
+        capacity_blocks=80_000,
+        committed_blocks=10,
+    )
     values.update(overrides)
     return MemoryState(**values)
 
@@ -36,14 +48,20 @@ def test_sizing_commits_what_the_measured_budget_fits():
     assert s.blocks() == (48 * GIB - (4 << 20)) // (1 << 20), s.to_dict()
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (dict(capacity_blocks=1000), 1000),                      # never above the reservation
-    (dict(free_now=1 * GIB, committed_blocks=77), 77),        # never below what is committed (grow-only)
-    (dict(again_retained=6 * GIB, served_reserved=0), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
-    (dict(served_reserved=7 * GIB, served_retained=1 * GIB), (46 * GIB - (4 << 20)) // (1 << 20)),  # served took more
-    (dict(profiled_peak=40 * GIB), (48 * GIB - (4 << 20)) // (1 << 20)),  # vLLM's estimate is not used
-    (dict(margin=GIB), (47 * GIB - (4 << 20)) // (1 << 20)),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (dict(capacity_blocks=1000), 1000),  # never above the reservation
+        (dict(free_now=1 * GIB, committed_blocks=77), 77),  # never below what is committed (grow-only)
+        (dict(again_retained=6 * GIB, served_reserved=0), (52 * GIB - (4 << 20)) // (1 << 20)),  # no negative growth
+        (
+            dict(served_reserved=7 * GIB, served_retained=1 * GIB),
+            (46 * GIB - (4 << 20)) // (1 << 20),
+        ),  # served took more
+        (dict(profiled_peak=40 * GIB), (48 * GIB - (4 << 20)) // (1 << 20)),  # vLLM's estimate is not used
+        (dict(margin=GIB), (47 * GIB - (4 << 20)) // (1 << 20)),
+    ],
+)
 def test_sizing_clamps(overrides, expected):
     s = _state(**overrides)
     assert s.blocks() == expected, f"MemoryState({overrides}).blocks(): expected {expected}, got {s.blocks()}"
@@ -56,10 +74,12 @@ def _segment(pool, total, active, device=0):
 def test_reusable_cache_counts_only_unused_default_pool_memory_of_this_device():
     # A captured graph's private pool and live tensors are reserved by torch but cannot serve eager activations;
     # another device's cache is not this worker's.
-    segments = [_segment((0, 0), 64 << 20, 16 << 20),     # default pool: 48 MiB unused
-                _segment((0, 0), 20 << 20, 20 << 20),     # default pool, fully in use (persistent buffers)
-                _segment((0, 1), 230 << 20, 0),           # graph private pool, all "inactive" after capture
-                _segment((0, 0), 512 << 20, 0, device=1)]  # another GPU
+    segments = [
+        _segment((0, 0), 64 << 20, 16 << 20),  # default pool: 48 MiB unused
+        _segment((0, 0), 20 << 20, 20 << 20),  # default pool, fully in use (persistent buffers)
+        _segment((0, 1), 230 << 20, 0),  # graph private pool, all "inactive" after capture
+        _segment((0, 0), 512 << 20, 0, device=1),
+    ]  # another GPU
     got = reusable_cache(segments, device=0)
     assert got == 48 << 20, f"reusable_cache: expected {48 << 20} bytes (default pool, unused, device 0), got {got}"
 
@@ -67,44 +87,68 @@ def test_reusable_cache_counts_only_unused_default_pool_memory_of_this_device():
 _PLATFORM_CUDA = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")
 
 
-@pytest.mark.parametrize("config,platform,needle", [
-    (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector"),
-                     model_config=SimpleNamespace(enable_sleep_mode=True)), _PLATFORM_CUDA,
-     r"KV connector OffloadingConnector with sleep mode \(enable_sleep_mode\)"),
-    (SimpleNamespace(kv_transfer_config=None, model_config=None),
-     SimpleNamespace(is_cuda_alike=lambda: False, device_name="xpu"), "neither CUDA nor ROCm"),
-])
+@pytest.mark.parametrize(
+    "config,platform,needle",
+    [
+        (
+            SimpleNamespace(
+                kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector"),
+                model_config=SimpleNamespace(enable_sleep_mode=True),
+            ),
+            _PLATFORM_CUDA,
+            r"KV connector OffloadingConnector with sleep mode \(enable_sleep_mode\)",
+        ),
+        (
+            SimpleNamespace(kv_transfer_config=None, model_config=None),
+            SimpleNamespace(is_cuda_alike=lambda: False, device_name="xpu"),
+            "neither CUDA nor ROCm",
+        ),
+    ],
+)
 def test_unsupported_configurations_are_refused_with_the_reason(config, platform, needle):
     with pytest.raises(ExtensibleKVUnsupported, match=needle):
         patches.check_supported(config, platform)
 
 
-@pytest.mark.parametrize("connector,sleep", [(None, False), (None, True), ("OffloadingConnector", False)],
-                         ids=["plain", "sleep mode", "a connector"])
+@pytest.mark.parametrize(
+    "connector,sleep",
+    [(None, False), (None, True), ("OffloadingConnector", False)],
+    ids=["plain", "sleep mode", "a connector"],
+)
 def test_supported_configuration_passes(connector, sleep):
     ktc = SimpleNamespace(kv_connector=connector) if connector else None
-    patches.check_supported(SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(
-        enable_sleep_mode=sleep)), _PLATFORM_CUDA)
+    patches.check_supported(
+        SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(enable_sleep_mode=sleep)), _PLATFORM_CUDA
+    )
 
 
 def _output(new=(), cached=()):
-    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(block_ids=b) for b in new],
-                           scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)))
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=b) for b in new],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)),
+    )
 
 
-@pytest.mark.parametrize("output,expected", [
-    (_output(), -1),
-    (_output(new=[([1, 2, 3],), ([4, 5],)]), 5),
-    (_output(new=[([1], [9, 2])], cached=[None, ([], [12])]), 12),
-    (_output(cached=[([7, 30],)]), 30),
-])
+@pytest.mark.parametrize(
+    "output,expected",
+    [
+        (_output(), -1),
+        (_output(new=[([1, 2, 3],), ([4, 5],)]), 5),
+        (_output(new=[([1], [9, 2])], cached=[None, ([], [12])]), 12),
+        (_output(cached=[([7, 30],)]), 30),
+    ],
+)
 def test_max_block_id_reads_new_and_cached_requests(output, expected):
     assert patches.max_block_id(output) == expected
 
 
 def _kv_config(num_blocks: int, page: int, tensors: int = 2):
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
-        SimpleNamespace(size=num_blocks * page, shared_by=[f"layer{i}"], block_stride=0) for i in range(tensors)])
+    return SimpleNamespace(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            SimpleNamespace(size=num_blocks * page, shared_by=[f"layer{i}"], block_stride=0) for i in range(tensors)
+        ],
+    )
 
 
 def _kv_first_reshape(raw: dict) -> dict:
@@ -126,15 +170,19 @@ def _disagreeing_reshape(raw: dict) -> dict:
     for name, t in raw.items():
         kv_first = _kv_first_reshape({name: t})[name]
         block_major = attention_view(t, kv_first.shape, (1, 0, 2, 3, 4), torch.bfloat16)
-        out[name] = {"layer0": kv_first, "layer1": block_major,
-                     "layer2": [block_major.transpose(0, 1), kv_first.transpose(0, 1)]}[name]
+        out[name] = {
+            "layer0": kv_first,
+            "layer1": block_major,
+            "layer2": [block_major.transpose(0, 1), kv_first.transpose(0, 1)],
+        }[name]
     return out
 
 
 @pytest.mark.parametrize("shared_by", [["layer0", "layer1"], ["layer2"]], ids=["two-layers", "one-layer-states"])
 def test_derive_segments_refuses_views_of_one_tensor_that_disagree(shared_by):
-    config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[
-        SimpleNamespace(size=100 * 8192, shared_by=shared_by, block_stride=0)])
+    config = SimpleNamespace(
+        num_blocks=100, kv_cache_tensors=[SimpleNamespace(size=100 * 8192, shared_by=shared_by, block_stride=0)]
+    )
     with pytest.raises(LayoutError, match="disagree on segments"):
         segments = worker_kv.derive_segments(config, _disagreeing_reshape)
         pytest.fail(f"derive_segments over {shared_by}: expected LayoutError, got segments {segments}")
@@ -193,32 +241,82 @@ def test_measure_reads_free_memory_the_kv_mapping_and_the_batch_run_again(monkey
     # The worker-side wiring of the sizing: every MemoryState field comes from the named source, on this device.
     kv = worker_kv.start(Ledger(HostDriver(granularity=4096)))
     kv.segments = [1, 2]
-    config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[
-        SimpleNamespace(size=100 * 8192, shared_by=["layer0"]),
-        SimpleNamespace(size=100 * 16384, shared_by=["layer1"])])
+    config = SimpleNamespace(
+        num_blocks=100,
+        kv_cache_tensors=[
+            SimpleNamespace(size=100 * 8192, shared_by=["layer0"]),
+            SimpleNamespace(size=100 * 16384, shared_by=["layer1"]),
+        ],
+    )
     kv.allocate(config)
     kv.ensure_blocks(3, reason="warmup")
     mib = 1 << 20
-    segments = [_segment((0, 0), 40 * mib, 10 * mib, device=1),
-                _segment((7, 0), 200 * mib, 0, device=1),
-                _segment((0, 0), 90 * mib, 0)]
+    segments = [
+        _segment((0, 0), 40 * mib, 10 * mib, device=1),
+        _segment((7, 0), 200 * mib, 0, device=1),
+        _segment((0, 0), 90 * mib, 0),
+    ]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (5 * GIB, 8 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    worker = SimpleNamespace(init_snapshot=SimpleNamespace(free_memory=7 * GIB), requested_memory=6 * GIB,
-                             model_runner=SimpleNamespace(model_memory_usage=1 * GIB), peak_activation_memory=512 * mib)
+    worker = SimpleNamespace(
+        init_snapshot=SimpleNamespace(free_memory=7 * GIB),
+        requested_memory=6 * GIB,
+        model_runner=SimpleNamespace(model_memory_usage=1 * GIB),
+        peak_activation_memory=512 * mib,
+    )
     try:
-        s = kv.measure(worker, again={"peak_reserved": 300 * mib, "retained": 120 * mib},
-                       served={"peak_reserved": 70 * mib, "retained": 30 * mib, "peak_allocated": 65 * mib,
-                               "cache_after": 80 * mib}, margin=mib)
+        s = kv.measure(
+            worker,
+            again={"peak_reserved": 300 * mib, "retained": 120 * mib},
+            served={
+                "peak_reserved": 70 * mib,
+                "retained": 30 * mib,
+                "peak_allocated": 65 * mib,
+                "cache_after": 80 * mib,
+            },
+            margin=mib,
+        )
         stats = kv.buffers.stats()
-        got = (s.init_free, s.requested, s.free_now, s.kv_backed, s.weights, s.profiled_peak, s.again_reserved,
-               s.again_retained, s.served_reserved, s.served_retained, s.bytes_per_block, s.rounding_bound,
-               s.capacity_blocks, s.committed_blocks, s.margin, s.served_allocated, s.cache_after)
-        expected = (7 * GIB, 6 * GIB, 5 * GIB, stats.backed_bytes, 1 * GIB, 512 * mib, 300 * mib, 120 * mib,
-                    70 * mib, 30 * mib, 8192 + 16384, (1 + 2) * 4096, stats.max_num_blocks, 3, mib, 65 * mib,
-                    80 * mib)
+        got = (
+            s.init_free,
+            s.requested,
+            s.free_now,
+            s.kv_backed,
+            s.weights,
+            s.profiled_peak,
+            s.again_reserved,
+            s.again_retained,
+            s.served_reserved,
+            s.served_retained,
+            s.bytes_per_block,
+            s.rounding_bound,
+            s.capacity_blocks,
+            s.committed_blocks,
+            s.margin,
+            s.served_allocated,
+            s.cache_after,
+        )
+        expected = (
+            7 * GIB,
+            6 * GIB,
+            5 * GIB,
+            stats.backed_bytes,
+            1 * GIB,
+            512 * mib,
+            300 * mib,
+            120 * mib,
+            70 * mib,
+            30 * mib,
+            8192 + 16384,
+            (1 + 2) * 4096,
+            stats.max_num_blocks,
+            3,
+            mib,
+            65 * mib,
+            80 * mib,
+        )
         assert got == expected, f"WorkerKV.measure on host: expected {expected}, got {got}"
     finally:
         kv.buffers.close()
@@ -260,15 +358,19 @@ def test_worker_driver_is_built_on_the_workers_own_device(monkeypatch, rocm):
     _worker_platform(monkeypatch, rocm=rocm, cuda_driver=Cuda, hip_driver=Hip, device=3)
     got = patches._platform_driver()
     want = Hip if rocm else Cuda
-    assert type(got) is want and got.ordinal == 3, \
-        f"worker driver (rocm={rocm}): expected {want.__name__} on device 3, got {type(got).__name__} on " \
+    assert type(got) is want and got.ordinal == 3, (
+        f"worker driver (rocm={rocm}): expected {want.__name__} on device 3, got {type(got).__name__} on "
         f"{getattr(got, 'ordinal', None)}"
+    )
 
 
 def test_worker_driver_that_cannot_run_is_unsupported_naming_the_driver_and_the_reason(monkeypatch):
     _worker_platform(monkeypatch, rocm=False, cuda_driver=_UnavailableDriver, hip_driver=_RecordingDriver, device=3)
-    with pytest.raises(ExtensibleKVUnsupported, match=r"the cuda driver cannot run in this worker: "
-                                                      r"no usable device 3"):
+    with pytest.raises(
+        ExtensibleKVUnsupported,
+        match=r"the cuda driver cannot run in this worker: "
+        r"no usable device 3",
+    ):
         patches._platform_driver()
 
 
@@ -286,12 +388,17 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
 
     class Worker:
         def __init__(self):
-            self.model_runner = SimpleNamespace(profile_run=lambda: None, model_memory_usage=1 << 20,
-                                                max_num_tokens=8192, is_pooling_model=False, max_model_len=2048,
-                                                scheduler_config=SimpleNamespace(max_num_seqs=8),
-                                                _dummy_run=lambda num_tokens, **kwargs: (None, None),
-                                                _build_attention_metadata=lambda **kwargs: ({}, None),
-                                                _dummy_sampler_run=lambda hidden_states: None)
+            self.model_runner = SimpleNamespace(
+                profile_run=lambda: None,
+                model_memory_usage=1 << 20,
+                max_num_tokens=8192,
+                is_pooling_model=False,
+                max_model_len=2048,
+                scheduler_config=SimpleNamespace(max_num_seqs=8),
+                _dummy_run=lambda num_tokens, **kwargs: (None, None),
+                _build_attention_metadata=lambda **kwargs: ({}, None),
+                _dummy_sampler_run=lambda hidden_states: None,
+            )
             self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks=None)
             self.init_snapshot = SimpleNamespace(free_memory=8 * GIB)
             self.requested_memory = 6 * GIB
@@ -331,8 +438,12 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
     module("vllm.v1.worker.gpu.attn_utils", _allocate_kv_cache=lambda *a: None)
     for name in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    for name, value in (("memory_reserved", 0), ("memory_allocated", 0), ("max_memory_reserved", 0),
-                        ("max_memory_allocated", 0)):
+    for name, value in (
+        ("memory_reserved", 0),
+        ("memory_allocated", 0),
+        ("max_memory_reserved", 0),
+        ("max_memory_allocated", 0),
+    ):
         monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -371,8 +482,9 @@ def test_an_engine_built_inside_the_block_keeps_its_rpcs_after_the_patches_are_r
     try:
         worker_kv.start(Ledger(HostDriver(granularity=4096)))  # a later engine in the same process
         report = _rpc(wrapper, "extensible_kv_report")
-        assert report["kv"] and report["kv"]["num_blocks"] == 20, \
+        assert report["kv"] and report["kv"]["num_blocks"] == 20, (
             f"the report after the block exited: expected this engine's 20 committed blocks, got {report['kv']}"
+        )
         assert report["profile"]["peak_reserved"] == 0 and report["measured"]["blocks"] == fits, report
     finally:
         state.buffers.close()
@@ -405,8 +517,13 @@ def test_profile_run_records_the_reserved_and_allocated_activation_peak(monkeypa
 
     run = probes.profile_run_reserved_peak(profile_run)
     assert run() == "ran"
-    expected = {"peak_reserved": 44 * GIB // 10, "peak_allocated": 4 * GIB, "retained": GIB,
-                "cache_before": 48 << 20, "cache_after": 88 << 20}
+    expected = {
+        "peak_reserved": 44 * GIB // 10,
+        "peak_allocated": 4 * GIB,
+        "retained": GIB,
+        "cache_before": 48 << 20,
+        "cache_after": 88 << 20,
+    }
     assert run.figures == expected, f"profile_run figures: expected {expected}, got {run.figures}"
 
 
@@ -445,35 +562,64 @@ class _V2DummyRunner(_DummyRunner):
 def _v1_call(tokens, seq_len):
     """V1's dummy run as served: each request's own sequence and query length (Note [A served batch's query
     length])."""
-    return ("_dummy_run", tokens, {"cudagraph_runtime_mode": "CUDAGraphMode.NONE", "force_attention": True,
-                                   "skip_eplb": True, "profile_seq_lens": seq_len}), \
-        ("attention max_query_len", seq_len)
+    return (
+        "_dummy_run",
+        tokens,
+        {
+            "cudagraph_runtime_mode": "CUDAGraphMode.NONE",
+            "force_attention": True,
+            "skip_eplb": True,
+            "profile_seq_lens": seq_len,
+        },
+    ), ("attention max_query_len", seq_len)
 
 
 # runners are made in the test: one made at collection keeps the calls of any earlier run of the same item
-@pytest.mark.parametrize("make_runner,last_rank,expected", [
-    # 16,384 tokens over 8 requests: 2,048 each, the sequence length of a served prefill of that shape
-    (partial(_DummyRunner), True, [*_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
-    (partial(_DummyRunner, is_pooling_model=True), True, [*_v1_call(16384, 2048)]),
-    # the last request takes the remainder: 16,376 over 8 is 2,047 + 0, 2,045 over 3 is 681 + 2
-    (partial(_DummyRunner, max_num_tokens=16376, max_model_len=2048), True,
-     [*_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")]),
-    (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [*_v1_call(2045, 683)]),
-    # never past a block-table row: a request's sequence is at most max_model_len tokens, and a batch of 2 such
-    # requests at most 8,192 tokens, whatever max_num_batched_tokens allows
-    (partial(_DummyRunner, max_num_tokens=16384, max_num_seqs=2, max_model_len=4096), False,
-     [*_v1_call(8192, 4096)]),
-    # the remainder can still take the last request past max_model_len: capped
-    (partial(_DummyRunner, max_num_tokens=79, max_num_seqs=8, max_model_len=10), False, [*_v1_call(79, 10)]),
-    (partial(_V2DummyRunner), True,
-     [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")]),
-    (partial(_V2DummyRunner, is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
-    (partial(_V2DummyRunner, pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
-], ids=["v1", "v1-pooling", "v1-remainder", "v1-not-last-pp-rank", "v1-capped-at-max-model-len",
-        "v1-remainder-capped", "v2",
-        "v2-not-last-pp-rank", "v2-pooling"])
-def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(monkeypatch, make_runner, last_rank,
-                                                                             expected):
+@pytest.mark.parametrize(
+    "make_runner,last_rank,expected",
+    [
+        # 16,384 tokens over 8 requests: 2,048 each, the sequence length of a served prefill of that shape
+        (partial(_DummyRunner), True, [*_v1_call(16384, 2048), ("_dummy_sampler_run", "last hidden")]),
+        (partial(_DummyRunner, is_pooling_model=True), True, [*_v1_call(16384, 2048)]),
+        # the last request takes the remainder: 16,376 over 8 is 2,047 + 0, 2,045 over 3 is 681 + 2
+        (
+            partial(_DummyRunner, max_num_tokens=16376, max_model_len=2048),
+            True,
+            [*_v1_call(16376, 2047), ("_dummy_sampler_run", "last hidden")],
+        ),
+        (partial(_DummyRunner, max_num_tokens=2045, max_num_seqs=3), False, [*_v1_call(2045, 683)]),
+        # never past a block-table row: a request's sequence is at most max_model_len tokens, and a batch of 2 such
+        # requests at most 8,192 tokens, whatever max_num_batched_tokens allows
+        (
+            partial(_DummyRunner, max_num_tokens=16384, max_num_seqs=2, max_model_len=4096),
+            False,
+            [*_v1_call(8192, 4096)],
+        ),
+        # the remainder can still take the last request past max_model_len: capped
+        (partial(_DummyRunner, max_num_tokens=79, max_num_seqs=8, max_model_len=10), False, [*_v1_call(79, 10)]),
+        (
+            partial(_V2DummyRunner),
+            True,
+            [("_dummy_run", 16384, {"skip_eplb": True}), ("_dummy_sampler_run", "last hidden")],
+        ),
+        (partial(_V2DummyRunner, is_last_pp_rank=False), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+        (partial(_V2DummyRunner, pooling_runner=object()), True, [("_dummy_run", 16384, {"skip_eplb": True})]),
+    ],
+    ids=[
+        "v1",
+        "v1-pooling",
+        "v1-remainder",
+        "v1-not-last-pp-rank",
+        "v1-capped-at-max-model-len",
+        "v1-remainder-capped",
+        "v2",
+        "v2-not-last-pp-rank",
+        "v2-pooling",
+    ],
+)
+def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(
+    monkeypatch, make_runner, last_rank, expected
+):
     # V1 builds attention metadata only with force_attention (or a FULL graph), and runs eager with mode NONE; its
     # dummy requests get the batch's whole token count as sequence length unless profile_seq_lens says otherwise,
     # which would read past a block-table row. V2 skips attention only when asked to (skip_attn) and gives each
@@ -483,8 +629,9 @@ def test_served_batch_runs_the_profiled_batch_with_attention_then_the_sampler(mo
     fake.pp.is_last_rank = last_rank
     runner = make_runner()
     probes.served_batch(runner)()
-    assert runner.calls == expected, f"served_batch on {type(runner).__name__}: expected calls {expected}, got " \
-                                     f"{runner.calls}"
+    assert runner.calls == expected, (
+        f"served_batch on {type(runner).__name__}: expected calls {expected}, got {runner.calls}"
+    )
     assert "_build_attention_metadata" not in vars(runner), "served_batch left its metadata builder on the runner"
 
 
@@ -510,17 +657,22 @@ def test_the_served_query_length_is_undone_on_error_and_refused_where_vllm_passe
     assert vars(runner)["_build_attention_metadata"] is own, "served_batch did not put the runner's own builder back"
 
 
-@pytest.mark.parametrize("profile,served,growth", [
-    # the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory drops by that much before it is read); what
-    # it gave back, 100 MiB, is the growth still to come; the served run takes nothing more
-    ((300, 200), (0, 0), 100),
-    # the served run (attention on, first: the profile then reuses its segments) reserves 48 MiB and keeps 16 MiB; the
-    # profile run reserves 100 MiB and keeps it: the growth still to come is the served run's give-back, not the
-    # profile's 0
-    ((100, 100), (48, 16), 32),
-], ids=["profile-gives-back", "served-takes-more"])
-def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_they_took(monkeypatch, profile,
-                                                                                             served, growth):
+@pytest.mark.parametrize(
+    "profile,served,growth",
+    [
+        # the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory drops by that much before it is read);
+        # what it gave back, 100 MiB, is the growth still to come; the served run takes nothing more
+        ((300, 200), (0, 0), 100),
+        # the served run (attention on, first: the profile then reuses its segments) reserves 48 MiB and keeps 16 MiB;
+        # the profile run reserves 100 MiB and keeps it: the growth still to come is the served run's give-back, not the
+        # profile's 0
+        ((100, 100), (48, 16), 32),
+    ],
+    ids=["profile-gives-back", "served-takes-more"],
+)
+def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_they_took(
+    monkeypatch, profile, served, growth
+):
     # Note [The peak, brought back and measured]; figures in MiB: (reserved at the run's peak, kept after it)
     mib = 1 << 20
     fake = _fake_vllm(monkeypatch)
@@ -533,8 +685,9 @@ def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_t
 
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
-    monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda *a, **k: (7 * GIB - (memory["reserved"] - 100 * mib), 8 * GIB))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda *a, **k: (7 * GIB - (memory["reserved"] - 100 * mib), 8 * GIB)
+    )
     patches.install()
     try:
         worker = fake.Worker()
@@ -549,12 +702,28 @@ def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_t
         state.allocate(_kv_config(50, 8192))
         _rpc(fake.WorkerWrapper(worker), "extensible_kv_measure")
         m = state.measured
-        got = (memory["order"], m.again_reserved, m.again_retained, m.served_reserved, m.served_retained,
-               m.torch_growth, m.free_now)
-        expected = (["reset_mm_cache", "served", "reset_mm_cache", "profile_run"], profile[0] * mib, profile[1] * mib,
-                    served[0] * mib, served[1] * mib, growth * mib, 7 * GIB - (profile[1] + served[1]) * mib)
-        assert got == expected, f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, " \
-                                f"growth, free): expected {expected}, got {got}"
+        got = (
+            memory["order"],
+            m.again_reserved,
+            m.again_retained,
+            m.served_reserved,
+            m.served_retained,
+            m.torch_growth,
+            m.free_now,
+        )
+        expected = (
+            ["reset_mm_cache", "served", "reset_mm_cache", "profile_run"],
+            profile[0] * mib,
+            profile[1] * mib,
+            served[0] * mib,
+            served[1] * mib,
+            growth * mib,
+            7 * GIB - (profile[1] + served[1]) * mib,
+        )
+        assert got == expected, (
+            f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, "
+            f"growth, free): expected {expected}, got {got}"
+        )
     finally:
         patches.uninstall()
         state.buffers.close()
@@ -594,12 +763,22 @@ def _mm_runner(encoded: list, mm_budget=None, skip=False):
         encoded.append(len(pixel_values))
         return [f"output of {item}" for item in pixel_values]
 
-    registry = SimpleNamespace(get_dummy_mm_inputs=lambda model_config, mm_counts: {
-        "mm_kwargs": {m: [f"dummy {m}"] * n for m, n in mm_counts.items()}})
-    config = SimpleNamespace(model_config=SimpleNamespace(multimodal_config=SimpleNamespace(
-        skip_mm_profiling=skip, mm_encoder_only=False)))
-    return SimpleNamespace(supports_mm_inputs=True, vllm_config=config, mm_registry=registry, device="cuda:3",
-                           mm_budget=mm_budget, model=SimpleNamespace(embed_multimodal=embed_multimodal))
+    registry = SimpleNamespace(
+        get_dummy_mm_inputs=lambda model_config, mm_counts: {
+            "mm_kwargs": {m: [f"dummy {m}"] * n for m, n in mm_counts.items()}
+        }
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(multimodal_config=SimpleNamespace(skip_mm_profiling=skip, mm_encoder_only=False))
+    )
+    return SimpleNamespace(
+        supports_mm_inputs=True,
+        vllm_config=config,
+        mm_registry=registry,
+        device="cuda:3",
+        mm_budget=mm_budget,
+        model=SimpleNamespace(embed_multimodal=embed_multimodal),
+    )
 
 
 @pytest.mark.parametrize("own_budget", [True, False], ids=["v1-runner-budget", "v2-budget-built"])
@@ -611,8 +790,9 @@ def test_encoder_cache_held_fills_the_whole_cache_in_profiled_batches(monkeypatc
     runner = _mm_runner(encoded, mm_budget=_MMBudget() if own_budget else None)
     held = probes.encoder_cache_held(runner)
     expected_batches = [8, 8, 8, 4] if own_budget else ["budget built", 8, 8, 8, 4]
-    assert (encoded, len(held), held[-1]) == (expected_batches, 28, "output of dummy image"), \
+    assert (encoded, len(held), held[-1]) == (expected_batches, 28, "output of dummy image"), (
         f"encoder_cache_held: expected batches {expected_batches} and 28 outputs held, got {encoded} and {len(held)}"
+    )
 
 
 @pytest.mark.parametrize("runner_kwargs", [dict(skip=True), dict()], ids=["mm-profiling-skipped", "not-multimodal"])
@@ -623,8 +803,9 @@ def test_encoder_cache_held_is_empty_without_an_encoder_cache_to_fill(monkeypatc
     if not runner_kwargs:
         runner.supports_mm_inputs = False
     held = probes.encoder_cache_held(runner)
-    assert (held, encoded) == ([], []), f"encoder_cache_held({runner_kwargs}): expected nothing encoded, got " \
-                                        f"{encoded} and {len(held)} held"
+    assert (held, encoded) == ([], []), (
+        f"encoder_cache_held({runner_kwargs}): expected nothing encoded, got {encoded} and {len(held)} held"
+    )
 
 
 class _SpecRunner:
@@ -642,8 +823,14 @@ class _SpecRunner:
         self.model = SimpleNamespace(compute_logits=lambda hidden: torch.zeros(hidden.shape[0], self.vocab))
 
     def _reject(self, metadata, draft_probs, logits, sampling_metadata):
-        self.calls.append((metadata, None if draft_probs is None else tuple(draft_probs.shape), tuple(logits.shape),
-                           sampling_metadata))
+        self.calls.append(
+            (
+                metadata,
+                None if draft_probs is None else tuple(draft_probs.shape),
+                tuple(logits.shape),
+                sampling_metadata,
+            )
+        )
 
     def _dummy_sampler_run(self, hidden_states):
         requests = hidden_states.shape[0]
@@ -651,11 +838,14 @@ class _SpecRunner:
         self.rejection_sampler([[0]] * requests, draft_probs, torch.zeros(2 * requests, self.vocab), "sampling md")
 
 
-@pytest.mark.parametrize("k,probabilistic,expected_extra", [
-    (1, False, []),                                                      # vLLM's own dummy already has one draft
-    (3, False, [([[0, 0, 0]] * 4, None, (16, 50), "sampling md")]),       # 4 requests x (1 + 3) logits rows
-    (5, True, [([[0] * 5] * 4, (20, 50), (24, 50), "sampling md")]),     # draft probabilities where vLLM uses them
-])
+@pytest.mark.parametrize(
+    "k,probabilistic,expected_extra",
+    [
+        (1, False, []),  # vLLM's own dummy already has one draft
+        (3, False, [([[0, 0, 0]] * 4, None, (16, 50), "sampling md")]),  # 4 requests x (1 + 3) logits rows
+        (5, True, [([[0] * 5] * 4, (20, 50), (24, 50), "sampling md")]),  # draft probabilities where vLLM uses them
+    ],
+)
 def test_sampler_run_adds_the_widest_speculative_step(monkeypatch, k, probabilistic, expected_extra):
     # Note [The speculative step, at its widest]: every request proposing k drafts, with vLLM's dummy sampling
     # parameters (captured from its own dummy run), after vLLM's one-draft dummy.
@@ -670,8 +860,9 @@ def test_sampler_run_adds_the_widest_speculative_step(monkeypatch, k, probabilis
     probes._sampler_run(runner, torch.zeros(4, 8))
     vllm_dummy = ([[0]] * 4, (4, 50) if probabilistic else None, (8, 50), "sampling md")
     expected = [vllm_dummy, *expected_extra]
-    assert runner.calls == expected, f"_sampler_run with k={k}: expected rejection sampler calls {expected}, got " \
-                                     f"{runner.calls}"
+    assert runner.calls == expected, (
+        f"_sampler_run with k={k}: expected rejection sampler calls {expected}, got {runner.calls}"
+    )
     assert runner.rejection_sampler == own, "_sampler_run: the runner's rejection sampler was not put back"
 
 
@@ -680,5 +871,6 @@ def test_sampler_run_widens_nothing_where_vllms_dummy_runs_no_rejection_sampler(
     runner = _SpecRunner(4)
     runner._dummy_sampler_run = lambda hidden_states: runner.calls.append("returned early")
     probes._sampler_run(runner, torch.zeros(4, 8))
-    assert runner.calls == ["returned early"], f"_sampler_run after a dummy without rejection sampler: expected " \
-                                               f"no rejection sampler call, got {runner.calls}"
+    assert runner.calls == ["returned early"], (
+        f"_sampler_run after a dummy without rejection sampler: expected no rejection sampler call, got {runner.calls}"
+    )

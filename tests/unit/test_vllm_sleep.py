@@ -25,8 +25,9 @@ class _AlreadyReleased(ExtensibleKVError, RuntimeError):
 class _Buffers:
     """ExtensibleKVCacheBuffers' sleep API: ``release_physical``, ``recommit_physical``, ``released``."""
 
-    def __init__(self, log: list, fail_release: BaseException | None = None,
-                 fail_recommit: BaseException | None = None) -> None:
+    def __init__(
+        self, log: list, fail_release: BaseException | None = None, fail_recommit: BaseException | None = None
+    ) -> None:
         self.log, self.released = log, False
         self.fail_release, self.fail_recommit = fail_release, fail_recommit
 
@@ -85,8 +86,14 @@ _V2Runner = type("GPUModelRunner", (_V1Runner,), {"__module__": "vllm.v1.worker.
 class _Worker:
     """The order-deciding lines of vLLM 0.26.0's ``Worker.sleep`` and ``Worker.wake_up``."""
 
-    def __init__(self, log: list, buffers: object | None = None, vllm_backend: object | None = None,
-                 runner: object | None = None, sleep_mode: bool = True) -> None:
+    def __init__(
+        self,
+        log: list,
+        buffers: object | None = None,
+        vllm_backend: object | None = None,
+        runner: object | None = None,
+        sleep_mode: bool = True,
+    ) -> None:
         self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
         self._sleep_mode_backend = vllm_backend
         self.model_runner = runner if runner is not None else _V1Runner(log)
@@ -117,8 +124,9 @@ def test_sleep_releases_the_kv_pages_then_vllms_backend_sleeps(level):
     worker, buffers, log = _bound()
     worker.sleep(level)
     got = (log, buffers.released)
-    assert got == (["release", ("suspend", level)], True), \
+    assert got == (["release", ("suspend", level)], True), (
         f"sleep(level={level}): expected (calls, released) = (['release', ('suspend', {level})], True), got {got}"
+    )
 
 
 @pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights", "kv_cache"]])
@@ -128,8 +136,9 @@ def test_wake_up_recommits_before_vllm_wakes_and_before_the_runners_wake_hook(ta
     del log[:]
     worker.wake_up(tags)
     expected = ["recommit", ("resume", tags), ("post_wake", [])]
-    assert (log, buffers.released) == (expected, False), \
+    assert (log, buffers.released) == (expected, False), (
         f"wake_up(tags={tags}): expected (calls, released) = ({expected}, False), got {(log, buffers.released)}"
+    )
 
 
 def test_a_weights_only_wake_leaves_the_kv_released_until_a_kv_cache_wake():
@@ -138,19 +147,21 @@ def test_a_weights_only_wake_leaves_the_kv_released_until_a_kv_cache_wake():
     worker.wake_up(["weights"])
     after_weights = (list(log), buffers.released)
     worker.wake_up(["kv_cache"])
-    assert after_weights == (["release", ("suspend", 1), ("resume", ["weights"])], True), \
-        f"wake_up(['weights']): expected the KV still released and no recommit, got (calls, released) = " \
-        f"{after_weights}"
-    assert (log[3:], buffers.released) == (["recommit", ("resume", ["kv_cache"]), ("post_wake", [])], False), \
+    assert after_weights == (["release", ("suspend", 1), ("resume", ["weights"])], True), (
+        f"wake_up(['weights']): expected the KV still released and no recommit, got (calls, released) = {after_weights}"
+    )
+    assert (log[3:], buffers.released) == (["recommit", ("resume", ["kv_cache"]), ("post_wake", [])], False), (
         f"wake_up(['kv_cache']) after a weights-only wake: expected a recommit, got {(log[3:], buffers.released)}"
+    )
 
 
 def test_a_wake_naming_no_tag_recommits_nothing():
     worker, buffers, log = _bound()
     worker.sleep(1)
     worker.wake_up([])
-    assert (log[2:], buffers.released) == ([("resume", [])], True), \
+    assert (log[2:], buffers.released) == ([("resume", [])], True), (
         f"wake_up([]): expected no recommit, got (calls, released) = {(log[2:], buffers.released)}"
+    )
 
 
 def test_ten_cycles_release_and_recommit_once_each_and_record_them():
@@ -159,10 +170,17 @@ def test_ten_cycles_release_and_recommit_once_each_and_record_them():
         worker.sleep(1)
         worker.wake_up()
     events = [e["event"] for e in worker._extensible_kv_state.events]
-    got = (log.count("release"), log.count("recommit"), events.count("release"), events.count("recommit"),
-           buffers.released)
-    assert got == (10, 10, 10, 10, False), f"10 sleep/wake cycles: expected (releases, recommits, release events, " \
-                                           f"recommit events, released) = (10, 10, 10, 10, False), got {got}"
+    got = (
+        log.count("release"),
+        log.count("recommit"),
+        events.count("release"),
+        events.count("recommit"),
+        buffers.released,
+    )
+    assert got == (10, 10, 10, 10, False), (
+        f"10 sleep/wake cycles: expected (releases, recommits, release events, "
+        f"recommit events, released) = (10, 10, 10, 10, False), got {got}"
+    )
 
 
 def test_a_second_sleep_does_not_release_again():
@@ -172,15 +190,19 @@ def test_a_second_sleep_does_not_release_again():
     assert log == ["release", ("suspend", 1), ("suspend", 2)], f"sleep twice: expected one release, got {log}"
 
 
-@pytest.mark.parametrize("method,arg,error", [
-    ("sleep", 0, InvalidSizeError),
-    ("sleep", 3, InvalidSizeError),
-    ("sleep", True, InvalidArgumentError),
-    ("sleep", "1", InvalidArgumentError),
-    ("wake_up", "kv_cache", InvalidArgumentError),
-    ("wake_up", [None], InvalidArgumentError),
-    ("wake_up", 5, InvalidArgumentError),
-], ids=["level-0", "level-3", "level-bool", "level-str", "tags-str", "tags-not-names", "tags-not-a-list"])
+@pytest.mark.parametrize(
+    "method,arg,error",
+    [
+        ("sleep", 0, InvalidSizeError),
+        ("sleep", 3, InvalidSizeError),
+        ("sleep", True, InvalidArgumentError),
+        ("sleep", "1", InvalidArgumentError),
+        ("wake_up", "kv_cache", InvalidArgumentError),
+        ("wake_up", [None], InvalidArgumentError),
+        ("wake_up", 5, InvalidArgumentError),
+    ],
+    ids=["level-0", "level-3", "level-bool", "level-str", "tags-str", "tags-not-names", "tags-not-a-list"],
+)
 def test_bad_levels_and_tags_are_refused_before_anything_happens(method, arg, error):
     worker, buffers, log = _bound()
     if method == "wake_up":
@@ -188,8 +210,10 @@ def test_bad_levels_and_tags_are_refused_before_anything_happens(method, arg, er
     before = (list(log), buffers.released)
     with pytest.raises(error):
         getattr(worker, method)(arg)
-    assert (log, buffers.released) == before, f"{method}({arg!r}) was refused but changed things: (calls, " \
-                                              f"released) before {before}, after {(log, buffers.released)}"
+    assert (log, buffers.released) == before, (
+        f"{method}({arg!r}) was refused but changed things: (calls, "
+        f"released) before {before}, after {(log, buffers.released)}"
+    )
 
 
 def test_a_failed_recommit_leaves_the_kv_released_and_nothing_woken_and_can_be_retried():
@@ -200,11 +224,13 @@ def test_a_failed_recommit_leaves_the_kv_released_and_nothing_woken_and_can_be_r
         worker.wake_up(["kv_cache"])
     failed = (log[2:], buffers.released, worker._extensible_kv_state.events[-1]["event"])
     worker.wake_up(["kv_cache"])
-    assert failed == ([], True, "recommit_failed"), \
-        f"a failed recommit: expected (calls after sleep, released, last event) = ([], True, 'recommit_failed'), " \
+    assert failed == ([], True, "recommit_failed"), (
+        f"a failed recommit: expected (calls after sleep, released, last event) = ([], True, 'recommit_failed'), "
         f"got {failed}"
-    assert (log[2:], buffers.released) == (["recommit", ("resume", ["kv_cache"]), ("post_wake", [])], False), \
+    )
+    assert (log[2:], buffers.released) == (["recommit", ("resume", ["kv_cache"]), ("post_wake", [])], False), (
         f"wake_up(['kv_cache']) again after a failed recommit: expected it to wake, got {(log[2:], buffers.released)}"
+    )
 
 
 def test_a_failed_vllm_sleep_recommits_the_kv_and_raises_its_error():
@@ -214,8 +240,9 @@ def test_a_failed_vllm_sleep_recommits_the_kv_and_raises_its_error():
     sleep.bind(worker)
     with pytest.raises(RuntimeError, match="cudaMemcpy failed"):
         worker.sleep(1)
-    assert (log, buffers.released) == (["release", ("suspend", 1), "recommit"], False), \
+    assert (log, buffers.released) == (["release", ("suspend", 1), "recommit"], False), (
         f"vLLM's sleep failed: expected the KV recommitted (awake, as before), got {(log, buffers.released)}"
+    )
 
 
 def test_a_failed_release_stops_before_vllms_backend_sleeps():
@@ -231,8 +258,9 @@ def test_without_extensible_buffers_vllms_backend_does_everything():
     sleep.bind(worker)
     worker.sleep(1)
     worker.wake_up()
-    assert log == [("suspend", 1), ("resume", None), ("post_wake", [])], \
+    assert log == [("suspend", 1), ("resume", None), ("post_wake", [])], (
         f"no extensible buffers: expected vLLM's backend alone, got {log}"
+    )
 
 
 def test_bind_wraps_once_keeps_vllms_backend_and_forwards_the_rest():
@@ -242,11 +270,17 @@ def test_bind_wraps_once_keeps_vllms_backend_and_forwards_the_rest():
     sleep.bind(worker)
     first, hook = worker._sleep_mode_backend, worker.model_runner.post_kv_cache_wake_up
     sleep.bind(worker)
-    got = (worker._sleep_mode_backend is first, worker.model_runner.post_kv_cache_wake_up is hook, first.inner is inner,
-           first.state(), first.preserves_communicators())
-    assert got == (True, True, True, "RUNNING", True), \
-        f"bind twice: expected (same backend, same hook, inner kept, state, capability) = (True, True, True, " \
+    got = (
+        worker._sleep_mode_backend is first,
+        worker.model_runner.post_kv_cache_wake_up is hook,
+        first.inner is inner,
+        first.state(),
+        first.preserves_communicators(),
+    )
+    assert got == (True, True, True, "RUNNING", True), (
+        f"bind twice: expected (same backend, same hook, inner kept, state, capability) = (True, True, True, "
         f"'RUNNING', True), got {got}"
+    )
 
 
 def test_vllms_backend_is_made_by_vllms_factory_on_first_use(monkeypatch):
@@ -258,9 +292,10 @@ def test_vllms_backend_is_made_by_vllms_factory_on_first_use(monkeypatch):
     untouched = list(made)
     worker.sleep(1)
     worker.wake_up()
-    assert (untouched, made, log[:2]) == ([], [worker], ["release", ("suspend", 1)]), \
-        f"expected vLLM's backend made once, on the first sleep, for this worker; got (made at bind, made, calls) " \
+    assert (untouched, made, log[:2]) == ([], [worker], ["release", ("suspend", 1)]), (
+        f"expected vLLM's backend made once, on the first sleep, for this worker; got (made at bind, made, calls) "
         f"= {(untouched, made, log[:2])}"
+    )
 
 
 def test_bind_with_sleep_mode_off_changes_nothing():
@@ -273,8 +308,9 @@ def test_bind_with_sleep_mode_off_changes_nothing():
 
 
 def test_bind_refuses_a_worker_without_a_sleep_mode_backend():
-    worker = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True)),
-                             model_runner=_V1Runner([]))
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True)), model_runner=_V1Runner([])
+    )
     with pytest.raises(ExtensibleKVUnsupported, match="_sleep_mode_backend"):
         sleep.bind(worker)
 
@@ -285,8 +321,9 @@ def test_the_v1_wake_hook_runs_with_no_kv_views_and_gives_them_back():
     worker.sleep(1)
     worker.wake_up()
     got = (log[-1], worker.model_runner.kv_caches is views)
-    assert got == (("post_wake", []), True), \
+    assert got == (("post_wake", []), True), (
         f"V1 post_kv_cache_wake_up: expected it to see no KV views and the views back after, got {got}"
+    )
 
 
 def test_the_v2_wake_hook_is_left_alone():
@@ -297,8 +334,9 @@ def test_the_v2_wake_hook_is_left_alone():
     worker.sleep(1)
     worker.wake_up()
     got = ("post_kv_cache_wake_up" in vars(runner), log[-1])
-    assert got == (False, ("post_wake", ["full-view-0", "full-view-1"])), \
+    assert got == (False, ("post_wake", ["full-view-0", "full-view-1"])), (
         f"V2 post_kv_cache_wake_up: expected vLLM's own, seeing the views, got (bound on instance, call) = {got}"
+    )
 
 
 # -- vLLM's CuMem pool ---------------------------------------------------------------------------------------------
@@ -312,8 +350,10 @@ def _fake_cumem(monkeypatch, usage: list) -> None:
 def test_an_allocation_that_lands_in_vllms_pool_is_refused(monkeypatch):
     usage = [4096]
     _fake_cumem(monkeypatch, usage)
-    with pytest.raises(ExtensibleKVUnsupported, match="from 4096 to 6144 bytes"), \
-            sleep.nothing_in_pool("the extensible KV allocation"):
+    with (
+        pytest.raises(ExtensibleKVUnsupported, match="from 4096 to 6144 bytes"),
+        sleep.nothing_in_pool("the extensible KV allocation"),
+    ):
         usage[0] += 2048
 
 
@@ -353,11 +393,13 @@ def test_determine_available_memory_binds_the_sleep_backend(monkeypatch):
     worker.model_runner.profile_run = lambda: None
     worker.cache_config = SimpleNamespace(kv_cache_memory_bytes=None)
     patches._determine_available_memory(lambda self: 1 << 30)(worker)
-    assert isinstance(worker._sleep_mode_backend, sleep.KVSleepBackend), \
+    assert isinstance(worker._sleep_mode_backend, sleep.KVSleepBackend), (
         f"determine_available_memory with sleep mode on: expected a KVSleepBackend, got {worker._sleep_mode_backend!r}"
+    )
 
 
 def test_sleep_mode_is_no_longer_refused():
     cuda = SimpleNamespace(is_cuda_alike=lambda: True, device_name="cuda")
-    patches.check_supported(SimpleNamespace(kv_transfer_config=None,
-                                            model_config=SimpleNamespace(enable_sleep_mode=True)), cuda)
+    patches.check_supported(
+        SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(enable_sleep_mode=True)), cuda
+    )

@@ -24,8 +24,22 @@ from ._device_array import DeviceArray
 from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, conforming, protocol_methods
 from .ledger import Ledger
 
-__all__ = ["Driver", "Handle", "Ledger", "DeviceArray", "register", "registered", "probe", "get_driver",
-           "best_available", "resolve", "install_command", "DRIVER_METHODS", "DRIVER_ATTRIBUTES", "protocol_methods"]
+__all__ = [
+    "Driver",
+    "Handle",
+    "Ledger",
+    "DeviceArray",
+    "register",
+    "registered",
+    "probe",
+    "get_driver",
+    "best_available",
+    "resolve",
+    "install_command",
+    "DRIVER_METHODS",
+    "DRIVER_ATTRIBUTES",
+    "protocol_methods",
+]
 
 
 @dataclass(frozen=True)
@@ -39,8 +53,9 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool,
-             extra: str | None = None) -> None:
+def register(
+    name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool, extra: str | None = None
+) -> None:
     """Register a driver under ``name``; ``probe()`` returns ``None`` when it can run, else the reason. ``extra``
     names the extra of this package that installs what the driver needs (its probe's reason then ends with the
     command that installs it)."""
@@ -134,8 +149,8 @@ def resolve(driver: Driver | str | None) -> Driver:
 
 
 register("host", lambda: _host.HostDriver(budget_bytes=1 << 30), _host.probe, gpu=False)
-register("host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k", budget_bytes=1 << 30),
-         _host.probe, gpu=False)
+register(
+    "host-4k", lambda: _host.HostDriver(granularity=4096, name="host-4k", budget_bytes=1 << 30), _host.probe, gpu=False
+)
 register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True, extra="cuda")
 register("hip", _hip.HipDriver, _hip.probe, gpu=True, extra="rocm")
-

@@ -17,7 +17,11 @@ class DeviceArray:
 
     def __init__(self, va: int, nbytes: int, keeper: object) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (va, False),
+            "version": 3,
+            "strides": None,
             "stream": None,
         }
         self.keeper = keeper

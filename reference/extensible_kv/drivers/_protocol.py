@@ -52,8 +52,21 @@ from ..errors import DriverLoadError
 Handle = Any
 """A physical allocation handle; opaque to callers (an int on CUDA, a file descriptor record on the host)."""
 
-DRIVER_METHODS = ("granularity", "reserve", "free", "create", "release", "map", "unmap", "set_access", "zero",
-                  "tensor", "accessible", "synchronize", "mem_info")
+DRIVER_METHODS = (
+    "granularity",
+    "reserve",
+    "free",
+    "create",
+    "release",
+    "map",
+    "unmap",
+    "set_access",
+    "zero",
+    "tensor",
+    "accessible",
+    "synchronize",
+    "mem_info",
+)
 """The protocol's methods, in the order ``Driver`` below defines them: the one list of them (a unit test holds the
 class to it). The registry's check of a driver, the Ledger's recorded operations, the rules' fault sweeps and the
 benchmarks' call counts are derived from it; a list of some of them is written with ``protocol_methods``."""
@@ -67,8 +80,10 @@ def protocol_methods(*names: str) -> tuple[str, ...]:
     it is written (on import) once a method is renamed or removed, instead of silently naming nothing."""
     unknown = [name for name in names if name not in DRIVER_METHODS]
     if unknown:
-        raise ValueError(f"not methods of the driver protocol: {', '.join(map(repr, unknown))}; its methods are "
-                         f"{', '.join(DRIVER_METHODS)}")
+        raise ValueError(
+            f"not methods of the driver protocol: {', '.join(map(repr, unknown))}; its methods are "
+            f"{', '.join(DRIVER_METHODS)}"
+        )
     return names
 
 

@@ -223,8 +223,9 @@ class CudaDriver:
         """Refuse ``op`` on a handle that is not live here (released, or never made by this driver), before CUDA
         sees it (called with the lock held): Note [cuMemMap takes a released handle]."""
         if handle not in self._live:
-            raise DriverError(op, f"handle {handle:#x} is not a live handle of this driver (released already, or "
-                                  f"not made by it)")
+            raise DriverError(
+                op, f"handle {handle:#x} is not a live handle of this driver (released already, or not made by it)"
+            )
 
     def _make_current(self) -> None:  # Note [Current context]
         if getattr(self._local, "ready", False):
@@ -240,8 +241,11 @@ class CudaDriver:
     def _check(self, fn: str, result: tuple, op: str | None = None, args: tuple = ()) -> Any:
         err, *values = result
         if err != self._cu.CUresult.CUDA_SUCCESS:
-            shown = ", ".join(hex(a) if isinstance(a, int) and a > 1 << 20 else str(a)
-                              for a in args if not isinstance(a, (list, self._cu.CUmemAllocationProp)))
+            shown = ", ".join(
+                hex(a) if isinstance(a, int) and a > 1 << 20 else str(a)
+                for a in args
+                if not isinstance(a, (list, self._cu.CUmemAllocationProp))
+            )
             kind = DriverOutOfMemory if err.name in _OOM_NAMES else DriverError
             raise kind(op or fn, f"{fn}({shown}) returned {err.name}", int(err))
         if not values:

@@ -122,8 +122,10 @@ def _torch_reason(ordinal: int) -> str | None:
     """Why torch cannot hand out ROCm tensors on device ``ordinal``, or ``None``."""
     hip_version = getattr(torch.version, "hip", None)
     if not hip_version:
-        return (f"torch {torch.__version__} was built without ROCm (torch.version.hip is None); install a ROCm "
-                f"build of torch")
+        return (
+            f"torch {torch.__version__} was built without ROCm (torch.version.hip is None); install a ROCm "
+            f"build of torch"
+        )
     if not torch.cuda.is_available() or torch.cuda.device_count() <= ordinal:
         return f"torch (ROCm {hip_version}) cannot see HIP device {ordinal}"
     return None
@@ -150,9 +152,11 @@ def probe(ordinal: int = 0) -> str | None:
         return "these hip-python bindings lack hipDeviceAttributeVirtualMemoryManagementSupported; upgrade hip-python"
     err, supported = hip.hipDeviceGetAttribute(attr, ordinal)
     if err != ok or not supported:
-        return (f"HIP device {ordinal} does not support virtual memory management "
-                f"(hipDeviceAttributeVirtualMemoryManagementSupported is "
-                f"{_name(err) if err != ok else supported})")
+        return (
+            f"HIP device {ordinal} does not support virtual memory management "
+            f"(hipDeviceAttributeVirtualMemoryManagementSupported is "
+            f"{_name(err) if err != ok else supported})"
+        )
     return _torch_reason(ordinal)
 
 
@@ -199,8 +203,10 @@ class HipDriver:
         self._access = self._access_descriptors()
 
     def __repr__(self) -> str:
-        return (f"HipDriver(ordinal={self.ordinal}, granularity={self._granularity}, "
-                f"max_handle_bytes={self.max_handle_bytes}, host_access={self.host_access})")
+        return (
+            f"HipDriver(ordinal={self.ordinal}, granularity={self._granularity}, "
+            f"max_handle_bytes={self.max_handle_bytes}, host_access={self.host_access})"
+        )
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def granularity(self) -> int:
@@ -238,8 +244,11 @@ class HipDriver:
     def map(self, va: int, size: int, handle: Any, offset: int = 0) -> None:
         check_range("map", va=va, size=size, offset=offset)
         if offset != 0:  # Note [hipMemMap offset]
-            raise DriverError("map", f"hipMemMap offset must be 0 on ROCm, got offset={offset} for "
-                                     f"[{va:#x}, +{size}); map whole handles (Note [hipMemMap offset])")
+            raise DriverError(
+                "map",
+                f"hipMemMap offset must be 0 on ROCm, got offset={offset} for "
+                f"[{va:#x}, +{size}); map whole handles (Note [hipMemMap offset])",
+            )
         with self._lock:
             check_inside("map", va, size, ((r, entry[0]) for r, entry in self._reservations.items()))
             check_no_overlap(va, size, self._mappings.items())
@@ -306,8 +315,10 @@ class HipDriver:
         has_host = hasattr(hip.hipMemLocationType, "hipMemLocationTypeHost")
         if requested is not None:
             if requested and not has_host:
-                raise DriverUnavailable("host_access=True, but these hip-python bindings have no "
-                                        "hipMemLocationTypeHost; upgrade hip-python and ROCm")
+                raise DriverUnavailable(
+                    "host_access=True, but these hip-python bindings have no "
+                    "hipMemLocationTypeHost; upgrade hip-python and ROCm"
+                )
             return bool(requested)
         attr = getattr(hip.hipDeviceAttribute_t, "hipDeviceAttributeIsLargeBar", None)
         if not has_host or attr is None:
@@ -348,11 +359,17 @@ class HipDriver:
     def _check(self, fn: str, result: tuple, op: str | None = None, args: tuple = ()) -> Any:
         err, *values = result
         if err != self._hip.hipError_t.hipSuccess:
-            shown = ", ".join(hex(a) if isinstance(a, int) and a > 1 << 20 else str(a)
-                              for a in args if isinstance(a, (int, str)) or a is None)
+            shown = ", ".join(
+                hex(a) if isinstance(a, int) and a > 1 << 20 else str(a)
+                for a in args
+                if isinstance(a, (int, str)) or a is None
+            )
             kind = DriverOutOfMemory if _name(err) in _OOM_NAMES else DriverError
-            hint = " (host access is on: pass host_access=False if this ROCm rejects it)" \
-                if fn == "hipMemSetAccess" and getattr(self, "host_access", False) else ""
+            hint = (
+                " (host access is on: pass host_access=False if this ROCm rejects it)"
+                if fn == "hipMemSetAccess" and getattr(self, "host_access", False)
+                else ""
+            )
             raise kind(op or fn, f"{fn}({shown}) returned {_name(err)}{hint}", int(err))
         if not values:
             return None

@@ -104,8 +104,15 @@ import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
-from .records import (check_alignment, check_free, check_inside, check_no_overlap, check_one_mapping, check_range,
-                       mapped_parts)
+from .records import (
+    check_alignment,
+    check_free,
+    check_inside,
+    check_no_overlap,
+    check_one_mapping,
+    check_range,
+    mapped_parts,
+)
 
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -184,14 +191,21 @@ class HostDriver:
     device = torch.device("cpu")
     max_handle_bytes: int | None = None
 
-    def __init__(self, granularity: int = 2 * MIB, *, fill_byte: int | None = 0xA5, name: str = "host",
-                 budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        granularity: int = 2 * MIB,
+        *,
+        fill_byte: int | None = 0xA5,
+        name: str = "host",
+        budget_bytes: int | None = None,
+    ) -> None:
         reason = probe()
         if reason:
             raise DriverUnavailable(reason)
         if not isinstance(granularity, int) or granularity <= 0 or granularity % PAGE_BYTES:
-            raise ValueError(f"host granularity must be a positive multiple of the page size {PAGE_BYTES}, "
-                             f"got {granularity!r}")
+            raise ValueError(
+                f"host granularity must be a positive multiple of the page size {PAGE_BYTES}, got {granularity!r}"
+            )
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"host budget_bytes must be a positive int or None, got {budget_bytes!r}")
         self.name = name
@@ -217,11 +231,11 @@ class HostDriver:
         alignment = max(alignment, PAGE_BYTES)
         made: list[int] = []
         try:  # the reservation is undone unless it is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))
+            with busy(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))  # fmt: skip
             return made[0]
         except BaseException:
             for va in made:
-                with busy(), self._locked(): self._free(va, size)
+                with busy(), self._locked(): self._free(va, size)  # fmt: skip
             raise
 
     def _reserve(self, size: int, alignment: int) -> int:
@@ -251,7 +265,7 @@ class HostDriver:
 
     def free(self, va: int, size: int) -> None:
         self._check("free", va=va, size=size)
-        with busy(), self._locked(): return self._free(va, size)
+        with busy(), self._locked(): return self._free(va, size)  # fmt: skip
 
     def _free(self, va: int, size: int) -> None:
         check_free(va, size, self._reservations.get(va) == size, self._mappings)
@@ -268,20 +282,21 @@ class HostDriver:
         self._check("create", size=size)
         counted, made = [0], []  # the bytes this call added to the held count, and the handle it made
         try:  # both are given back unless the handle is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._locked(): self._count(size, counted)
+            with busy(), self._locked(): self._count(size, counted)  # fmt: skip
             made.extend(map(self._create, [size]))  # Note [A result is stored by C]
             return made[0]
         except BaseException:
-            for handle in made:
-                fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # never returned: nobody maps it
-            with busy(), self._locked(): self._count(-counted[0], counted)
+            for handle in made:  # never returned: nobody maps it
+                fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # fmt: skip
+            with busy(), self._locked(): self._count(-counted[0], counted)  # fmt: skip
             raise
 
     def _count(self, size: int, counted: list[int]) -> None:
         """Add ``size`` (negative: take it back) to the held bytes and to ``counted`` in one step."""
         if size > 0 and self._held + size > self._total:  # Note [Host memory accounting]
-            raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of "
-                                              f"{self._total} bytes free", errno.ENOMEM)
+            raise DriverOutOfMemory(
+                "create", f"{size} bytes asked, {self._total - self._held} of {self._total} bytes free", errno.ENOMEM
+            )
         self._held, counted[0] = self._held + size, counted[0] + size
 
     def _create(self, size: int) -> HostHandle:
@@ -304,7 +319,7 @@ class HostDriver:
 
     def release(self, handle: HostHandle) -> None:
         self._check("release")
-        with busy(), self._locked(): return self._release(handle)
+        with busy(), self._locked(): return self._release(handle)  # fmt: skip
 
     def _release(self, handle: HostHandle) -> None:
         if handle.released:
@@ -312,7 +327,7 @@ class HostDriver:
         try:
             # Marked, forgotten and closed in one line with no call before the close: an exception lands before
             # all of it or after all of it, so the fd is never leaked and never closed twice.
-            fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)
+            fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # fmt: skip
             self._drop_if_unused(handle)
         except BaseException:
             self._drop_if_unused(handle)  # once released, the count follows (a second time changes nothing)
@@ -320,7 +335,7 @@ class HostDriver:
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._locked(): return self._map(va, size, handle, offset)
+        with busy(), self._locked(): return self._map(va, size, handle, offset)  # fmt: skip
 
     def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         check_inside("map", va, size, self._reservations.items())
@@ -343,7 +358,7 @@ class HostDriver:
 
     def unmap(self, va: int, size: int) -> None:
         self._check("unmap", va=va, size=size)
-        with busy(), self._locked(): return self._unmap(va, size)
+        with busy(), self._locked(): return self._unmap(va, size)  # fmt: skip
 
     def _unmap(self, va: int, size: int) -> None:
         live = self._mappings.get(va)
@@ -375,7 +390,7 @@ class HostDriver:
 
     def set_access(self, va: int, size: int) -> None:
         self._check("set_access", va=va, size=size)
-        with busy(), self._locked(): return self._set_access(va, size)
+        with busy(), self._locked(): return self._set_access(va, size)  # fmt: skip
 
     def _set_access(self, va: int, size: int) -> None:
         # The check and mprotect under one lock: an unmap between them would leave anonymous memory read-write
@@ -410,7 +425,7 @@ class HostDriver:
 
     def mem_info(self) -> tuple[int, int]:
         """``(total - held, total)``: see Note [Host memory accounting]."""
-        with busy(), self._locked(): return self._total - self._held, self._total
+        with busy(), self._locked(): return self._total - self._held, self._total  # fmt: skip
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _locked(self) -> threading.Lock:
@@ -425,8 +440,11 @@ class HostDriver:
 
     def _check(self, op: str, **values: int) -> None:
         if os.getpid() != self._pid:  # Note [No use after fork]
-            raise DriverError(op, f"{self.name} driver built in process {self._pid} used from forked process "
-                                  f"{os.getpid()}; build a new driver in the child")
+            raise DriverError(
+                op,
+                f"{self.name} driver built in process {self._pid} used from forked process "
+                f"{os.getpid()}; build a new driver in the child",
+            )
         check_range(op, **values)  # Note [Sizes are checked before ctypes]
 
     @staticmethod

@@ -145,14 +145,18 @@ class Ledger:
             if id(handle) not in self.handles:
                 raise ProtocolViolation(f"{self.name}: map of a handle that is not live: {handle!r}")
             if offset + size > self.handles[id(handle)][1]:
-                raise ProtocolViolation(f"{self.name}: map offset {offset} + size {size} exceeds the "
-                                        f"{self.handles[id(handle)][1]}-byte handle")
+                raise ProtocolViolation(
+                    f"{self.name}: map offset {offset} + size {size} exceeds the "
+                    f"{self.handles[id(handle)][1]}-byte handle"
+                )
             if not any(r <= va and va + size <= r + s for r, s in self.reservations.items()):
                 raise ProtocolViolation(f"{self.name}: map [{va:#x}, +{size}) is outside every live reservation")
             for m_va, m_size in self.mappings.items():
                 if m_va < va + size and va < m_va + m_size:
-                    raise ProtocolViolation(f"{self.name}: map [{va:#x}, +{size}) overlaps the live mapping "
-                                            f"[{m_va:#x}, +{m_size}): a granule would be mapped twice")
+                    raise ProtocolViolation(
+                        f"{self.name}: map [{va:#x}, +{size}) overlaps the live mapping "
+                        f"[{m_va:#x}, +{m_size}): a granule would be mapped twice"
+                    )
         self._record("map", va, size, offset)
         self.inner.map(va, size, handle, offset)
         with self._lock:
@@ -199,8 +203,7 @@ class Ledger:
         bad = {k: v for k, v in values.items() if v % g or (k == "size" and v <= 0)}
         if bad:
             shown = ", ".join(f"{k}={v:#x}" if k == "va" else f"{k}={v}" for k, v in bad.items())
-            raise ProtocolViolation(f"{self.name}: {op} with {shown}: not a positive multiple of the "
-                                    f"granularity {g}")
+            raise ProtocolViolation(f"{self.name}: {op} with {shown}: not a positive multiple of the granularity {g}")
 
     def _record(self, op: str, *args: Any) -> None:
         with self._lock:

@@ -26,8 +26,7 @@ def check_range(op: str, **values: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < MAX_BYTES:
             raise DriverError(op, f"{name}={value!r} is outside [{low}, 2**63)")
     if values.get("va", 0) + values.get("size", 0) + values.get("offset", 0) >= MAX_BYTES:
-        raise DriverError(op, f"{', '.join(f'{k}={v}' for k, v in values.items())} runs past the 64-bit address "
-                              f"space")
+        raise DriverError(op, f"{', '.join(f'{k}={v}' for k, v in values.items())} runs past the 64-bit address space")
 
 
 def check_alignment(alignment: int, granularity: int) -> None:

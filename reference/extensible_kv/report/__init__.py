@@ -45,9 +45,11 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     undrawn = [f for f in doc.figures.drawn.values() if f.png is None]
-    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
-          f"{len(doc.figures.drawn) - len(undrawn)} PNG"
-          + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""))
+    print(
+        f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
+        f"{len(doc.figures.drawn) - len(undrawn)} PNG"
+        + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else "")
+    )
     print(f"{run.name}: {doc.summary['verdict']['run']}")
     return 0
 
@@ -67,14 +69,16 @@ def _bench_summary(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``report`` and ``bench-summary`` to ``python -m extensible_kv``'s subparsers."""
-    parser = subparsers.add_parser("report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run "
-                                                  "folder, with its verdict")
+    parser = subparsers.add_parser(
+        "report", help="memory-accounting report (Markdown, HTML, PNG, JSON) of a run folder, with its verdict"
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. reports/runs/h200-2026-12-02")
     parser.add_argument("--out", help="output folder (default: reports/rendered/<run-name>/)")
     parser.add_argument("--name", help="the run's name in the report (default: RUN_DIR's basename)")
     parser.set_defaults(run=run_command)
-    parser = subparsers.add_parser("bench-summary", help="the benchmark figures, ratios and targets of a "
-                                                         "pytest-benchmark JSON file of bench/")
+    parser = subparsers.add_parser(
+        "bench-summary", help="the benchmark figures, ratios and targets of a pytest-benchmark JSON file of bench/"
+    )
     parser.add_argument("benchmark_json", help="a file written by pytest --benchmark-json over bench/")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
     parser.set_defaults(run=_bench_summary)

@@ -56,10 +56,14 @@ class MemoryBreakdown:
     graph_pools = _memory("cudagraph_memory")
 
     non_kv_estimate = property(lambda self: _sub(self.requested, self.case.data.memory.available_kv_cache_memory))
-    non_kv_estimate_parts = property(lambda self: {
-        "weights": self.weights, "activation peak": self.activation_peak,
-        "non-torch": self.case.data.memory.profiled_non_torch,
-        "CUDA graph estimate": self.case.data.memory.cudagraph_estimate})
+    non_kv_estimate_parts = property(
+        lambda self: {
+            "weights": self.weights,
+            "activation peak": self.activation_peak,
+            "non-torch": self.case.data.memory.profiled_non_torch,
+            "CUDA graph estimate": self.case.data.memory.cudagraph_estimate,
+        }
+    )
     non_kv_sizing = property(lambda self: getattr(getattr(self.case.data.extensible, "measured", None), "non_kv", None))
     commit_seconds = property(lambda self: getattr(self.case.data.extensible, "commit_seconds", None))
     before_engine = property(lambda self: _sub(self.total, self.init_free))
@@ -119,8 +123,11 @@ def _partner(case: Case, candidates: list[Case]) -> Case | None:
     """The candidate of the same case (``Case.same_case``), from the same subfolder if there is one, else the first
     run by path (``Case.run_order``); corrupted and entry-point runs only when nothing else is there."""
     same = [c for c in candidates if c.same_case == case.same_case and c is not case]
-    return min(same, key=lambda c: (c.folder != case.folder, c.corrupt, c.mode not in ("extensible", "legacy"),
-                                    c.run_order), default=None)
+    return min(
+        same,
+        key=lambda c: (c.folder != case.folder, c.corrupt, c.mode not in ("extensible", "legacy"), c.run_order),
+        default=None,
+    )
 
 
 def refused(cases: list[Case]) -> list[Case]:
@@ -139,15 +146,26 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
             partner = _partner(case, sized)
             bpb, blocks = _bytes_per_block(partner), case.data.memory.num_gpu_blocks
             committed = blocks * bpb if blocks is not None and bpb else None
-            source = (f"num_gpu_blocks x {bpb} bytes per block of integration/{partner.path}" if committed is not None
-                      else "not measured: no extensible run of the same case")
+            source = (
+                f"num_gpu_blocks x {bpb} bytes per block of integration/{partner.path}"
+                if committed is not None
+                else "not measured: no extensible run of the same case"
+            )
             out.append(MemoryBreakdown(case, committed, None, source, bpb, None, partner))
         else:
             kv = case.data.extensible.kv if case.data.extensible else None
             committed = kv.committed_bytes if kv else None
-            out.append(MemoryBreakdown(case, committed, _sub(kv.backed_bytes, committed) if kv else None,
-                                       "extensible.kv.committed_bytes" if committed is not None else "not measured",
-                                       _bytes_per_block(case), _partner(case, legacy), None))
+            out.append(
+                MemoryBreakdown(
+                    case,
+                    committed,
+                    _sub(kv.backed_bytes, committed) if kv else None,
+                    "extensible.kv.committed_bytes" if committed is not None else "not measured",
+                    _bytes_per_block(case),
+                    _partner(case, legacy),
+                    None,
+                )
+            )
     return out
 
 
@@ -159,10 +177,20 @@ class BlockPair:
     other: MemoryBreakdown
 
     delta_blocks = property(lambda self: _sub(self.other.blocks, self.legacy.blocks))
-    delta_percent = property(lambda self: None if self.delta_blocks is None or not self.legacy.blocks
-                             else self.delta_blocks / self.legacy.blocks * 100.0)
-    delta_bytes = property(lambda self: None if self.delta_blocks is None or not self.other.bytes_per_block
-                           else self.delta_blocks * self.other.bytes_per_block)
+    delta_percent = property(
+        lambda self: (
+            None
+            if self.delta_blocks is None or not self.legacy.blocks
+            else self.delta_blocks / self.legacy.blocks * 100.0
+        )
+    )
+    delta_bytes = property(
+        lambda self: (
+            None
+            if self.delta_blocks is None or not self.other.bytes_per_block
+            else self.delta_blocks * self.other.bytes_per_block
+        )
+    )
 
 
 def block_pairs(breakdowns: list[MemoryBreakdown]) -> list[BlockPair]:

@@ -22,61 +22,129 @@ class Document(NamedTuple):
 
 
 # The figures of a case breakdown in summary.json, by name.
-CASE_FIGURES = ("blocks", "bytes_per_block", "commit_seconds", "total", "requested", "before_engine", "weights",
-                "activation_peak", "graph_pools", "other_non_kv", "kv_committed", "kv_padding", "kv_source",
-                "free_after_warmup", "non_kv_after_warmup", "non_kv_sizing", "non_kv_estimate",
-                "non_kv_estimate_parts", "measured_minus_estimate", "over_budget", "activation_reusable",
-                "activation_headroom", "over_budget_at_peak", "over_budget_phase", "encoder_cache_profiled",
-                "encoder_cache_held", "encoder_cache_items", "encoder_cache_capacity", "speculative_rows",
-                "speculative_step", "speculative_growth", "speculative_over_budget")
+CASE_FIGURES = (
+    "blocks",
+    "bytes_per_block",
+    "commit_seconds",
+    "total",
+    "requested",
+    "before_engine",
+    "weights",
+    "activation_peak",
+    "graph_pools",
+    "other_non_kv",
+    "kv_committed",
+    "kv_padding",
+    "kv_source",
+    "free_after_warmup",
+    "non_kv_after_warmup",
+    "non_kv_sizing",
+    "non_kv_estimate",
+    "non_kv_estimate_parts",
+    "measured_minus_estimate",
+    "over_budget",
+    "activation_reusable",
+    "activation_headroom",
+    "over_budget_at_peak",
+    "over_budget_phase",
+    "encoder_cache_profiled",
+    "encoder_cache_held",
+    "encoder_cache_items",
+    "encoder_cache_capacity",
+    "speculative_rows",
+    "speculative_step",
+    "speculative_growth",
+    "speculative_over_budget",
+)
 
 
 def _case(b: MemoryBreakdown) -> dict:
     c, segments = b.case, b.segments()
-    return {"path": c.path, "key": c.key,
-            **c.spec.model_dump(include={"model", "runner", "backend", "mode", "corrupt"}),
-            **{name: getattr(b, name) for name in CASE_FIGURES},
-            "tokens_match_legacy": b.tokens_match_legacy if c.mode != "legacy" else None,
-            "num_cached_tokens": c.data.num_cached_tokens,
-            "legacy_partner": b.legacy_partner.path if b.legacy_partner else None,
-            "kv_partner": b.kv_partner.path if b.kv_partner else None,
-            "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments]}
+    return {
+        "path": c.path,
+        "key": c.key,
+        **c.spec.model_dump(include={"model", "runner", "backend", "mode", "corrupt"}),
+        **{name: getattr(b, name) for name in CASE_FIGURES},
+        "tokens_match_legacy": b.tokens_match_legacy if c.mode != "legacy" else None,
+        "num_cached_tokens": c.data.num_cached_tokens,
+        "legacy_partner": b.legacy_partner.path if b.legacy_partner else None,
+        "kv_partner": b.kv_partner.path if b.kv_partner else None,
+        "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments],
+    }
 
 
-def summary(run: Run, breakdowns: list[MemoryBreakdown], pairs: list[BlockPair], serving: list[dict],
-            judged: tuple[tuple[verdict.Check, ...], dict[str, tuple[verdict.Check, ...]]]) -> dict:
+def summary(
+    run: Run,
+    breakdowns: list[MemoryBreakdown],
+    pairs: list[BlockPair],
+    serving: list[dict],
+    judged: tuple[tuple[verdict.Check, ...], dict[str, tuple[verdict.Check, ...]]],
+) -> dict:
     """summary.json: every figure of the report as a number (``null``: not measured)."""
     return {
-        "run": run.name, "run_folder": run.path.as_posix(),
+        "run": run.name,
+        "run_folder": run.path.as_posix(),
         "verdict": {"run": verdict.line(judged[0]), "cases": {k: verdict.line(v) for k, v in judged[1].items()}},
         "environment": {k: {"value": v, "source": s} for k, (v, s) in run.environment.items()},
         "not_measured": list(run.missing),
-        "conformance": [{"source": c.source, "exitstatus": c.data.exitstatus, "torch": c.data.torch,
-                         "drivers": [d.model_dump() for d in c.data.drivers],
-                         "outcomes": dict(Counter(t.outcome for t in c.data.tests)),
-                         "not_passed": [t.model_dump() for t in c.data.tests if t.outcome != "passed"]}
-                        for c in run.conformance],
+        "conformance": [
+            {
+                "source": c.source,
+                "exitstatus": c.data.exitstatus,
+                "torch": c.data.torch,
+                "drivers": [d.model_dump() for d in c.data.drivers],
+                "outcomes": dict(Counter(t.outcome for t in c.data.tests)),
+                "not_passed": [t.model_dump() for t in c.data.tests if t.outcome != "passed"],
+            }
+            for c in run.conformance
+        ],
         "bench": [{"source": b.source, "datetime": b.data.datetime, "summary": b.summary} for b in run.bench],
         "integration": {
             "cases": [_case(b) for b in breakdowns],
-            "pairs": [{"legacy": p.legacy.case.path, "other": p.other.case.path, "legacy_blocks": p.legacy.blocks,
-                       "blocks": p.other.blocks, "delta_blocks": p.delta_blocks, "delta_percent": p.delta_percent,
-                       "delta_bytes": p.delta_bytes} for p in pairs]},
-        "serving": [{"source": r["source"], "model": r["model"], "runner": r["runner"],
-                     "legacy": r["legacy"] and r["legacy"].model_dump(), "extensible": r["extensible"] and
-                     r["extensible"].model_dump(), **r["ratio"].model_dump(), "decode_target_met": r["met"],
-                     "start_note": r["start_note"]} for r in serving],
-        "backend_validation": [{"source": f.source, **r.model_dump(exclude={"checks"}),
-                                "checks_not_ok": [c.name for c in r.checks if not c.ok]}
-                               for f in run.backends for r in f.data.results],
+            "pairs": [
+                {
+                    "legacy": p.legacy.case.path,
+                    "other": p.other.case.path,
+                    "legacy_blocks": p.legacy.blocks,
+                    "blocks": p.other.blocks,
+                    "delta_blocks": p.delta_blocks,
+                    "delta_percent": p.delta_percent,
+                    "delta_bytes": p.delta_bytes,
+                }
+                for p in pairs
+            ],
+        },
+        "serving": [
+            {
+                "source": r["source"],
+                "model": r["model"],
+                "runner": r["runner"],
+                "legacy": r["legacy"] and r["legacy"].model_dump(),
+                "extensible": r["extensible"] and r["extensible"].model_dump(),
+                **r["ratio"].model_dump(),
+                "decode_target_met": r["met"],
+                "start_note": r["start_note"],
+            }
+            for r in serving
+        ],
+        "backend_validation": [
+            {
+                "source": f.source,
+                **r.model_dump(exclude={"checks"}),
+                "checks_not_ok": [c.name for c in r.checks if not c.ok],
+            }
+            for f in run.backends
+            for r in f.data.results
+        ],
     }
 
 
 def segments_text(ext: ExtensibleFigures) -> str:
     """Segments per buffer, summarised (``32 buffers x 1 segment``), never a long list."""
     counts = Counter(ext.segments or [])
-    return ", ".join(f"{k} buffer{'s' * (k > 1)} x {n} segment{'s' * (n != 1)}" for n, k in counts.items()) or \
-        number(None)
+    return ", ".join(f"{k} buffer{'s' * (k > 1)} x {n} segment{'s' * (n != 1)}" for n, k in counts.items()) or number(
+        None
+    )
 
 
 def run_document(run: Run, figures: Figures | None = None) -> Document:
@@ -85,11 +153,22 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
     pairs = accounting.block_pairs(breakdowns)
     rows, serving = verdict.parity_rows(run.cases), serving_rows(run.serving)
     judged = verdict.judge(run, breakdowns, rows, serving)
-    context = {"run": run, "environment_names": ENVIRONMENT_NAMES,
-               "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
-               "breakdowns": breakdowns, "refused": accounting.refused(run.cases), "parity": rows, "pairs": pairs,
-               "groups": accounting.groups(breakdowns), "a": accounting, "segments": segments_text,
-               "serving": serving, "verdict": judged, "line": verdict.line, "v": verdict}
+    context = {
+        "run": run,
+        "environment_names": ENVIRONMENT_NAMES,
+        "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
+        "breakdowns": breakdowns,
+        "refused": accounting.refused(run.cases),
+        "parity": rows,
+        "pairs": pairs,
+        "groups": accounting.groups(breakdowns),
+        "a": accounting,
+        "segments": segments_text,
+        "serving": serving,
+        "verdict": judged,
+        "line": verdict.line,
+        "v": verdict,
+    }
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))
     return Document(md, page, summary(run, breakdowns, pairs, serving, judged), figures)

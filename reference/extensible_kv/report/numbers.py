@@ -8,9 +8,18 @@ NOT_MEASURED = "not measured"
 GIB, MIB = 1 << 30, 1 << 20
 
 # unit -> (factor from the measured unit: bytes, seconds or a plain number; format spec)
-UNITS = {"count": (1, ","), "GiB": (1 / GIB, ",.3f"), "MiB": (1 / MIB, ",.2f"), "ms": (1e3, ",.3f"),
-         "us": (1e6, ",.1f"), "s": (1, ",.2f"), "GB/s": (1, ",.2f"), "tokens/s": (1, ",.0f"), "ratio": (1, ".4g"),
-         "%": (1, ".3f")}
+UNITS = {
+    "count": (1, ","),
+    "GiB": (1 / GIB, ",.3f"),
+    "MiB": (1 / MIB, ",.2f"),
+    "ms": (1e3, ",.3f"),
+    "us": (1e6, ",.1f"),
+    "s": (1, ",.2f"),
+    "GB/s": (1, ",.2f"),
+    "tokens/s": (1, ",.0f"),
+    "ratio": (1, ".4g"),
+    "%": (1, ".3f"),
+}
 
 
 def number(value: object, unit: str = "count", signed: bool = False, missing: str = NOT_MEASURED) -> str:

@@ -83,10 +83,13 @@ def _slug(text: str) -> str:
 
 
 LOADER = jinja2.PackageLoader("extensible_kv.report", "templates")
-TEMPLATES = jinja2.Environment(loader=LOADER, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                               finalize=_cell, autoescape=False)
-TEMPLATES.filters.update(slug=_slug, fmt=lambda v, unit="count", signed=False: number(
-    None if isinstance(v, jinja2.Undefined) else v, unit, signed))
+TEMPLATES = jinja2.Environment(
+    loader=LOADER, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, finalize=_cell, autoescape=False
+)
+TEMPLATES.filters.update(
+    slug=_slug,
+    fmt=lambda v, unit="count", signed=False: number(None if isinstance(v, jinja2.Undefined) else v, unit, signed),
+)
 
 
 def markdown(template: str, context: dict, figures: Figures, inline: bool = False) -> str:
@@ -107,12 +110,17 @@ def html(markdown_text: str) -> str:
     """A self-contained page of ``markdown_text`` (raw HTML in it shows as text), with a table of contents."""
     md = MarkdownIt("commonmark", {"html": False}).enable("table").use(anchors_plugin, min_level=2, max_level=3)
     tokens = md.parse(markdown_text)
-    heads = [(t, "".join(c.content for c in tokens[i + 1].children or [])) for i, t in enumerate(tokens)
-             if t.type == "heading_open"]
+    heads = [
+        (t, "".join(c.content for c in tokens[i + 1].children or []))
+        for i, t in enumerate(tokens)
+        if t.type == "heading_open"
+    ]
     page = jinja2.Environment(loader=LOADER, autoescape=True).get_template("page.html.j2")
-    return page.render(title=next((text for t, text in heads if t.tag == "h1"), ""),
-                       toc=[(t.attrs["id"], text) for t, text in heads if t.tag == "h2"],
-                       body=Markup(md.renderer.render(tokens, md.options, {})))
+    return page.render(
+        title=next((text for t, text in heads if t.tag == "h1"), ""),
+        toc=[(t.attrs["id"], text) for t, text in heads if t.tag == "h2"],
+        body=Markup(md.renderer.render(tokens, md.options, {})),
+    )
 
 
 def bench_tables(summary: dict, source: str) -> str:

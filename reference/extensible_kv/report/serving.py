@@ -25,10 +25,18 @@ def serving_rows(sources: list[Source]) -> list[dict]:
             note = f"both {states[0]}" if states[0] == states[1] else f"legacy {states[0]}, extensible {states[1]}"
         else:
             note = f"not comparable: legacy {states[0]}, extensible {states[1]}"
-        rows.append({"source": s.source, "model": either and either.model, "runner": either and either.runner,
-                     "legacy": legacy, "extensible": ext, "ratio": r,
-                     "windows": len(r.decode_window_ratios) if r.decode_window_ratios else None,
-                     "met": r.decode_tokens_per_s >= r.target_decode,
-                     "start_ratio": r.engine_seconds if r.engine_seconds_comparable else None,
-                     "start_note": note})
+        rows.append(
+            {
+                "source": s.source,
+                "model": either and either.model,
+                "runner": either and either.runner,
+                "legacy": legacy,
+                "extensible": ext,
+                "ratio": r,
+                "windows": len(r.decode_window_ratios) if r.decode_window_ratios else None,
+                "met": r.decode_tokens_per_s >= r.target_decode,
+                "start_ratio": r.engine_seconds if r.engine_seconds_comparable else None,
+                "start_note": note,
+            }
+        )
     return rows

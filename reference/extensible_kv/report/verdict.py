@@ -36,9 +36,14 @@ def parity_rows(cases: list[Case]) -> list[ParityRow]:
         legacy = [x for x in same if x.mode == "legacy" and not x.batch_invariant]
         legacy_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == "legacy" and x.batch_invariant]
         ext_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == c.mode and x.batch_invariant]
-        verdict = classify_with_fallback({"legacy": [x.data.model_dump(by_alias=True) for x in legacy],
-                                          "extensible": c.data.model_dump(by_alias=True),
-                                          "legacy_bi": legacy_bi, "extensible_bi": ext_bi[0] if ext_bi else None})
+        verdict = classify_with_fallback(
+            {
+                "legacy": [x.data.model_dump(by_alias=True) for x in legacy],
+                "extensible": c.data.model_dump(by_alias=True),
+                "legacy_bi": legacy_bi,
+                "extensible_bi": ext_bi[0] if ext_bi else None,
+            }
+        )
         rows.append(ParityRow(c, legacy, verdict))
     return rows
 
@@ -63,12 +68,19 @@ def rules(run: Run) -> Check:
     if not run.conformance:
         return Check("rules", None, "conformance not measured (no conformance-*.json)")
     tests = [t for c in run.conformance for t in c.data.tests]
-    failed, passed = [t for t in tests if t.outcome not in ("passed", "skipped")], [t for t in tests
-                                                                                   if t.outcome == "passed"]
+    failed, passed = (
+        [t for t in tests if t.outcome not in ("passed", "skipped")],
+        [t for t in tests if t.outcome == "passed"],
+    )
     crashed = [f"{c.source} exited {c.data.exitstatus}" for c in run.conformance if c.data.exitstatus not in (0, None)]
     if failed or crashed:
-        return Check("rules", False, f"{len(failed)} of {len(tests)} conformance tests failed (first: {failed[0].test} "
-                     f"on {failed[0].driver})" if failed else "the conformance run failed: " + ", ".join(crashed))
+        return Check(
+            "rules",
+            False,
+            f"{len(failed)} of {len(tests)} conformance tests failed (first: {failed[0].test} on {failed[0].driver})"
+            if failed
+            else "the conformance run failed: " + ", ".join(crashed),
+        )
     return Check("rules", True if passed else None, f"{len(passed)} of {len(tests)} conformance tests passed")
 
 
@@ -78,8 +90,11 @@ def tokens(row: ParityRow) -> Check:
         return Check("tokens", False, f"greedy tokens differ from legacy ({v.detail})")
     if v.tokens_identical and v.baseline_deterministic is not None:  # False: the batch-invariant pair is identical
         return Check("tokens", True, "greedy tokens identical to a deterministic baseline")
-    why = "one legacy run: its determinism is not measured" if v.tokens_identical else v.outcome + (
-        f": {v.detail}" if v.detail else "")
+    why = (
+        "one legacy run: its determinism is not measured"
+        if v.tokens_identical
+        else v.outcome + (f": {v.detail}" if v.detail else "")
+    )
     return Check("tokens", None, f"tokens not compared with a deterministic baseline ({why})")
 
 
@@ -97,17 +112,22 @@ def budget(b: MemoryBreakdown | None) -> Check | None:
 def decode(row: dict) -> Check:
     ratio = row["ratio"].decode_tokens_per_s
     ok = ratio >= DECODE_RATIO
-    return Check("decode", ok, f"decode extensible / legacy {number(ratio, 'ratio')}"
-                 + ("" if ok else f" is below {DECODE_RATIO}"))
+    return Check(
+        "decode",
+        ok,
+        f"decode extensible / legacy {number(ratio, 'ratio')}" + ("" if ok else f" is below {DECODE_RATIO}"),
+    )
 
 
-def judge(run: Run, breakdowns: list[MemoryBreakdown], parity: list[ParityRow],
-          serving: list[dict]) -> tuple[tuple[Check, ...], dict[str, tuple[Check, ...]]]:
+def judge(
+    run: Run, breakdowns: list[MemoryBreakdown], parity: list[ParityRow], serving: list[dict]
+) -> tuple[tuple[Check, ...], dict[str, tuple[Check, ...]]]:
     """The run's checks and each subject's: every non-legacy case of the parity table (by path) and every serving
     pair (by file). Where subjects fail or lack a check, the run's names the first of them."""
     by_case = {id(b.case): b for b in breakdowns}
-    subjects = {row.case.path: tuple(c for c in (tokens(row), budget(by_case.get(id(row.case)))) if c)
-                for row in parity} | {row["source"]: (decode(row),) for row in serving}
+    subjects = {
+        row.case.path: tuple(c for c in (tokens(row), budget(by_case.get(id(row.case)))) if c) for row in parity
+    } | {row["source"]: (decode(row),) for row in serving}
     checks = [rules(run)]
     checks += [] if parity else [Check("tokens", None, "vLLM cases not measured (no non-legacy run in integration/)")]
     checks += [] if serving else [Check("decode", None, "decode extensible / legacy not measured (no serving-*.json)")]

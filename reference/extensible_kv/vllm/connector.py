@@ -108,8 +108,12 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     name = configured_connector(vllm_config)
     model_config = getattr(vllm_config, "model_config", None)
     if name and getattr(model_config, "enable_sleep_mode", False):
-        return [(f"KV connector {name} with sleep mode (enable_sleep_mode): the connector registers the KV memory "
-                 f"once, and sleep would release the pages under it")]
+        return [
+            (
+                f"KV connector {name} with sleep mode (enable_sleep_mode): the connector registers the KV memory "
+                f"once, and sleep would release the pages under it"
+            )
+        ]
     return []
 
 
@@ -186,11 +190,14 @@ def defer(state: worker_kv.WorkerKV, group: object = _MISSING) -> Session | None
             f"KV connector {name}: KV cache tensor(s) {split} have a K/V-split layout ({state.segments[split[0]]} "
             f"lockstep segments, as ROCM_ATTN's (2, num_blocks, ...)); their committed blocks lie in separate "
             f"ranges of the reservation, so no tensor over exactly the committed bytes has the legacy layout's "
-            f"strides, and the extensible path cannot hand it to the connector")
+            f"strides, and the extensible path cannot hand it to the connector"
+        )
     config = getattr(connector, "_kv_cache_config", None)
     if config is None or not hasattr(config, "num_blocks"):
-        raise ExtensibleKVUnsupported(f"KV connector {name} keeps no KVCacheConfig (_kv_cache_config): the "
-                                      f"extensible path cannot tell it the committed block count")
+        raise ExtensibleKVUnsupported(
+            f"KV connector {name} keeps no KVCacheConfig (_kv_cache_config): the "
+            f"extensible path cannot tell it the committed block count"
+        )
     current = Session(state, connector, name, {})
     for method in DEFERRED:
         current.own[method] = vars(connector).get(method, _MISSING)
@@ -222,10 +229,11 @@ def _buffers_by_base(state: worker_kv.WorkerKV) -> dict[int, _Buffer]:
     for spec in buffers.buffers:
         tensor = buffers.tensor(spec.name)
         if tensor.num_segments != 1:
-            raise ExtensibleKVUnsupported(f"KV buffer {spec.name} has {tensor.num_segments} lockstep segments "
-                                          f"(K/V-split): it cannot be narrowed to one range of committed bytes")
-        by_base[tensor.base_address] = _Buffer(spec.name, spec.page_size_bytes,
-                                               tensor.segment_view(0, torch.int8))
+            raise ExtensibleKVUnsupported(
+                f"KV buffer {spec.name} has {tensor.num_segments} lockstep segments "
+                f"(K/V-split): it cannot be narrowed to one range of committed bytes"
+            )
+        by_base[tensor.base_address] = _Buffer(spec.name, spec.page_size_bytes, tensor.segment_view(0, torch.int8))
     return by_base
 
 
@@ -238,14 +246,17 @@ def block_dim_of(view: torch.Tensor, page: int, reserved: int, what: str) -> int
         raise ExtensibleKVUnsupported(f"{exc}; it cannot be narrowed to the committed blocks") from exc
     apart = view.stride(dim) * view.element_size()
     if apart != page:
-        raise ExtensibleKVUnsupported(f"{what}: consecutive blocks of shape {tuple(view.shape)} strides "
-                                      f"{view.stride()} are {apart} bytes apart, not one {page}-byte page (not "
-                                      f"block-major); it cannot be narrowed to the committed blocks")
+        raise ExtensibleKVUnsupported(
+            f"{what}: consecutive blocks of shape {tuple(view.shape)} strides "
+            f"{view.stride()} are {apart} bytes apart, not one {page}-byte page (not "
+            f"block-major); it cannot be narrowed to the committed blocks"
+        )
     return dim
 
 
-def narrow_view(view: torch.Tensor, committed: torch.Tensor, page: int, reserved: int, num_blocks: int,
-                what: str) -> torch.Tensor:
+def narrow_view(
+    view: torch.Tensor, committed: torch.Tensor, page: int, reserved: int, num_blocks: int, what: str
+) -> torch.Tensor:
     """``view`` (over a block-major buffer of ``reserved`` pages) narrowed to its first ``num_blocks`` blocks, over
     ``committed`` (the buffer's committed bytes, its storage exactly ``num_blocks`` pages): the same strides and
     offset, the block dimension cut to the committed blocks. Refused when the result would reach past them."""
@@ -256,9 +267,11 @@ def narrow_view(view: torch.Tensor, committed: torch.Tensor, page: int, reserved
     end = (offset + sum((s - 1) * st for s, st in zip(shape, view.stride()))) * item + item if all(shape) else 0
     limit = num_blocks * page
     if offset < 0 or end > limit or committed.numel() != limit or limit % item:
-        raise ExtensibleKVUnsupported(f"{what}: shape {tuple(shape)} strides {view.stride()} at element offset "
-                                      f"{offset} reaches byte {end}, past the {limit} committed bytes of "
-                                      f"{num_blocks} blocks; it cannot be narrowed")
+        raise ExtensibleKVUnsupported(
+            f"{what}: shape {tuple(shape)} strides {view.stride()} at element offset "
+            f"{offset} reaches byte {end}, past the {limit} committed bytes of "
+            f"{num_blocks} blocks; it cannot be narrowed"
+        )
     return torch.as_strided(committed.view(view.dtype), shape, view.stride(), offset)
 
 
@@ -274,8 +287,10 @@ def _narrower(state: worker_kv.WorkerKV) -> Callable[[torch.Tensor, str], torch.
             return done[id(view)]
         buffer = by_base.get(view.untyped_storage().data_ptr())
         if buffer is None:
-            raise ExtensibleKVUnsupported(f"{what} is not a view of an extensible KV buffer (storage at "
-                                          f"{view.untyped_storage().data_ptr():#x}); it cannot be narrowed")
+            raise ExtensibleKVUnsupported(
+                f"{what} is not a view of an extensible KV buffer (storage at "
+                f"{view.untyped_storage().data_ptr():#x}); it cannot be narrowed"
+            )
         done[id(view)] = narrow_view(view, buffer.committed, buffer.page, reserved, n, f"{what} ({buffer.name})")
         return done[id(view)]
 
@@ -318,9 +333,17 @@ def extents(state: worker_kv.WorkerKV, handed: object) -> tuple[list[dict], int,
         storage = t.untyped_storage()
         item = t.element_size()
         span = (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * item if t.numel() else 0
-        rows.append({"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).replace("torch.", ""),
-                     "buffer": bases.get(storage.data_ptr()), "storage_bytes": storage.nbytes(),
-                     "offset_bytes": t.storage_offset() * item, "view_bytes": span})
+        rows.append(
+            {
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "buffer": bases.get(storage.data_ptr()),
+                "storage_bytes": storage.nbytes(),
+                "offset_bytes": t.storage_offset() * item,
+                "view_bytes": span,
+            }
+        )
         storages[storage.data_ptr()] = storage.nbytes()
     committed = sum(state.buffers.tensor(bases[p]).stats().committed_bytes for p in storages if p in bases)
     return rows, sum(storages.values()), committed
@@ -356,8 +379,10 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
         kind, handed = "kv_caches", narrow_kv_caches(state, kv_caches)
         args = (handed,)
     else:
-        raise ExtensibleKVUnsupported(f"KV connector {current.name}: the model runner never registered its KV "
-                                      f"caches (register_kv_caches) while it allocated them; nothing to hand over")
+        raise ExtensibleKVUnsupported(
+            f"KV connector {current.name}: the model runner never registered its KV "
+            f"caches (register_kv_caches) while it allocated them; nothing to hand over"
+        )
     rows, storage_bytes, committed = extents(state, handed)
     current.restore()
     tell_committed_count(current.connector._kv_cache_config, n)
@@ -370,18 +395,25 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
     except ExtensibleKVUnsupported:
         raise
     except Exception as exc:
-        raise ExtensibleKVUnsupported(f"KV connector {current.name} refused the KV caches of this model "
-                                      f"({kind}, {n} blocks): {type(exc).__name__}: {exc}") from exc
+        raise ExtensibleKVUnsupported(
+            f"KV connector {current.name} refused the KV caches of this model "
+            f"({kind}, {n} blocks): {type(exc).__name__}: {exc}"
+        ) from exc
     current.registration = Registration(current.name, kind, n, committed, storage_bytes, rows)
-    logger.info("extensible KV cache: KV connector %s registered %d committed blocks (%d bytes in %d tensors)",
-                current.name, n, storage_bytes, len(rows))
+    logger.info(
+        "extensible KV cache: KV connector %s registered %d committed blocks (%d bytes in %d tensors)",
+        current.name,
+        n,
+        storage_bytes,
+        len(rows),
+    )
     return current.registration
 
 
 def _arguments(call: tuple, names: tuple[str, ...]) -> tuple:
     """A recorded call's arguments ``names``, whether passed by position or by name (vLLM's base signatures)."""
     args, kwargs = call
-    return tuple(args[:len(names)]) + tuple(kwargs[n] for n in names[len(args):])
+    return tuple(args[: len(names)]) + tuple(kwargs[n] for n in names[len(args) :])
 
 
 # -- after registration ---------------------------------------------------------------------------------------------
@@ -393,7 +425,8 @@ def check_resize(state: worker_kv.WorkerKV, num_blocks: int, operation: str) -> 
     raise ExtensibleKVUnsupported(
         f"{operation}: growing the KV cache from {current.registration.num_blocks} to {num_blocks} blocks is "
         f"refused: KV connector {current.name} registered the {current.registration.num_blocks} committed blocks "
-        f"and connectors register the KV memory once (Note [Registered once] in extensible_kv.vllm.connector)")
+        f"and connectors register the KV memory once (Note [Registered once] in extensible_kv.vllm.connector)"
+    )
 
 
 def refuse_release(state: worker_kv.WorkerKV, operation: str) -> None:
@@ -404,7 +437,8 @@ def refuse_release(state: worker_kv.WorkerKV, operation: str) -> None:
     raise ExtensibleKVUnsupported(
         f"{operation}: releasing the KV pages is refused: KV connector {current.name} registered them "
         f"({current.registration.num_blocks} blocks) and would be left holding unmapped memory (Note [Registered "
-        f"once] in extensible_kv.vllm.connector)")
+        f"once] in extensible_kv.vllm.connector)"
+    )
 
 
 def report(state: worker_kv.WorkerKV | None) -> dict | None:
@@ -424,8 +458,9 @@ def cross_layer_allocator(state: worker_kv.WorkerKV, original: Callable) -> Call
     the extensible path]). ``original``: vLLM's (a static method: no ``self``)."""
 
     def allocate_uniform_kv_caches(kv_cache_config, attn_groups, cache_dtype, device, kernel_block_sizes):
-        caches, cross, backend = original(kv_cache_config, attn_groups, cache_dtype, torch.device("meta"),
-                                          kernel_block_sizes)
+        caches, cross, backend = original(
+            kv_cache_config, attn_groups, cache_dtype, torch.device("meta"), kernel_block_sizes
+        )
         n = kv_cache_config.num_blocks
         total = cross.numel() * cross.element_size()
         page = total // n if n else 0
@@ -437,7 +472,8 @@ def cross_layer_allocator(state: worker_kv.WorkerKV, original: Callable) -> Call
             raise ExtensibleKVUnsupported(
                 f"the cross-layer KV cache of shape {tuple(cross.shape)} strides {cross.stride()} ({n} blocks of "
                 f"{page} bytes) does not put the blocks physically first; the extensible path cannot commit it a "
-                f"block prefix at a time")
+                f"block prefix at a time"
+            )
         state.segments = [1]
         one = SimpleNamespace(num_blocks=n, kv_cache_tensors=[SimpleNamespace(size=total, shared_by=[CROSS_LAYER])])
         raw = state.allocate(one)[CROSS_LAYER]

@@ -46,8 +46,7 @@ def check_supported(vllm_config: Any, platform: Any) -> None:
     """Raise ExtensibleKVUnsupported, naming the reason, for configurations the extensible path refuses."""
     reasons = connector.unsupported_reasons(vllm_config)  # a KV connector is registered after the final commit
     if not platform.is_cuda_alike():
-        reasons.append(f"platform {getattr(platform, 'device_name', type(platform).__name__)} is neither CUDA nor "
-                       f"ROCm")
+        reasons.append(f"platform {getattr(platform, 'device_name', type(platform).__name__)} is neither CUDA nor ROCm")
     if reasons:
         raise ExtensibleKVUnsupported("the extensible KV cache cannot be used: " + "; ".join(reasons))
 
@@ -81,8 +80,10 @@ def max_block_id(scheduler_output: Any) -> int:
 def _worker_kv() -> worker_kv.WorkerKV:
     state = worker_kv.active()
     if state is None or state.buffers is None:
-        raise ExtensibleKVUnsupported("the extensible KV cache is enabled but this worker built no extensible "
-                                      "buffers (was it enabled before the engine started?)")
+        raise ExtensibleKVUnsupported(
+            "the extensible KV cache is enabled but this worker built no extensible "
+            "buffers (was it enabled before the engine started?)"
+        )
     return state
 
 
@@ -115,7 +116,8 @@ def _v1_initialize_kv_cache_tensors(original: Callable) -> Callable:
             with _on_instance(self, "allocate_uniform_kv_caches", allocate):
                 return original(self, kv_cache_config, kernel_block_sizes)
         state.segments = worker_kv.derive_segments(
-            kv_cache_config, lambda raw: self._reshape_kv_cache_tensors(raw, kernel_block_sizes))
+            kv_cache_config, lambda raw: self._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+        )
         connector.defer(state)  # register_kv_caches waits for the final commit (connector.py)
         return original(self, kv_cache_config, kernel_block_sizes)
 
@@ -131,8 +133,16 @@ def _v1_allocate_kv_cache_tensors(original: Callable) -> Callable:
 
 
 def _v2_init_kv_cache(original: Callable) -> Callable:
-    def init_kv_cache(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device, cache_dtype,
-                      kernel_block_sizes, vllm_config):
+    def init_kv_cache(
+        runner_kv_caches,
+        forward_context,
+        kv_cache_config,
+        attn_groups,
+        device,
+        cache_dtype,
+        kernel_block_sizes,
+        vllm_config,
+    ):
         from vllm.platforms import current_platform
         from vllm.v1.worker.gpu import attn_utils
 
@@ -140,12 +150,28 @@ def _v2_init_kv_cache(original: Callable) -> Callable:
         shared = attn_utils.get_shared_kv_cache_layers(vllm_config)
         flat = [g for groups in attn_groups for g in groups]
         state = worker_kv.start(_platform_driver())
-        state.segments = worker_kv.derive_segments(kv_cache_config, lambda raw: attn_utils._reshape_kv_cache(
-            attn_groups=flat, kv_cache_raw_tensors=raw, kernel_block_sizes=kernel_block_sizes,
-            cache_dtype=cache_dtype, shared_kv_cache_layers=shared, kv_cache_config=kv_cache_config))
+        state.segments = worker_kv.derive_segments(
+            kv_cache_config,
+            lambda raw: attn_utils._reshape_kv_cache(
+                attn_groups=flat,
+                kv_cache_raw_tensors=raw,
+                kernel_block_sizes=kernel_block_sizes,
+                cache_dtype=cache_dtype,
+                shared_kv_cache_layers=shared,
+                kv_cache_config=kv_cache_config,
+            ),
+        )
         connector.defer(state)  # register_kv_caches waits for the final commit (connector.py)
-        return original(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device, cache_dtype,
-                        kernel_block_sizes, vllm_config)
+        return original(
+            runner_kv_caches,
+            forward_context,
+            kv_cache_config,
+            attn_groups,
+            device,
+            cache_dtype,
+            kernel_block_sizes,
+            vllm_config,
+        )
 
     return init_kv_cache
 
@@ -187,12 +213,15 @@ def _determine_available_memory(original: Callable) -> Callable:
         estimate = getattr(self, "cudagraph_memory_estimate", 0) or 0
         if envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and self.cache_config.kv_cache_memory_bytes is None:
             available += estimate  # reserve the upper bound; the measured graph memory replaces the estimate
-        self._extensible_kv_profile = {"profiled_available": available - estimate, "cudagraph_estimate": estimate,
-                                       "reserved_available": available,
-                                       "peak_reserved": wrapped.figures.get("peak_reserved"),
-                                       "peak_allocated": wrapped.figures.get("peak_allocated"),
-                                       "retained": wrapped.figures.get("retained"),
-                                       "cache_before": wrapped.figures.get("cache_before")}
+        self._extensible_kv_profile = {
+            "profiled_available": available - estimate,
+            "cudagraph_estimate": estimate,
+            "reserved_available": available,
+            "peak_reserved": wrapped.figures.get("peak_reserved"),
+            "peak_allocated": wrapped.figures.get("peak_allocated"),
+            "retained": wrapped.figures.get("retained"),
+            "cache_before": wrapped.figures.get("cache_before"),
+        }
         return available
 
     return determine_available_memory
@@ -270,9 +299,11 @@ def extensible_kv_report(self) -> dict:
     return report
 
 
-WORKER_RPCS: dict[str, Callable[..., Any]] = {"extensible_kv_measure": extensible_kv_measure,
-                                              "extensible_kv_commit": extensible_kv_commit,
-                                              "extensible_kv_report": extensible_kv_report}
+WORKER_RPCS: dict[str, Callable[..., Any]] = {
+    "extensible_kv_measure": extensible_kv_measure,
+    "extensible_kv_commit": extensible_kv_commit,
+    "extensible_kv_report": extensible_kv_report,
+}
 """The RPCs every worker gets, by the name vLLM's ``collective_rpc`` looks up (Note [An engine keeps its RPCs])."""
 
 
@@ -301,11 +332,15 @@ def _initialize_kv_caches(original: Callable) -> Callable:
                 raise ExtensibleKVUnsupported(
                     f"after warmup only {final} KV blocks ({tokens} tokens of block size {block}) fit, fewer than "
                     f"max_model_len={vllm_config.model_config.max_model_len}; lower max_model_len or raise "
-                    f"gpu_memory_utilization")
-        self._extensible_kv_reports = {"reserved_blocks": reserved, "worker_fits": fits, "final_blocks": final,
-                                       "workers": reports}
-        logger.info("extensible KV cache: %d blocks reserved, %d committed (per-worker fit %s)", reserved, final,
-                    fits)
+                    f"gpu_memory_utilization"
+                )
+        self._extensible_kv_reports = {
+            "reserved_blocks": reserved,
+            "worker_fits": fits,
+            "final_blocks": final,
+            "workers": reports,
+        }
+        logger.info("extensible KV cache: %d blocks reserved, %d committed (per-worker fit %s)", reserved, final, fits)
         return config
 
     return _initialize_kv_caches
@@ -327,10 +362,15 @@ PATCHES = (
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_measure", lambda _: extensible_kv_measure),
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_commit", lambda _: extensible_kv_commit),
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_report", lambda _: extensible_kv_report),
-    _Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "initialize_kv_cache_tensors",
-           _v1_initialize_kv_cache_tensors),
-    _Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_allocate_kv_cache_tensors",
-           _v1_allocate_kv_cache_tensors),
+    _Patch(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "initialize_kv_cache_tensors",
+        _v1_initialize_kv_cache_tensors,
+    ),
+    _Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_allocate_kv_cache_tensors", _v1_allocate_kv_cache_tensors
+    ),
     _Patch("vllm.v1.worker.gpu.model_runner", None, "init_kv_cache", _v2_init_kv_cache),
     _Patch("vllm.v1.worker.gpu.attn_utils", None, "_allocate_kv_cache", _v2_allocate_kv_cache),
 )
@@ -347,12 +387,14 @@ def install() -> None:
     for p in PATCHES:
         module = importlib.import_module(p.module)
         owner = getattr(module, p.owner) if p.owner else module
-        targets.append((p, owner, owner.__dict__.get(p.attr, _MISSING) if p.owner else getattr(module, p.attr,
-                                                                                              _MISSING)))
+        targets.append(
+            (p, owner, owner.__dict__.get(p.attr, _MISSING) if p.owner else getattr(module, p.attr, _MISSING))
+        )
     for p, owner, original in targets:
         if original is _MISSING and not p.attr.startswith("extensible_kv_"):
-            raise ImportError(f"vLLM has no {p.module}.{p.owner + '.' if p.owner else ''}{p.attr}; this patch set "
-                              f"targets vllm 0.26.0")
+            raise ImportError(
+                f"vLLM has no {p.module}.{p.owner + '.' if p.owner else ''}{p.attr}; this patch set targets vllm 0.26.0"
+            )
     for p, owner, original in targets:
         _SAVED[(p.module, p.owner, p.attr)] = original
         setattr(owner, p.attr, p.make(None if original is _MISSING else original))

@@ -15,6 +15,7 @@ from .worker_kv import ExtensibleKVUnsupported
 
 _MISSING = object()  # an attribute the instance did not have
 
+
 def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[], object]:
     """``profile_run`` that also records what torch's caching allocator *reserved* for the activation peak.
 
@@ -35,10 +36,13 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
         torch.cuda.reset_peak_memory_stats()
         result = profile_run()
         torch.cuda.synchronize()
-        figures.update(peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
-                       peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
-                       retained=max(0, torch.cuda.memory_reserved() - reserved), cache_before=cache_before,
-                       cache_after=worker_kv.torch_reusable_now())
+        figures.update(
+            peak_reserved=max(0, torch.cuda.max_memory_reserved() - reserved),
+            peak_allocated=max(0, torch.cuda.max_memory_allocated() - allocated),
+            retained=max(0, torch.cuda.memory_reserved() - reserved),
+            cache_before=cache_before,
+            cache_after=worker_kv.torch_reusable_now(),
+        )
         return result
 
     run.figures = figures
@@ -61,9 +65,13 @@ def encoder_cache_budget(model_runner: Any) -> dict | None:
         return None
     modality = budget.get_modality_with_max_tokens()
     tokens = int(budget.mm_max_toks_per_item[modality])
-    return {"modality": modality, "encoder_cache_size": int(budget.encoder_cache_size), "tokens_per_item": tokens,
-            "capacity_items": int(budget.encoder_cache_size) // tokens,
-            "items_per_batch": int(budget.mm_max_items_per_batch[modality])}
+    return {
+        "modality": modality,
+        "encoder_cache_size": int(budget.encoder_cache_size),
+        "tokens_per_item": tokens,
+        "capacity_items": int(budget.encoder_cache_size) // tokens,
+        "items_per_batch": int(budget.mm_max_items_per_batch[modality]),
+    }
 
 
 def encoder_cache_held(model_runner: Any) -> list:
@@ -88,8 +96,12 @@ def encoder_cache_held(model_runner: Any) -> list:
     held: list = []
     for start in range(0, items, per_batch):
         count = min(per_batch, items - start)
-        batch = next(b for _, _, b in group_and_batch_mm_kwargs([(modality, item)] * count, device=model_runner.device,
-                                                                pin_memory=False))
+        batch = next(
+            b
+            for _, _, b in group_and_batch_mm_kwargs(
+                [(modality, item)] * count, device=model_runner.device, pin_memory=False
+            )
+        )
         held.extend(model_runner.model.embed_multimodal(**batch))
         del batch
     return held
@@ -117,9 +129,11 @@ def _served_query_length(model_runner: Any, query_len: int):
 
     def build_as_served(*args, **kwargs):
         if "max_query_len" not in kwargs:
-            raise ExtensibleKVUnsupported("this vLLM's _dummy_run passes max_query_len to _build_attention_metadata "
-                                          f"positionally (args {len(args)}, keywords {sorted(kwargs)}); the served "
-                                          "batch cannot give attention a request's query length")
+            raise ExtensibleKVUnsupported(
+                "this vLLM's _dummy_run passes max_query_len to _build_attention_metadata "
+                f"positionally (args {len(args)}, keywords {sorted(kwargs)}); the served "
+                "batch cannot give attention a request's query length"
+            )
         kwargs["max_query_len"] = min(kwargs["max_query_len"], query_len)
         return build(*args, **kwargs)
 
@@ -155,8 +169,11 @@ def _sampler_run(model_runner: Any, sampled: Any) -> None:
     hidden = torch.rand(requests * (1 + k), sampled.shape[-1], dtype=sampled.dtype, device=sampled.device)
     logits = model_runner.model.compute_logits(hidden)
     del hidden
-    draft_probs = (torch.softmax(torch.rand(requests * k, logits.shape[-1], device=logits.device,
-                                            dtype=torch.float32), dim=-1) if seen["draft_probs"] else None)
+    draft_probs = (
+        torch.softmax(torch.rand(requests * k, logits.shape[-1], device=logits.device, dtype=torch.float32), dim=-1)
+        if seen["draft_probs"]
+        else None
+    )
     rejection_sampler(metadata, draft_probs, logits, seen["sampling_metadata"])
 
 
@@ -188,9 +205,13 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
             requests = min(tokens, max_seqs)
             seq_len = min(tokens // requests + tokens % requests, max_len)
             with _served_query_length(model_runner, seq_len):
-                hidden, sampled = model_runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                                          force_attention=True, skip_eplb=True,
-                                                          profile_seq_lens=seq_len)
+                hidden, sampled = model_runner._dummy_run(
+                    tokens,
+                    cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                    force_attention=True,
+                    skip_eplb=True,
+                    profile_seq_lens=seq_len,
+                )
             samples = get_pp_group().is_last_rank and not model_runner.is_pooling_model
         if samples:
             _sampler_run(model_runner, sampled)

@@ -64,8 +64,11 @@ def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
     """Bytes of ``device``'s default pool that torch holds reserved but unused (``torch.cuda.memory_snapshot()``
     segments; graph private pools and other devices left out). Recorded (``memory.torch_reusable`` of a case, the
     profile's ``cache_before``), never credited: Note [The peak, brought back and measured]."""
-    return sum(int(s["total_size"]) - int(s["active_size"]) for s in segments
-               if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL)
+    return sum(
+        int(s["total_size"]) - int(s["active_size"])
+        for s in segments
+        if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL
+    )
 
 
 @dataclass(frozen=True)
@@ -110,5 +113,10 @@ class MemoryState:
         return max(self.committed_blocks, min(self.capacity_blocks, fit))
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "non_kv": self.non_kv, "torch_growth": self.torch_growth, "budget": self.budget,
-                "blocks": self.blocks()}
+        return {
+            **asdict(self),
+            "non_kv": self.non_kv,
+            "torch_growth": self.torch_growth,
+            "budget": self.budget,
+            "blocks": self.blocks(),
+        }

@@ -65,8 +65,10 @@ def check_level(level: object) -> int:
     if isinstance(level, bool) or not isinstance(level, int):
         raise InvalidArgumentError(f"sleep level must be an int, got {type(level).__name__} {level!r}")
     if level not in LEVELS:
-        raise InvalidSizeError(f"sleep level {level} is out of range: a worker sleeps at level 1 or 2 (level 0, "
-                               f"pausing the scheduler, never reaches a worker)")
+        raise InvalidSizeError(
+            f"sleep level {level} is out of range: a worker sleeps at level 1 or 2 (level 0, "
+            f"pausing the scheduler, never reaches a worker)"
+        )
     return level
 
 
@@ -79,8 +81,9 @@ def wakes_kv(tags: object) -> bool:
     except TypeError:  # not iterable
         names = None
     if names is None or not all(isinstance(t, str) for t in names):
-        raise InvalidArgumentError(f"wake_up tags must be None or a list of tag names such as ['kv_cache'], got "
-                                   f"{type(tags).__name__} {tags!r}")
+        raise InvalidArgumentError(
+            f"wake_up tags must be None or a list of tag names such as ['kv_cache'], got {type(tags).__name__} {tags!r}"
+        )
     return KV_TAG in names
 
 
@@ -148,9 +151,12 @@ class KVSleepBackend:
         try:
             buffers.recommit_physical()
         except BaseException as exc:  # the KV stays released; the caller sees the sleep's own error
-            logger.error("extensible KV cache: vLLM's sleep failed and recommitting the released KV pages failed "
-                         "too (%s: %s); the KV cache stays released until wake_up(tags=['kv_cache'])",
-                         type(exc).__name__, exc)
+            logger.error(
+                "extensible KV cache: vLLM's sleep failed and recommitting the released KV pages failed "
+                "too (%s: %s); the KV cache stays released until wake_up(tags=['kv_cache'])",
+                type(exc).__name__,
+                exc,
+            )
             self._record("recommit_failed", after="failed sleep", error=f"{type(exc).__name__}: {exc}")
         else:
             self._record("recommit", after="failed sleep")
@@ -164,9 +170,12 @@ class KVSleepBackend:
                 buffers.recommit_physical()
             except BaseException as exc:
                 self._record("recommit_failed", tags=tags, error=f"{type(exc).__name__}: {exc}")
-                logger.error("extensible KV cache: recommitting the KV pages on wake_up(tags=%s) failed; the KV "
-                             "cache stays released and nothing was woken: free device memory and call "
-                             "wake_up(tags=['kv_cache']) again", tags)
+                logger.error(
+                    "extensible KV cache: recommitting the KV pages on wake_up(tags=%s) failed; the KV "
+                    "cache stays released and nothing was woken: free device memory and call "
+                    "wake_up(tags=['kv_cache']) again",
+                    tags,
+                )
                 raise
             self._record("recommit", tags=tags, seconds=round(time.perf_counter() - start, 6))
         self.inner.resume(tags)
@@ -201,9 +210,11 @@ def bind(worker: Any) -> None:
     if not getattr(model_config, "enable_sleep_mode", False):
         return
     if not hasattr(worker, "_sleep_mode_backend"):
-        raise ExtensibleKVUnsupported(f"sleep mode is enabled but this vLLM's worker ({type(worker).__name__}) has no "
-                                      f"_sleep_mode_backend to wrap; the extensible path supports sleep mode on "
-                                      f"vllm 0.26.0")
+        raise ExtensibleKVUnsupported(
+            f"sleep mode is enabled but this vLLM's worker ({type(worker).__name__}) has no "
+            f"_sleep_mode_backend to wrap; the extensible path supports sleep mode on "
+            f"vllm 0.26.0"
+        )
     current = worker._sleep_mode_backend
     if not isinstance(current, KVSleepBackend):
         worker._sleep_mode_backend = KVSleepBackend(worker, current)
@@ -229,5 +240,7 @@ def nothing_in_pool(what: str) -> Iterator[None]:
     yield
     after = _pool_usage()
     if before is not None and after != before:
-        raise ExtensibleKVUnsupported(f"{what} changed vLLM's CuMem pool from {before} to {after} bytes: the "
-                                      f"pool's sleep would free that memory under the KV cache")
+        raise ExtensibleKVUnsupported(
+            f"{what} changed vLLM's CuMem pool from {before} to {after} bytes: the "
+            f"pool's sleep would free that memory under the KV cache"
+        )

@@ -41,19 +41,23 @@ def _views(value: object) -> list[tuple[torch.Tensor, int]]:
     return [(v, 0) for v in value]
 
 
-def derive_segments(kv_cache_config: object, reshape: Callable[[dict[str, torch.Tensor]], dict[str, object]]
-                    ) -> list[int]:
+def derive_segments(
+    kv_cache_config: object, reshape: Callable[[dict[str, torch.Tensor]], dict[str, object]]
+) -> list[int]:
     """Segments of each ``KVCacheTensor``, from vLLM's own reshape applied to ``meta`` tensors."""
     num_blocks = kv_cache_config.num_blocks
     raw: dict[str, torch.Tensor] = {}
     pages = []
     for tensor in kv_cache_config.kv_cache_tensors:
         if getattr(tensor, "block_stride", 0):
-            raise ExtensibleKVUnsupported("packed KV cache layouts (KVCacheTensor.block_stride > 0, cross-layer "
-                                          "blocks) are not supported by the extensible KV cache")
+            raise ExtensibleKVUnsupported(
+                "packed KV cache layouts (KVCacheTensor.block_stride > 0, cross-layer "
+                "blocks) are not supported by the extensible KV cache"
+            )
         if tensor.size % num_blocks:
-            raise ExtensibleKVUnsupported(f"KVCacheTensor of {tensor.size} bytes is not a whole number of "
-                                          f"{num_blocks} blocks")
+            raise ExtensibleKVUnsupported(
+                f"KVCacheTensor of {tensor.size} bytes is not a whole number of {num_blocks} blocks"
+            )
         page = tensor.size // num_blocks
         pages.append(page)
         meta = torch.empty(page * BLOCK_SENTINEL, dtype=torch.int8, device="meta")
@@ -62,8 +66,10 @@ def derive_segments(kv_cache_config: object, reshape: Callable[[dict[str, torch.
     views = reshape(raw)
     counts = []
     for tensor, page in zip(kv_cache_config.kv_cache_tensors, pages):
-        seg = agreed_segments(((name, view, dim) for name in tensor.shared_by if name in views
-                               for view, dim in _views(views[name])), page * BLOCK_SENTINEL)
+        seg = agreed_segments(
+            ((name, view, dim) for name in tensor.shared_by if name in views for view, dim in _views(views[name])),
+            page * BLOCK_SENTINEL,
+        )
         counts.append(seg.count if seg else 1)
     return counts
 
@@ -107,8 +113,9 @@ class WorkerKV:
             raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
         return got
 
-    def measure(self, worker: object, again: Mapping[str, int], served: Mapping[str, int],
-                margin: int = 0) -> MemoryState:
+    def measure(
+        self, worker: object, again: Mapping[str, int], served: Mapping[str, int], margin: int = 0
+    ) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
         ``served``: the figures (``probes.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
         ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again just before, and of
@@ -149,8 +156,13 @@ class WorkerKV:
         torch.cuda.synchronize()
         self.commit_seconds = time.perf_counter() - start
         stats = self.buffers.stats()
-        logger.info("extensible KV cache: committed %d of %d reserved blocks (%.2f GiB) in %.1f ms", num_blocks,
-                    stats.max_num_blocks, stats.committed_bytes / 2**30, self.commit_seconds * 1e3)
+        logger.info(
+            "extensible KV cache: committed %d of %d reserved blocks (%.2f GiB) in %.1f ms",
+            num_blocks,
+            stats.max_num_blocks,
+            stats.committed_bytes / 2**30,
+            self.commit_seconds * 1e3,
+        )
         return self.commit_seconds
 
     def report(self) -> dict:
@@ -173,7 +185,7 @@ def active() -> WorkerKV | None:
 
 
 def runner_kind(model_runner: object) -> str:
-    """"v2" for vLLM's V2 model runner (``vllm.v1.worker.gpu.*``), "v1" for the V1 one."""
+    """ "v2" for vLLM's V2 model runner (``vllm.v1.worker.gpu.*``), "v1" for the V1 one."""
     return "v2" if type(model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
 
 
