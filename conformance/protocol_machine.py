@@ -21,6 +21,21 @@ MAX_ALIVE_HANDLES = 14
 MANY_MAPPINGS = 24  # one-granule mappings at once, in one example in four
 PICK = st.integers(0, 255)
 
+BAD_VALUES = (
+    "size_zero",
+    "size_negative",
+    "va_negative",
+    "offset_negative",
+    "size_2**63",
+    "va_2**63",
+    "offset_2**63",
+    "range_to_2**63",
+    "offset_to_2**63",
+    "range_past_2**63",
+)
+"""The kinds of value ``bad_value`` passes (P-bad-value): below the bound, at 2**63, and ranges reaching it."""
+BAD_VALUE_CALLS = ("reserve", "free", "create", "map", "unmap", "set_access", "zero")
+
 # Where writes and zeros start relative to a granule boundary inside an accessible run, and how long they are:
 # small and unaligned, and across granule and mapping boundaries.
 STARTS = (0, 1, 255, -1, -100, 4095, -4097)
@@ -404,7 +419,7 @@ class ProtocolMachine(ProtocolChecks):
         reservation, around it, of it with mappings, of a freed one; release of a released handle. Each is refused
         and changes nothing. Checks: P-map-inside, P-map-overlap, P-map-handle-end, P-map-released, P-map-offset,
         P-unmap-refused, P-access-refused, P-access, P-free-refused, P-release-once, P-refusal,
-        P-refusal-unchanged."""
+        P-refusal-names, P-refusal-unchanged."""
         rs = self._reservations()
         if not rs:
             return
@@ -479,16 +494,11 @@ class ProtocolMachine(ProtocolChecks):
         else:
             self.call(prediction, *args)
 
-    @rule(
-        op=st.sampled_from(("reserve", "free", "create", "map", "unmap", "set_access", "zero")),
-        kind=st.sampled_from(
-            ("size_zero", "size_negative", "va_negative", "offset_negative", "size_2**63", "range_past_2**63")
-        ),
-        pick=PICK,
-    )
+    @rule(op=st.sampled_from(BAD_VALUE_CALLS), kind=st.sampled_from(BAD_VALUES), pick=PICK)
     def bad_value(self, op, kind, pick):
         """A size below 1, a negative address or offset, a value or range reaching 2**63: refused before any native
-        call, nothing changed. Checks: P-bad-value, P-refusal, P-refusal-unchanged."""
+        call, nothing changed, the value named. Checks: P-bad-value, P-refusal, P-refusal-names,
+        P-refusal-unchanged."""
         g = self.g
         ms, rs = self._mappings(), self._reservations()
         va, size, offset = (ms[pick % len(ms)].va if ms else rs[pick % len(rs)].va if rs else 1 << 40), g, 0
@@ -502,6 +512,14 @@ class ProtocolMachine(ProtocolChecks):
             offset = -g
         elif kind == "size_2**63":
             size = MAX_BYTES
+        elif kind == "va_2**63":
+            va = MAX_BYTES
+        elif kind == "offset_2**63":
+            offset = MAX_BYTES
+        elif kind == "range_to_2**63":  # each value below 2**63, their sum exactly 2**63
+            va, size = MAX_BYTES // 2, MAX_BYTES // 2
+        elif kind == "offset_to_2**63":
+            offset = MAX_BYTES - va - size
         else:
             va, size = MAX_BYTES - g, 2 * g
         key = self._pick_handle(pick)

@@ -701,6 +701,21 @@ def judge(prediction: Prediction, raised: BaseException | None) -> str | None:
     return None
 
 
+@implements("P-refusal-names")
+def unnamed(raised: BaseException, args: Sequence[object]) -> str | None:
+    """Whether the message of a refusal ``raised`` for a call with ``args`` names none of them (an integer in decimal
+    or hex, a handle as ``str`` or ``repr`` shows it): the problem, or None."""
+    text = str(raised).lower()
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool):
+            shown = {str(a), hex(a)}
+        else:
+            shown = {str(a).lower(), repr(a).lower()}
+        if any(s in text for s in shown):
+            return None
+    return f"its message {str(raised)!r} names none of the call's arguments {list(args)} (an integer in decimal or hex)"
+
+
 @dataclass(frozen=True)
 class Event:
     """One call a thread made: ``op`` with the model's arguments, and what happened (``raised``, or ``result`` in

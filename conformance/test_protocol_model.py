@@ -26,7 +26,7 @@ from extensible_kv.errors import DriverError
 
 from .helpers import expect, expect_equal, host_kernel
 from .protocol_checks import Setup
-from .protocol_machine import ProtocolMachine
+from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
 from .thread_machine import TwoThreadMachine
 
 EXAMPLES_ENV = "EXTENSIBLE_KV_PROTOCOL_EXAMPLES"
@@ -134,3 +134,21 @@ def test_calls_from_two_threads_match_some_serial_order(driver):
             "the outcome of some serial order of them on every run",
             f"a failure on some runs of the same calls and not on others (a race), the first: {first}",
         )
+
+
+def test_every_bad_value_of_every_call_is_refused_and_named(driver):
+    """Every kind of bad value (``BAD_VALUES``: below the bound, at 2**63, ranges reaching it) passed to every call
+    that takes it, on a mapped range and on a reservation, in turn, each compared with the model at once: the table
+    the random rule samples from, all of it in every run. Checks: P-bad-value, P-refusal, P-refusal-names,
+    P-refusal-unchanged."""
+    machine = ProtocolMachine(_setup(driver))
+    try:
+        machine.populate(sizes=[3, 2], alignment=1, pick=1)
+        machine.create(granules=2)
+        for op in BAD_VALUE_CALLS:
+            for kind in BAD_VALUES:
+                for pick in (0, 1):
+                    machine.bad_value(op=op, kind=kind, pick=pick)
+                    machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()

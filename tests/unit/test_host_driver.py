@@ -296,7 +296,12 @@ def test_a_reservation_the_kernel_refuses_is_out_of_memory_whatever_its_errno(mo
     with pytest.raises(DriverOutOfMemory) as info:
         driver.reserve(PAGE_BYTES, PAGE_BYTES)
     got = (info.value.operation, info.value.code, info.value.detail)
-    expected = ("reserve", errno.EINVAL, f"mmap(PROT_NONE, {2 * PAGE_BYTES} bytes): {os.strerror(errno.EINVAL)}")
+    expected = (
+        "reserve",
+        errno.EINVAL,
+        f"mmap(PROT_NONE, {2 * PAGE_BYTES} bytes) for {PAGE_BYTES} bytes aligned to {PAGE_BYTES}: "
+        f"{os.strerror(errno.EINVAL)}",
+    )
     assert got == expected, f"reserve with mmap failing EINVAL: expected {expected}, got {got}"
     assert not driver._reservations, f"a refused reserve recorded {driver._reservations}"
 

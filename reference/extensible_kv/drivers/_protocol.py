@@ -19,6 +19,8 @@ take any byte range.
 would truncate it to a small size).
 
 [P-refusal] Every refusal the protocol names raises ``DriverError`` whose ``operation`` is the method called.
+[P-refusal-names] Its message names what was refused: at least one argument of the call, an address, size or offset
+in decimal or in hex (``0x...``), or the handle as ``str`` or ``repr`` shows it.
 [P-refusal-unchanged] A refused call leaves every observable as it was: which granules of every reservation are mapped
 and accessible (on the host, what the kernel maps there), the bytes of every mapping, ``mem_info``, the memory and
 address space the kernel holds, and every reservation as usable as before (each of its unmapped granules still takes

@@ -246,7 +246,9 @@ class HostDriver:
             raws.extend(map(_lib().mmap, [None], [span], [_PROT_NONE], [flags], [-1], [0]))
             raw = raws[0]
             if raw in (None, _MAP_FAILED):
-                self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+                self._fail(
+                    "reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True
+                )
             va = -(-raw // alignment) * alignment
             # Trim the over-reservation so the kernel holds exactly [va, va+size); each trim is remembered in the
             # line that makes it, so the except clause gives back exactly what is left.
