@@ -32,6 +32,8 @@ BAD_VALUES = (
     "range_to_2**63",
     "offset_to_2**63",
     "range_past_2**63",
+    "size_bool",
+    "va_float",
 )
 """The kinds of value ``bad_value`` passes (P-bad-value): below the bound, at 2**63, and ranges reaching it."""
 BAD_VALUE_CALLS = ("reserve", "free", "create", "map", "unmap", "set_access", "zero")
@@ -496,9 +498,9 @@ class ProtocolMachine(ProtocolChecks):
 
     @rule(op=st.sampled_from(BAD_VALUE_CALLS), kind=st.sampled_from(BAD_VALUES), pick=PICK)
     def bad_value(self, op, kind, pick):
-        """A size below 1, a negative address or offset, a value or range reaching 2**63: refused before any native
-        call, nothing changed, the value named. Checks: P-bad-value, P-refusal, P-refusal-names,
-        P-refusal-unchanged."""
+        """A value that is no int, a size below 1, a negative address or offset, a value or range reaching 2**63:
+        refused before any native call, nothing changed, the value named. Checks: P-bad-value, P-refusal,
+        P-refusal-names, P-refusal-unchanged."""
         g = self.g
         ms, rs = self._mappings(), self._reservations()
         va, size, offset = (ms[pick % len(ms)].va if ms else rs[pick % len(rs)].va if rs else 1 << 40), g, 0
@@ -520,6 +522,10 @@ class ProtocolMachine(ProtocolChecks):
             va, size = MAX_BYTES // 2, MAX_BYTES // 2
         elif kind == "offset_to_2**63":
             offset = MAX_BYTES - va - size
+        elif kind == "size_bool":  # Python takes True for 1
+            size = True
+        elif kind == "va_float":
+            va = float(va)
         else:
             va, size = MAX_BYTES - g, 2 * g
         key = self._pick_handle(pick)

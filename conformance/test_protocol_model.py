@@ -26,6 +26,7 @@ from extensible_kv.errors import DriverError
 
 from .helpers import expect, expect_equal, host_kernel
 from .protocol_checks import Setup
+from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
 from .thread_machine import TwoThreadMachine
 
@@ -139,8 +140,8 @@ def test_calls_from_two_threads_match_some_serial_order(driver):
 def test_every_bad_value_of_every_call_is_refused_and_named(driver):
     """Every kind of bad value (``BAD_VALUES``: below the bound, at 2**63, ranges reaching it) passed to every call
     that takes it, on a mapped range and on a reservation, in turn, each compared with the model at once: the table
-    the random rule samples from, all of it in every run. Checks: P-bad-value, P-refusal, P-refusal-names,
-    P-refusal-unchanged."""
+    the random rule samples from, all of it in every run; and ``accessible`` at the ends of the address space, where
+    nothing is reserved: False. Checks: P-bad-value, P-refusal, P-refusal-names, P-refusal-unchanged, P-accessible."""
     machine = ProtocolMachine(_setup(driver))
     try:
         machine.populate(sizes=[3, 2], alignment=1, pick=1)
@@ -150,5 +151,7 @@ def test_every_bad_value_of_every_call_is_refused_and_named(driver):
                 for pick in (0, 1):
                     machine.bad_value(op=op, kind=kind, pick=pick)
                     machine.every_observable_matches_the_model()
+        for at in (0, 1, MAX_BYTES - machine.g, MAX_BYTES - 1):
+            machine.query(machine.model.accessible(at), machine.raw.accessible(at), f"accessible({at:#x})")
     finally:
         machine.teardown()

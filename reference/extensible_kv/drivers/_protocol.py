@@ -14,7 +14,8 @@ takes), and ``zero`` and writes through ``tensor`` touch accessible bytes only: 
 guarantee it, and ``Ledger`` checks the granularity; a driver need not refuse anything else. ``zero`` and ``tensor``
 take any byte range.
 
-[P-bad-value] A size below 1, a negative address or offset, or a value or range that reaches 2**63 is refused by
+[P-bad-value] A value that is not an ``int`` (a ``bool``, a ``float``), a size below 1, a negative address or offset,
+or a value or range that reaches 2**63 is refused by
 ``reserve``, ``free``, ``create``, ``map``, ``unmap``, ``set_access`` and ``zero`` before any native call (a native API
 would truncate it to a small size).
 
