@@ -60,27 +60,18 @@ Note [The driver lock and the garbage collector]
     self._work(...)``: Note [Locked sections are one line] there says why.
 
 Note [Every call is whole, even when interrupted]
-    An exception may land on any line (a signal handler that raises, a timeout library's SIGALRM, a trace hook), so
-    each call either returns having done everything or raises having done nothing, and the records always say what
-    the kernel holds:
-    - an effect that can be undone (``reserve``, ``create``, ``map``) is undone by the ``except`` clause of the
-      call that made it, whatever line the exception landed on, up to the moment the call returns;
-    - an effect that cannot (``release`` closes the memfd, ``free`` gives the address range back) is the last thing
-      the call does, with its records changed first in the same line (``release``) or restored when the kernel
-      still holds the range (``free`` reads ``/proc/self/maps``); ``unmap``, idempotent in the kernel (reserved again
-      is reserved), changes its records after the kernel and finishes them in its ``except`` clause once the kernel
-      did;
-    - a record that spans two fields changes in one statement (a tuple assignment), and a handle's bytes leave the
-      held count once (``HostHandle.counted``), so finishing a call twice counts nothing twice.
-    A released handle's fd is forgotten and closed in one line, with no call in between, so an fd is never closed
-    twice (a number the process reused is never closed behind its back).
-    What remains: a signal handler also runs after the driver's lock is given back, so ``map``, ``unmap``,
-    ``release`` and ``free`` may raise with their effect done; the records still say what the kernel holds, and a
-    caller that asks again is refused (changing nothing), which is how ``ExtensibleTensor`` settles it (Note
-    [Intent, effect, record] in ``tensor``). A signal right after one of ``reserve``'s two trimming ``munmap`` calls
-    returns makes its ``except`` clause give that trimmed piece back a second time (harmless unless another thread
-    mapped something there in that instant). A second exception landing inside an ``except`` clause cuts its
-    cleanup short. A trace hook raises only between lines and reaches none of these.
+    An exception may land on any line (a raising signal handler, a SIGALRM timeout, a trace hook): each call returns
+    having done everything or raises having done nothing, and the records always say what the kernel holds.
+    Undoable effects (``reserve``, ``create``, ``map``) are undone by the ``except`` clause of the call that made
+    them. Effects that cannot be undone come last: ``release`` changes its records in the line that closes the memfd;
+    ``free`` restores its records while the kernel still holds the range (``/proc/self/maps``); ``unmap``, idempotent
+    in the kernel, finishes its records in its ``except`` clause. A two-field record changes in one tuple assignment;
+    a handle's bytes leave the held count once (``HostHandle.counted``); a released fd is forgotten and closed in one
+    line, so a number the process reused is never closed behind its back.
+    What remains: a handler that runs after the lock is given back makes ``map``, ``unmap``, ``release`` or ``free``
+    raise with the effect done (the records agree, and asking again is refused: Note [Intent, effect, record] in
+    ``tensor``); one right after a ``reserve`` trimming ``munmap`` gives that piece back twice; a second exception
+    inside an ``except`` clause cuts its cleanup short. A trace hook raises only between lines and reaches none.
 
 Note [A result is stored by C]
     A signal handler runs where the interpreter checks for pending calls, and it checks right after a call returns,
