@@ -10,22 +10,28 @@ The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the extensi
 to the worker directly. Weights come from the dummy loader and are then re-initialised in place from a seeded normal
 (the dummy loader's +-1e-3 weights make tokens insensitive to the KV cache). Prompts are token ids.
 
-In order, after the engine is built:
+Run it as a module from the repository root (it imports ``integration.parity`` and the installed ``extensible_kv``).
+``run()`` is the phases below in order, each its own function returning its figures (a model of
+``extensible_kv.measurements`` where the case file has one, else a dict); ``case_file`` assembles them. What the
+model runners record (CUDA graph memory, vLLM's profiles, the encoder cache) goes into one ``RunnerRecord`` per
+case, made by ``run()``. After the engine is built (``built_engine``):
 
 1. ``extensible_kv_report`` (after the ``extensible_kv_cache()`` block has exited: Note [An engine keeps its RPCs])
-   and the memory figures after warmup and the final commit (``memory``).
+   and the memory figures after warmup and the final commit (``memory``; ``warmup_figures``).
 2. The generation runs twice over the same prompts: a one-token pass fills the prefix cache, then the measured pass
-   reads those cached KV blocks (``token_ids``). ``--corrupt`` overwrites every committed KV block between the two
-   passes, which must change the tokens.
-3. ``--throughput``: steady-state decode tokens/s (``throughput``; ``integration.parity`` turns a legacy and an
-   extensible run into pytest-benchmark JSON).
+   reads those cached KV blocks (``token_ids``; ``measured_passes``). ``--corrupt`` overwrites every committed KV
+   block between the two passes, which must change the tokens.
+3. ``--throughput``: steady-state decode tokens/s (``throughput``; ``throughput_phase``; ``integration.parity`` turns
+   a legacy and an extensible run into pytest-benchmark JSON).
 4. ``--peak`` (default): the peak-shaped batch, ``max_num_batched_tokens`` prompt tokens over ``max_num_seqs``
    sequences with ``max_tokens=1``, then device memory used since the worker started against the budget
-   (``memory.peak``; the definition is Note [Over budget at the measured peak] in ``integration/parity.py``).
-   Before it, with ``--speculative``, the widest speculative step and, for a multimodal model, the encoder cache
-   filled (below).
-5. ``--sensitivity`` (default): every committed KV block is overwritten and the measured pass runs again; its tokens
-   must differ from step 2's (``sensitivity``): the parity comparison can fail.
+   (``memory.peak``; ``peak_phase``; the definition is Note [Over budget at the measured peak] in
+   ``integration/parity.py``). Before it, with ``--speculative``, the widest speculative step
+   (``speculative_phase``) and, for a multimodal model, the encoder cache filled (``encoder_fill_phase``; below);
+   after it, the encoder cache read (``encoder_cache_phase``; without ``--peak`` too where the worker runs here).
+5. ``--sensitivity`` (default, not with ``--corrupt``): every committed KV block is overwritten and the measured pass
+   runs again; its tokens must differ from step 2's (``sensitivity``; ``sensitivity_phase``): the parity comparison
+   can fail.
 
 An engine that vLLM (or the extensible path) refuses to build for this combination writes ``refused`` (the
 exception's text) instead and exits 0, so a matrix goes on. vLLM 0.26.0 refuses ngram speculative decoding on the
@@ -81,16 +87,26 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-if __package__ in (None, ""):  # python integration/run_case.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.parity import peak_figures, speculative_figures, tokens_per_s  # noqa: E402 - after the path fix above
-from extensible_kv.measurements import EncoderCacheFigures, SpeculativeFigures  # noqa: E402 - parity adds the path
+# integration.parity first: on a checkout without the package installed it puts reference/ on the path
+from integration.parity import peak_figures, speculative_figures, tokens_per_s
+from extensible_kv.measurements import (
+    CaseMemory,
+    EncoderCacheFigures,
+    Environment,
+    ExtensibleFigures,
+    IntegrationCase,
+    MeasuredPeak,
+    Record,
+    SpeculativeFigures,
+    write,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(__file__).resolve().parent / "models"
 PROMPT_LEN, NUM_PROMPTS = 40, 4
 CORRUPT_BLOCKS = 256
@@ -365,11 +381,6 @@ def corrupt_kv(worker) -> int:
     return written
 
 
-_GRAPH_MEMORY: list[int] = []
-_PROFILE: list[dict] = []
-# The model runner's encoder cache: the most it held during each profile_run call, and (while "on") after every
-# execute_model of the case's own generation and peak batch.
-_ENCODER: dict = {"profile": [], "held": None, "on": False}
 _MISSING = object()
 
 
@@ -398,22 +409,46 @@ def encoder_cache_reading(entries: dict | None) -> dict:
     return {"bytes": sum(storages.values()), "items": len(entries or {}), "bytes_per_item": per_item}
 
 
-def _sample_encoder_cache(runner) -> None:
-    entries = encoder_cache_entries(runner)
-    if entries is None:
-        return
-    reading = encoder_cache_reading(entries)
-    held = _ENCODER["held"]
-    if held is None or reading["bytes"] > held["bytes"]:
-        _ENCODER["held"] = reading
+@dataclass
+class RunnerRecord:
+    """What this process's model runners recorded for the report (``record_runner_memory``): the memory each
+    capture_model's CUDA graphs took (``graph_memory``), each profile_run's activation figures (``profiles``) and
+    the most its encoder cache held (``encoder_profiles``), and the most the encoder cache held after any
+    execute_model while ``sampling`` (``encoder_held``). One per case, made by ``run()`` and handed to whatever
+    reads or switches it: the engine's own start steps must not count, only the case's phases, and a module-level
+    switch would leak from one case (or test) into the next."""
+
+    graph_memory: list[int] = field(default_factory=list)
+    profiles: list[dict] = field(default_factory=list)
+    encoder_profiles: list[dict] = field(default_factory=list)
+    encoder_held: dict | None = None
+    sampling: bool = False
+
+    def sample(self, runner) -> None:
+        """Keep the runner's encoder cache reading if it holds more bytes than any before."""
+        entries = encoder_cache_entries(runner)
+        if entries is None:
+            return
+        reading = encoder_cache_reading(entries)
+        if self.encoder_held is None or reading["bytes"] > self.encoder_held["bytes"]:
+            self.encoder_held = reading
+
+    @contextmanager
+    def encoder_sampling(self) -> Iterator[None]:
+        """The encoder cache sampled after every execute_model inside the block (the case's own phases)."""
+        self.sampling = True
+        try:
+            yield
+        finally:
+            self.sampling = False
 
 
-def record_runner_memory() -> None:
-    """Keep what each runner's capture_model returns (the memory its CUDA graphs took), what torch allocated and
-    reserved for the profiled activation peak (``probes.profile_run_reserved_peak``), and what the encoder cache
-    held during each profile_run (read when the profile's dummy forward starts, after its encoder outputs are
-    cached, and after it: V1 clears them at its end) and after every execute_model while ``_ENCODER["on"]``, for
-    the report. Legacy runs have no extensible patches: this is their only record."""
+def record_runner_memory(record: RunnerRecord) -> None:
+    """Keep in ``record`` what each runner's capture_model returns (the memory its CUDA graphs took), what torch
+    allocated and reserved for the profiled activation peak (``probes.profile_run_reserved_peak``), and what the
+    encoder cache held during each profile_run (read when the profile's dummy forward starts, after its encoder
+    outputs are cached, and after it: V1 clears them at its end) and after every execute_model while
+    ``record.sampling``, for the report. Legacy runs have no extensible patches: this is their only record."""
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu import model_runner as v2_model_runner
 
@@ -424,7 +459,7 @@ def record_runner_memory() -> None:
 
         def capture_model(self, *args, _original=capture, **kwargs):
             result = _original(self, *args, **kwargs)
-            _GRAPH_MEMORY.append(int(result or 0))
+            record.graph_memory.append(int(result or 0))
             return result
 
         def profile_run(self, *args, _original=profile, **kwargs):
@@ -446,14 +481,14 @@ def record_runner_memory() -> None:
                 else:
                     self._dummy_run = own
             seen.append(encoder_cache_reading(encoder_cache_entries(self)))
-            _PROFILE.append(dict(run.figures))
-            _ENCODER["profile"].append(max(seen, key=lambda r: r["bytes"]))
+            record.profiles.append(dict(run.figures))
+            record.encoder_profiles.append(max(seen, key=lambda r: r["bytes"]))
             return result
 
         def execute_model(self, *args, _original=execute, **kwargs):
             result = _original(self, *args, **kwargs)
-            if _ENCODER["on"]:
-                _sample_encoder_cache(self)
+            if record.sampling:
+                record.sample(self)
             return result
 
         cls.capture_model, cls.profile_run, cls.execute_model = capture_model, profile_run, execute_model
@@ -492,12 +527,15 @@ def pool_summary() -> list[dict]:
     return sorted(sums.values(), key=lambda r: -r["total_size"])
 
 
-def memory_figures(worker) -> dict:
-    """vLLM's own profiling figures and a post-warmup measurement, for legacy and extensible runs alike."""
+def memory_figures(worker, record: RunnerRecord | None = None) -> dict:
+    """vLLM's own profiling figures and a post-warmup measurement, for legacy and extensible runs alike; the CUDA
+    graphs' memory and the profiles come from ``record`` (``None`` where the worker is in another process, whose
+    runners nobody recorded: they are then ``None``)."""
     import torch
 
     from extensible_kv.vllm.worker_kv import runner_kind, torch_reusable_now
 
+    graphs, profiles = (record.graph_memory, record.profiles) if record is not None else ([], [])
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return {
@@ -513,13 +551,13 @@ def memory_figures(worker) -> dict:
         "torch_reserved": int(torch.cuda.memory_reserved()),
         "torch_reusable": torch_reusable_now(),
         "num_gpu_blocks": int(worker.cache_config.num_gpu_blocks),
-        "cudagraph_memory": _GRAPH_MEMORY[-1] if _GRAPH_MEMORY else None,
+        "cudagraph_memory": graphs[-1] if graphs else None,
         "runner": runner_kind(worker.model_runner),
         "kv_backed_after_warmup": _kv_backed(worker),
         # vLLM's own profile; an extensible run then runs it again after warmup (Note [The peak, brought back and
         # measured]): "profile_again"
-        "profile": _PROFILE[0] if _PROFILE else None,
-        "profile_again": _PROFILE[1] if len(_PROFILE) > 1 else None,
+        "profile": profiles[0] if profiles else None,
+        "profile_again": profiles[1] if len(profiles) > 1 else None,
         "pools_after_warmup": pool_summary(),
     }
 
@@ -683,12 +721,14 @@ def image_batch(config: dict, tokens_per_image: int) -> Callable[[list[int]], li
     return make_batch
 
 
-def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int) -> dict:
+def encoder_cache_figures(
+    record: RunnerRecord, budget: dict, at_peak: dict | None, fill_requests: int
+) -> EncoderCacheFigures:
     """``memory.encoder_cache``: what the cache held during vLLM's profile (its first profile_run; the extensible
     sizing runs it again after warmup: ``profile_runs``), the most it held during the case (``held_bytes``, with
     ``items_held`` at that moment), and at the measured peak's reading."""
-    profiles = _ENCODER["profile"]
-    held = _ENCODER["held"] or {"bytes": 0, "items": 0, "bytes_per_item": 0}
+    profiles = record.encoder_profiles
+    held = record.encoder_held or {"bytes": 0, "items": 0, "bytes_per_item": 0}
     per_item = held["bytes_per_item"] or (at_peak or {}).get("bytes_per_item") or 0
     figures = {
         "profiled_bytes": profiles[0]["bytes"] if profiles else None,
@@ -702,8 +742,7 @@ def encoder_cache_figures(budget: dict, at_peak: dict | None, fill_requests: int
         "fill_requests": fill_requests,
         **budget,
     }
-    EncoderCacheFigures.model_validate(figures)
-    return figures
+    return EncoderCacheFigures.model_validate(figures)
 
 
 # -- speculative decoding at its widest step -----------------------------------------------------------------------
@@ -752,8 +791,6 @@ def run_speculative(llm, vocab: int, spec: str, lm_vocab: int) -> list[dict]:
     ``max_num_seqs`` sequences of ``THROUGHPUT_PROMPT_LEN`` tokens decode ``SPECULATIVE_MAX_TOKENS`` tokens with
     every sequence proposing exactly K drafts each step (``S x (1 + K)`` logits rows of ``lm_vocab``). The rejection
     sampler accepts only the target's greedy tokens, so parity is untouched; these tokens are not compared."""
-    from functools import partial
-
     from vllm import SamplingParams
 
     k = int(spec.partition(":")[2])
@@ -901,25 +938,43 @@ def refused_result(args: argparse.Namespace, exc: BaseException, seconds: float)
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    _env(args)
-    sys.path.insert(0, str(ROOT / "reference"))
-    config = model_config(args.model)
-    if (missing := refused_import(config, args.model)) is not None:
-        raise SystemExit(missing)
-    from vllm import LLM, SamplingParams
+def as_written(model: Record) -> dict:
+    """A phase's measurement model as the case file holds it: the fields the phase gave (by their JSON names), none
+    added as ``null``."""
+    return model.model_dump(by_alias=True, exclude_unset=True)
+
+
+@dataclass
+class Engine:
+    """The engine of a case, built: how long ``LLM(...)`` took, the torch.compile cache files it wrote (Note [A start
+    time needs the same compile cache] in ``integration/parity.py``; ``None`` where the count is unknown or the
+    cache was pruned meanwhile), and whether its worker runs in this process (only then does ``RunnerRecord`` see
+    the runner)."""
+
+    llm: object
+    seconds: float
+    compile_cache_files_written: int | None
+    in_process: bool
+
+
+def files_written(before: int | None, after: int | None) -> int | None:
+    """Compile cache files the engine wrote; ``None`` where either count is unknown or there are fewer (pruned)."""
+    return None if before is None or after is None or after < before else after - before
+
+
+def built_engine(args: argparse.Namespace, record: RunnerRecord) -> Engine | dict:
+    """The case's engine, with ``record`` on its runner where the worker runs in this process; the refused case file
+    (``refused_result``) where vLLM or the extensible path refuses the combination."""
+    from vllm import LLM
 
     from extensible_kv.vllm import extensible_kv_cache
 
-    vocab = config["vocab_size"]
-    text_vocab = text_token_limit(config)  # prompts' token ids come from [3, text_vocab)
-    multimodal = is_multimodal(config)
     kwargs = engine_kwargs(args)
     if args.tp > 1 and args.mode == "extensible":
         raise SystemExit("--tp > 1 runs every rank in its own process: use --mode plugin")
     in_process = args.mode != "plugin" and args.tp == 1  # the worker runs in this process
     if in_process:
-        record_runner_memory()
+        record_runner_memory(record)
     compiled_before = compile_cache_files()
     start = time.perf_counter()
     try:
@@ -927,90 +982,215 @@ def run(args: argparse.Namespace) -> dict:
             llm = LLM(**kwargs)
     except _refusal_types() as exc:
         return refused_result(args, exc, time.perf_counter() - start)
-    engine_seconds = time.perf_counter() - start
-    compiled_after = compile_cache_files()
-    # After the block has exited: an engine keeps its RPCs (Note [An engine keeps its RPCs]).
-    reports = llm.collective_rpc("extensible_kv_report") if args.mode != "legacy" else None
-    extensible = reports[0] if reports else None
-    ranks = reports if args.tp > 1 else None
-    all_figures = llm.collective_rpc(memory_figures)
-    figures = all_figures[0]
-    reinit = llm.apply_model(reinit_weights)
-    budget = llm.collective_rpc(encoder_budget)[0] if multimodal else None
-    _ENCODER["on"] = True  # the encoder cache from here on: generation, fill, peak batch
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
-    warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
-    if multimodal:
-        batch = vllm_prompts(
+    seconds = time.perf_counter() - start
+    return Engine(llm, seconds, files_written(compiled_before, compile_cache_files()), in_process)
+
+
+@dataclass
+class Warmup:
+    """Every rank's figures after warmup and the final commit (``memory_figures``), and every rank's extensible
+    report (``extensible_kv_report``; ``None`` for legacy)."""
+
+    memory: list[CaseMemory]
+    extensible: list[ExtensibleFigures] | None
+
+    def after_warmup(self) -> list[dict]:
+        """Every rank's figures as ``integration.parity`` reads them."""
+        return [as_written(m) for m in self.memory]
+
+
+def warmup_figures(llm, mode: str, record: RunnerRecord | None) -> Warmup:
+    """The report after warmup and the final commit. The extensible report is read after the
+    ``extensible_kv_cache()`` block has exited: an engine keeps its RPCs (Note [An engine keeps its RPCs]).
+    ``record``: this process's runners' (``None`` where the worker is in another process: the RPC then goes as a
+    plain function, pickled as vLLM pickles every RPC, with nothing of this process's in it)."""
+    reports = llm.collective_rpc("extensible_kv_report") if mode != "legacy" else None
+    memory = llm.collective_rpc(memory_figures if record is None else partial(memory_figures, record=record))
+    return Warmup(
+        [CaseMemory.model_validate(m) for m in memory],
+        None if reports is None else [ExtensibleFigures.model_validate(r) for r in reports],
+    )
+
+
+def measured_batch(args: argparse.Namespace, config: dict) -> list[dict]:
+    """The measured pass's prompts: ``NUM_PROMPTS`` of ``prompt_len`` tokens, each with one image for a multimodal
+    model. The same batch runs in the sensitivity pass."""
+    if is_multimodal(config):
+        return vllm_prompts(
             image_prompts(config, [prompt_len(args)] * NUM_PROMPTS, seed=1234, image_seed=IMAGE_SEEDS["measured"])
         )
-    else:
-        batch = [{"prompt_token_ids": p} for p in prompts(text_vocab, length=prompt_len(args))]
+    return [{"prompt_token_ids": p} for p in prompts(text_token_limit(config), length=prompt_len(args))]
+
+
+def measured_passes(llm, batch: list[dict], max_tokens: int, corrupt: bool, multimodal: bool) -> dict:
+    """The generation, twice over ``batch``: a one-token pass fills the prefix cache, the measured pass reads its
+    cached KV blocks (``token_ids``, ``num_cached_tokens``); ``corrupt``: every committed KV block overwritten
+    between the two (``corrupted_elements``). A multimodal case adds ``prompt_lens`` as vLLM counts them (images
+    expanded)."""
+    from vllm import SamplingParams
+
+    warm = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
     llm.generate(batch, warm, use_tqdm=False)
-    corrupted = llm.collective_rpc(corrupt_kv)[0] if args.corrupt else 0
+    corrupted = llm.collective_rpc(corrupt_kv)[0] if corrupt else 0
     outputs = llm.generate(batch, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    cached = [getattr(o, "num_cached_tokens", None) for o in outputs]
-    result = {
-        "case": case_of(args),
-        "token_ids": tokens,
-        "num_cached_tokens": cached,
+    passes = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outputs],
         "corrupted_elements": corrupted,
-        "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
-        "engine_seconds": round(engine_seconds, 2),
-        "memory": figures,
-        "extensible": extensible,
-        "compile_cache_files_written": None
-        if compiled_before is None or compiled_after is None or compiled_after < compiled_before
-        else compiled_after - compiled_before,  # fewer: pruned meanwhile
-        "ranks": {"memory": all_figures, "extensible": ranks},
     }
     if multimodal:
-        result["prompt_lens"] = [len(o.prompt_token_ids) for o in outputs]  # as vLLM counts them: images expanded
-    if args.throughput:
-        seqs = args.max_num_seqs or llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        result["throughput"] = run_throughput(
-            llm, text_vocab, seqs, args.throughput_warm_steps, args.throughput_steps, args.throughput_windows
-        )
-    if args.peak:
-        spec_ranks = None
-        if args.speculative:  # the widest speculative step, before the peak batch (its own reading)
-            spec_ranks = [
-                speculative_figures(f, r)
-                for f, r in zip(all_figures, run_speculative(llm, text_vocab, args.speculative, vocab))
-            ]
-            SpeculativeFigures.model_validate(spec_ranks[0])
-            figures["speculative"] = spec_ranks[0]
-            result["ranks"]["speculative"] = spec_ranks
-        make_batch, fill = None, 0
-        if budget is not None:  # the encoder cache full at the peak: fill it, then a batch of images
-            tokens_per_image = budget["tokens_per_item"]
-            seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-            held = llm.collective_rpc(encoder_cache_now)[0] or {"items": 0}
-            fill = run_encoder_fill(llm, config, fill_rounds(budget["capacity_items"], held["items"], seqs, seqs), seqs)
-            make_batch = image_batch(config, tokens_per_image)
-        peak, peak_ranks = run_peak(llm, text_vocab, make_batch)
-        figures["peak"] = peak_figures(figures, peak, figures.get("speculative"))
-        result["ranks"]["peak"] = [
-            peak_figures(f, p, s) for f, p, s in zip(all_figures, peak_ranks, spec_ranks or [None] * len(peak_ranks))
-        ]
-        if budget is not None:
-            at_peak = llm.collective_rpc(encoder_cache_now)[0]
-            figures["encoder_cache"] = encoder_cache_figures(budget, at_peak, fill) if in_process else None
-    elif budget is not None and in_process:
-        figures["encoder_cache"] = encoder_cache_figures(budget, llm.collective_rpc(encoder_cache_now)[0], 0)
-    _ENCODER["on"] = False
-    if args.sensitivity and not args.corrupt:
-        written = llm.collective_rpc(corrupt_kv)[0]
-        dirty = llm.generate(batch, params, use_tqdm=False)
-        dirty_tokens = [list(o.outputs[0].token_ids) for o in dirty]
-        result["sensitivity"] = {
-            "corrupted_elements": written,
-            "token_ids": dirty_tokens,
-            "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in dirty],
-            "changed": dirty_tokens != tokens,
-        }
+        passes["prompt_lens"] = [len(o.prompt_token_ids) for o in outputs]
+    return passes
+
+
+def throughput_phase(llm, args: argparse.Namespace, vocab: int) -> dict:
+    """``throughput``: ``run_throughput`` over ``--max-num-seqs`` sequences (vLLM's own where 0)."""
+    seqs = args.max_num_seqs or llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    return run_throughput(llm, vocab, seqs, args.throughput_warm_steps, args.throughput_steps, args.throughput_windows)
+
+
+def speculative_phase(llm, spec: str, config: dict, warmup: Warmup) -> list[SpeculativeFigures]:
+    """``memory.speculative``, every rank's: the widest speculative step (``run_speculative``), read against that
+    rank's figures after warmup as the peak is (``integration.parity.speculative_figures``)."""
+    readings = run_speculative(llm, text_token_limit(config), spec, config["vocab_size"])
+    return [
+        SpeculativeFigures.model_validate(speculative_figures(w, r)) for w, r in zip(warmup.after_warmup(), readings)
+    ]
+
+
+def encoder_fill_phase(llm, config: dict, budget: dict) -> int:
+    """The encoder cache filled before the peak batch: ``fill_rounds`` rounds of ``max_num_seqs`` one-image requests
+    (``run_encoder_fill``), enough that the peak batch's images bring it to its capacity. Returns the requests run."""
+    seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    held = llm.collective_rpc(encoder_cache_now)[0] or {"items": 0}
+    return run_encoder_fill(llm, config, fill_rounds(budget["capacity_items"], held["items"], seqs, seqs), seqs)
+
+
+def peak_phase(
+    llm, config: dict, budget: dict | None, warmup: Warmup, speculative: list[SpeculativeFigures] | None
+) -> list[MeasuredPeak]:
+    """``memory.peak``, every rank's: the peak-shaped batch (``run_peak``; one image per prompt where the model has
+    an encoder budget) read against that rank's figures after warmup and its speculative phase, the larger of the
+    two (``integration.parity.peak_figures``)."""
+    make_batch = image_batch(config, budget["tokens_per_item"]) if budget is not None else None
+    _, readings = run_peak(llm, text_token_limit(config), make_batch)
+    phases = [as_written(s) for s in speculative] if speculative else [None] * len(readings)
+    return [
+        MeasuredPeak.model_validate(peak_figures(w, p, s)) for w, p, s in zip(warmup.after_warmup(), readings, phases)
+    ]
+
+
+def encoder_cache_phase(
+    llm, budget: dict, record: RunnerRecord | None, fill_requests: int
+) -> EncoderCacheFigures | None:
+    """``memory.encoder_cache``: the cache read now (at the measured peak where the peak batch ran) with what
+    ``record`` kept; ``None`` where the worker is in another process (``record`` is ``None``: nothing was kept)."""
+    at_peak = llm.collective_rpc(encoder_cache_now)[0]
+    return None if record is None else encoder_cache_figures(record, budget, at_peak, fill_requests)
+
+
+def sensitivity_phase(llm, batch: list[dict], max_tokens: int, clean: list[list[int]]) -> dict:
+    """``sensitivity``: every committed KV block overwritten, then the measured pass again; its tokens must differ
+    from the ``clean`` ones, or the parity comparison could not fail."""
+    from vllm import SamplingParams
+
+    written = llm.collective_rpc(corrupt_kv)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    dirty = llm.generate(batch, params, use_tqdm=False)
+    dirty_tokens = [list(o.outputs[0].token_ids) for o in dirty]
+    return {
+        "corrupted_elements": written,
+        "token_ids": dirty_tokens,
+        "num_cached_tokens": [getattr(o, "num_cached_tokens", None) for o in dirty],
+        "changed": dirty_tokens != clean,
+    }
+
+
+@dataclass
+class Phases:
+    """What the phases after warmup returned, for ``case_file``; ``None``: the phase did not run.
+    ``encoder_cache_read``: the encoder cache phase ran (``memory.encoder_cache`` is then written, ``null`` where
+    the runner is in another process)."""
+
+    reinitialised: object
+    passes: dict
+    throughput: dict | None
+    speculative: list[SpeculativeFigures] | None
+    peak: list[MeasuredPeak] | None
+    encoder_cache: EncoderCacheFigures | None
+    encoder_cache_read: bool
+    sensitivity: dict | None
+
+
+def case_file(args: argparse.Namespace, engine: Engine, warmup: Warmup, phases: Phases) -> dict:
+    """The case file. ``memory`` is rank 0's figures after warmup with each measured phase's added in the order they
+    ran; ``ranks.memory[0]`` is that same ``memory``, the other ranks' only their figures after warmup."""
+    memory = as_written(warmup.memory[0])
+    reports = [as_written(r) for r in warmup.extensible] if warmup.extensible is not None else None
+    ranks: dict = {
+        "memory": [memory] + [as_written(m) for m in warmup.memory[1:]],
+        "extensible": reports if args.tp > 1 else None,
+    }
+    if phases.speculative is not None:
+        ranks["speculative"] = [as_written(s) for s in phases.speculative]
+        memory["speculative"] = ranks["speculative"][0]
+    if phases.peak is not None:
+        ranks["peak"] = [as_written(p) for p in phases.peak]
+        memory["peak"] = ranks["peak"][0]
+    if phases.encoder_cache_read:
+        memory["encoder_cache"] = None if phases.encoder_cache is None else as_written(phases.encoder_cache)
+    reinit = phases.reinitialised
+    passes = phases.passes
+    result = {
+        "case": case_of(args),
+        "token_ids": passes["token_ids"],
+        "num_cached_tokens": passes["num_cached_tokens"],
+        "corrupted_elements": passes["corrupted_elements"],
+        "reinitialised_parameters": reinit[0] if isinstance(reinit, list) else reinit,
+        "engine_seconds": round(engine.seconds, 2),
+        "memory": memory,
+        "extensible": reports[0] if reports else None,
+        "compile_cache_files_written": engine.compile_cache_files_written,
+        "ranks": ranks,
+    }
+    if "prompt_lens" in passes:
+        result["prompt_lens"] = passes["prompt_lens"]
+    if phases.throughput is not None:
+        result["throughput"] = phases.throughput
+    if phases.sensitivity is not None:
+        result["sensitivity"] = phases.sensitivity
     return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The case, phase by phase in the order the module's docstring gives; returns its case file."""
+    _env(args)
+    config = model_config(args.model)
+    if (missing := refused_import(config, args.model)) is not None:
+        raise SystemExit(missing)
+    record = RunnerRecord()
+    engine = built_engine(args, record)
+    if not isinstance(engine, Engine):
+        return engine  # refused
+    llm, vocab = engine.llm, text_token_limit(config)
+    recorded = record if engine.in_process else None  # what this process's runners kept: nothing out of process
+    warmup = warmup_figures(llm, args.mode, recorded)
+    reinitialised = llm.apply_model(reinit_weights)
+    budget = llm.collective_rpc(encoder_budget)[0] if is_multimodal(config) else None
+    batch = measured_batch(args, config)
+    encoder_read = budget is not None and (args.peak or recorded is not None)
+    with record.encoder_sampling():  # the case's own steps: generation, throughput, speculative, fill, peak batch
+        passes = measured_passes(llm, batch, args.max_tokens, args.corrupt, is_multimodal(config))
+        throughput = throughput_phase(llm, args, vocab) if args.throughput else None
+        spec = speculative_phase(llm, args.speculative, config, warmup) if args.peak and args.speculative else None
+        fill = encoder_fill_phase(llm, config, budget) if args.peak and budget is not None else 0
+        peak = peak_phase(llm, config, budget, warmup, spec) if args.peak else None
+        encoder = encoder_cache_phase(llm, budget, recorded, fill) if encoder_read else None
+    sensitive = args.sensitivity and not args.corrupt  # a corrupted measured pass has no clean tokens to differ from
+    dirty = sensitivity_phase(llm, batch, args.max_tokens, passes["token_ids"]) if sensitive else None
+    phases = Phases(reinitialised, passes, throughput, spec, peak, encoder, encoder_read, dirty)
+    return case_file(args, engine, warmup, phases)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1088,8 +1268,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"case": case_of(args), "engine": engine_kwargs(args)}, indent=2))
         return 0
     result = run(args)
-    from extensible_kv.measurements import Environment, IntegrationCase, write  # noqa: PLC0415 (after run(): path)
-
     out = write(args.out, IntegrationCase.model_validate_json(json.dumps(result)))
     write(out.parent / "environment.json", Environment.collect())
     brief = {"case": result["case"], "engine_seconds": result["engine_seconds"]}

@@ -284,28 +284,26 @@ def _fake_runner_modules(monkeypatch):
 @pytest.mark.parametrize("kind,profiled", [("v1", 8), ("v2", 0)])
 def test_the_encoder_cache_is_recorded_at_the_profile_and_after_every_step(monkeypatch, kind, profiled):
     _fake_cuda(monkeypatch)
-    monkeypatch.setattr(run_case, "_ENCODER", {"profile": [], "held": None, "on": False})
-    monkeypatch.setattr(run_case, "_PROFILE", [])
+    record = run_case.RunnerRecord()
     v1, v2 = _fake_runner_modules(monkeypatch)
-    run_case.record_runner_memory()
+    run_case.record_runner_memory(record)
     runner = (v1 if kind == "v1" else v2)()
     runner.profile_run()
     assert "_dummy_run" not in vars(runner), "profile_run must leave no wrapper on the runner"
     step = lambda new, free=(): runner.execute_model(types.SimpleNamespace(new=list(new), free=list(free)))  # noqa
     step(["warmup"])  # an engine-start step: not the case's own (recording off)
-    assert run_case._ENCODER["held"] is None, (
-        f"{kind}: nothing recorded before the case starts, got {run_case._ENCODER['held']}"
-    )
-    run_case._ENCODER["on"] = True
-    step([f"m{i}" for i in range(4)])
-    step([f"f{i}" for i in range(8)])
-    step([f"p{i}" for i in range(8)], free=["warmup", "m0", "m1", "m2"])  # m3 keeps its 4-item batch alive
-    step([])
+    assert record.encoder_held is None, f"{kind}: nothing recorded before the case starts, got {record.encoder_held}"
+    with record.encoder_sampling():
+        step([f"m{i}" for i in range(4)])
+        step([f"f{i}" for i in range(8)])
+        step([f"p{i}" for i in range(8)], free=["warmup", "m0", "m1", "m2"])  # m3 keeps its 4-item batch alive
+        step([])
     fig = run_case.encoder_cache_figures(
+        record,
         {"capacity_items": 28, "tokens_per_item": 576},
         run_case.encoder_cache_now(types.SimpleNamespace(model_runner=runner)),
         16,
-    )
+    ).model_dump()
     got = (
         fig["profiled_bytes"],
         fig["profiled_items"],
@@ -321,6 +319,8 @@ def test_the_encoder_cache_is_recorded_at_the_profile_and_after_every_step(monke
         f"{kind} encoder cache (profiled bytes, items; held bytes, items; per item; at peak): "
         f"expected {expected}, got {got}"
     )
+    step(["after"])  # after the case's phases: recording off again
+    assert record.encoder_held["items"] == 17, f"{kind}: a step after the case recorded, got {record.encoder_held}"
 
 
 # -- speculative decoding ------------------------------------------------------------------------------------------
@@ -551,15 +551,16 @@ def _fake_engine(monkeypatch, image_tokens: int = 576) -> dict:
     _fake_cuda(monkeypatch)
     state = {"free": 10 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (state["free"], 140 << 30))
-    for name, value in (
-        ("_ENCODER", {"profile": [], "held": None, "on": False}),
-        ("_PROFILE", []),
-        ("_GRAPH_MEMORY", []),
-        ("refused_import", lambda config, model: None),
-    ):
-        monkeypatch.setattr(run_case, name, value)
+    monkeypatch.setattr(run_case, "refused_import", lambda config, model: None)
     monkeypatch.setattr(run_case.os, "environ", dict(run_case.os.environ))
     log: dict = {"generates": [], "images": []}
+    record_runner_memory = run_case.record_runner_memory
+
+    def recorded(record):  # the run's RunnerRecord, kept for the test to read
+        log["record"] = record
+        record_runner_memory(record)
+
+    monkeypatch.setattr(run_case, "record_runner_memory", recorded)
 
     class Worker:
         def __init__(self, runner):
@@ -682,7 +683,7 @@ def test_a_speculative_case_measures_its_widest_step_before_the_peak_batch(monke
         f"memory.peak (over budget, phase, prefill's, peak-shaped): expected the speculative step's 50 MiB, got {got}"
     )
     assert result["ranks"]["speculative"] == [spec] and result["ranks"]["peak"][0]["over_budget_phase"] == "speculative"
-    assert "encoder_cache" not in memory and run_case._ENCODER["held"] == {"bytes": 0, "items": 0, "bytes_per_item": 0}
+    assert "encoder_cache" not in memory and log["record"].encoder_held == {"bytes": 0, "items": 0, "bytes_per_item": 0}
 
 
 def test_a_multimodal_case_fills_the_encoder_cache_then_runs_a_peak_batch_of_images(monkeypatch):
