@@ -45,11 +45,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     undrawn = [f for f in doc.figures.drawn.values() if f.png is None]
-    print(
-        f"report written to {out.as_posix()}/: report.md, report.html, summary.json, "
-        f"{len(doc.figures.drawn) - len(undrawn)} PNG"
-        + (f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else "")
-    )
+    note = f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""
+    pngs = len(doc.figures.drawn) - len(undrawn)
+    print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {pngs} PNG{note}")
     print(f"{run.name}: {doc.summary['verdict']['run']}")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .numbers import div, sub
 from .run import Case
 
 BEFORE, WEIGHTS, PEAK = "in use before engine start", "weights", "profiled activation peak"
@@ -17,17 +18,11 @@ FREE, UNSPLIT = "free after warmup", "KV + other non-KV (KV not measured)"
 SEGMENT_ORDER = (BEFORE, WEIGHTS, GRAPHS, OTHER, OTHER_WITH_GRAPHS, UNSPLIT, KV, PADDING, FREE)
 
 
-def _sub(a: int | None, b: int | None) -> int | None:
-    return None if a is None or b is None else a - b
-
-
-def _memory(field: str) -> property:
-    """A figure of the case's memory (``measurements.CaseMemory``) under its name in the report."""
-    return property(lambda self: getattr(self.case.data.memory, field))
-
-
-def _part(part: str, field: str) -> property:
-    """A figure of a part of the case's memory (``peak``, ``encoder_cache``, ``speculative``), ``None`` if absent."""
+def _memory(field: str, part: str | None = None) -> property:
+    """A figure of the case's memory (``measurements.CaseMemory``) under its name in the report, or of a ``part`` of it
+    (``peak``, ``encoder_cache``, ``speculative``): ``None`` if that part is absent."""
+    if part is None:
+        return property(lambda self: getattr(self.case.data.memory, field))
     return property(lambda self: getattr(getattr(self.case.data.memory, part, None), field, None))
 
 
@@ -55,7 +50,7 @@ class MemoryBreakdown:
     activation_peak, activation_reusable = _memory("profiled_peak_activation"), _memory("torch_reusable")
     graph_pools = _memory("cudagraph_memory")
 
-    non_kv_estimate = property(lambda self: _sub(self.requested, self.case.data.memory.available_kv_cache_memory))
+    non_kv_estimate = property(lambda self: sub(self.requested, self.case.data.memory.available_kv_cache_memory))
     non_kv_estimate_parts = property(
         lambda self: {
             "weights": self.weights,
@@ -66,33 +61,33 @@ class MemoryBreakdown:
     )
     non_kv_sizing = property(lambda self: getattr(getattr(self.case.data.extensible, "measured", None), "non_kv", None))
     commit_seconds = property(lambda self: getattr(self.case.data.extensible, "commit_seconds", None))
-    before_engine = property(lambda self: _sub(self.total, self.init_free))
-    over_budget = property(lambda self: _sub(_sub(self.init_free, self.requested), self.free_after_warmup))
+    before_engine = property(lambda self: sub(self.total, self.init_free))
+    over_budget = property(lambda self: sub(sub(self.init_free, self.requested), self.free_after_warmup))
     # measured non-KV after warmup minus vLLM's estimate (positive: vLLM under-estimated)
-    measured_minus_estimate = property(lambda self: _sub(self.non_kv_after_warmup, self.non_kv_estimate))
+    measured_minus_estimate = property(lambda self: sub(self.non_kv_after_warmup, self.non_kv_estimate))
 
     @property
     def non_kv_after_warmup(self) -> int | None:
         kv = None if self.kv_committed is None else self.kv_committed + (self.kv_padding or 0)
-        return _sub(_sub(self.init_free, self.free_after_warmup), kv)
+        return sub(sub(self.init_free, self.free_after_warmup), kv)
 
     @property
     def other_non_kv(self) -> int | None:
-        rest = _sub(self.non_kv_after_warmup, self.weights)
-        return rest if self.graph_pools is None else _sub(rest, self.graph_pools)
+        rest = sub(self.non_kv_after_warmup, self.weights)
+        return rest if self.graph_pools is None else sub(rest, self.graph_pools)
 
     # measured at a peak-shaped batch after the final commit, never derived from the profiled peak
-    activation_headroom, over_budget_at_peak = _part("peak", "torch_growth"), _part("peak", "over_budget_measured")
-    over_budget_phase = _part("peak", "over_budget_phase")
+    activation_headroom, over_budget_at_peak = _memory("torch_growth", "peak"), _memory("over_budget_measured", "peak")
+    over_budget_phase = _memory("over_budget_phase", "peak")
     # the memory vLLM's profile does not see: the encoder cache (multimodal) and the widest speculative step
-    encoder_cache_profiled = _part("encoder_cache", "profiled_bytes")
-    encoder_cache_held = _part("encoder_cache", "held_bytes")
-    encoder_cache_items = _part("encoder_cache", "items_held")
-    encoder_cache_capacity = _part("encoder_cache", "capacity_items")
-    speculative_step = _part("speculative", "step_peak_allocated")
-    speculative_growth = _part("speculative", "step_reserved_growth")
-    speculative_rows = _part("speculative", "rows")
-    speculative_over_budget = _part("speculative", "over_budget_measured")
+    encoder_cache_profiled = _memory("profiled_bytes", "encoder_cache")
+    encoder_cache_held = _memory("held_bytes", "encoder_cache")
+    encoder_cache_items = _memory("items_held", "encoder_cache")
+    encoder_cache_capacity = _memory("capacity_items", "encoder_cache")
+    speculative_step = _memory("step_peak_allocated", "speculative")
+    speculative_growth = _memory("step_reserved_growth", "speculative")
+    speculative_rows = _memory("rows", "speculative")
+    speculative_over_budget = _memory("over_budget_measured", "speculative")
 
     @property
     def tokens_match_legacy(self) -> bool | None:
@@ -105,7 +100,7 @@ class MemoryBreakdown:
             return None
         out = [Segment(BEFORE, self.before_engine), Segment(WEIGHTS, self.weights)]
         if self.kv_committed is None:
-            out.append(Segment(UNSPLIT, _sub(self.init_free - self.free_after_warmup, self.weights)))
+            out.append(Segment(UNSPLIT, sub(self.init_free - self.free_after_warmup, self.weights)))
         else:
             out += [Segment(GRAPHS, self.graph_pools)] if self.graph_pools is not None else []
             out.append(Segment(OTHER if self.graph_pools is not None else OTHER_WITH_GRAPHS, self.other_non_kv))
@@ -146,26 +141,16 @@ def account(cases: list[Case]) -> list[MemoryBreakdown]:
             partner = _partner(case, sized)
             bpb, blocks = _bytes_per_block(partner), case.data.memory.num_gpu_blocks
             committed = blocks * bpb if blocks is not None and bpb else None
-            source = (
-                f"num_gpu_blocks x {bpb} bytes per block of integration/{partner.path}"
-                if committed is not None
-                else "not measured: no extensible run of the same case"
-            )
+            source = "not measured: no extensible run of the same case"
+            if committed is not None:
+                source = f"num_gpu_blocks x {bpb} bytes per block of integration/{partner.path}"
             out.append(MemoryBreakdown(case, committed, None, source, bpb, None, partner))
         else:
             kv = case.data.extensible.kv if case.data.extensible else None
-            committed = kv.committed_bytes if kv else None
-            out.append(
-                MemoryBreakdown(
-                    case,
-                    committed,
-                    _sub(kv.backed_bytes, committed) if kv else None,
-                    "extensible.kv.committed_bytes" if committed is not None else "not measured",
-                    _bytes_per_block(case),
-                    _partner(case, legacy),
-                    None,
-                )
-            )
+            committed, padding = (kv.committed_bytes, sub(kv.backed_bytes, kv.committed_bytes)) if kv else (None, None)
+            source = "extensible.kv.committed_bytes" if committed is not None else "not measured"
+            partner = _partner(case, legacy)
+            out.append(MemoryBreakdown(case, committed, padding, source, _bytes_per_block(case), partner, None))
     return out
 
 
@@ -176,21 +161,17 @@ class BlockPair:
     legacy: MemoryBreakdown
     other: MemoryBreakdown
 
-    delta_blocks = property(lambda self: _sub(self.other.blocks, self.legacy.blocks))
-    delta_percent = property(
-        lambda self: (
-            None
-            if self.delta_blocks is None or not self.legacy.blocks
-            else self.delta_blocks / self.legacy.blocks * 100.0
-        )
-    )
-    delta_bytes = property(
-        lambda self: (
-            None
-            if self.delta_blocks is None or not self.other.bytes_per_block
-            else self.delta_blocks * self.other.bytes_per_block
-        )
-    )
+    delta_blocks = property(lambda self: sub(self.other.blocks, self.legacy.blocks))
+
+    @property
+    def delta_percent(self) -> float | None:
+        share = div(self.delta_blocks, self.legacy.blocks)
+        return None if share is None else share * 100.0
+
+    @property
+    def delta_bytes(self) -> int | None:
+        per_block = self.other.bytes_per_block
+        return None if self.delta_blocks is None or not per_block else self.delta_blocks * per_block
 
 
 def block_pairs(breakdowns: list[MemoryBreakdown]) -> list[BlockPair]:

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..measurements import BadFile, BenchmarkFile, read
+from .numbers import div, sub
 
 # The peers: (benchmark key, name in the report, ratio field of ``summary["peers"]``).
 PEERS = (
     ("peer/torch_default", "torch default (cudaMalloc)", "time_vs_torch_default"),
     ("peer/expandable_segments", "torch expandable segments", "time_vs_expandable_segments"),
 )
+_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}  # the comparisons of the targets (``_targets``)
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,12 @@ def summarize_data(data: dict) -> dict:
 
 def entries(data: BenchmarkFile) -> dict[str, dict]:
     """Benchmarks by ``extra_info.key``: ``seconds`` (the figure) and ``extra`` (extra_info, ``None`` where absent)."""
-    return {
-        b.extra_info.key: {
-            "seconds": b.stats.median if b.extra_info.subprocess_median_s is None else b.extra_info.subprocess_median_s,
-            "extra": b.extra_info.model_dump(),
-        }
-        for b in data.benchmarks
-        if b.extra_info.key
-    }
+    found = {}
+    for b in (b for b in data.benchmarks if b.extra_info.key):
+        x = b.extra_info
+        median = b.stats.median if x.subprocess_median_s is None else x.subprocess_median_s
+        found[x.key] = {"seconds": median, "extra": x.model_dump()}
+    return found
 
 
 def seconds_of(e: dict, key: str) -> float | None:
@@ -71,42 +71,12 @@ def bytes_of(e: dict, key: str, field: str = "bytes") -> int | None:
     return e[key]["extra"].get(field) if key in e else None
 
 
-def summarize_entries(e: dict[str, dict]) -> dict:
-    """The figures, ratios and targets of ``entries``."""
-    first = next(iter(e.values()), {"extra": {}})["extra"]
-    s = {
-        "keys": sorted(e),
-        **{k: first.get(k) for k in ("driver", "device_type", "granularity", "scale")},
-        "claims": first.get("device_type") == "cuda",
-        "commit": _commit(e),
-        "peers": _peers(e),
-        "calls": {
-            k.split("/", 1)[1]: e[k]["extra"]["calls"]
-            for k in sorted(e)
-            if k.startswith("calls/") and e[k]["extra"].get("calls")
-        },
-        "zero": _zero(e),
-        "kv": _kv(e),
-        "access": _access(e),
-        "graph": _graph(e),
-        "scaling": _scaling(e),
+def _figures(e: dict, key: str, names: str) -> dict:
+    """Figures of benchmark ``key`` by name: ``seconds``, ``gbps`` or an ``extra_info`` field; ``None`` if absent."""
+    return {
+        n: seconds_of(e, key) if n == "seconds" else _rate(e, key) if n == "gbps" else bytes_of(e, key, n)
+        for n in names.split()
     }
-    s["peer_rows"] = [
-        {
-            "key": key,
-            "name": name,
-            "bytes": bytes_of(e, key),
-            "seconds": seconds_of(e, key),
-            "gbps": _rate(e, key),
-            "ours_vs_peer": s["peers"][ratio],
-        }
-        for key, name, ratio in PEERS
-    ]
-    return s | {"targets": _targets(s)}
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float | None:  # decimal GB/s
@@ -114,42 +84,50 @@ def _gbps(nbytes: int | None, seconds: float | None) -> float | None:  # decimal
 
 
 def _per_byte(e: dict, key: str) -> float | None:
-    return _div(seconds_of(e, key), bytes_of(e, key))
+    return div(seconds_of(e, key), bytes_of(e, key))
 
 
 def _rate(e: dict, key: str, field: str = "bytes") -> float | None:
     return _gbps(bytes_of(e, key, field), seconds_of(e, key))
 
 
+def summarize_entries(e: dict[str, dict]) -> dict:
+    """The figures, ratios and targets of ``entries``: each section under the name of its function."""
+    first = next(iter(e.values()), {"extra": {}})["extra"]
+    s = {"keys": sorted(e), **{k: first.get(k) for k in ("driver", "device_type", "granularity", "scale")}}
+    s["claims"] = first.get("device_type") == "cuda"
+    for section in (_commit, _peers, _calls, _zero, _kv, _access, _graph, _scaling):
+        s[section.__name__.removeprefix("_")] = section(e)
+    s["peer_rows"] = [
+        {"key": key, "name": name, **_figures(e, key, "bytes seconds gbps"), "ours_vs_peer": s["peers"][ratio]}
+        for key, name, ratio in PEERS
+    ]
+    return s | {"targets": _targets(s)}
+
+
 def _commit(e: dict) -> dict:
-    ours = _per_byte(e, "commit/extensible")
+    ours, paths = _per_byte(e, "commit/extensible"), ("per_granule", "single_handle", "extensible")
     return {
-        "paths": {
-            path: {
-                "seconds": seconds_of(e, key),
-                "bytes": bytes_of(e, key),
-                "gbps": _rate(e, key),
-                "handles": bytes_of(e, key, "handles"),
-            }
-            for path in ("per_granule", "single_handle", "extensible")
-            if (key := f"commit/{path}") in e
-        },
-        "speedup_vs_per_granule": _div(_per_byte(e, "commit/per_granule"), ours),
-        "time_vs_single_handle": _div(ours, _per_byte(e, "commit/single_handle")),
+        "paths": {p: _figures(e, f"commit/{p}", "seconds bytes gbps handles") for p in paths if f"commit/{p}" in e},
+        "speedup_vs_per_granule": div(_per_byte(e, "commit/per_granule"), ours),
+        "time_vs_single_handle": div(ours, _per_byte(e, "commit/single_handle")),
     }
 
 
 def _peers(e: dict) -> dict:
     ours = _per_byte(e, "commit/extensible")
-    return {
-        **{key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS},
-        **{ratio: _div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS},
-    }
+    seconds = {key.removeprefix("peer/") + "_s": seconds_of(e, key) for key, _name, _ratio in PEERS}
+    return seconds | {ratio: div(ours, _per_byte(e, key)) for key, _name, ratio in PEERS}
+
+
+def _calls(e: dict) -> dict:
+    calls = {k.removeprefix("calls/"): x["extra"].get("calls") for k, x in sorted(e.items()) if k.startswith("calls/")}
+    return {k: v for k, v in calls.items() if v}
 
 
 def _zero(e: dict) -> dict:
     with_zero, without = seconds_of(e, "zero/grow_zero"), seconds_of(e, "zero/grow_nozero")
-    implied = with_zero - without if with_zero is not None and without is not None else None
+    implied = sub(with_zero, without)
     zero_gbps = _gbps(bytes_of(e, "zero/grow_zero"), implied) if implied and implied > 0 else None
     return {
         "bytes": bytes_of(e, "zero/grow_zero"),
@@ -158,7 +136,7 @@ def _zero(e: dict) -> dict:
         "implied_zero_s": implied,
         "zero_gbps": zero_gbps,
         "memset_gbps": _rate(e, "zero/memset"),
-        "zero_vs_memset": _div(zero_gbps, _rate(e, "zero/memset")),
+        "zero_vs_memset": div(zero_gbps, _rate(e, "zero/memset")),
         "end_to_end_gbps": _rate(e, "zero/grow_zero"),
         "torch_zero_gbps": _rate(e, "zero/torch_zero_"),
         "zero_calls": bytes_of(e, "zero/grow_zero", "zero_calls"),
@@ -166,60 +144,39 @@ def _zero(e: dict) -> dict:
 
 
 def _kv(e: dict) -> dict:
-    fields = ("bytes", "buffers", "segments", "state", "handles", "set_access")
-    return {
-        key.removeprefix("kv/"): {
-            "ms": e[key]["seconds"] * 1e3 if e[key]["seconds"] is not None else None,
-            **{f: e[key]["extra"].get(f) for f in fields},
-        }
-        for key in sorted(k for k in e if k.startswith("kv/"))
-    }
+    kv = {}
+    for key in sorted(k for k in e if k.startswith("kv/")):
+        ms = None if e[key]["seconds"] is None else e[key]["seconds"] * 1e3
+        kv[key.removeprefix("kv/")] = {"ms": ms, **_figures(e, key, "bytes buffers segments state handles set_access")}
+    return kv
 
 
 def _access(e: dict) -> dict:
-    rates = {
-        op: [_rate(e, f"access/{op}/{m}", "moved_bytes") for m in ("vmm", "native")]
-        for op in ("copy", "kernel")
-        if f"access/{op}/vmm" in e or f"access/{op}/native" in e
-    }
-    return {
-        op: {"vmm_gbps": vmm, "native_gbps": native, "ratio": _div(vmm, native)} for op, (vmm, native) in rates.items()
-    }
+    access = {}
+    for op in (op for op in ("copy", "kernel") if f"access/{op}/vmm" in e or f"access/{op}/native" in e):
+        vmm, native = (_rate(e, f"access/{op}/{m}", "moved_bytes") for m in ("vmm", "native"))
+        access[op] = {"vmm_gbps": vmm, "native_gbps": native, "ratio": div(vmm, native)}
+    return access
 
 
 def _graph(e: dict) -> dict:
     before, after = seconds_of(e, "graph/before_growth"), seconds_of(e, "graph/after_growth")
-    return {"before_s": before, "after_s": after, "ratio": _div(after, before)}
+    return {"before_s": before, "after_s": after, "ratio": div(after, before)}
 
 
 def _scaling(e: dict) -> dict:
-    fields = ("nominal_gib", "segments", "bytes", "handles", "set_access", "runs", "granules")
-    rows = sorted(
-        (
-            {
-                **{f: x["extra"].get(f) for f in fields},
-                "seconds": x["seconds"],
-                "gbps": _gbps(x["extra"].get("bytes"), x["seconds"]),
-                "us_per_handle": _div(x["seconds"] and x["seconds"] * 1e6, x["extra"].get("handles")),
-            }
-            for key, x in e.items()
-            if key.startswith("scale/")
-        ),
-        key=lambda r: (r["nominal_gib"], r["segments"]),
-    )
+    names = "nominal_gib segments bytes handles set_access runs granules seconds gbps"
+    rows = [_figures(e, key, names) for key in e if key.startswith("scale/")]
+    for r in rows:
+        r["us_per_handle"] = div(r["seconds"] and r["seconds"] * 1e6, r["handles"])
+    rows.sort(key=lambda r: (r["nominal_gib"], r["segments"]))
     growth = []  # per size: time growth over handle growth, against the fewest segments
     for gib in {r["nominal_gib"] for r in rows}:
-        base = min((r for r in rows if r["nominal_gib"] == gib), key=lambda r: r["segments"])
-        growth += [
-            (r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"])
-            for r in rows
-            if r["nominal_gib"] == gib
-            and r is not base
-            and base["handles"]
-            and base["seconds"]
-            and r["seconds"] is not None
-            and r["handles"]
-        ]
+        same = [r for r in rows if r["nominal_gib"] == gib]
+        base = min(same, key=lambda r: r["segments"])
+        others = [r for r in same if r is not base and r["seconds"] is not None and r["handles"]]
+        if base["handles"] and base["seconds"]:
+            growth += [(r["seconds"] / base["seconds"]) / (r["handles"] / base["handles"]) for r in others]
     handles = {n: {r["handles"] for r in rows if r["segments"] == n} for n in {r["segments"] for r in rows}}
     return {
         "rows": rows,
@@ -229,19 +186,12 @@ def _scaling(e: dict) -> dict:
     }
 
 
-# The targets: (name, the summary figure, comparison, goal); judged only where the run makes claims (CUDA).
-_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
-
-
 def _targets(s: dict) -> list[dict]:
-    sc = s["scaling"]
+    """Each target: (name, the summary figure, comparison, goal); judged only where the run makes claims (CUDA)."""
+    sc, claims = s["scaling"], s["claims"]
+    ext = s["commit"]["paths"].get("extensible", {})
     rows = [
-        (
-            "commit 32 GiB, GB/s (ExtensibleTensor)",
-            s["commit"]["paths"].get("extensible", {}).get("gbps"),
-            ">=",
-            5000.0,
-        ),
+        ("commit 32 GiB, GB/s (ExtensibleTensor)", ext.get("gbps"), ">=", 5000.0),
         ("commit speedup vs per-granule", s["commit"]["speedup_vs_per_granule"], ">=", 100.0),
         ("commit time / torch default (cudaMalloc)", s["peers"]["time_vs_torch_default"], "<=", 1.0),
         ("commit time / expandable segments", s["peers"]["time_vs_expandable_segments"], "<=", 1.0),
@@ -254,12 +204,6 @@ def _targets(s: dict) -> list[dict]:
         ("scaling: handles independent of bytes", sc["handles_independent_of_bytes"], "==", True),
     ]
     return [
-        {
-            "name": name,
-            "value": value,
-            "op": op,
-            "target": goal,
-            "met": None if value is None or not s["claims"] else _OPS[op](value, goal),
-        }
-        for name, value, op, goal in rows
+        {"name": n, "value": v, "op": op, "target": t, "met": None if v is None or not claims else _OPS[op](v, t)}
+        for n, v, op, t in rows
     ]

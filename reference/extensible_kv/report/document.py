@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from ..measurements import ExtensibleFigures
 from . import accounting, verdict
-from .accounting import BlockPair, MemoryBreakdown
+from .accounting import MemoryBreakdown
 from .numbers import number
 from .rendering import Figures, html, markdown
 from .run import ENVIRONMENT_NAMES, Run
@@ -23,39 +23,13 @@ class Document(NamedTuple):
 
 # The figures of a case breakdown in summary.json, by name.
 CASE_FIGURES = (
-    "blocks",
-    "bytes_per_block",
-    "commit_seconds",
-    "total",
-    "requested",
-    "before_engine",
-    "weights",
-    "activation_peak",
-    "graph_pools",
-    "other_non_kv",
-    "kv_committed",
-    "kv_padding",
-    "kv_source",
-    "free_after_warmup",
-    "non_kv_after_warmup",
-    "non_kv_sizing",
-    "non_kv_estimate",
-    "non_kv_estimate_parts",
-    "measured_minus_estimate",
-    "over_budget",
-    "activation_reusable",
-    "activation_headroom",
-    "over_budget_at_peak",
-    "over_budget_phase",
-    "encoder_cache_profiled",
-    "encoder_cache_held",
-    "encoder_cache_items",
-    "encoder_cache_capacity",
-    "speculative_rows",
-    "speculative_step",
-    "speculative_growth",
-    "speculative_over_budget",
-)
+    "blocks bytes_per_block commit_seconds total requested before_engine weights activation_peak graph_pools "
+    "other_non_kv kv_committed kv_padding kv_source free_after_warmup non_kv_after_warmup non_kv_sizing "
+    "non_kv_estimate non_kv_estimate_parts measured_minus_estimate over_budget activation_reusable "
+    "activation_headroom over_budget_at_peak over_budget_phase encoder_cache_profiled encoder_cache_held "
+    "encoder_cache_items encoder_cache_capacity speculative_rows speculative_step speculative_growth "
+    "speculative_over_budget"
+).split()
 
 
 def _case(b: MemoryBreakdown) -> dict:
@@ -73,26 +47,19 @@ def _case(b: MemoryBreakdown) -> dict:
     }
 
 
-def summary(
-    run: Run,
-    breakdowns: list[MemoryBreakdown],
-    pairs: list[BlockPair],
-    serving: list[dict],
-    judged: tuple[tuple[verdict.Check, ...], dict[str, tuple[verdict.Check, ...]]],
-) -> dict:
-    """summary.json: every figure of the report as a number (``null``: not measured)."""
+def summary(context: dict) -> dict:
+    """summary.json: every figure of the report (its ``context``) as a number (``null``: not measured)."""
+    run, (checks, subjects) = context["run"], context["verdict"]
     return {
         "run": run.name,
         "run_folder": run.path.as_posix(),
-        "verdict": {"run": verdict.line(judged[0]), "cases": {k: verdict.line(v) for k, v in judged[1].items()}},
+        "verdict": {"run": verdict.line(checks), "cases": {k: verdict.line(v) for k, v in subjects.items()}},
         "environment": {k: {"value": v, "source": s} for k, (v, s) in run.environment.items()},
         "not_measured": list(run.missing),
         "conformance": [
             {
                 "source": c.source,
-                "exitstatus": c.data.exitstatus,
-                "torch": c.data.torch,
-                "drivers": [d.model_dump() for d in c.data.drivers],
+                **c.data.model_dump(include={"exitstatus", "torch", "drivers"}),
                 "outcomes": dict(Counter(t.outcome for t in c.data.tests)),
                 "not_passed": [t.model_dump() for t in c.data.tests if t.outcome != "passed"],
             }
@@ -100,7 +67,7 @@ def summary(
         ],
         "bench": [{"source": b.source, "datetime": b.data.datetime, "summary": b.summary} for b in run.bench],
         "integration": {
-            "cases": [_case(b) for b in breakdowns],
+            "cases": [_case(b) for b in context["breakdowns"]],
             "pairs": [
                 {
                     "legacy": p.legacy.case.path,
@@ -111,21 +78,15 @@ def summary(
                     "delta_percent": p.delta_percent,
                     "delta_bytes": p.delta_bytes,
                 }
-                for p in pairs
+                for p in context["pairs"]
             ],
         },
         "serving": [
-            {
-                "source": r["source"],
-                "model": r["model"],
-                "runner": r["runner"],
-                "legacy": r["legacy"] and r["legacy"].model_dump(),
-                "extensible": r["extensible"] and r["extensible"].model_dump(),
-                **r["ratio"].model_dump(),
-                "decode_target_met": r["met"],
-                "start_note": r["start_note"],
-            }
-            for r in serving
+            {k: r[k] for k in ("source", "model", "runner")}
+            | {mode: r[mode] and r[mode].model_dump() for mode in ("legacy", "extensible")}
+            | r["ratio"].model_dump()
+            | {"decode_target_met": r["met"], "start_note": r["start_note"]}
+            for r in context["serving"]
         ],
         "backend_validation": [
             {
@@ -142,9 +103,8 @@ def summary(
 def segments_text(ext: ExtensibleFigures) -> str:
     """Segments per buffer, summarised (``32 buffers x 1 segment``), never a long list."""
     counts = Counter(ext.segments or [])
-    return ", ".join(f"{k} buffer{'s' * (k > 1)} x {n} segment{'s' * (n != 1)}" for n, k in counts.items()) or number(
-        None
-    )
+    parts = [f"{k} buffer{'s' * (k > 1)} x {n} segment{'s' * (n != 1)}" for n, k in counts.items()]
+    return ", ".join(parts) or number(None)
 
 
 def run_document(run: Run, figures: Figures | None = None) -> Document:
@@ -166,9 +126,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
         "segments": segments_text,
         "serving": serving,
         "verdict": judged,
-        "line": verdict.line,
         "v": verdict,
     }
     md = markdown("report.md.j2", context, figures)
     page = html(markdown("report.md.j2", context, figures, inline=True))
-    return Document(md, page, summary(run, breakdowns, pairs, serving, judged), figures)
+    return Document(md, page, summary(context), figures)

@@ -18,22 +18,9 @@ from .accounting import BlockPair, MemoryBreakdown
 from .numbers import GIB, MIB, number
 
 DPI, SMALL = 110, 7.5
-COLORS = {
-    acc.BEFORE: "#9e9e9e",
-    acc.WEIGHTS: "#1f77b4",
-    acc.GRAPHS: "#9467bd",
-    acc.OTHER: "#8c564b",
-    acc.OTHER_WITH_GRAPHS: "#c49c94",
-    acc.UNSPLIT: "#bcbd22",
-    acc.KV: "#2ca02c",
-    acc.PADDING: "#98df8a",
-    acc.FREE: "#f2f2f2",
-    "legacy": "#7f7f7f",
-    "extensible": "#2ca02c",
-    "peak": "#ff7f0e",
-    "over": "#d62728",
-    "under": "#17becf",
-}
+# The segments' colours in acc.SEGMENT_ORDER; then the modes', the activation peak's and those beyond the budget
+COLORS = dict(zip(acc.SEGMENT_ORDER, "#9e9e9e #1f77b4 #9467bd #8c564b #c49c94 #bcbd22 #2ca02c #98df8a #f2f2f2".split()))
+COLORS |= {"legacy": "#7f7f7f", "extensible": "#2ca02c", "peak": "#ff7f0e", "over": "#d62728", "under": "#17becf"}
 AT_PEAK = "\\\\\\"  # the budget with the peak to come; "///" and "..." are the activation peak's
 UNMEASURED = {"marker": "x", "color": "black", "markersize": 6, "linestyle": "none"}
 
@@ -52,9 +39,22 @@ def png(draw, *args: object) -> bytes:
     return buf.getvalue()
 
 
+def _text(ax, x: float, y: float, text: str, **kw) -> None:
+    """Small text at (x, y), centred unless ``kw`` says otherwise."""
+    ax.text(x, y, text, **{"ha": "center", "va": "center", "fontsize": SMALL, **kw})
+
+
 def _note(ax, x: float, text: str, y: float = 0.5, **kw) -> None:
     """Text at data x, axes-fraction y (where a bar is missing)."""
-    ax.text(x, y, text, ha="center", va="center", fontsize=SMALL, transform=ax.get_xaxis_transform(), **kw)
+    _text(ax, x, y, text, transform=ax.get_xaxis_transform(), **kw)
+
+
+def _finish(fig: Figure, title: str, handles: list, ncol: int, bottom: float) -> Figure:
+    """The legend below the panels (``bottom``: its share of the height), the title above them."""
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    return fig
 
 
 def _ticks(runs: list[MemoryBreakdown]) -> list[str]:
@@ -62,16 +62,13 @@ def _ticks(runs: list[MemoryBreakdown]) -> list[str]:
     and folder."""
     settings = [[s for s in b.case.settings if not s.startswith("num_gpu_blocks_override")] for b in runs]
     shared = set.intersection(*map(set, settings)) if settings else set()
-    return [
-        "\n".join(
-            [*(s for s in own if s not in shared)]
-            + ([f"{b.case.fixed_blocks:,} blocks fixed"] if b.case.fixed_blocks else [])
-            + ([f"run {b.case.run_order[1]}"] if b.case.run_order[1] > 1 else [])
-            + [b.case.variant]
-            + ([f"({b.case.folder})"] if b.case.folder else [])
-        )
-        for b, own in zip(runs, settings)
-    ]
+    ticks = []
+    for c, own in zip((b.case for b in runs), settings):
+        lines = [s for s in own if s not in shared]
+        lines += [f"{c.fixed_blocks:,} blocks fixed"] if c.fixed_blocks else []
+        lines += [f"run {c.run_order[1]}"] if c.run_order[1] > 1 else []
+        ticks.append("\n".join(lines + [c.variant] + ([f"({c.folder})"] if c.folder else [])))
+    return ticks
 
 
 def _width(runs: list[MemoryBreakdown]) -> float:
@@ -100,23 +97,9 @@ def _budget_panel(ax, runs: list[MemoryBreakdown], heading: str) -> None:
             if value is None:
                 ax.plot([x + dx], [0], **UNMEASURED)
                 continue
-            ax.bar(
-                x + dx,
-                value / MIB,
-                width=0.28,
-                color=COLORS["over" if value > 0 else "under"],
-                hatch=hatch,
-                edgecolor="white" if hatch else None,
-            )
-            ax.text(
-                x + dx,
-                value / MIB,
-                f" {value / MIB:+,.1f} ",
-                ha="center",
-                va="bottom" if value >= 0 else "top",
-                fontsize=SMALL,
-                rotation=90,
-            )
+            color = COLORS["over" if value > 0 else "under"]
+            ax.bar(x + dx, value / MIB, width=0.28, color=color, hatch=hatch, edgecolor="white" if hatch else None)
+            _text(ax, x + dx, value / MIB, f" {value / MIB:+,.1f} ", va="bottom" if value >= 0 else "top", rotation=90)
     values = [v / MIB for b in runs for v in (b.over_budget, b.over_budget_at_peak) if v is not None] + [0.0]
     span = max(max(values) - min(values), 1.0)
     ax.set_ylim(min(values) - 0.35 * span, max(values) + 0.35 * span)  # room for the upright values
@@ -132,19 +115,13 @@ def memory_stack_figure(title: str, breakdowns: list[MemoryBreakdown]) -> Figure
     gpu_memory_utilization's budget (MiB), after warmup and with that peak: the runs the extensible path sized, and
     apart from them, on their own scale, the runs at a fixed block count (tens of GiB unused)."""
     sized, fixed = [b for b in breakdowns if not b.case.fixed_blocks], [b for b in breakdowns if b.case.fixed_blocks]
-    panels = [
-        (runs, heading)
-        for runs, heading in (
-            (sized, "beyond gpu_memory_utilization (> 0: over)"),
-            (fixed, "runs at a fixed block count (throughput runs)"),
-        )
-        if runs
-    ]
+    headings = ("beyond gpu_memory_utilization (> 0: over)", "runs at a fixed block count (throughput runs)")
+    panels = [(runs, heading) for runs, heading in zip((sized, fixed), headings) if runs]
     ratios = [1.15 * _width(breakdowns)] + [_width(runs) for runs, _ in panels]
     fig = _new(max(12.0, 2.5 + 0.6 * sum(ratios)), 6.2)
     whole, *budgets = fig.subplots(1, 1 + len(panels), gridspec_kw={"width_ratios": ratios})
     present, peaks = {}, {}
-    tallest = max([b.total or 0 for b in breakdowns] + [1]) / GIB
+    tallest, upright = max([b.total or 0 for b in breakdowns] + [1]) / GIB, 90 if len(breakdowns) > 3 else 0
     for x, b in enumerate(breakdowns):
         segs = b.segments()
         if segs is None:
@@ -159,23 +136,13 @@ def memory_stack_figure(title: str, breakdowns: list[MemoryBreakdown]) -> Figure
             whole.bar(x, height, bottom=bottom, width=0.6, color=COLORS[s.label], edgecolor="#555555", linewidth=0.5)
             short = {acc.KV: "KV", acc.UNSPLIT: "KV + other", acc.FREE: "free"}.get(s.label)
             if short and height >= 0.12 * tallest:  # labels of adjacent segments stay apart
-                whole.text(
-                    x,
-                    bottom + height / 2,
-                    f"{short}\n{height:.2f} GiB",
-                    ha="center",
-                    va="center",
-                    fontsize=SMALL,
-                    rotation=90 if len(breakdowns) > 3 else 0,
-                )
+                _text(whole, x, bottom + height / 2, f"{short}\n{height:.2f} GiB", rotation=upright)
             bottom += height
             used = bottom if s.label != acc.FREE else used
         # the activation memory still to come: measured at the peak, or the whole profiled peak as its estimate
-        peak, label, hatch = (
-            (b.activation_headroom, acc.HEADROOM, "///")
-            if b.activation_headroom is not None
-            else (b.activation_peak, f"{acc.PEAK} (estimate: no measured peak)", "...")
-        )
+        peak, label, hatch = b.activation_headroom, acc.HEADROOM, "///"
+        if peak is None:
+            peak, label, hatch = b.activation_peak, f"{acc.PEAK} (estimate: no measured peak)", "..."
         if segs and peak:
             whole.bar(x, peak / GIB, bottom=used, width=0.6, facecolor="none", edgecolor=COLORS["peak"], hatch=hatch)
             peaks[label] = hatch
@@ -196,10 +163,8 @@ def memory_stack_figure(title: str, breakdowns: list[MemoryBreakdown]) -> Figure
         Patch(facecolor="white", edgecolor="#555555", hatch=AT_PEAK, label="beyond the budget with the peak"),
         Line2D([], [], label="with the peak: not measured", **UNMEASURED),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"GPU memory, legacy vs extensible KV cache: {title}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.03 * len(handles) / 3 + 0.02, 1, 1))
-    return fig
+    title = f"GPU memory, legacy vs extensible KV cache: {title}"
+    return _finish(fig, title, handles, 3, 0.03 * len(handles) / 3 + 0.02)
 
 
 # -- KV blocks -----------------------------------------------------------------------------------------------------
@@ -210,29 +175,21 @@ def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
     left, right = fig.subplots(1, 2, sharey=True)
     h = 0.38
     counts = [b.blocks for p in pairs for b in (p.legacy, p.other) if b.blocks] or [1]
+    labels = []
     for i, p in enumerate(pairs):
         y = len(pairs) - 1 - i
         for dy, b, mode in ((h / 2, p.legacy, "legacy"), (-h / 2, p.other, "extensible")):
             left.barh(y + dy, b.blocks or 0, height=h, color=COLORS[mode])
-            left.text(b.blocks or min(counts), y + dy, f" {number(b.blocks)}", va="center", ha="left", fontsize=SMALL)
+            _text(left, b.blocks or min(counts), y + dy, f" {number(b.blocks)}", ha="left")
         d, db = p.delta_blocks, p.delta_bytes
-        text = (
-            "not measured"
-            if d is None
-            else f"{d:+,} blocks (bytes per block not measured)"
-            if db is None
-            else f"{db / MIB:+,.1f} MiB\n{d:+,} blocks"
-            + ("" if p.delta_percent is None else f", {p.delta_percent:+.3f} %")
-        )
-        if db is not None:
+        text = "not measured" if d is None else f"{d:+,} blocks (bytes per block not measured)"
+        if db is not None:  # then d is measured too
+            percent = "" if p.delta_percent is None else f", {p.delta_percent:+.3f} %"
+            text = f"{db / MIB:+,.1f} MiB\n{d:+,} blocks{percent}"
             right.barh(y, db / MIB, height=h * 1.6, color=COLORS["over" if db < 0 else "extensible"])
-        right.text(0, y, f" {text} ", va="center", fontsize=SMALL, ha="left" if db is None or db < 0 else "right")
-    labels = [
-        "\n".join(textwrap.wrap(p.other.case.label, 48))
-        + "\nvs legacy"
-        + (f" ({p.legacy.case.folder})" if p.legacy.case.folder else "")
-        for p in pairs
-    ]
+        _text(right, 0, y, f" {text} ", ha="left" if db is None or db < 0 else "right")
+        folder = f" ({p.legacy.case.folder})" if p.legacy.case.folder else ""
+        labels.append("\n".join(textwrap.wrap(p.other.case.label, 48)) + "\nvs legacy" + folder)
     left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=SMALL)
     left.set_xscale("log")
     left.set_xlim(min(counts) / 3, max(counts) * 40)  # room for the counts beside the longest bars
@@ -246,13 +203,5 @@ def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
     right.xaxis.set_major_locator(MaxNLocator(5, symmetric=True))
     right.set_xlabel("extensible - legacy KV committed (MiB)")
     right.set_title("difference (MiB; blocks and % of legacy)", fontsize=10)
-    fig.legend(
-        handles=[Patch(color=COLORS[k], label=k) for k in ("legacy", "extensible")],
-        loc="lower center",
-        ncol=2,
-        fontsize=8,
-        frameon=False,
-    )
-    fig.suptitle("KV cache blocks, legacy vs extensible (same case)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
+    handles = [Patch(color=COLORS[k], label=k) for k in ("legacy", "extensible")]
+    return _finish(fig, "KV cache blocks, legacy vs extensible (same case)", handles, 2, 0.06)

@@ -22,10 +22,10 @@ UNITS = {
 }
 
 
-def number(value: object, unit: str = "count", signed: bool = False, missing: str = NOT_MEASURED) -> str:
+def number(value: object, unit: str = "count", signed: bool = False) -> str:
     """``value`` in ``unit`` (one of ``UNITS``; any other unit shows the value as it is)."""
     if value is None:
-        return missing
+        return NOT_MEASURED
     if isinstance(value, bool):
         return "yes" if value else "no"
     if unit not in UNITS or not isinstance(value, (int, float)):
@@ -33,3 +33,13 @@ def number(value: object, unit: str = "count", signed: bool = False, missing: st
     factor, spec = UNITS[unit]
     text = format(value * factor if factor != 1 else value, ("+" if signed else "") + spec)
     return f"{text} %" if unit == "%" else text
+
+
+def sub(a: float | None, b: float | None) -> float | None:
+    """``a - b``, ``None`` (not measured) where either is."""
+    return None if a is None or b is None else a - b
+
+
+def div(a: float | None, b: float | None) -> float | None:
+    """``a / b``, ``None`` where ``a`` is not measured or ``b`` is not measured or zero."""
+    return a / b if a is not None and b else None

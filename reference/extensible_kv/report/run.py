@@ -1,13 +1,13 @@
 """A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
 
-Every file is optional: ``conformance-*.json``, ``bench*.json``, ``validate-backend*.json``, ``integration/**/*.json``,
-``serving-*.json``, ``{sleep,connectors}/summary.json``, ``environment.json``. A run's gaps are in ``Run.missing``.
+Every file is optional (``INPUTS``, ``{sleep,connectors}/summary.json``, ``environment.json``); ``Run.missing`` names
+the inputs a run lacks.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..measurements import (
@@ -38,6 +38,14 @@ ENVIRONMENT_NAMES = {
     "platform": "platform",
     "cpu": "CPU",
 }
+# A run's measurement files: (Run field, what they measure, the files); ``Run.missing`` names those a run lacks.
+INPUTS = (
+    ("conformance", "conformance", "conformance-*.json"),
+    ("bench", "benchmarks", "bench*.json"),
+    ("cases", "vLLM integration", "integration/**/*.json"),
+    ("backends", "backend validation", "validate-backend*.json"),
+    ("serving", "serving speed", "serving-*.json"),
+)
 
 
 class RunFolderError(Exception):
@@ -88,22 +96,17 @@ class Case:
         values = ((name, getattr(self.spec, name, default), default) for name, default in self.SETTINGS)
         return tuple(f"{name}={value}" for name, value, default in values if value != default)
 
-    key = property(lambda self: "/".join((*self.group, *self.settings, self.variant)))  # matches cases of two runs
+    parts = property(lambda self: (*self.group, *self.settings, self.variant))
+    key = property(lambda self: "/".join(self.parts))  # matches cases of two runs
 
     @property
     def same_case(self) -> tuple:
         """What every run of one case shares: its settings but those of ``NOT_THE_CASE``; a setting that is off
         (``None``, ``False``) counts as absent, so files written before a setting existed still match."""
-        spec = self.spec.model_dump(by_alias=True)
-        return tuple(
-            sorted((k, repr(v)) for k, v in spec.items() if k not in NOT_THE_CASE and v is not None and v is not False)
-        )
+        spec = {k: v for k, v in self.spec.model_dump(by_alias=True).items() if v is not None and v is not False}
+        return tuple(sorted((k, repr(v)) for k, v in spec.items() if k not in NOT_THE_CASE))
 
-    label = property(
-        lambda self: (
-            " ".join((*self.group, *self.settings, self.variant)) + (f" ({self.folder})" if self.folder else "")
-        )
-    )
+    label = property(lambda self: " ".join(self.parts) + (f" ({self.folder})" if self.folder else ""))
 
     @property
     def run_order(self) -> tuple[str, int]:
@@ -121,13 +124,16 @@ class Run:
     cases: list[Case]
     backends: list[Source]
     serving: list[Source]
-    environment: dict[str, tuple[str | None, str | None]]  # item -> (value, the file it came from)
-    missing: list[str]
-    features: dict[str, list[dict]] | None = None  # "sleep mode: pairs" -> rows of the scripts' summary.json
+    environment: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)  # item -> (value, its file)
+    features: dict[str, list[dict]] = field(default_factory=dict)  # "sleep mode: pairs" -> rows of a summary.json
+
+    @property
+    def missing(self) -> list[str]:
+        return [f"{what}: no {files} in the run folder" for name, what, files in INPUTS if not getattr(self, name)]
 
     @property
     def measured(self) -> bool:
-        return bool(self.conformance or self.bench or self.cases or self.backends or self.serving or self.features)
+        return bool(self.features) or any(getattr(self, name) for name, _, _ in INPUTS)
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -144,31 +150,14 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         [Case(p.relative_to(integration).as_posix(), read(p, IntegrationCase)) for p in cases],
         [Source(p.name, read(p, BackendValidation)) for p in sorted(folder.glob("validate-backend*.json"))],
         [Source(p.name, read(p, ServingSpeed)) for p in sorted(folder.glob("serving-*.json"))],
-        {},
-        [],
     )
-    run.missing = [
-        f"{what}: no {files} in the run folder"
-        for found, what, files in (
-            (run.conformance, "conformance", "conformance-*.json"),
-            (run.bench, "benchmarks", "bench*.json"),
-            (run.cases, "vLLM integration", "integration/**/*.json"),
-            (run.backends, "backend validation", "validate-backend*.json"),
-            (run.serving, "serving speed", "serving-*.json"),
-        )
-        if not found
-    ]
     envs = [p for p in [folder / "environment.json", *sorted(integration.rglob("environment.json"))] if p.is_file()]
     run.environment = environment(run, [(p.relative_to(folder).as_posix(), read(p, Environment)) for p in envs])
-    found = [
-        (f"{title}: {key}", getattr(read(folder / name / "summary.json", ScriptSummary), key))
-        for name, title in (("sleep", "sleep mode"), ("connectors", "KV connectors"))
-        if (folder / name / "summary.json").is_file()
-        for key in ("pairs", "cases", "rows")
-    ]  # scalar cells only: token lists stay in the files
-    run.features = {
-        t: [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows] for t, rows in found if rows
-    }
+    scripts = {t: folder / n / "summary.json" for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
+    for title, script in ((t, read(f, ScriptSummary)) for t, f in scripts.items() if f.is_file()):
+        for key in (k for k in ("pairs", "cases", "rows") if getattr(script, k)):
+            scalar = [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in getattr(script, key)]
+            run.features[f"{title}: {key}"] = scalar  # scalar cells only: token lists stay in the files
     return run
 
 
@@ -178,26 +167,21 @@ def environment(run: Run, files: list[tuple[str, Environment]]) -> dict[str, tup
     found: dict[str, tuple[str, str]] = {}
     files = files + [(b.source, b.data.machine_info.environment) for b in run.bench if b.data.machine_info.environment]
     items = [
-        (k, v, source)
-        for source, env in files
-        for k, v in {**env.model_dump(exclude={"packages"}), **env.packages}.items()
+        (k, v, src) for src, env in files for k, v in (env.model_dump(exclude={"packages"}) | env.packages).items()
     ]
-    items += [("torch", c.data.torch, c.source) for c in run.conformance]
-    items += [
-        ("granularity", d.granularity and f"{d.granularity:,} bytes ({d.driver})", c.source)
-        for c in run.conformance
-        for d in c.data.drivers
-    ]
+    for c in run.conformance:
+        items.append(("torch", c.data.torch, c.source))
+        items += [("granularity", _granularity(d.granularity, d.driver), c.source) for d in c.data.drivers]
     for b in run.bench:
-        g, machine = b.summary["granularity"], b.data.machine_info
-        items += [
-            ("granularity", g and f"{g:,} bytes ({b.summary['driver']})", b.source),
-            ("date", b.data.datetime, b.source),
-            ("python", machine.python_version, b.source),
-            ("cpu", machine.cpu.brand_raw, b.source),
-        ]
+        m, g = b.data.machine_info, _granularity(b.summary["granularity"], b.summary["driver"])
+        pairs = (("granularity", g), ("date", b.data.datetime), ("python", m.python_version), ("cpu", m.cpu.brand_raw))
+        items += [(k, v, b.source) for k, v in pairs]
     items += [("gpu_memory", c.data.memory.total, f"integration/{c.path}") for c in run.cases if c.data.memory]
     for key, value, source in items:
         if key not in found and value not in (None, ""):
             found[key] = (f"{number(value, 'GiB')} GiB" if key == "gpu_memory" else str(value), source)
     return {k: found.get(k, (None, None)) for k in ENVIRONMENT_NAMES}
+
+
+def _granularity(granularity: int | None, driver: str | None) -> str | None:
+    return granularity and f"{granularity:,} bytes ({driver})"

@@ -19,12 +19,10 @@ def serving_rows(sources: list[Source]) -> list[dict]:
         legacy, ext, r = s.data.mode("legacy"), s.data.mode("extensible"), s.data.ratio
         either = legacy or ext
         states = [start_state(m.compiled if m else None) for m in (legacy, ext)]
-        if r.engine_seconds_comparable is None:
-            note = "compile cache not recorded"
-        elif r.engine_seconds_comparable:
-            note = f"both {states[0]}" if states[0] == states[1] else f"legacy {states[0]}, extensible {states[1]}"
-        else:
-            note = f"not comparable: legacy {states[0]}, extensible {states[1]}"
+        apart = f"legacy {states[0]}, extensible {states[1]}"
+        note = f"both {states[0]}" if states[0] == states[1] else apart
+        if not r.engine_seconds_comparable:
+            note = start_state(None) if r.engine_seconds_comparable is None else f"not comparable: {apart}"
         rows.append(
             {
                 "source": s.source,

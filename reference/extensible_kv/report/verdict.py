@@ -1,6 +1,5 @@
 """Whether the extensible KV cache is safe to turn on, for a run and for each of its cases and serving pairs: four
-checks against thresholds stated once, here. A check without data is unknown and says what was not measured; a
-verdict is "no" where a check failed, else "unknown" where one has no data, else "yes".
+checks against thresholds stated once, here. A check without data is unknown and says what was not measured (``line``).
 
 The tokens check reads the greedy parity of each non-legacy run (``parity_rows``): the legacy runs of the same case
 (its determinism control) against it, through ``extensible_kv.parity``, with the batch-invariant pair where one ran.
@@ -26,6 +25,10 @@ class ParityRow:
     verdict: Verdict
 
 
+def _dump(case: Case) -> dict:
+    return case.data.model_dump(by_alias=True)
+
+
 def parity_rows(cases: list[Case]) -> list[ParityRow]:
     """One row per uncorrupted non-legacy run outside batch-invariant mode, in path order."""
     rows = []
@@ -34,17 +37,10 @@ def parity_rows(cases: list[Case]) -> list[ParityRow]:
             continue
         same = sorted((x for x in cases if x.same_case == c.same_case and not x.corrupt), key=lambda x: x.run_order)
         legacy = [x for x in same if x.mode == "legacy" and not x.batch_invariant]
-        legacy_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == "legacy" and x.batch_invariant]
-        ext_bi = [x.data.model_dump(by_alias=True) for x in same if x.mode == c.mode and x.batch_invariant]
-        verdict = classify_with_fallback(
-            {
-                "legacy": [x.data.model_dump(by_alias=True) for x in legacy],
-                "extensible": c.data.model_dump(by_alias=True),
-                "legacy_bi": legacy_bi,
-                "extensible_bi": ext_bi[0] if ext_bi else None,
-            }
-        )
-        rows.append(ParityRow(c, legacy, verdict))
+        runs = {"legacy": [_dump(x) for x in legacy], "extensible": _dump(c)}
+        runs["legacy_bi"] = [_dump(x) for x in same if x.mode == "legacy" and x.batch_invariant]
+        runs["extensible_bi"] = next((_dump(x) for x in same if x.mode == c.mode and x.batch_invariant), None)
+        rows.append(ParityRow(c, legacy, classify_with_fallback(runs)))
     return rows
 
 
@@ -68,19 +64,14 @@ def rules(run: Run) -> Check:
     if not run.conformance:
         return Check("rules", None, "conformance not measured (no conformance-*.json)")
     tests = [t for c in run.conformance for t in c.data.tests]
-    failed, passed = (
-        [t for t in tests if t.outcome not in ("passed", "skipped")],
-        [t for t in tests if t.outcome == "passed"],
-    )
+    failed = [t for t in tests if t.outcome not in ("passed", "skipped")]
+    passed = [t for t in tests if t.outcome == "passed"]
     crashed = [f"{c.source} exited {c.data.exitstatus}" for c in run.conformance if c.data.exitstatus not in (0, None)]
-    if failed or crashed:
-        return Check(
-            "rules",
-            False,
-            f"{len(failed)} of {len(tests)} conformance tests failed (first: {failed[0].test} on {failed[0].driver})"
-            if failed
-            else "the conformance run failed: " + ", ".join(crashed),
-        )
+    if failed:
+        why = f"{len(failed)} of {len(tests)} conformance tests failed (first: {failed[0].test} on {failed[0].driver})"
+        return Check("rules", False, why)
+    if crashed:
+        return Check("rules", False, "the conformance run failed: " + ", ".join(crashed))
     return Check("rules", True if passed else None, f"{len(passed)} of {len(tests)} conformance tests passed")
 
 
@@ -90,11 +81,9 @@ def tokens(row: ParityRow) -> Check:
         return Check("tokens", False, f"greedy tokens differ from legacy ({v.detail})")
     if v.tokens_identical and v.baseline_deterministic is not None:  # False: the batch-invariant pair is identical
         return Check("tokens", True, "greedy tokens identical to a deterministic baseline")
-    why = (
-        "one legacy run: its determinism is not measured"
-        if v.tokens_identical
-        else v.outcome + (f": {v.detail}" if v.detail else "")
-    )
+    why = "one legacy run: its determinism is not measured"
+    if not v.tokens_identical:
+        why = v.outcome + (f": {v.detail}" if v.detail else "")
     return Check("tokens", None, f"tokens not compared with a deterministic baseline ({why})")
 
 
@@ -111,12 +100,8 @@ def budget(b: MemoryBreakdown | None) -> Check | None:
 
 def decode(row: dict) -> Check:
     ratio = row["ratio"].decode_tokens_per_s
-    ok = ratio >= DECODE_RATIO
-    return Check(
-        "decode",
-        ok,
-        f"decode extensible / legacy {number(ratio, 'ratio')}" + ("" if ok else f" is below {DECODE_RATIO}"),
-    )
+    ok, shown = ratio >= DECODE_RATIO, f"decode extensible / legacy {number(ratio, 'ratio')}"
+    return Check("decode", ok, shown if ok else f"{shown} is below {DECODE_RATIO}")
 
 
 def judge(
