@@ -352,8 +352,18 @@ class ProtocolChecks(RuleBasedStateMachine):
             },
             f"tensor({t_va:#x}, {t_n}, keeper)",
         )
+        # Another tensor on the same storage, not a view of ``t`` (a view keeps ``t`` itself alive): the storage
+        # outlives the tensor object ``tensor`` returned, so must the keeper (P-tensor-keeper).
+        view = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape)
+        del t
+        self._fail_unless(
+            alive() is not None,
+            f"tensor({t_va:#x}, {t_n}, keeper), then another tensor on its storage, then the first dropped",
+            "the keeper alive while the storage is",
+            "the keeper gone",
+        )
         write = self.model.write(va, nbytes, seed)
-        t[va - t_va : va - t_va + nbytes].copy_(pattern_at(0, nbytes, seed).to(t.device))
+        view[va - t_va : va - t_va + nbytes].copy_(pattern_at(0, nbytes, seed).to(view.device))
         self.raw.synchronize()
         write.apply(None)
 

@@ -1,7 +1,7 @@
 """The model-based rules of one thread: random sequences of every protocol call, valid and invalid, on the raw driver,
 each compared with the executable model (``protocol_model.py``) after every step (``protocol_checks.py``).
 
-``ProtocolMachine`` makes many reservations (odd granule counts, alignments up to 64 granules), many handles and
+``ProtocolMachine`` makes many reservations (odd granule counts, alignments up to 1024 granules), many handles and
 dozens of live mappings (offsets where the driver takes them, remaps, a handle at two addresses), and calls every
 method inside, across and outside them: overlaps from below, above, inside, exactly and around, sub-range and tiled
 unmaps, access over several mappings and gaps, frees of parts and of reservations with mappings, released handles,
@@ -52,7 +52,9 @@ class ProtocolMachine(ProtocolChecks):
         return len(rs) < MAX_RESERVATIONS and sum(r.size for r in rs) < MAX_RESERVED_GRANULES * self.g
 
     @initialize(
-        sizes=st.lists(st.integers(1, 13), min_size=2, max_size=3), alignment=st.sampled_from((1, 2, 64)), pick=PICK
+        sizes=st.lists(st.integers(1, 13), min_size=2, max_size=3),
+        alignment=st.sampled_from((1, 2, 64, 1024)),
+        pick=PICK,
     )
     def populate(self, sizes, alignment, pick):
         """Start with two or three reservations (and one time in four another of MANY_MAPPINGS granules): the first
@@ -75,9 +77,9 @@ class ProtocolMachine(ProtocolChecks):
                 self.do_set_access(vas[1] + (pick % 2) * (sizes[1] - n) * g, n * g)
 
     @precondition(lambda self: self._room())
-    @rule(granules=st.integers(1, 9), alignment=st.sampled_from((1, 1, 2, 4, 64)))
+    @rule(granules=st.integers(1, 9), alignment=st.sampled_from((1, 1, 2, 4, 64, 1024)))
     def reserve(self, granules, alignment):
-        """An odd or even number of granules at an alignment of 1, 2, 4 or 64 granules. Checks: P-reserve-aligned,
+        """An odd or even number of granules at an alignment of 1, 2, 4, 64 or 1024 granules. Checks: P-reserve-aligned,
         P-reserve-disjoint, P-reserve-inaccessible, P-reserve-kernel, P-units."""
         self.do_reserve(granules * self.g, alignment * self.g)
 

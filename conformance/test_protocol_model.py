@@ -16,8 +16,13 @@ least ``MIN_EXAMPLES``: 12 and 8 in CI, 8 and 8 under the meta-tests' profile), 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import tempfile
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
@@ -153,5 +158,75 @@ def test_every_bad_value_of_every_call_is_refused_and_named(driver):
                     machine.every_observable_matches_the_model()
         for at in (0, 1, MAX_BYTES - machine.g, MAX_BYTES - 1):
             machine.query(machine.model.accessible(at), machine.raw.accessible(at), f"accessible({at:#x})")
+    finally:
+        machine.teardown()
+
+
+def _foreign_addresses(keep: list) -> list[tuple[str, int]]:
+    """Addresses the process maps itself, none of them the driver's: a heap buffer, a shared mapping of a file, an
+    anonymous shared mapping, a CPU tensor's memory (``keep`` holds them while the caller asks)."""
+    heap = bytearray(1 << 16)
+    f = tempfile.TemporaryFile()
+    f.truncate(1 << 16)
+    shared_file, shared_anon = mmap.mmap(f.fileno(), 1 << 16), mmap.mmap(-1, 1 << 16)
+    tensor = torch.zeros(1 << 16, dtype=torch.uint8)
+    keep += [f, shared_file, shared_anon, tensor]
+
+    def address(buffer) -> int:
+        view = (ctypes.c_char * 1).from_buffer(buffer)
+        try:
+            return ctypes.addressof(view)
+        finally:
+            del view
+
+    return [
+        ("a heap buffer", address(heap) + 100),
+        ("a shared mapping of a file", address(shared_file)),
+        ("an anonymous shared mapping", address(shared_anon) + 4096),
+        ("a CPU tensor's memory", tensor.data_ptr()),
+    ]
+
+
+def test_what_the_driver_never_made_is_refused_or_not_accessible(driver):
+    """With nothing reserved: free, map, unmap and set_access of a range are refused, also on a range reserved and
+    freed again; accessible is False at addresses the process maps itself (a heap buffer, a shared file mapping, an
+    anonymous shared mapping, a CPU tensor's memory: read-write memory, none of it the driver's). Checks:
+    P-free-refused, P-map-inside, P-unmap-refused, P-access-refused, P-refusal, P-refusal-names, P-accessible."""
+    machine = ProtocolMachine(_setup(driver))
+    keep: list = []
+    try:
+        g = machine.g
+        key = machine.do_create(g)
+        freed = machine.do_reserve(2 * g, g)
+        machine.do_free(freed, 2 * g)
+        for va in (1 << 40, freed, freed + g):
+            machine.do_free(va, g)
+            if key is not None:
+                machine.do_map(va, g, key)
+            machine.do_unmap(va, g)
+            machine.do_set_access(va, g)
+            machine.every_observable_matches_the_model()
+        for what, at in _foreign_addresses(keep):
+            machine.query(machine.model.accessible(at), machine.raw.accessible(at), f"accessible({at:#x}) in {what}")
+    finally:
+        machine.teardown()
+        for obj in keep[:3]:  # the file and the two mappings (the tensor goes with the list)
+            obj.close()
+
+
+def test_exactly_the_free_bytes_can_be_taken(driver):
+    """On a driver whose ``mem_info`` is exact (the host): with one granule held, a handle of exactly the free bytes
+    is made (memory is short only past them), then one granule more is refused; both given back. Checks:
+    P-create-oom, P-create-memory, P-mem-exact."""
+    setup = _setup(driver)
+    if not setup.host:
+        pytest.skip("mem_info is exact only on the host: a GPU's free bytes move with every other user")
+    machine = ProtocolMachine(setup)
+    try:
+        g = machine.g
+        machine.do_create(g)
+        machine.do_create(machine.model.expected_free())
+        machine.do_create(g)
+        machine.every_observable_matches_the_model()
     finally:
         machine.teardown()

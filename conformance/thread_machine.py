@@ -31,7 +31,21 @@ THREAD_OPS = (
     "granularity",
     "synchronize",
 )
-CONTENDED = ("map_same", "unmap_same", "release_same", "free_same", "map_vs_free", "access_vs_unmap")
+CONTENDED = (
+    "map_same",
+    "unmap_same",
+    "release_same",
+    "free_same",
+    "map_vs_free",
+    "access_vs_unmap",
+    "release_vs_unmap",
+    "release_vs_map",
+    "unmap_vs_free",
+    "map_overlapping",
+)
+"""The calls both threads make at once on one shared resource: the same call twice, and two different calls on one
+reservation, mapping or handle (the pair decides what the other sees)."""
+HANDLES = {"H": "HR", "R": "RR", "M": "MR"}  # a shared handle's name -> the reservation it is mapped at
 BARRIER_S = 30
 
 
@@ -170,6 +184,29 @@ class _Worker:
             if self.tid:
                 self.raw.synchronize()
             self.do("set_access" if self.tid == 0 else "unmap", (s["A"], g), (s["A"], g))
+        elif what == "release_vs_unmap":  # the handle's only mapping: its bytes come back once, whichever is first
+            if self.tid == 0:
+                self.do("release", (s["R"],), (objects[s["R"]],), key=s["R"])
+            else:
+                self.raw.synchronize()
+                self.do("unmap", (s["RR"], g), (s["RR"], g))
+        elif what == "release_vs_map":  # mapped again before the release, or refused after it
+            if self.tid == 0:
+                self.do("release", (s["M"],), (objects[s["M"]],), key=s["M"])
+            else:
+                self.do("map", (s["MT"], g, s["M"], 0), (s["MT"], g, objects[s["M"]], 0))
+        elif what == "unmap_vs_free":
+            if self.tid == 0:
+                self.raw.synchronize()
+                self.do("unmap", (s["UF"], g), (s["UF"], g))
+            else:
+                self.do("free", (s["UF"], 2 * g), (s["UF"], 2 * g))
+        elif what == "map_overlapping":  # [O, O+2g) and [O+g, O+2g), sharing one granule: one of them is refused
+            if self.tid == 0:
+                self.do("map", (s["O"], 2 * g, s["OH"], 0), (s["O"], 2 * g, objects[s["OH"]], 0))
+            elif self.handles:
+                key = self.handles[0]
+                self.do("map", (s["O"] + g, g, key, 0), (s["O"] + g, g, objects[key], 0))
 
 
 class TwoThreadMachine(ProtocolChecks):
@@ -183,6 +220,30 @@ class TwoThreadMachine(ProtocolChecks):
         """The shared resources the contended calls need, made here (in this thread) through the model."""
         g, shared = self.g, {}
         for what in contended:
+            if what in ("release_vs_unmap", "release_vs_map"):  # a handle mapped once, at a reservation of its own
+                name = "R" if what == "release_vs_unmap" else "M"
+                key, va = self.do_create(g), self.do_reserve(g, g)
+                if key is None or va is None or not self.do_map(va, g, key):
+                    return None
+                shared[name], shared[HANDLES[name]] = key, va
+                if what == "release_vs_map":
+                    shared["MT"] = self.do_reserve(g, g)
+                    if shared["MT"] is None:
+                        return None
+                continue
+            if what == "unmap_vs_free":  # a reservation of two granules, the first mapped (its handle released)
+                va, key = self.do_reserve(2 * g, g), self.do_create(g)
+                if va is None or key is None or not self.do_map(va, g, key):
+                    return None
+                self.do_release(key)
+                shared["UF"] = va
+                continue
+            if what == "map_overlapping":
+                va, key = self.do_reserve(2 * g, g), self.do_create(2 * g)
+                if va is None or key is None:
+                    return None
+                shared["O"], shared["OH"] = va, key
+                continue
             if what in ("map_same", "unmap_same", "free_same", "map_vs_free", "access_vs_unmap"):
                 va = self.do_reserve(g, g)
                 if va is None:
@@ -216,7 +277,9 @@ class TwoThreadMachine(ProtocolChecks):
         release on their own resources, query mem_info, accessible and granularity, and make the same contended call
         on a shared resource at once (both map one range, both unmap one mapping, both release one handle, both
         free one reservation, map into a reservation the other frees, grant access to a mapping the other
-        unmaps); every outcome, and the state after both, is that of some serial order of the calls. Checks:
+        unmaps, release a handle the other unmaps or maps, unmap in a reservation the other frees, map two ranges
+        sharing a granule); every outcome, and the state after both, is that of some serial order of the calls.
+        Checks:
         P-threads, P-map-overlap, P-unmap-refused, P-release-once, P-free-refused, P-map-inside,
         P-reserve-disjoint, P-mem-exact."""
         for va in self.shared_left:  # the last threaded step's shared reservations, checked since: give them back
@@ -228,7 +291,7 @@ class TwoThreadMachine(ProtocolChecks):
         if len(self.model.reservations) >= 2 * MAX_RESERVATIONS:  # not a precondition: the threads' outcome
             return  # varies from run to run, and what Hypothesis draws must not
         shared = self._shared(contended)
-        self.shared_left = [va for name, va in (shared or {}).items() if name != "H"]
+        self.shared_left = [va for name, va in (shared or {}).items() if name not in (*HANDLES, "OH")]
         if shared is None:
             return
         barrier = threading.Barrier(2)
@@ -261,6 +324,8 @@ class TwoThreadMachine(ProtocolChecks):
         except AssertionError as exc:
             self.setup.failures.append(str(exc))
             raise
+        if "OH" in shared:  # mapped at O or not: released now, given back with O's mappings
+            self.do_release(shared["OH"])
 
     def _linearize(self, workers: list[_Worker]) -> None:
         after, why = linearize(self.model, [w.events for w in workers])
