@@ -230,3 +230,19 @@ def test_exactly_the_free_bytes_can_be_taken(driver):
         machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
+
+
+def test_access_to_part_of_a_mapping_covers_that_part_only(driver):
+    """A mapping of three granules, access granted to its middle granule, then to its first: only those granules
+    are accessible (where the driver grants part of a mapping; elsewhere each call is refused, changing nothing).
+    Checks: P-access, P-access-refused, P-accessible."""
+    machine = ProtocolMachine(_setup(driver))
+    try:
+        g = machine.g
+        va, key = machine.do_reserve(3 * g, g), machine.do_create(3 * g)
+        if va is not None and key is not None and machine.do_map(va, 3 * g, key):
+            for start in (va + g, va):
+                machine.do_set_access(start, g)
+                machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
