@@ -2,11 +2,13 @@
 # One device call on the H200 (../shared/device/README.md): unpack the staged vllm bundle if needed, run the named
 # stages, pack every log and JSON into $OUT/run.tgz.
 #
-#   RUN_TAG=<name> ci/h200_session.sh STAGE...      STAGE: conformance | connectors | sleep
+#   RUN_TAG=<name> ci/h200_session.sh STAGE...      STAGE: conformance | connectors | sleep | serve-sleep
 #
 # conformance: `extensible-kv check-driver cuda` (the rules alone, as a backend team runs them); connectors:
-# integration/connector_run.py; sleep: integration/sleep_mode.py. Results land in /tmp/run-$RUN_TAG/<stage>/, which
-# survives between calls while the machine stays warm, so a later call can add stages to the same run.
+# integration/connector_run.py; sleep: integration/sleep_mode.py; serve-sleep: integration/serve_sleep.py (sleep mode
+# through `vllm serve`'s dev routes, one server per mode, the plugin from a dist-info it writes; SERVE_SLEEP_ARGS adds
+# its options). Results land in /tmp/run-$RUN_TAG/<stage>/, which survives between calls while the machine stays
+# warm, so a later call can add stages to the same run.
 set -u
 t0=$(date +%s)
 if [ ! -d /tmp/site/vllm ]; then
@@ -33,6 +35,9 @@ for stage in "$@"; do
       python3 integration/sleep_mode.py "$R/sleep" --budget-seconds "${SLEEP_BUDGET:-390}" ${SLEEP_ARGS:-} \
         > "$R/sleep/run.log" 2>&1
       echo "sleep rc=$?"; tail -n 30 "$R/sleep/run.log" ;;
+    serve-sleep)
+      python3 integration/serve_sleep.py "$R/serve-sleep" ${SERVE_SLEEP_ARGS:-} > "$R/serve-sleep/run.log" 2>&1
+      echo "serve-sleep rc=$?"; tail -n 30 "$R/serve-sleep/run.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "$stage took $(( $(date +%s) - s0 )) s"
