@@ -7,9 +7,10 @@ import weakref
 
 import pytest
 
+from extensible_kv import drivers
 from extensible_kv.errors import DriverError
 
-from .helpers import expect, expect_bytes, expect_equal, granule_states, pattern
+from .helpers import expect, expect_bytes, expect_equal, granule_states, host_kernel, pattern
 
 
 @pytest.fixture
@@ -157,3 +158,53 @@ def test_tensor_keeps_its_keeper_alive(driver, reservation):
     del view
     gc.collect()
     expect(ref() is None, driver, "keeper after the tensor died", "collected", "alive")
+
+
+def test_a_driver_built_again_starts_empty_and_serves(driver, driver_spec):
+    """The driver's spec built once more in this process (the rules share one driver per session, built before the
+    first rule; this checks a driver's first state and its first calls): the same name, device, granularity and
+    ``mem_info`` total as the driver under test, nothing held yet (on the host ``free == total``: P-mem-exact; elsewhere
+    ``0 <= free <= total``: P-mem-bounds), and a first reserve, create, map, set_access, zero and read that work and
+    give every byte back. Checks: P-granularity, P-mem-bounds, P-mem-exact, P-tensor-device, P-zero,
+    P-release-returns."""
+    fresh = drivers.get_driver(driver_spec)
+    for what, mine, theirs in (
+        ("name", driver.name, fresh.name),
+        ("device", driver.device, fresh.device),
+        ("granularity()", driver.granularity(), fresh.granularity()),
+        ("mem_info() total", driver.mem_info()[1], fresh.mem_info()[1]),
+    ):
+        expect_equal(driver, f"{what} of the driver built again from {driver_spec!r}", mine, theirs)
+    expect(isinstance(fresh.name, str) and fresh.name, driver, "name of a driver", "a non-empty str", repr(fresh.name))
+    g = fresh.granularity()
+    free0, total = fresh.mem_info()
+    if host_kernel(driver):
+        expect_equal(driver, "mem_info() free of a host driver just built (P-mem-exact)", total, free0)
+    expect(0 <= free0 <= total, driver, "mem_info() of a driver just built", f"0 <= free <= {total}", free0)
+    va = fresh.reserve(2 * g, g)
+    try:
+        handle = fresh.create(2 * g)
+        try:
+            fresh.map(va, 2 * g, handle, 0)
+            try:
+                fresh.set_access(va, 2 * g)
+                view = fresh.tensor(va, 2 * g, None)
+                expect_equal(driver, "device of the first tensor of a driver just built", fresh.device, view.device)
+                view.copy_(pattern(2 * g, 5, view.device))
+                fresh.zero(va + g // 2, g)
+                fresh.synchronize()
+                want = pattern(2 * g, 5, view.device)
+                want[g // 2 : g // 2 + g] = 0
+                expect_bytes(driver, f"first zero({g // 2}, {g}) of a driver just built", view, want)
+                del view
+            finally:
+                fresh.synchronize()
+                fresh.unmap(va, 2 * g)
+        finally:
+            fresh.release(handle)
+    finally:
+        fresh.free(va, 2 * g)
+    if host_kernel(driver):
+        expect_equal(
+            driver, "mem_info() free once its first handle is unmapped and released", total, fresh.mem_info()[0]
+        )

@@ -256,6 +256,7 @@ class Driver(Protocol):
         after a handle mapped at two addresses is unmapped from each and released).
 
         Rules: test_memory_is_returned_once_unmapped_and_released, test_closing_a_tensor_returns_its_memory,
+        test_a_driver_built_again_starts_empty_and_serves,
         test_create_past_free_memory_raises_driver_out_of_memory_and_leaks_nothing,
         test_committing_past_the_device_memory_raises_commit_out_of_memory.
         """
