@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from extensible_kv.errors import DriverError
 
-from .helpers import MEMFD_NAME, expect, expect_equal, first_mismatch, kernel_memfds, touch
+from .helpers import MEMFD_NAME, expect, expect_equal, first_mismatch, host_kernel, kernel_memfds, touch
 from .kernel_view import AccessProbe, KernelView, open_memfds
 from .protocol_model import MAX_BYTES, Prediction, ProtocolModel, intervals_minus, judge, unnamed
 
@@ -70,6 +70,52 @@ class Setup:
     parts: bool
     partial_access: bool
     failures: list[str] = field(default_factory=list)  # every check that failed, for a race's report
+
+
+def learn_taken(driver, op: str, call) -> bool:
+    """Whether ``call()`` (a ``op`` the protocol lets a driver take or refuse) was taken; a refusal must name ``op``."""
+    try:
+        call()
+    except DriverError as exc:
+        expect_equal(
+            driver, f"{op} the driver refused, to learn whether it takes it: the refusal's operation", op, exc.operation
+        )
+        return False
+    return True
+
+
+def learn_setup(driver) -> Setup:
+    """Learn once whether the driver maps less than a whole handle, and at a non-zero offset (a driver whose native
+    call maps whole handles only refuses them, naming map; the host driver's mmap takes both), and whether it grants
+    access to part of a mapping (one whose native call takes whole mappings only refuses it, naming set_access).
+    Checks: P-map-offset, P-access."""
+    raw, g = driver.inner, driver.granularity()
+    va = raw.reserve(2 * g, g)
+    handle = raw.create(2 * g)
+    try:
+        parts = learn_taken(driver, "map", lambda: raw.map(va, g, handle, 0))
+        if parts:
+            raw.unmap(va, g)
+        offsets = learn_taken(driver, "map", lambda: raw.map(va, g, handle, g))
+        if offsets:
+            raw.unmap(va, g)
+        raw.map(va, 2 * g, handle, 0)
+        try:
+            partial = learn_taken(driver, "set_access", lambda: raw.set_access(va, g))
+        finally:
+            raw.unmap(va, 2 * g)
+    finally:
+        raw.release(handle)
+        raw.free(va, 2 * g)
+    host = host_kernel(driver)
+    expect(
+        offsets and parts or not host,
+        driver,
+        "map of part of a handle, at offset 0 and at a non-zero offset, on a host (mmap) driver",
+        "taken",
+        f"taken at offset 0: {parts}, at a non-zero offset: {offsets}",
+    )
+    return Setup(driver, host, offsets, parts, partial)
 
 
 class Keeper:

@@ -337,6 +337,21 @@ class ProtocolModel:
             tuple(sorted(self.access)),
         )
 
+    # -- interrupted calls --------------------------------------------------------------------------------------
+    @implements("P-interrupted")
+    def interrupted(self, op: str, *args: object) -> ProtocolModel | None:
+        """The state a call of ``op`` with ``args`` (a call this model takes) may have left when an exception
+        interrupted it, besides this one (the call never made): a copy of this model with the call made; ``None`` for
+        ``reserve`` and ``create``, whose result never reached the caller, so they must leave nothing."""
+        if op in ("reserve", "create"):
+            return None
+        done = self.clone()
+        made = getattr(done, op)(*args)
+        if made.refusal is not None:
+            raise CallerError(f"{op}{args} is refused here: an interrupted refusal changes nothing either way")
+        made.apply(None)
+        return done
+
     # -- the calls ---------------------------------------------------------------------------------------------
     @implements("P-granularity")
     def granularity(self) -> Prediction:

@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from extensible_kv.errors import DriverError
 
-from .helpers import expect, expect_equal, host_kernel
-from .protocol_checks import Setup
+from .helpers import expect
+from .protocol_checks import learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
 from .thread_machine import TwoThreadMachine
@@ -47,52 +46,6 @@ SETTINGS = {
 }
 
 
-def _learns(driver, op: str, call) -> bool:
-    """Whether ``call()`` (a ``op`` the protocol lets a driver take or refuse) was taken; a refusal must name ``op``."""
-    try:
-        call()
-    except DriverError as exc:
-        expect_equal(
-            driver, f"{op} the driver refused, to learn whether it takes it: the refusal's operation", op, exc.operation
-        )
-        return False
-    return True
-
-
-def _setup(driver) -> Setup:
-    """Learn once whether the driver maps less than a whole handle, and at a non-zero offset (a driver whose native
-    call maps whole handles only refuses them, naming map; the host driver's mmap takes both), and whether it grants
-    access to part of a mapping (one whose native call takes whole mappings only refuses it, naming set_access).
-    Checks: P-map-offset, P-access."""
-    raw, g = driver.inner, driver.granularity()
-    va = raw.reserve(2 * g, g)
-    handle = raw.create(2 * g)
-    try:
-        parts = _learns(driver, "map", lambda: raw.map(va, g, handle, 0))
-        if parts:
-            raw.unmap(va, g)
-        offsets = _learns(driver, "map", lambda: raw.map(va, g, handle, g))
-        if offsets:
-            raw.unmap(va, g)
-        raw.map(va, 2 * g, handle, 0)
-        try:
-            partial = _learns(driver, "set_access", lambda: raw.set_access(va, g))
-        finally:
-            raw.unmap(va, 2 * g)
-    finally:
-        raw.release(handle)
-        raw.free(va, 2 * g)
-    host = host_kernel(driver)
-    expect(
-        offsets and parts or not host,
-        driver,
-        "map of part of a handle, at offset 0 and at a non-zero offset, on a host (mmap) driver",
-        "taken",
-        f"taken at offset 0: {parts}, at a non-zero offset: {offsets}",
-    )
-    return Setup(driver, host, offsets, parts, partial)
-
-
 def _examples(share: float) -> int:
     """``EXTENSIBLE_KV_PROTOCOL_EXAMPLES``, else ``share`` of the profile's ``max_examples`` and at least
     ``MIN_EXAMPLES`` (the meta-tests' profile asks for 5 examples of each rule; a machine finds less in fewer)."""
@@ -102,7 +55,7 @@ def _examples(share: float) -> int:
 def test_random_protocol_calls_match_the_model(driver):
     """Random sequences of every protocol call, valid and invalid, from one thread. Checks: every sentence id
     (see ProtocolMachine's rules and its invariant)."""
-    setup = _setup(driver)
+    setup = learn_setup(driver)
     try:
         run_state_machine_as_test(
             lambda: ProtocolMachine(setup),
@@ -123,7 +76,7 @@ def test_random_protocol_calls_match_the_model(driver):
 
 def test_calls_from_two_threads_match_some_serial_order(driver):
     """The same kinds of calls from two threads at once. Checks: P-threads (see TwoThreadMachine's rules)."""
-    setup = _setup(driver)
+    setup = learn_setup(driver)
     try:
         run_state_machine_as_test(
             lambda: TwoThreadMachine(setup),
@@ -147,7 +100,7 @@ def test_every_bad_value_of_every_call_is_refused_and_named(driver):
     that takes it, on a mapped range and on a reservation, in turn, each compared with the model at once: the table
     the random rule samples from, all of it in every run; and ``accessible`` at the ends of the address space, where
     nothing is reserved: False. Checks: P-bad-value, P-refusal, P-refusal-names, P-refusal-unchanged, P-accessible."""
-    machine = ProtocolMachine(_setup(driver))
+    machine = ProtocolMachine(learn_setup(driver))
     try:
         machine.populate(sizes=[3, 2], alignment=1, pick=1)
         machine.create(granules=2)
@@ -192,7 +145,7 @@ def test_what_the_driver_never_made_is_refused_or_not_accessible(driver):
     freed again; accessible is False at addresses the process maps itself (a heap buffer, a shared file mapping, an
     anonymous shared mapping, a CPU tensor's memory: read-write memory, none of it the driver's). Checks:
     P-free-refused, P-map-inside, P-unmap-refused, P-access-refused, P-refusal, P-refusal-names, P-accessible."""
-    machine = ProtocolMachine(_setup(driver))
+    machine = ProtocolMachine(learn_setup(driver))
     keep: list = []
     try:
         g = machine.g
@@ -218,7 +171,7 @@ def test_exactly_the_free_bytes_can_be_taken(driver):
     """On a driver whose ``mem_info`` is exact (the host): with one granule held, a handle of exactly the free bytes
     is made (memory is short only past them), then one granule more is refused; both given back. Checks:
     P-create-oom, P-create-memory, P-mem-exact."""
-    setup = _setup(driver)
+    setup = learn_setup(driver)
     if not setup.host:
         pytest.skip("mem_info is exact only on the host: a GPU's free bytes move with every other user")
     machine = ProtocolMachine(setup)
@@ -236,7 +189,7 @@ def test_access_to_part_of_a_mapping_covers_that_part_only(driver):
     """A mapping of three granules, access granted to its middle granule, then to its first: only those granules
     are accessible (where the driver grants part of a mapping; elsewhere each call is refused, changing nothing).
     Checks: P-access, P-access-refused, P-accessible."""
-    machine = ProtocolMachine(_setup(driver))
+    machine = ProtocolMachine(learn_setup(driver))
     try:
         g = machine.g
         va, key = machine.do_reserve(3 * g, g), machine.do_create(3 * g)

@@ -84,6 +84,12 @@ def build(config: pytest.Config, spec: str) -> object:
     return sel.built[spec]
 
 
+def retire(config: pytest.Config, spec: str, why: str) -> None:
+    """The driver built for ``spec`` can be used no more (a rule left it waiting on its own lock): every later rule
+    fails at once naming ``why``, and the summary measures nothing on it."""
+    selection(config).built[spec] = why
+
+
 def asks_for_rules(config: pytest.Config) -> bool:
     """Whether this run is about the rules: ``--driver`` is given, or a path it collects holds or lies in the rules'
     folder (``pytest conformance``, ``pytest .`` in the checkout, ``pytest --pyargs extensible_kv_conformance``)."""

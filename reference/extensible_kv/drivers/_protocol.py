@@ -32,6 +32,11 @@ native library's own error, and changes nothing.
 [P-threads] Any call may be made from several threads at once on one driver: each takes effect whole, so what every
 call returned, and the state the driver is left in, are those of some serial order of the calls (two threads mapping
 one range: one mapping and one refusal; two threads releasing one handle: one release and one refusal).
+[P-interrupted] An exception raised inside a call while it runs (a ``KeyboardInterrupt`` from a signal handler, at any
+line of the driver's own Python code) comes out of the call and leaves the call done whole or not at all: ``reserve``
+and ``create``, whose result never reaches the caller, hold nothing afterwards; any other call leaves the state of
+the call made or of the call never made, so the same call made again is taken or refused as that state says; and
+every later call, from any thread, behaves as the protocol says for that state (no lock is left held).
 
 The rules call the driver itself, not through ``Ledger``, so they reach its own refusals. Each method's docstring
 also names the single-purpose rules that check it (in ``conformance/test_driver_contract.py``,
