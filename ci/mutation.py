@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tensor.py", "granules.py", "layout.py", "kv_cache.py", "drivers/host.py", "drivers/ledger.py")
 EQUIVALENT = ROOT / "ci" / "mutation-equivalent.json"
+OUTSIDE = ROOT / "ci" / "mutation-outside-rules.json"
+"""With ``--rules-only``: mutants of code the protocol does not speak of (the host driver's constructor arguments, its
+messages where it cannot run), each with a one-line reason; left out of the rules-alone score and counted apart."""
 WORK = ROOT / "reports" / "out" / "mutation-work"
 RESULT = re.compile(r"^\s*(extensible_kv\.\S+): (.+)$")
 KILLED = {"killed", "timeout", "segfault"}
@@ -67,6 +70,10 @@ timeout_multiplier = 4.0
 timeout_constant = 10.0
 pytest_add_cli_args_test_selection = [{selection}, {ignored}]
 """
+ONCE_PER_PROCESS = ("x__lib__", "x_probe__", "ǁ__init____")
+"""Mutants of functions whose effect is fixed once per process (the libc binding cached in a module global, the
+probe and the constructor of the driver the rules share): Note [Built once, tested once]."""
+FRESH_LIMIT_S = 900
 RULES_ONLY_FILES = ("drivers/host.py", "drivers/records.py")
 """What ``--rules-only`` mutates by default: the host driver and its record checks, the code a backend team's driver
 stands in for. Note [The rules alone]."""
@@ -130,6 +137,36 @@ def _forget_survivors() -> None:
         meta.write_text(json.dumps(data))
 
 
+# Note [Built once, tested once]
+#     mutmut runs the tests once in its own process, then forks a child per mutant that runs the tests calling the
+#     mutated function. Code that runs once per process escapes that: the parent has bound libc already (a mutant of
+#     ``_lib`` never runs), and the shared driver is built by the first rule that asks for it, so a mutant of its
+#     constructor meets that rule alone (a held count of 1 survived, which the first mem_info rule would catch).
+#     With ``--rules-only``, every surviving mutant of such a function not listed as equivalent is tested again in a
+#     fresh interpreter (``MUTANT_UNDER_TEST`` set, the whole rule selection, ``-x``, as ``check-driver`` runs
+#     them); one the rules fail there is killed.
+def _fresh_process(results: dict[str, str], equivalent: dict[str, str], limit_s: float) -> dict[str, str]:
+    """``results`` with every once-per-process survivor that the whole rule selection kills in a fresh process
+    marked killed; each run stops at ``limit_s`` (counted killed, as mutmut counts a timeout)."""
+    out = dict(results)
+    mutants = WORK / "mutants"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(mutants / "src"), str(mutants)]))
+    for name, status in sorted(results.items()):
+        if status != "survived" or name in equivalent or not any(p in name for p in ONCE_PER_PROCESS):
+            continue
+        args = [sys.executable, "-m", "pytest", "conformance", "--driver", "host-4k", "-p", "no:cacheprovider",
+                "-q", "-x", "--hypothesis-profile=extensible-kv-meta", "-n", "2"]  # fmt: skip
+        try:
+            code = subprocess.run(
+                args, cwd=mutants, env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True, timeout=limit_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+        out[name] = "survived" if code == 0 else "killed"
+        print(f"fresh process: {name}: {out[name]} (exit {code})", flush=True)
+    return out
+
+
 def _results() -> dict[str, str]:
     out = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],
@@ -141,25 +178,33 @@ def _results() -> dict[str, str]:
     return {m.group(1): m.group(2).strip() for m in map(RESULT.match, out.splitlines()) if m}
 
 
-def score(results: dict[str, str], equivalent: dict[str, str], files: list[str]) -> dict:
-    """Per-file counts and score, and every surviving mutant not listed as equivalent."""
+def score(
+    results: dict[str, str], equivalent: dict[str, str], files: list[str], outside: dict[str, str] | None = None
+) -> dict:
+    """Per-file counts and score, and every surviving mutant not listed as equivalent (or, where ``outside`` is
+    given, as outside the protocol: counted apart, left out of the score like an equivalent)."""
     rows, survivors = {}, []
+    outside = outside or {}
     for f in files:
         mine = {m: s for m, s in results.items() if _module_file(m) == f}
         counts = Counter("killed" if s in KILLED else s for s in mine.values())
         eq = sorted(m for m in mine if m in equivalent and mine[m] not in KILLED)
-        considered = len(mine) - len(eq)
+        out = sorted(m for m in mine if m in outside and m not in equivalent and mine[m] not in KILLED)
+        considered = len(mine) - len(eq) - len(out)
         rows[f] = {
             "mutants": len(mine),
             "killed": counts["killed"],
             "equivalent": len(eq),
-            "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq),
-            "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq),
+            **({"outside_protocol": len(out)} if outside else {}),
+            "survived": counts["survived"] - sum(mine[m] == "survived" for m in eq + out),
+            "no_tests": counts["no tests"] - sum(mine[m] == "no tests" for m in eq + out),
             "not_checked": counts["not checked"],
             "score": round(counts["killed"] / considered, 4) if considered else None,
         }
         survivors += [
-            {"mutant": m, "status": s} for m, s in sorted(mine.items()) if s not in KILLED and m not in equivalent
+            {"mutant": m, "status": s}
+            for m, s in sorted(mine.items())
+            if s not in KILLED and m not in equivalent and m not in outside
         ]
     return {"files": rows, "survivors": survivors}
 
@@ -254,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 return run.returncode
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
-    report = {"tool": "mutmut", "driver": "host-4k", **score(_results(), equivalent, files)}
+    results = _results()
+    if args.rules_only:  # Note [Built once, tested once]
+        results = _fresh_process(results, equivalent, FRESH_LIMIT_S)
+    outside = json.loads(OUTSIDE.read_text()) if args.rules_only and OUTSIDE.exists() else None
+    report = {"tool": "mutmut", "driver": "host-4k", **score(results, equivalent, files, outside)}
     if args.rules_only:  # beside the full run's result, in the same file
         out = Path(args.out)
         whole = json.loads(out.read_text()) if out.exists() else {}

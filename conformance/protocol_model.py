@@ -698,6 +698,11 @@ class ProtocolModel:
             h.extents = sorted([*kept, new], key=lambda e: e.lo)
 
 
+MAY_BE_MEMORY = ("P-reserve-too-large", "P-native-failure")
+"""Refusals whose native cause may be a lack of memory (address space, the kernel's own memory): a
+``DriverOutOfMemory`` is a right answer there; every other refusal is not for lack of memory."""
+
+
 @implements("P-refusal", "P-oom", "P-native-failure")
 def judge(prediction: Prediction, raised: BaseException | None) -> str | None:
     """Whether a call that raised ``raised`` (None: returned) did what ``prediction`` says: a refusal is a
@@ -711,6 +716,8 @@ def judge(prediction: Prediction, raised: BaseException | None) -> str | None:
     want = DriverOutOfMemory if refusal.oom else DriverError
     if not isinstance(raised, want):
         return f"expected {refusal}, got {type(raised).__name__}: {raised}"
+    if isinstance(raised, DriverOutOfMemory) and not refusal.oom and refusal.sentence not in MAY_BE_MEMORY:
+        return f"expected {refusal}, got DriverOutOfMemory, which says memory ran short (P-oom): {raised}"
     if raised.operation != refusal.op:
         return f"expected {refusal}, got a {type(raised).__name__} naming operation {raised.operation!r}: {raised}"
     return None

@@ -48,6 +48,32 @@ def test_score_counts_timeouts_and_faults_as_killed_and_leaves_equivalents_out()
     )
 
 
+def test_score_with_the_rules_alone_counts_mutants_outside_the_protocol_apart():
+    results = {
+        HOST.format(1): "killed",
+        HOST.format(2): "survived",
+        HOST.format(3): "no tests",
+        HOST.format(4): "killed",
+    }
+    outside = {HOST.format(2): "constructor argument", HOST.format(3): "constructor argument", HOST.format(4): "x"}
+    got = mutation.score(results, {}, ["drivers/host.py"], outside)
+    host = got["files"]["drivers/host.py"]
+    expected = {
+        "mutants": 4,
+        "killed": 2,
+        "equivalent": 0,
+        "outside_protocol": 2,
+        "survived": 0,
+        "no_tests": 0,
+        "not_checked": 0,
+        "score": 1.0,
+    }
+    assert (host, got["survivors"]) == (expected, []), (
+        f"score(drivers/host.py) with two survivors outside the protocol and one listed there but killed: "
+        f"expected {expected} and no survivor, got {host} and {got['survivors']}"
+    )
+
+
 def test_merge_joins_runs_over_disjoint_files_and_refuses_a_file_scored_twice(tmp_path):
     a = {"tool": "mutmut", "driver": "host-4k", "files": {"granules.py": {"score": 1.0}}, "survivors": []}
     b = {
