@@ -21,21 +21,17 @@ MAX_ALIVE_HANDLES = 14
 MANY_MAPPINGS = 24  # one-granule mappings at once, in one example in four
 PICK = st.integers(0, 255)
 
+BAD_ARGUMENTS = ("va", "size", "offset")  # reserve's alignment stands where the offset is
+BAD_KINDS = ("low", "negative", "2**63", "false", "true", "float")
 BAD_VALUES = (
-    "size_zero",
-    "size_negative",
-    "va_negative",
-    "offset_negative",
-    "size_2**63",
-    "va_2**63",
-    "offset_2**63",
+    *(f"{arg}_{kind}" for arg in BAD_ARGUMENTS for kind in BAD_KINDS),
     "range_to_2**63",
     "offset_to_2**63",
     "range_past_2**63",
-    "size_bool",
-    "va_float",
 )
-"""The kinds of value ``bad_value`` passes (P-bad-value): below the bound, at 2**63, and ranges reaching it."""
+"""The kinds of value ``bad_value`` passes (P-bad-value): every value of a call (address, size, offset or alignment)
+just below its bound (a size of 0, an address or offset of -1), negative, at 2**63, a ``bool`` (``False`` and
+``True``, which Python takes for 0 and 1) and a ``float``; and ranges reaching or passing 2**63."""
 BAD_VALUE_CALLS = ("reserve", "free", "create", "map", "unmap", "set_access", "zero")
 
 # Where writes and zeros start relative to a granule boundary inside an accessible run, and how long they are:
@@ -498,41 +494,52 @@ class ProtocolMachine(ProtocolChecks):
         else:
             self.call(prediction, *args)
 
+    def _valid_call(self, op: str, pick: int) -> tuple[int, int, int]:
+        """``(va, size, offset)`` of a call of ``op`` the protocol takes here, where the state has one: a map into an
+        unmapped granule, an unmap or set_access of a whole mapping, a free of a reservation without mappings, a zero
+        of an accessible granule; else a range of the first mapping or reservation, or one far from all of them."""
+        g, ms, rs = self.g, self._mappings(), self._reservations()
+        empty = [r for r in rs if not self.model.mappings_in(r)]
+        runs = self.model.accessible_runs()
+        found = {
+            "map": (self._unmapped_granule(pick), g),
+            "unmap": (ms[pick % len(ms)].va, ms[pick % len(ms)].size) if ms else (None, g),
+            "set_access": (ms[pick % len(ms)].va, ms[pick % len(ms)].size) if ms else (None, g),
+            "free": (empty[pick % len(empty)].va, empty[pick % len(empty)].size) if empty else (None, g),
+            "zero": (runs[pick % len(runs)][0], g) if runs else (None, g),
+        }.get(op, (None, g))
+        if found[0] is None:
+            return (ms[pick % len(ms)].va if ms else rs[pick % len(rs)].va if rs else 1 << 40), g, 0
+        return found[0], found[1], 0
+
     @rule(op=st.sampled_from(BAD_VALUE_CALLS), kind=st.sampled_from(BAD_VALUES), pick=PICK)
     def bad_value(self, op, kind, pick):
         """A value that is no int, a size below 1, a negative address or offset, a value or range reaching 2**63:
         refused before any native call, nothing changed, the value named. Checks: P-bad-value, P-refusal,
         P-refusal-names, P-refusal-unchanged."""
+        va, size, offset = self._valid_call(op, pick)  # one bad value in a call that is valid otherwise
         g = self.g
-        ms, rs = self._mappings(), self._reservations()
-        va, size, offset = (ms[pick % len(ms)].va if ms else rs[pick % len(rs)].va if rs else 1 << 40), g, 0
-        if kind == "size_zero":
-            size = 0
-        elif kind == "size_negative":
-            size = -g
-        elif kind == "va_negative":
-            va = -g
-        elif kind == "offset_negative":
-            offset = -g
-        elif kind == "size_2**63":
-            size = MAX_BYTES
-        elif kind == "va_2**63":
-            va = MAX_BYTES
-        elif kind == "offset_2**63":
-            offset = MAX_BYTES
-        elif kind == "range_to_2**63":  # each value below 2**63, their sum exactly 2**63
+        arg, _, what = kind.partition("_")
+        if kind == "range_to_2**63":  # each value below 2**63, their sum exactly 2**63
             va, size = MAX_BYTES // 2, MAX_BYTES // 2
         elif kind == "offset_to_2**63":
             offset = MAX_BYTES - va - size
-        elif kind == "size_bool":  # Python takes True for 1
-            size = True
-        elif kind == "va_float":
-            va = float(va)
-        else:
+        elif kind == "range_past_2**63":
             va, size = MAX_BYTES - g, 2 * g
+        else:
+            normal = {"va": va, "size": size, "offset": offset or g}[arg]
+            value = {
+                "low": 0 if arg == "size" else -1,
+                "negative": -g,
+                "2**63": MAX_BYTES,
+                "false": False,
+                "true": True,
+                "float": float(normal),
+            }[what]
+            va, size, offset = (value if arg == a else v for a, v in (("va", va), ("size", size), ("offset", offset)))
         key = self._pick_handle(pick)
         if op == "reserve":  # the offset stands for the alignment here
-            args = (size, offset or g)
+            args = (size, offset if arg == "offset" else g)
         elif op == "create":
             args = (size,)
         elif op == "map":

@@ -96,10 +96,11 @@ def test_calls_from_two_threads_match_some_serial_order(driver):
 
 
 def test_every_bad_value_of_every_call_is_refused_and_named(driver):
-    """Every kind of bad value (``BAD_VALUES``: below the bound, at 2**63, ranges reaching it) passed to every call
-    that takes it, on a mapped range and on a reservation, in turn, each compared with the model at once: the table
-    the random rule samples from, all of it in every run; and ``accessible`` at the ends of the address space, where
-    nothing is reserved: False. Checks: P-bad-value, P-refusal, P-refusal-names, P-refusal-unchanged, P-accessible."""
+    """Every kind of bad value (``BAD_VALUES``: each value of the call below its bound, negative, at 2**63, a bool or a
+    float; ranges reaching 2**63) passed to every call that takes it, in a call that is valid otherwise, in turn, each
+    compared with the model at once: the table the random rule samples from, all of it in every run; and ``accessible``
+    at the ends of the address space, where nothing is reserved: False. Checks: P-bad-value, P-refusal, P-refusal-names,
+    P-refusal-unchanged, P-accessible."""
     machine = ProtocolMachine(learn_setup(driver))
     try:
         machine.populate(sizes=[3, 2], alignment=1, pick=1)
@@ -197,5 +198,63 @@ def test_access_to_part_of_a_mapping_covers_that_part_only(driver):
             for start in (va + g, va):
                 machine.do_set_access(start, g)
                 machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
+
+
+def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver):
+    """A reservation of seven granules holding a mapping of three granules at its second granule and one of one
+    granule at its sixth (unmapped granules before, between and after them), and every range of whole granules from
+    one granule before the reservation to one past it: set_access, unmap (mapped again when taken), map of a fresh
+    handle (unmapped again when taken) and free, each judged against the model (taken, or refused naming a value)
+    and every observable checked after each range: every start and end that a driver's range arithmetic can get
+    wrong, at every boundary. Checks: P-access, P-access-refused, P-unmap, P-unmap-refused, P-map, P-map-overlap,
+    P-map-inside, P-free-refused, P-refusal-names, P-refusal-unchanged."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g = machine.g
+        va, a, b = machine.do_reserve(7 * g, g), machine.do_create(3 * g), machine.do_create(g)
+        if va is None or a is None or b is None or not machine.do_map(va + g, 3 * g, a):
+            return
+        machine.do_map(va + 5 * g, g, b)
+        for lo in range(-1, 7):
+            for hi in range(lo + 1, 9):
+                start, size = va + lo * g, (hi - lo) * g
+                machine.do_set_access(start, size)
+                mapping = machine.model.mappings.get(start)
+                if machine.do_unmap(start, size):
+                    machine.do_map(start, size, mapping.handle, mapping.offset)
+                key = machine.do_create(size)
+                if key is not None:
+                    if machine.do_map(start, size, key):
+                        machine.do_unmap(start, size)
+                    machine.do_release(key)
+                machine.do_free(start, size)
+                machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
+
+
+RESERVE_GRANULES = (1, 2, 3, 15, 16, 17, 63, 64, 65, 511, 512, 513)
+"""Sizes on each side of those where a kernel or a driver may change how it places a range (huge pages, a cache of
+small ranges, a fast path for large ones)."""
+RESERVE_ALIGNMENTS = (1, 2, 4, 64)
+
+
+def test_reservations_of_every_size_class_are_aligned_exact_and_disjoint(driver):
+    """Reservations of 1 to 513 granules (``RESERVE_GRANULES``) at alignments of 1, 2, 4 and 64 granules, three of
+    each held at once: each aligned, disjoint from the others and from every live reservation, on the host exactly its
+    range in the kernel's maps; then freed, the address space given back, and every observable as the model says.
+    Checks: P-reserve-aligned, P-reserve-disjoint, P-reserve-kernel, P-free, P-free-kernel."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g = machine.g
+        for n in RESERVE_GRANULES:
+            for alignment in RESERVE_ALIGNMENTS:
+                vas = [machine.do_reserve(n * g, alignment * g) for _ in range(3)]
+                for va in vas:
+                    if va is not None:
+                        machine.do_free(va, n * g)
+        machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
