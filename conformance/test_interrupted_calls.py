@@ -36,12 +36,13 @@ SCENARIOS = (
     "map",
     "set_access",
     "release",
+    "free_used",
     "release_mapped",
     "unmap_last",
     "unmap_shared",
 )
-"""Each call in the states where its paths differ: a handle released while mapped or not, the last mapping of a
-released handle or one of two."""
+"""Each call in the states where its paths differ: a reservation fresh or mapped and unmapped again (several kernel
+rows), a handle released while mapped or not, the last mapping of a released handle or one of two."""
 LOCK_WAIT_S = 30.0
 """How long another thread's reserve and free may take after an interrupted call before the rule says a lock was
 left held."""
@@ -106,6 +107,13 @@ def prepare(m: ProtocolMachine, scenario: str) -> tuple[str, tuple, int | None]:
     va = m.do_reserve(4 * g, 2 * g)
     if scenario == "free":
         return "free", (va, 4 * g), None
+    if scenario == "free_used":  # granules mapped and unmapped at both ends: the kernel may show several rows
+        for at in (va, va + 3 * g):
+            key = m.do_create(g)
+            m.do_map(at, g, key)
+            m.do_release(key)
+            m.do_unmap(at, g)
+        return "free", (va, 4 * g), None
     key = m.do_create(3 * g)
     if scenario == "release":
         return "release", (key,), key
@@ -132,6 +140,18 @@ def driver_args(m: ProtocolMachine, op: str, args: tuple) -> tuple:
     if op == "map":
         return (*args[:2], m.objects[args[2]], args[3])
     return args
+
+
+def state_is(m: ProtocolMachine, model: ProtocolModel) -> str | None:
+    """Whether every observable matches ``model``: None, or the first that does not."""
+    saved, m.model = m.model, model
+    try:
+        m._check_everything()
+    except AssertionError as exc:
+        return str(exc)
+    finally:
+        m.model = saved
+    return None
 
 
 def made_again(done: ProtocolModel, op: str, args: tuple) -> Prediction:
@@ -199,6 +219,16 @@ def interrupted_call(m: ProtocolMachine, scenario: str, files: frozenset[str], n
         expect(not gained, m.driver, f"{where}: reserved address space the kernel holds since", "none", gained)
     others_go_through(m, where)
     done = m.model.interrupted(op, *args)
+    not_made = state_is(m, m.model)
+    if not_made is not None:  # not the state of the call never made: it must be that of the call made
+        made = state_is(m, done) if done is not None else f"{op} must hold nothing when interrupted"
+        expect(
+            made is None,
+            m.driver,
+            f"{where}: the state left",
+            "that of the call made or of the call never made",
+            f"neither: not made because {not_made}; made because {made}",
+        )
     if done is not None:  # settle it: the same call again, taken if it was never made, as the model says if it was
         again, if_made = getattr(m.model, op)(*args), made_again(done, op, args)
         taken, _ = m.call(again, *raw_args, key=key, or_refused=if_made)
