@@ -164,9 +164,9 @@ def test_a_driver_built_again_starts_empty_and_serves(driver, driver_spec):
     """The driver's spec built once more in this process (the rules share one driver per session, built before the
     first rule; this checks a driver's first state and its first calls): the same name, device, granularity and
     ``mem_info`` total as the driver under test, nothing held yet (on the host ``free == total``: P-mem-exact; elsewhere
-    ``0 <= free <= total``: P-mem-bounds), and a first reserve, create, map, set_access, zero and read that work and
-    give every byte back. Checks: P-granularity, P-mem-bounds, P-mem-exact, P-tensor-device, P-zero,
-    P-release-returns."""
+    ``0 <= free <= total``: P-mem-bounds), and a first reserve, create, map (at the default offset), set_access, zero
+    and read that work and give every byte back. Checks: P-granularity, P-mem-bounds, P-mem-exact, P-tensor-device,
+    P-zero, P-release-returns."""
     fresh = drivers.get_driver(driver_spec)
     for what, mine, theirs in (
         ("name", driver.name, fresh.name),
@@ -185,7 +185,7 @@ def test_a_driver_built_again_starts_empty_and_serves(driver, driver_spec):
     try:
         handle = fresh.create(2 * g)
         try:
-            fresh.map(va, 2 * g, handle, 0)
+            fresh.map(va, 2 * g, handle)  # the offset left to its default, 0, as ExtensibleTensor calls it
             try:
                 fresh.set_access(va, 2 * g)
                 view = fresh.tensor(va, 2 * g, None)
