@@ -86,7 +86,8 @@ def build(config: pytest.Config, spec: str) -> object:
 
 def retire(config: pytest.Config, spec: str, why: str) -> None:
     """The driver built for ``spec`` can be used no more (a rule left it waiting on its own lock): every later rule
-    fails at once naming ``why``, and the summary measures nothing on it."""
+    fails at once naming ``why`` (is skipped naming it, where ``--driver`` did not name the driver; the rule that
+    retired it has failed), and the summary measures nothing on it."""
     selection(config).built[spec] = why
 
 
