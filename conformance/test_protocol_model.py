@@ -258,3 +258,32 @@ def test_reservations_of_every_size_class_are_aligned_exact_and_disjoint(driver)
         machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
+
+
+def test_a_handle_mapped_in_parts_is_held_until_its_last_mapping_goes(driver):
+    """A handle of three granules mapped in parts (where the driver takes offsets: granule by granule at its own
+    offsets, and two granules of it again at a second address), released, then unmapped one mapping at a time in each
+    order: its memory is held, and every observable as the model says, until its last mapping goes; whole-handle
+    mappings where the driver takes no offsets. Checks: P-release-mapped, P-release-returns, P-mem-exact,
+    P-map-offset, P-map-shared, P-unmap."""
+    setup = learn_setup(driver)
+    for order in (1, -1):
+        machine = ProtocolMachine(setup)
+        try:
+            g = machine.g
+            va, other, key = machine.do_reserve(3 * g, g), machine.do_reserve(2 * g, g), machine.do_create(3 * g)
+            if va is None or other is None or key is None:
+                return
+            if machine.model.offsets and machine.model.parts:
+                parts = [(va + i * g, g, i * g) for i in range(3)] + [(other, 2 * g, g)]
+            else:
+                parts = [(va, 3 * g, 0)]
+            for at, size, offset in parts:
+                machine.do_map(at, size, key, offset)
+            machine.do_release(key)
+            machine.every_observable_matches_the_model()
+            for at, size, _ in parts[::order]:
+                machine.do_unmap(at, size)
+                machine.every_observable_matches_the_model()
+        finally:
+            machine.teardown()
