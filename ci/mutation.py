@@ -145,14 +145,15 @@ def _forget_survivors() -> None:
 #     With ``--rules-only``, every surviving mutant of such a function not listed as equivalent is tested again in a
 #     fresh interpreter (``MUTANT_UNDER_TEST`` set, the whole rule selection, ``-x``, as ``check-driver`` runs
 #     them); one the rules fail there is killed.
-def _fresh_process(results: dict[str, str], equivalent: dict[str, str], limit_s: float) -> dict[str, str]:
-    """``results`` with every once-per-process survivor that the whole rule selection kills in a fresh process
-    marked killed; each run stops at ``limit_s`` (counted killed, as mutmut counts a timeout)."""
+def _fresh_process(results: dict[str, str], listed: dict[str, str], limit_s: float) -> dict[str, str]:
+    """``results`` with every once-per-process survivor not ``listed`` (equivalent, or outside the protocol) that
+    the whole rule selection kills in a fresh process marked killed; each run stops at ``limit_s`` (counted killed,
+    as mutmut counts a timeout)."""
     out = dict(results)
     mutants = WORK / "mutants"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(mutants / "src"), str(mutants)]))
     for name, status in sorted(results.items()):
-        if status != "survived" or name in equivalent or not any(p in name for p in ONCE_PER_PROCESS):
+        if status != "survived" or name in listed or not any(p in name for p in ONCE_PER_PROCESS):
             continue
         args = [sys.executable, "-m", "pytest", "conformance", "--driver", "host-4k", "-p", "no:cacheprovider",
                 "-q", "-x", "--hypothesis-profile=extensible-kv-meta", "-n", "2"]  # fmt: skip
@@ -300,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                 return run.returncode
     equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
     results = _results()
-    if args.rules_only:  # Note [Built once, tested once]
-        results = _fresh_process(results, equivalent, FRESH_LIMIT_S)
     outside = json.loads(OUTSIDE.read_text()) if args.rules_only and OUTSIDE.exists() else None
+    if args.rules_only:  # Note [Built once, tested once]
+        results = _fresh_process(results, {**equivalent, **(outside or {})}, FRESH_LIMIT_S)
     report = {"tool": "mutmut", "driver": "host-4k", **score(results, equivalent, files, outside)}
     if args.rules_only:  # beside the full run's result, in the same file
         out = Path(args.out)
