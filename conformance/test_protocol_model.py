@@ -105,6 +105,7 @@ def test_every_bad_value_of_every_call_is_refused_and_named(driver):
     try:
         machine.populate(sizes=[3, 2], alignment=1, pick=1)
         machine.create(granules=2)
+        machine.reserve(granules=2, alignment=1)  # an empty reservation: a free that is valid but for one value
         for op in BAD_VALUE_CALLS:
             for kind in BAD_VALUES:
                 for pick in (0, 1):
