@@ -57,7 +57,15 @@ Note [One lock over records and native calls]
     are atomic). On the H200 (2026-12-04, ``reports/runs/h200-2026-12-04/``) the two-thread protocol rule, with
     ``cuMemSetAccess`` called after the lock was dropped, left ``cuMemSetAccess`` failing with
     CUDA_ERROR_ALREADY_MAPPED on later fresh mappings of the process, and 33 later rules of the same worker failed;
-    the lock has covered ``cuMemSetAccess`` since, not yet run on the H200.
+    the lock has covered ``cuMemSetAccess`` since. Each locked section is one line (Note [Locked sections are one
+    line] in ``reaper``) and runs inside ``reaper.busy()``, as on the host.
+
+Note [Every call is whole, even when interrupted]
+    As on the host (the note of that name in ``host``), an exception may land on any line: each call does all of
+    its effect or none. Each native call's result tuple is stored by C (``got.extend(map(cuMemX, ...))``: Note [A
+    result is stored by C] in ``host``), so the ``except`` clause knows whether CUDA did it: ``reserve``,
+    ``create`` and ``map`` are then undone, ``free``, ``release`` and ``unmap`` (which cannot be) finish their
+    records. The rule is ``conformance/test_interrupted_calls.py``.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ..reaper import busy
 from ._device_array import DeviceArray
 from .records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
 
@@ -148,52 +157,112 @@ class CudaDriver:
 
     def reserve(self, size: int, alignment: int) -> int:
         check_range("reserve", size=size, alignment=alignment)
-        va = int(self._call("reserve", "cuMemAddressReserve", size, alignment, 0, 0))
-        with self._lock:
-            self._reservations[va] = size
-        return va
+        self._make_current()
+        got: list[tuple] = []
+        try:  # given back unless returned: Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemAddressReserve, [size], [alignment], [0], [0]))
+            va = int(self._check("cuMemAddressReserve", got[0], "reserve", (size, alignment)))
+            with busy(), self._lock: self._reservations[va] = size  # fmt: skip
+            return va
+        except BaseException:
+            if self._succeeded(got):
+                va = int(got[0][1])
+                with busy(), self._lock: self._reservations.pop(va, None)  # fmt: skip
+                self._cu.cuMemAddressFree(va, size)
+            raise
 
     def free(self, va: int, size: int) -> None:
         check_range("free", va=va, size=size)
-        with self._lock:
-            check_free(va, size, self._reservations.get(va) == size, self._mappings)
-            self._call("free", "cuMemAddressFree", va, size)
+        with busy(), self._lock: return self._free(va, size)  # fmt: skip
+
+    def _free(self, va: int, size: int) -> None:
+        check_free(va, size, self._reservations.get(va) == size, self._mappings)
+        self._make_current()
+        got: list[tuple] = []
+        try:  # the records follow what CUDA did: Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemAddressFree, [va], [size]))
+            self._check("cuMemAddressFree", got[0], "free", (va, size))
             del self._reservations[va]
+        except BaseException:
+            if self._succeeded(got):
+                self._reservations.pop(va, None)
+            raise
 
     def create(self, size: int) -> int:
         check_range("create", size=size)
-        handle = int(self._call("create", "cuMemCreate", size, self._prop, 0))
-        with self._lock:
-            self._live.add(handle)
-        return handle
+        self._make_current()
+        got: list[tuple] = []
+        try:  # released unless returned: Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemCreate, [size], [self._prop], [0]))
+            handle = int(self._check("cuMemCreate", got[0], "create", (size,)))
+            with busy(), self._lock: self._live.add(handle)  # fmt: skip
+            return handle
+        except BaseException:
+            if self._succeeded(got):
+                handle = int(got[0][1])
+                with busy(), self._lock: self._live.discard(handle)  # fmt: skip
+                self._cu.cuMemRelease(handle)
+            raise
 
     def release(self, handle: int) -> None:
-        with self._lock:
-            self._check_live("release", handle)
-            self._call("release", "cuMemRelease", handle)
+        with busy(), self._lock: return self._release(handle)  # fmt: skip
+
+    def _release(self, handle: int) -> None:
+        self._check_live("release", handle)
+        self._make_current()
+        got: list[tuple] = []
+        try:  # Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemRelease, [handle]))
+            self._check("cuMemRelease", got[0], "release", (handle,))
             self._live.discard(handle)
+        except BaseException:
+            if self._succeeded(got):
+                self._live.discard(handle)
+            raise
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
         check_range("map", va=va, size=size, offset=offset)
-        with self._lock:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, self._mappings.items())
-            self._check_live("map", handle)
-            self._call("map", "cuMemMap", va, size, offset, handle, 0)
+        with busy(), self._lock: return self._map(va, size, handle, offset)  # fmt: skip
+
+    def _map(self, va: int, size: int, handle: int, offset: int) -> None:
+        check_inside("map", va, size, self._reservations.items())
+        check_no_overlap(va, size, self._mappings.items())
+        self._check_live("map", handle)
+        self._make_current()
+        got: list[tuple] = []
+        try:  # undone unless recorded: Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemMap, [va], [size], [offset], [handle], [0]))
+            self._check("cuMemMap", got[0], "map", (va, size, offset, handle))
             self._mappings[va] = size
+        except BaseException:
+            if self._succeeded(got) and va not in self._mappings:
+                self._cu.cuMemUnmap(va, size)
+            raise
 
     def unmap(self, va: int, size: int) -> None:
         check_range("unmap", va=va, size=size)
-        with self._lock:
-            check_one_mapping(va, size, self._mappings.get(va))
-            self._call("unmap", "cuMemUnmap", va, size)
+        with busy(), self._lock: return self._unmap(va, size)  # fmt: skip
+
+    def _unmap(self, va: int, size: int) -> None:
+        check_one_mapping(va, size, self._mappings.get(va))
+        self._make_current()
+        got: list[tuple] = []
+        try:  # the records follow what CUDA did: Note [Every call is whole, even when interrupted]
+            got.extend(map(self._cu.cuMemUnmap, [va], [size]))
+            self._check("cuMemUnmap", got[0], "unmap", (va, size))
             del self._mappings[va]
+        except BaseException:
+            if self._succeeded(got):
+                self._mappings.pop(va, None)
+            raise
 
     def set_access(self, va: int, size: int) -> None:
         check_range("set_access", va=va, size=size)
-        with self._lock:  # the check and the native call together: Note [One lock over records and native calls]
-            mapped_parts(va, size, self._mappings.items())
-            self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
+        with busy(), self._lock: return self._set_access(va, size)  # fmt: skip
+
+    def _set_access(self, va: int, size: int) -> None:
+        mapped_parts(va, size, self._mappings.items())  # with the native call: Note [One lock over records and ...]
+        self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
         check_range("zero", va=va, size=size)
@@ -226,6 +295,10 @@ class CudaDriver:
             raise DriverError(
                 op, f"handle {handle:#x} is not a live handle of this driver (released already, or not made by it)"
             )
+
+    def _succeeded(self, got: list[tuple]) -> bool:
+        """Whether the native call whose result ``got`` holds (stored by C, or empty) succeeded."""
+        return bool(got) and got[0][0] == self._cu.CUresult.CUDA_SUCCESS
 
     def _make_current(self) -> None:  # Note [Current context]
         if getattr(self._local, "ready", False):
