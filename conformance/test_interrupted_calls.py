@@ -15,7 +15,6 @@ rule then checks each call once, uninterrupted.
 from __future__ import annotations
 
 import inspect
-import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import expect
+from .line_trap import Interrupt, LineTrap
 from .kernel_view import KernelView
 from .plugin.selection import retire
 from .protocol_checks import learn_setup
@@ -50,10 +50,6 @@ MAX_LINES = 400
 """Line events of one uninterrupted call past which the rule interrupts only the first ``MAX_LINES``."""
 
 
-class Interrupt(KeyboardInterrupt):
-    """The KeyboardInterrupt the rule raises inside a driver call (so a real Ctrl-C is never mistaken for it)."""
-
-
 def driver_files(raw: object) -> frozenset[str]:
     """The source files of the driver's class and of every base class outside the standard library."""
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -66,34 +62,6 @@ def driver_files(raw: object) -> frozenset[str]:
         if path.is_file() and stdlib not in path.parents:
             files.add(str(path))
     return frozenset(files)
-
-
-class LineTrap:
-    """A trace function counting the line events of frames whose code lies in ``files``; raises ``Interrupt`` at
-    the ``n``-th (``n == 0``: never) and records where. Installed by ``with trap:`` for the calling thread."""
-
-    def __init__(self, files: frozenset[str], n: int) -> None:
-        self.files, self.n, self.lines, self.fired = files, n, 0, None
-        self._saved = None
-
-    def __call__(self, frame, event, arg):
-        return self._line if str(Path(frame.f_code.co_filename).resolve()) in self.files else None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.lines += 1
-            if self.lines == self.n:
-                self.fired = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
-                raise Interrupt(self.fired)
-        return self._line
-
-    def __enter__(self) -> LineTrap:
-        self._saved = sys.gettrace()
-        sys.settrace(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.settrace(self._saved)
 
 
 def prepare(m: ProtocolMachine, scenario: str) -> tuple[str, tuple, int | None]:
@@ -190,7 +158,7 @@ def interrupted_call(m: ProtocolMachine, scenario: str, files: frozenset[str], n
     raw_args = driver_args(m, op, args)
     prediction = getattr(m.model, op)(*args)
     made_key = next(m.keys) if op == "create" else None
-    trap = LineTrap(files, n)
+    trap = LineTrap(lambda name: str(Path(name).resolve()) in files, n)
     before = KernelView() if m.setup.host and op == "reserve" else None
     try:
         m.call(

@@ -29,6 +29,7 @@ import torch
 
 import extensible_kv
 from conformance.helpers import shared_pattern
+from conformance.line_trap import Interrupt, LineTrap
 from extensible_kv.drivers import host
 from extensible_kv.drivers.host import PAGE_BYTES, HostDriver
 from extensible_kv.errors import DriverError, FailedStateError
@@ -90,31 +91,6 @@ class Kernel:
         return found
 
 
-class Interrupt(KeyboardInterrupt):
-    """The KeyboardInterrupt the trace hook raises (so a real Ctrl-C is never mistaken for it)."""
-
-
-class LineTrap:
-    """A trace function counting the line events of the package's frames; it raises ``Interrupt`` at the ``n``-th
-    (``n == 0``: never) and records where."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.lines = 0
-        self.fired: str | None = None
-
-    def __call__(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(PACKAGE) else None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.lines += 1
-            if self.lines == self.n:
-                self.fired = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
-                raise Interrupt(self.fired)
-        return self._line
-
-
 def trapped(step: Callable[[], object], n: int) -> tuple[LineTrap, BaseException | None, list[str]]:
     """Run ``step`` with a ``LineTrap(n)`` installed; return the trap, the ``Interrupt`` that came out of the step
     (``None`` if the step returned) and the exceptions the interpreter swallowed meanwhile (an interrupt inside a
@@ -122,7 +98,7 @@ def trapped(step: Callable[[], object], n: int) -> tuple[LineTrap, BaseException
     swallowed: list[str] = []
     hook, trace = sys.unraisablehook, sys.gettrace()
     sys.unraisablehook = lambda u: swallowed.append(f"{u.exc_type.__name__}: {u.exc_value}")
-    trap = LineTrap(n)
+    trap = LineTrap(lambda name: name.startswith(PACKAGE), n)
     raised = None
     sys.settrace(trap)
     try:
