@@ -40,6 +40,17 @@ Note [Tokens a server can compare]
     sequence. ``--dummy-weights`` skips the re-initialisation (the rows then say ``dummy``), and so does a failed
     call (``dummy (reinit failed)``); ``distinct tokens`` in the table shows how varied the tokens were.
 
+Note [Woken below awake]
+    Memory in use after a wake may be below that before sleep, never above it. vLLM's ``CuMemAllocator.sleep``
+    ends with ``torch.cuda.empty_cache()``: on the extensible server the blocks torch's allocator kept from warmup
+    (outside the KV cache, which is ours) go back to the device and return only when a batch needs them, while on
+    the legacy server the same allocator's readings cover the CuMem pool and show no change. The check is therefore
+    the issue's (every wake within ``TOLERANCE`` of the first) plus "no wake above before sleep"; the row's
+    ``torch_cache_released`` says how much of the gap torch's cache explains. On the H200 (2026-12-05,
+    ``reports/runs/h200-2026-12-05/serve-sleep``) the extensible server came back 736,100,352 bytes (702 MiB)
+    below before sleep, with torch's reserved bytes 740,294,656 lower and the KV cache's backed bytes equal
+    (125,074,145,280); the legacy server came back 4 MiB above.
+
 The sequence (``PLAN``; every call is timed and listed in the mode's file under ``calls``). Tokens: each of 4
 prompts of 40 token ids once with ``max_tokens`` 1 (it fills the prefix cache), then again with 24 tokens (greedy,
 ``ignore_eos``, ``return_token_ids``), one request at a time. A reading: nvidia-smi's memory in use (device-wide,
@@ -60,7 +71,7 @@ The checks (per mode, and summarised in ``summary.json``'s ``checks``): tokens a
 before sleep; the extensible server's tokens are the legacy server's; after the weights-only wake the KV cache is
 still released (the kv_cache wake brings back at least the KV bytes the worker reports, less ``TOLERANCE``; more
 than ``TOLERANCE`` where the worker did not report them); memory in use after each full wake is within
-``TOLERANCE`` (64 MiB) of before sleep. Also recorded: ``/is_sleeping`` answered as expected at every step, and the
+``TOLERANCE`` (64 MiB) of that after the first, and no more than ``TOLERANCE`` above before sleep. Also recorded: ``/is_sleeping`` answered as expected at every step, and the
 extensible buffers are present exactly on the extensible server (the mode asked for is the mode that ran).
 """
 
@@ -674,6 +685,11 @@ def used(reading: dict | None) -> int | None:
     return (reading.get("worker") or {}).get("used")
 
 
+def _worker(reading: dict | None) -> dict:
+    """The worker's side of a reading (empty when there is none)."""
+    return (reading or {}).get("worker") or {}
+
+
 def _diff(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
@@ -701,13 +717,17 @@ def sleeping_as_expected(*phases: dict) -> bool | None:
 
 
 def within_tolerance(awake: int | None, woken: Sequence[int | None]) -> tuple[int | None, bool | None]:
-    """The largest distance of the ``woken`` readings from ``awake`` and whether it is within ``TOLERANCE``:
-    ``False`` once one is beyond it, ``None`` while a reading is missing."""
-    drifts = [abs(w - awake) for w in woken if w is not None and awake is not None]
-    drift = max(drifts) if drifts else None
-    if drift is not None and drift > TOLERANCE:
+    """The largest distance of the ``woken`` readings from the first, and whether memory in use after every wake is
+    within ``TOLERANCE`` of the first and at most ``TOLERANCE`` above ``awake`` (before sleep): ``False`` once one is
+    not, ``None`` while a reading is missing. Below ``awake`` is allowed: vLLM's sleep empties torch's cache, which
+    the next batch grows again (Note [Woken below awake])."""
+    seen = [w for w in woken if w is not None]
+    if awake is None or not seen:
+        return None, None
+    drift = max(abs(w - seen[0]) for w in seen)
+    if drift > TOLERANCE or max(seen) - awake > TOLERANCE:
         return drift, False
-    return drift, True if len(drifts) == len(woken) else None
+    return drift, True if len(seen) == len(woken) else None
 
 
 def _verdict(row: dict, checks: Sequence[str]) -> str:
@@ -758,6 +778,7 @@ def case_row(result: dict) -> dict:
         "kv_released_after_weights_wake": released,
         "kv_released_basis": basis,
         "wake_drift": drift,
+        "torch_cache_released": _diff(worker.get("torch_reserved"), _worker(sw.get("woken")).get("torch_reserved")),
         "memory_after_wake_ok": drift_ok,
         "is_sleeping_ok": sleeping_as_expected(wk, sw),
         "extensible_active": extensible_active(result, worker),
