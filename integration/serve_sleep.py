@@ -71,8 +71,9 @@ The checks (per mode, and summarised in ``summary.json``'s ``checks``): tokens a
 before sleep; the extensible server's tokens are the legacy server's; after the weights-only wake the KV cache is
 still released (the kv_cache wake brings back at least the KV bytes the worker reports, less ``TOLERANCE``; more
 than ``TOLERANCE`` where the worker did not report them); memory in use after each full wake is within
-``TOLERANCE`` (64 MiB) of that after the first, and no more than ``TOLERANCE`` above before sleep. Also recorded: ``/is_sleeping`` answered as expected at every step, and the
-extensible buffers are present exactly on the extensible server (the mode asked for is the mode that ran).
+``TOLERANCE`` (64 MiB) of that after the first, and no more than ``TOLERANCE`` above before sleep. Also recorded:
+``/is_sleeping`` answered as expected at every step, and the extensible buffers are present exactly on the
+extensible server (the mode asked for is the mode that ran).
 """
 
 from __future__ import annotations
