@@ -203,14 +203,23 @@ def test_access_to_part_of_a_mapping_covers_that_part_only(driver):
         machine.teardown()
 
 
-def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver):
+NEIGHBOURS = {"without access": False, "accessible": True}
+"""The state of the two mappings around every range of the sweep below: what a call there does must not depend on
+it (a driver that merges a new mapping with an accessible neighbour, or takes its access along, differs only here)."""
+
+
+@pytest.mark.parametrize("neighbours", NEIGHBOURS)
+def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver, neighbours):
     """A reservation of seven granules holding a mapping of three granules at its second granule and one of one
-    granule at its sixth (unmapped granules before, between and after them), and every range of whole granules from
-    one granule before the reservation to one past it: set_access, unmap (mapped again when taken), map of a fresh
-    handle (unmapped again when taken) and free, each judged against the model (taken, or refused naming a value)
-    and every observable checked after each range: every start and end that a driver's range arithmetic can get
-    wrong, at every boundary. Checks: P-access, P-access-refused, P-unmap, P-unmap-refused, P-map, P-map-overlap,
-    P-map-inside, P-free-refused, P-refusal-names, P-refusal-unchanged."""
+    granule at its sixth (unmapped granules before, between and after them), both without access or both accessible
+    (``NEIGHBOURS``), and every range of whole granules from one granule before the reservation to one past it:
+    set_access, unmap (mapped again when taken, and given access again when the mappings are accessible), map of a
+    fresh handle (unmapped again when taken) and free, each judged against the model (taken, or refused naming a
+    value) and every observable checked after each range: every start and end that a driver's range arithmetic can
+    get wrong, at every boundary, next to mappings in either state. Checks: P-access, P-access-refused, P-unmap,
+    P-unmap-refused, P-map, P-map-no-access, P-map-overlap, P-map-inside, P-free-refused, P-refusal-names,
+    P-refusal-unchanged."""
+    accessible = NEIGHBOURS[neighbours]
     machine = ProtocolMachine(learn_setup(driver))
     try:
         g = machine.g
@@ -218,6 +227,9 @@ def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver):
         if va is None or a is None or b is None or not machine.do_map(va + g, 3 * g, a):
             return
         machine.do_map(va + 5 * g, g, b)
+        if accessible:
+            machine.do_set_access(va + g, 3 * g)
+            machine.do_set_access(va + 5 * g, g)
         for lo in range(-1, 7):
             for hi in range(lo + 1, 9):
                 start, size = va + lo * g, (hi - lo) * g
@@ -225,9 +237,12 @@ def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver):
                 mapping = machine.model.mappings.get(start)
                 if machine.do_unmap(start, size):
                     machine.do_map(start, size, mapping.handle, mapping.offset)
+                    if accessible:
+                        machine.do_set_access(start, size)
                 key = machine.do_create(size)
                 if key is not None:
                     if machine.do_map(start, size, key):
+                        machine.every_observable_matches_the_model()
                         machine.do_unmap(start, size)
                     machine.do_release(key)
                 machine.do_free(start, size)
