@@ -65,7 +65,9 @@ Note [Every call is whole, even when interrupted]
     its effect or none. Each native call's result tuple is stored by C (``got.extend(map(cuMemX, ...))``: Note [A
     result is stored by C] in ``host``), so the ``except`` clause knows whether CUDA did it: ``reserve``,
     ``create`` and ``map`` are then undone, ``free``, ``release`` and ``unmap`` (which cannot be) finish their
-    records. The rule is ``conformance/test_interrupted_calls.py``.
+    records. The rule is ``conformance/test_interrupted_calls.py``; on the H200 (2026-12-05,
+    ``reports/runs/h200-2026-12-05/``) it passed at every line of the ten scenarios, and ``check-driver cuda``
+    passed 165 rules (4 skipped, 0 failed) in 49 s.
 """
 
 from __future__ import annotations
