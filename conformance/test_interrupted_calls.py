@@ -198,13 +198,20 @@ def interrupted_call(m: ProtocolMachine, scenario: str, files: frozenset[str], n
             f"neither: not made because {not_made}; made because {made}",
         )
     if done is not None:  # settle it: the same call again, taken if it was never made, as the model says if it was
-        again, if_made = getattr(m.model, op)(*args), made_again(done, op, args)
-        taken, _ = m.call(again, *raw_args, key=key, or_refused=if_made)
-        if not taken:
+        if_made = made_again(done, op, args)
+        if not_made is not None:  # the state is the made call's: the call again must be judged as after it, only
             m.model = done
             m.record_made(op, raw_args, None, key)
             if op == "free":
                 m.freed.append(args)
+            m.call(if_made, *raw_args, key=key)
+        else:  # the state of the call never made, which may be that of the call made as well: either answer
+            taken, _ = m.call(getattr(m.model, op)(*args), *raw_args, key=key, or_refused=if_made)
+            if not taken:
+                m.model = done
+                m.record_made(op, raw_args, None, key)
+                if op == "free":
+                    m.freed.append(args)
         if op == "free" and m.setup.host:  # freed either way now: the kernel holds nothing of it (P-free-kernel)
             va, size = args
             left = [(r.lo, r.hi, r.perms) for r in KernelView().rows if r.lo < va + size and va < r.hi]
