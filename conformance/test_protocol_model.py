@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -303,3 +304,52 @@ def test_a_handle_mapped_in_parts_is_held_until_its_last_mapping_goes(driver):
                 machine.every_observable_matches_the_model()
         finally:
             machine.teardown()
+
+
+NEW_THREAD_WAIT_S = 60.0
+"""How long one call made from a new thread may take before the rule says it hangs."""
+
+
+def test_every_call_from_a_thread_new_to_the_driver_is_taken(driver):
+    """A whole life (reserve, create, map at an offset where the driver maps at one, set_access, a write through a
+    tensor, zero, unmap, release, free), each call made from a new thread that never called the driver before, every
+    observable checked from the main thread after each: a driver keeping state per thread (a current context, a
+    stream, a cache) must set it up in whichever thread calls. Checks: P-threads, P-map, P-access, P-zero, P-unmap,
+    P-release-returns, P-free."""
+    machine = ProtocolMachine(learn_setup(driver))
+
+    def in_a_new_thread(what: str, step):
+        out: list = []
+
+        def run() -> None:
+            try:
+                out.append((True, step()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread as it came
+                out.append((False, exc))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(NEW_THREAD_WAIT_S)
+        expect(bool(out), driver, f"{what} from a new thread", f"done within {NEW_THREAD_WAIT_S:.0f} s", "waiting")
+        done, value = out[0]
+        if not done:
+            raise value
+        machine.every_observable_matches_the_model()
+        return value
+
+    try:
+        g = machine.g
+        va = in_a_new_thread("reserve", lambda: machine.do_reserve(4 * g, g))
+        key = in_a_new_thread("create", lambda: machine.do_create(3 * g))
+        expect(va is not None and key is not None, driver, "reserve and create from new threads", "taken", (va, key))
+        at, size, offset = (va + g, 2 * g, g) if machine.model.offsets and machine.model.parts else (va, 3 * g, 0)
+        mapped = in_a_new_thread("map", lambda: machine.do_map(at, size, key, offset))
+        expect(mapped, driver, f"map({at:#x}, {size}, offset {offset}) from a new thread", "taken", "refused")
+        in_a_new_thread("set_access", lambda: machine.do_set_access(at, size))
+        in_a_new_thread("a write through a tensor", lambda: machine.do_write(at + 5, size - 9, seed=7))
+        in_a_new_thread("zero", lambda: machine.do_zero(at + g, g))
+        in_a_new_thread("unmap", lambda: machine.do_unmap(at, size))
+        in_a_new_thread("release", lambda: machine.do_release(key))
+        in_a_new_thread("free", lambda: machine.do_free(va, 4 * g))
+    finally:
+        machine.teardown()
