@@ -353,3 +353,39 @@ def test_every_call_from_a_thread_new_to_the_driver_is_taken(driver):
         in_a_new_thread("free", lambda: machine.do_free(va, 4 * g))
     finally:
         machine.teardown()
+
+
+MANY_MAPPINGS = 40
+"""Mappings alive at once in the rule below: past the sizes (16, 32) where a driver's table or fast path may change."""
+
+
+def test_overlaps_are_refused_with_dozens_of_mappings_alive(driver):
+    """Forty two-granule mappings of one handle alive at once in one reservation, a free granule after each; then, next
+    to the 1st, 16th, 17th, 32nd, 33rd and last of them, a fresh handle mapped over it from the granule below and from
+    its second granule (a range starting inside it): each refused as the model says, changing nothing, and every
+    observable checked with all forty alive. Checks: P-map-overlap, P-refusal-unchanged, P-map-shared."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g = machine.g
+        va, shared, other = (
+            machine.do_reserve(3 * MANY_MAPPINGS * g, g),
+            machine.do_create(2 * g),
+            machine.do_create(2 * g),
+        )
+        if va is None or shared is None or other is None:
+            return
+        for i in range(MANY_MAPPINGS):
+            machine.do_map(va + 3 * i * g, 2 * g, shared)
+        for i in (0, 15, 16, 31, 32, MANY_MAPPINGS - 1):
+            start = va + 3 * i * g
+            for at in ((start - g,) if i else ()) + (start + g,):
+                expect(
+                    not machine.do_map(at, 2 * g, other),
+                    machine.driver,
+                    f"map({at:#x}, {2 * g}) over mapping {i + 1} of {MANY_MAPPINGS} alive",
+                    "refused",
+                    "taken",
+                )
+        machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
