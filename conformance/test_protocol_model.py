@@ -389,3 +389,47 @@ def test_overlaps_are_refused_with_dozens_of_mappings_alive(driver):
         machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
+
+
+HANDLE_GRANULES = (1, 2, 3, 15, 16, 17, 31, 32, 33)
+"""Handle sizes on each side of those where a driver may change how it makes or maps a handle (chunked handles, a
+large-handle path)."""
+
+
+@pytest.mark.parametrize("granules", HANDLE_GRANULES)
+def test_handles_of_every_size_class_map_whole_in_parts_and_at_offsets(driver, granules):
+    """A handle of ``granules`` granules (``HANDLE_GRANULES``) mapped whole, then (where the driver maps parts, and at
+    offsets) its first granule, its last granule at its offset and its middle at the offset of its second granule,
+    each at its place in a reservation of the handle's size, given access and written, each judged against the model,
+    every observable checked with the last piece mapped; then everything given back. Checks: P-map, P-map-offset,
+    P-map-handle-end, P-access, P-create-memory, P-release-returns."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g, n = machine.g, granules
+        va, key = machine.do_reserve(n * g, g), machine.do_create(n * g)
+        if va is None or key is None:
+            return
+        pieces = [(0, n)]
+        if machine.model.parts:
+            pieces += [(0, 1), (n - 1, 1)] + ([(1, n - 2)] if n > 2 else [])
+        for first, count in pieces:
+            at, size, offset = va + first * g, count * g, first * g
+            if offset and not machine.model.offsets:
+                continue
+            expect(
+                machine.do_map(at, size, key, offset),
+                machine.driver,
+                f"map of granules {first}..{first + count - 1} of a {n}-granule handle at offset {offset}",
+                "taken",
+                "refused",
+            )
+            machine.do_set_access(at, size)
+            machine.do_write(at + 3, min(size - 7, 3 * 4096), seed=first + n)
+            if (first, count) == pieces[-1]:  # once per handle (each check reads every byte): the last piece mapped
+                machine.every_observable_matches_the_model()
+            machine.do_unmap(at, size)
+        machine.do_release(key)
+        machine.do_free(va, n * g)
+        machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
