@@ -159,11 +159,9 @@ class CudaDriver:
 
     def reserve(self, size: int, alignment: int) -> int:
         check_range("reserve", size=size, alignment=alignment)
-        self._make_current()
         got: list[tuple] = []
         try:  # given back unless returned: Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemAddressReserve, [size], [alignment], [0], [0]))
-            va = int(self._check("cuMemAddressReserve", got[0], "reserve", (size, alignment)))
+            va = int(self._native(got, "reserve", "cuMemAddressReserve", size, alignment, 0, 0))
             with busy(), self._lock: self._reservations[va] = size  # fmt: skip
             return va
         except BaseException:
@@ -179,11 +177,9 @@ class CudaDriver:
 
     def _free(self, va: int, size: int) -> None:
         check_free(va, size, self._reservations.get(va) == size, self._mappings)
-        self._make_current()
         got: list[tuple] = []
         try:  # the records follow what CUDA did: Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemAddressFree, [va], [size]))
-            self._check("cuMemAddressFree", got[0], "free", (va, size))
+            self._native(got, "free", "cuMemAddressFree", va, size)
             del self._reservations[va]
         except BaseException:
             if self._succeeded(got):
@@ -192,11 +188,9 @@ class CudaDriver:
 
     def create(self, size: int) -> int:
         check_range("create", size=size)
-        self._make_current()
         got: list[tuple] = []
         try:  # released unless returned: Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemCreate, [size], [self._prop], [0]))
-            handle = int(self._check("cuMemCreate", got[0], "create", (size,)))
+            handle = int(self._native(got, "create", "cuMemCreate", size, self._prop, 0))
             with busy(), self._lock: self._live.add(handle)  # fmt: skip
             return handle
         except BaseException:
@@ -211,11 +205,9 @@ class CudaDriver:
 
     def _release(self, handle: int) -> None:
         self._check_live("release", handle)
-        self._make_current()
         got: list[tuple] = []
         try:  # Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemRelease, [handle]))
-            self._check("cuMemRelease", got[0], "release", (handle,))
+            self._native(got, "release", "cuMemRelease", handle)
             self._live.discard(handle)
         except BaseException:
             if self._succeeded(got):
@@ -230,11 +222,9 @@ class CudaDriver:
         check_inside("map", va, size, self._reservations.items())
         check_no_overlap(va, size, self._mappings.items())
         self._check_live("map", handle)
-        self._make_current()
         got: list[tuple] = []
         try:  # undone unless recorded: Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemMap, [va], [size], [offset], [handle], [0]))
-            self._check("cuMemMap", got[0], "map", (va, size, offset, handle))
+            self._native(got, "map", "cuMemMap", va, size, offset, handle, 0)
             self._mappings[va] = size
         except BaseException:
             if self._succeeded(got) and va not in self._mappings:
@@ -247,11 +237,9 @@ class CudaDriver:
 
     def _unmap(self, va: int, size: int) -> None:
         check_one_mapping(va, size, self._mappings.get(va))
-        self._make_current()
         got: list[tuple] = []
         try:  # the records follow what CUDA did: Note [Every call is whole, even when interrupted]
-            got.extend(map(self._cu.cuMemUnmap, [va], [size]))
-            self._check("cuMemUnmap", got[0], "unmap", (va, size))
+            self._native(got, "unmap", "cuMemUnmap", va, size)
             del self._mappings[va]
         except BaseException:
             if self._succeeded(got):
@@ -309,9 +297,15 @@ class CudaDriver:
         self._local.ready = True
 
     def _call(self, op: str, fn: str, *args: Any) -> Any:
+        return self._native([], op, fn, *args)
+
+    def _native(self, got: list[tuple], op: str, fn: str, *args: Any) -> Any:
+        """Call ``fn(*args)`` in this driver's context, its result tuple appended to ``got`` by C (Note [A result is
+        stored by C] in ``host``: the caller's ``except`` clause finds it there, whatever line an exception lands
+        on), and return its value, or raise the typed error for ``op`` when it failed."""
         self._make_current()
-        result = getattr(self._cu, fn)(*args)
-        return self._check(fn, result, op, args)
+        got.extend(map(getattr(self._cu, fn), *([a] for a in args)))
+        return self._check(fn, got[0], op, args)
 
     def _check(self, fn: str, result: tuple, op: str | None = None, args: tuple = ()) -> Any:
         err, *values = result
