@@ -133,6 +133,14 @@ def made_again(done: ProtocolModel, op: str, args: tuple) -> Prediction:
         return Prediction(op, refusal=Refusal(op, "P-release-once", why))
 
 
+def made_it(m: ProtocolMachine, done: ProtocolModel, op: str, args: tuple, raw_args: tuple, key: int | None) -> None:
+    """Take the interrupted call as made: the model after it, and the machine's records of what was made."""
+    m.model = done
+    m.record_made(op, raw_args, None, key)
+    if op == "free":
+        m.freed.append(args)
+
+
 def others_go_through(m: ProtocolMachine, where: str) -> None:
     """Another thread reserves and frees a granule within ``LOCK_WAIT_S``: no lock was left held."""
     g, done = m.g, []
@@ -200,18 +208,12 @@ def interrupted_call(m: ProtocolMachine, scenario: str, files: frozenset[str], n
     if done is not None:  # settle it: the same call again, taken if it was never made, as the model says if it was
         if_made = made_again(done, op, args)
         if not_made is not None:  # the state is the made call's: the call again must be judged as after it, only
-            m.model = done
-            m.record_made(op, raw_args, None, key)
-            if op == "free":
-                m.freed.append(args)
+            made_it(m, done, op, args, raw_args, key)
             m.call(if_made, *raw_args, key=key)
         else:  # the state of the call never made, which may be that of the call made as well: either answer
             taken, _ = m.call(getattr(m.model, op)(*args), *raw_args, key=key, or_refused=if_made)
             if not taken:
-                m.model = done
-                m.record_made(op, raw_args, None, key)
-                if op == "free":
-                    m.freed.append(args)
+                made_it(m, done, op, args, raw_args, key)
         if op == "free" and m.setup.host:  # freed either way now: the kernel holds nothing of it (P-free-kernel)
             va, size = args
             left = [(r.lo, r.hi, r.perms) for r in KernelView().rows if r.lo < va + size and va < r.hi]
