@@ -12,65 +12,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
-    HostDriver,
-    HostHandle,
-    _lib,
-)
+from extensible_kv.drivers.host import _PROT_READ, _PROT_WRITE, HostDriver, HostHandle, _lib
 from extensible_kv.drivers.records import check_free, check_inside, check_no_overlap
 from extensible_kv.errors import DriverError
-from tests.meta.broken_protocol import Case, _Broken, kernel_holds, outcome, tidy
-
-_RESERVED = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-"""The flags that put a range back to reserved (anonymous, no access), as the host's ``unmap`` does."""
+from tests.meta.broken_protocol import (
+    _Broken,
+    Case,
+    check_handle,
+    interrupt_at_line,
+    kernel_holds,
+    mmap_handle,
+    outcome,
+    read_byte,
+    tidy,
+)
 
 
 # -- shared pieces ---------------------------------------------------------------------------------------------------
-def _check_handle(handle: HostHandle, size: int, offset: int) -> None:
-    """The host's refusals of ``map`` that look at the handle, in its order."""
-    if handle.released:
-        raise DriverError("map", f"{handle!r} was released; map a live handle")
-    if offset + size > handle.size:
-        raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
-
-
-def _mmap_handle(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int) -> None:
-    """Record the mapping and mmap the handle's memfd at ``va``, undone whole on any exception (the host's own)."""
-    live = (size, handle)
-    try:
-        handle.maps, d._mappings[va] = handle.maps + 1, live
-        if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-            d._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
-    except BaseException:
-        if d._mappings.get(va) is live:
-            _lib().mmap(va, size, _PROT_NONE, _RESERVED, -1, 0)
-            handle.maps, _ = handle.maps - 1, d._mappings.pop(va)
-        raise
-
-
-def _byte(d: HostDriver, va: int) -> int:
-    """The byte at ``va``, read through a one-byte tensor."""
-    t = d.tensor(va, 1, None)
-    value = int(t[0])
-    del t
-    return value
-
-
 def _free_granules(d: HostDriver) -> int:
     """``mem_info``'s free bytes less the total, in granules (0: nothing held)."""
     free, total = d.mem_info()
@@ -280,8 +243,8 @@ class InsideCacheOutlivesFree(_Broken):
             check_inside("map", va, size, self._reservations.items())
             self._last = next((r, s) for r, s in self._reservations.items() if r <= va and va + size <= r + s)
         check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
-        _check_handle(handle, size, offset)
-        _mmap_handle(self, va, size, handle, offset)
+        check_handle(handle, size, offset)
+        mmap_handle(self, va, size, handle, offset)
 
 
 def prove_inside_cache_outlives_free(make: Callable[[], HostDriver]) -> str:
@@ -318,31 +281,6 @@ class InterruptedFreeRestoresItsRecord(_Broken):
             raise
 
 
-def _interrupted(d: HostDriver, nth: int, call: Callable[..., Any], *args: Any) -> bool:
-    """Make ``call(*args)`` with a ``KeyboardInterrupt`` raised at the ``nth`` line that the driver's own methods run
-    (a trace hook, between lines); whether it was raised."""
-    lines = [0]
-
-    def on_line(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            lines[0] += 1
-            if lines[0] == nth:
-                raise KeyboardInterrupt
-        return on_line
-
-    def on_call(frame: Any, event: str, arg: Any) -> Any:
-        return on_line if frame.f_locals.get("self") is d else None
-
-    sys.settrace(on_call)
-    try:
-        call(*args)
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
-
-
 def prove_interrupted_free_restores_its_record(make: Callable[[], HostDriver]) -> list[int]:
     """For each line of ``free`` of an empty reservation interrupted in turn: the lines after which whether the kernel
     still holds the range disagrees with the driver's answer to ``free`` made again (taken: it was still held)."""
@@ -351,7 +289,7 @@ def prove_interrupted_free_restores_its_record(make: Callable[[], HostDriver]) -
         d = make()
         g = d.granularity()
         r = d.reserve(g, g)
-        interrupted = _interrupted(d, nth, d.free, r, g)
+        interrupted = interrupt_at_line(d, nth, d.free, r, g)
         held = kernel_holds(r, r + g) == g
         again = outcome(d.free, r, g) == "done"
         if held != again:
@@ -402,8 +340,8 @@ class OverlapCheckPast16ByStart(_Broken):
         for m_va, m_size in spans[16:]:
             if m_va == va:  # the bug: the later mappings are looked up by their start only
                 raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
-        _check_handle(handle, size, offset)
-        _mmap_handle(self, va, size, handle, offset)
+        check_handle(handle, size, offset)
+        mmap_handle(self, va, size, handle, offset)
 
 
 def prove_overlap_check_past_16_by_start(make: Callable[[], HostDriver]) -> list[str]:
@@ -454,7 +392,7 @@ def prove_spanning_tensor_is_a_copy(make: Callable[[], HostDriver]) -> list[obje
         at = t.data_ptr() == r + g - 4
         del t
         d.synchronize()
-        return [at, _byte(d, r + g - 1), _byte(d, r + g)]
+        return [at, read_byte(d, r + g - 1), read_byte(d, r + g)]
     finally:
         tidy(d, [(r, 2 * g)], [h1, h2])
 

@@ -14,7 +14,6 @@ import ctypes
 import functools
 import gc
 import os
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -23,9 +22,7 @@ from typing import Any
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
     _MAP_FIXED,
-    _MAP_NORESERVE,
     _MAP_PRIVATE,
     _MAP_SHARED,
     _PROT_NONE,
@@ -43,57 +40,20 @@ from tests.meta.broken_protocol import (
     BUDGET,
     RACE_TRIES,
     RACE_WINDOW_S,
-    Case,
+    RESERVED,
     _Broken,
     _race,
+    Case,
+    check_map,
+    interrupt_at_line,
     kernel_holds,
     kernel_ranges,
+    mmap_handle,
     outcome,
+    poke,
+    read_byte,
     tidy,
 )
-
-_RESERVED = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-"""The flags that put a range back to reserved (anonymous, no access), as the host's ``unmap`` does."""
-
-
-# -- shared pieces ---------------------------------------------------------------------------------------------------
-def _check_map(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int) -> None:
-    """The host's refusals of ``map``, in its order."""
-    check_inside("map", va, size, d._reservations.items())
-    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d._mappings.items()))
-    if handle.released:
-        raise DriverError("map", f"{handle!r} was released; map a live handle")
-    if offset + size > handle.size:
-        raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
-
-
-def _mmap_handle(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int, flags: int = _MAP_SHARED) -> None:
-    """Record the mapping and mmap the handle's memfd at ``va`` with ``flags``, undone whole on any exception."""
-    live = (size, handle)
-    try:
-        handle.maps, d._mappings[va] = handle.maps + 1, live
-        if _lib().mmap(va, size, _PROT_NONE, flags | _MAP_FIXED, handle.fd, offset) != va:
-            d._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
-    except BaseException:
-        if d._mappings.get(va) is live:
-            _lib().mmap(va, size, _PROT_NONE, _RESERVED, -1, 0)
-            handle.maps, _ = handle.maps - 1, d._mappings.pop(va)
-        raise
-
-
-def _byte(d: HostDriver, va: int) -> int:
-    """The byte at ``va``, read through a tensor."""
-    t = d.tensor(va, 1, None)
-    value = int(t[0])
-    del t
-    return value
-
-
-def _poke(d: HostDriver, va: int, value: int) -> None:
-    """Write ``value`` at ``va`` through a tensor."""
-    t = d.tensor(va, 1, None)
-    t[0] = value
-    del t
 
 
 # -- mappings --------------------------------------------------------------------------------------------------------
@@ -110,7 +70,7 @@ class MapEndCheckIgnoresTheOffset(_Broken):
             raise DriverError("map", f"{handle!r} was released; map a live handle")
         if size > handle.size:  # the bug: offset + size
             raise DriverError("map", f"size {size} exceeds the {handle.size}-byte handle")
-        _mmap_handle(self, va, size, handle, offset)
+        mmap_handle(self, va, size, handle, offset)
 
 
 def prove_map_end_check_ignores_the_offset(make: Callable[[], HostDriver]) -> list[str]:
@@ -206,8 +166,8 @@ class SecondMappingIsPrivate(_Broken):
     def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not handle.maps:
             return super()._map(va, size, handle, offset)
-        _check_map(self, va, size, handle, offset)
-        _mmap_handle(self, va, size, handle, offset, flags=_MAP_PRIVATE)
+        check_map(self, va, size, handle, offset)
+        mmap_handle(self, va, size, handle, offset, flags=_MAP_PRIVATE)
 
 
 def prove_second_mapping_is_private(make: Callable[[], HostDriver]) -> int:
@@ -221,8 +181,8 @@ def prove_second_mapping_is_private(make: Callable[[], HostDriver]) -> int:
         d.map(r, g, h)
         d.map(r + g, g, h)
         d.set_access(r, 2 * g)
-        _poke(d, r + g, 0x3C)
-        return _byte(d, r)
+        poke(d, r + g, 0x3C)
+        return read_byte(d, r)
     finally:
         tidy(d, [(r, 2 * g)], [h])
 
@@ -249,11 +209,11 @@ def prove_last_unmap_decommits_the_handle(make: Callable[[], HostDriver]) -> int
     try:
         d.map(r, g, h)
         d.set_access(r, g)
-        _poke(d, r, 0x5A)
+        poke(d, r, 0x5A)
         d.unmap(r, g)
         d.map(r, g, h)
         d.set_access(r, g)
-        return _byte(d, r)
+        return read_byte(d, r)
     finally:
         tidy(d, [(r, g)], [h])
 
@@ -304,7 +264,7 @@ class RefusedMapKeepsItsCount(_Broken):
                 self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
         except BaseException:
             if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, _RESERVED, -1, 0)
+                _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
                 del self._mappings[va]
             handle.maps -= 1
             raise
@@ -535,7 +495,7 @@ class LazyUnmapKeepsTheMemfd(_Broken):
         self._offsets: dict[int, int] = {}  # va -> offset of the live mapping there
 
     def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        _check_map(self, va, size, handle, offset)
+        check_map(self, va, size, handle, offset)
         parked = self._parked.pop(va, None)
         if parked is not None and parked[0] == size and parked[1] is handle and parked[2] == offset:
             handle.maps, self._mappings[va], self._offsets[va] = handle.maps + 1, (size, handle), offset
@@ -572,7 +532,7 @@ class LazyUnmapKeepsTheMemfd(_Broken):
     def _unpark(self, which: Callable[[int, int, HostHandle], bool]) -> None:
         for p_va, (p_size, p_handle, _) in list(self._parked.items()):
             if which(p_va, p_size, p_handle):
-                _lib().mmap(p_va, p_size, _PROT_NONE, _RESERVED, -1, 0)
+                _lib().mmap(p_va, p_size, _PROT_NONE, RESERVED, -1, 0)
                 del self._parked[p_va]
 
 
@@ -691,34 +651,9 @@ class UnmapForgetsBeforeTheKernel(_Broken):
         live = self._mappings.get(va)
         check_one_mapping(va, size, live and live[0])
         self._forget(va, live)
-        flags = _RESERVED
+        flags = RESERVED
         if _lib().mmap(va, size, _PROT_NONE, flags, -1, 0) != va:
             self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
-
-
-def _interrupted(d: HostDriver, nth: int, call: Callable[..., Any], *args: Any) -> bool:
-    """Make ``call(*args)`` with a ``KeyboardInterrupt`` raised at the ``nth`` line that the driver's own methods run
-    (a trace hook, between lines); whether it was raised."""
-    lines = [0]
-
-    def on_line(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            lines[0] += 1
-            if lines[0] == nth:
-                raise KeyboardInterrupt
-        return on_line
-
-    def on_call(frame: Any, event: str, arg: Any) -> Any:
-        return on_line if frame.f_locals.get("self") is d else None
-
-    sys.settrace(on_call)
-    try:
-        call(*args)
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
 
 
 def prove_unmap_forgets_before_the_kernel(make: Callable[[], HostDriver]) -> list[int]:
@@ -733,7 +668,7 @@ def prove_unmap_forgets_before_the_kernel(make: Callable[[], HostDriver]) -> lis
         try:
             d.map(r, g, h)
             d.set_access(r, g)
-            interrupted = _interrupted(d, nth, d.unmap, r, g)
+            interrupted = interrupt_at_line(d, nth, d.unmap, r, g)
             if d.accessible(r) != (outcome(d.unmap, r, g) == "done"):
                 torn.append(nth)
         finally:

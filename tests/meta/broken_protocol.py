@@ -27,6 +27,7 @@ import functools
 import itertools
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.drivers.records import check_alignment, mapped_parts
+from extensible_kv.drivers.records import check_alignment, check_inside, check_no_overlap, mapped_parts
 from extensible_kv.drivers.host import (
     _MAP_ANONYMOUS,
     _MAP_FAILED,
@@ -131,6 +132,81 @@ def _race(work: Callable[[int], None]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+# -- pieces the later sets share ---------------------------------------------------------------------------------------
+RESERVED = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+"""The flags that put a range back to reserved (anonymous, no access), as the host's ``unmap`` does."""
+
+
+def check_handle(handle: HostHandle, size: int, offset: int) -> None:
+    """The host's refusals of ``map`` that look at the handle, in its order."""
+    if handle.released:
+        raise DriverError("map", f"{handle!r} was released; map a live handle")
+    if offset + size > handle.size:
+        raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
+
+
+def check_map(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    """The host's refusals of ``map``, in its order."""
+    check_inside("map", va, size, d._reservations.items())
+    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d._mappings.items()))
+    check_handle(handle, size, offset)
+
+
+def mmap_handle(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int, flags: int = _MAP_SHARED) -> None:
+    """Record the mapping and mmap the handle's memfd at ``va`` with ``flags``, undone whole on any exception (the
+    host's own)."""
+    live = (size, handle)
+    try:
+        handle.maps, d._mappings[va] = handle.maps + 1, live
+        if _lib().mmap(va, size, _PROT_NONE, flags | _MAP_FIXED, handle.fd, offset) != va:
+            d._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+    except BaseException:
+        if d._mappings.get(va) is live:
+            _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
+            handle.maps, _ = handle.maps - 1, d._mappings.pop(va)
+        raise
+
+
+def read_byte(d: HostDriver, va: int) -> int:
+    """The byte at ``va``, read through a one-byte tensor."""
+    t = d.tensor(va, 1, None)
+    value = int(t[0])
+    del t
+    return value
+
+
+def poke(d: HostDriver, va: int, value: int) -> None:
+    """Write ``value`` at ``va`` through a one-byte tensor."""
+    t = d.tensor(va, 1, None)
+    t[0] = value
+    del t
+
+
+def interrupt_at_line(d: HostDriver, nth: int, call: Callable[..., Any], *args: Any) -> bool:
+    """Make ``call(*args)`` with a ``KeyboardInterrupt`` raised at the ``nth`` line that the driver's own methods run
+    (a trace hook, between lines); whether it was raised."""
+    lines = [0]
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == nth:
+                raise KeyboardInterrupt
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return on_line if frame.f_locals.get("self") is d else None
+
+    sys.settrace(on_call)
+    try:
+        call(*args)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
 
 
 # -- several mappings, many live mappings ----------------------------------------------------------------------------
