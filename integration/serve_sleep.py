@@ -677,18 +677,18 @@ def _vocab() -> int:
 
 
 # -- the summary (pure) --------------------------------------------------------------------------------------------
+def _worker(reading: dict | None) -> dict:
+    """The worker's side of a reading (empty when there is none)."""
+    return (reading or {}).get("worker") or {}
+
+
 def used(reading: dict | None) -> int | None:
     """Memory in use of a reading: nvidia-smi's, else the worker's own (``None``: neither said)."""
     if not reading:
         return None
     if reading.get("smi_used") is not None:
         return reading["smi_used"]
-    return (reading.get("worker") or {}).get("used")
-
-
-def _worker(reading: dict | None) -> dict:
-    """The worker's side of a reading (empty when there is none)."""
-    return (reading or {}).get("worker") or {}
+    return _worker(reading).get("used")
 
 
 def _diff(a: int | None, b: int | None) -> int | None:
@@ -757,7 +757,7 @@ def case_row(result: dict) -> dict:
     before, wk, sw = phases.get("before", {}), phases.get("weights_then_kv", {}), phases.get("sleep_wake", {})
     if "memory" not in before:
         return row | {"verdict": "not measured"}
-    worker = before["memory"].get("worker") or {}
+    worker = _worker(before["memory"])
     awake = used(before["memory"])
     woken = {k: used(p.get(k)) for p, k in ((wk, "kv_woken"), (sw, "woken"))}
     drift, drift_ok = within_tolerance(awake, list(woken.values()))
