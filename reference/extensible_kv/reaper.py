@@ -6,8 +6,15 @@ Note [Finalizers never wait on a driver lock]
     driver call that holds the driver's (non-reentrant) lock. A finalizer that called the driver there would wait on
     the lock its own thread holds, forever. So every driver call this package makes runs inside ``busy()``, and so
     does the host driver's own locked work; a sweep started in a thread that is inside one returns at once and the
-    memory waits, still owned, for the next sweep: the one that ends the growth, construction or ``close()`` that was
-    running, or the next collection. Outside a section the sweep runs at once, as a teardown always did.
+    memory waits, still owned, for the next sweep. Outside a section the sweep runs at once, as a teardown always did.
+
+Note [A put-off sweep is never lost]
+    A sweep put off inside a section is counted (``_put_off``), and the count it has covered is kept (``_swept``).
+    The next sweep outside a section covers it: the one that ends the growth, construction or ``close()`` that was
+    running, and in any case the end of the next garbage collection that runs outside a section (a ``gc.callbacks``
+    hook), whatever the section was (a view, a query, a rollback, another teardown) and whether or not that
+    collection found garbage. A sweep repeats while sweeps were put off during it (an owner that died inside one of
+    its own teardowns). An interrupted sweep leaves the count uncovered, so the next collection picks it up.
 
 Note [Memory is owned from before it exists]
     A record of memory to give back is in one table (``own``) from before its first native effect until its
@@ -30,6 +37,8 @@ Note [Locked sections are one line]
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 import threading
@@ -40,6 +49,9 @@ from .errors import ExtensibleKVError
 _local = threading.local()
 _owned: dict[int, Owned] = {}
 _sweeping = threading.Lock()
+_put_off = 0  # sweeps put off inside a section: Note [A put-off sweep is never lost]
+_swept = 0  # the value of ``_put_off`` the last whole sweep covered
+_exiting = False  # Note [Nothing is unmapped at interpreter exit] in ``tensor``
 
 
 def _after_fork_in_child() -> None:
@@ -91,15 +103,45 @@ def disown(record: Owned) -> None:
 
 
 def sweep() -> None:
-    """Tear down every owned record whose owner is gone, unless this thread is inside a section (then the next
-    sweep does). A teardown the driver fails (``ExtensibleKVError``) is reported once through
-    ``sys.unraisablehook``, as the interpreter reports a failed finalizer, and retried by later sweeps; any other
-    exception (an interrupt) leaves the record owned and propagates."""
-    if _owned and not inside_section():
-        with busy(), _sweeping: return _sweep_locked()  # one line: Note [Locked sections are one line]  # fmt: skip
+    """Tear down every owned record whose owner is gone, unless this thread is inside a section (then a later
+    sweep does: Note [A put-off sweep is never lost]). A teardown the driver fails (``ExtensibleKVError``) is
+    reported once through ``sys.unraisablehook``, as the interpreter reports a failed finalizer, and retried by later
+    sweeps; any other exception (an interrupt) leaves the record owned and propagates."""
+    global _put_off
+    if not _owned:
+        return
+    if inside_section():
+        _put_off += 1
+        return
+    with busy(), _sweeping: return _sweep_locked()  # one line: Note [Locked sections are one line]  # fmt: skip
 
 
 def _sweep_locked() -> None:
+    global _swept
+    covers = None
+    while covers != _put_off:  # again while sweeps were put off during this one
+        covers = _put_off
+        _sweep_once()
+    _swept = covers  # only after a whole pass: an interrupted one leaves the count for the next collection
+
+
+def _after_collection(phase: str, info: dict) -> None:
+    """``gc.callbacks``: at the end of a collection outside a section, the sweeps put off since the last whole sweep
+    (Note [A put-off sweep is never lost])."""
+    if phase == "stop" and _swept != _put_off and not _exiting:
+        sweep()
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+gc.callbacks.append(_after_collection)
+atexit.register(_at_exit)
+
+
+def _sweep_once() -> None:
     pid = os.getpid()
     for record in list(_owned.values()):
         if record.pid != pid:  # Note [Forked children] in ``tensor``: the parent's memory is the parent's to return

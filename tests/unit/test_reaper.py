@@ -1,0 +1,117 @@
+"""The reaper's promise that a put-off sweep is never lost (Note [A put-off sweep is never lost] in
+``extensible_kv.reaper``): a tensor whose last reference goes inside a section (any driver call this package makes)
+has its memory back after the next collection outside one, whether or not that collection finds garbage, and a tensor
+that dies inside another tensor's teardown is returned by the same sweep."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+
+from extensible_kv.drivers import Ledger
+from extensible_kv.drivers.host import HostDriver
+from extensible_kv.reaper import busy
+from extensible_kv.tensor import ExtensibleTensor
+
+G = 4096
+
+
+class _DropsInside(HostDriver):
+    """A host driver that, inside the locked section of its ``op`` calls, drops whatever ``doomed`` holds (so a
+    tensor's last reference goes, and its finalizer runs, inside a driver call)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(granularity=G)
+        self.op = op
+        self.doomed: list[object] = []
+
+    def _drop(self) -> None:
+        self.doomed.clear()
+
+    def _unmap(self, va: int, size: int) -> None:
+        if self.op == "unmap":
+            self._drop()
+        super()._unmap(va, size)
+
+    def _set_access(self, va: int, size: int) -> None:
+        if self.op == "set_access":
+            self._drop()
+        super()._set_access(va, size)
+
+    def mem_info(self) -> tuple[int, int]:
+        with busy():
+            if self.op == "mem_info":
+                self._drop()
+            return super().mem_info()
+
+
+def _tensor(driver: Ledger) -> ExtensibleTensor:
+    t = ExtensibleTensor(4 * G, driver=driver)
+    t.resize_per_segment_(2 * G)
+    return t
+
+
+def _inside_a_growth(driver: Ledger, host: _DropsInside) -> None:
+    _tensor(driver).resize_per_segment_(4 * G)  # set_access drops the doomed tensor
+
+
+def _inside_a_query(driver: Ledger, host: _DropsInside) -> None:
+    driver.mem_info()
+
+
+def _inside_a_close(driver: Ledger, host: _DropsInside) -> None:
+    _tensor(driver).close()  # unmap drops the doomed tensor
+
+
+def _inside_a_section(driver: Ledger, host: _DropsInside) -> None:
+    with busy():
+        host.doomed.clear()
+
+
+CALLS: dict[str, tuple[str, Callable[[Ledger, _DropsInside], None]]] = {
+    "a growth": ("set_access", _inside_a_growth),
+    "a driver query": ("mem_info", _inside_a_query),
+    "a close": ("unmap", _inside_a_close),
+    "a bare section": ("none", _inside_a_section),
+}
+
+
+@pytest.mark.parametrize("where", CALLS)
+def test_a_tensor_dropped_inside_a_driver_call_is_returned_by_the_next_collection(where):
+    op, call = CALLS[where]
+    host = _DropsInside(op)
+    driver = Ledger(host)
+    doomed = _tensor(driver)
+    base = doomed.base_address
+    host.doomed.append(doomed)
+    del doomed
+    call(driver, host)
+    assert not host.doomed, f"{where}: expected the driver's {op} to drop the tensor"
+    gc.collect()  # finds no garbage: the tensor died by its reference count, inside the call
+    left = driver.outstanding().reservations
+    assert base not in left, (
+        f"host driver, a tensor dropped inside {where} ({op}): expected its reservation at {base:#x} back after the "
+        f"next collection; still reserved: {left}"
+    )
+
+
+def test_a_tensor_that_dies_inside_another_teardown_is_returned_by_the_same_sweep():
+    host = _DropsInside("unmap")
+    driver = Ledger(host)
+    second = _tensor(driver)  # older: the sweep passes it first, while it is still alive
+    first = _tensor(driver)
+    bases = second.base_address, first.base_address
+    host.doomed.append(second)
+    del second
+    with busy():  # the first tensor dies inside a section: its sweep is put off
+        del first
+    assert bases[1] in driver.outstanding().reservations, "expected the put-off tensor still reserved"
+    third = ExtensibleTensor(G, driver=driver)  # its construction sweeps: the first's teardown drops the second
+    left = driver.outstanding().reservations
+    third.close()
+    assert not set(bases) & set(left), (
+        f"host driver, a sweep whose teardown dropped another tensor: expected both reservations "
+        f"({bases[0]:#x}, {bases[1]:#x}) back after it; still reserved: {left}"
+    )
