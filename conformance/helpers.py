@@ -45,6 +45,12 @@ def expect(cond: bool, driver: Ledger, op: str, expected: object, actual: object
         _fail(driver, op, expected, actual, context)
 
 
+def around_powers_of_two(*exponents: int) -> tuple[int, ...]:
+    """Each side of each power of two ``2**e``: ``2**e - 1``, ``2**e`` and ``2**e + 1``, in order (the sizes and counts
+    at which a driver's table, cache or fast path may change)."""
+    return tuple(n for e in exponents for n in ((1 << e) - 1, 1 << e, (1 << e) + 1))
+
+
 def pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
     """Deterministic, position-dependent bytes (never all-zero), so misplaced or stale bytes show."""
     idx = torch.arange(nbytes, dtype=torch.int64)

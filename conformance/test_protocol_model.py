@@ -29,7 +29,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 
-from .helpers import expect
+from .helpers import around_powers_of_two, expect
 from .protocol_checks import learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
@@ -252,7 +252,7 @@ def test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says(driver, 
         machine.teardown()
 
 
-RESERVE_GRANULES = (1, 2, 3, 15, 16, 17, 63, 64, 65, 511, 512, 513)
+RESERVE_GRANULES = (1, 2, 3, *around_powers_of_two(4, 6, 9))
 """Sizes on each side of those where a kernel or a driver may change how it places a range (huge pages, a cache of
 small ranges, a fast path for large ones)."""
 RESERVE_ALIGNMENTS = (1, 2, 4, 64)
@@ -391,7 +391,7 @@ def test_overlaps_are_refused_with_dozens_of_mappings_alive(driver):
         machine.teardown()
 
 
-HANDLE_GRANULES = (1, 2, 3, 15, 16, 17, 31, 32, 33)
+HANDLE_GRANULES = (1, 2, 3, *around_powers_of_two(4, 5))
 """Handle sizes on each side of those where a driver may change how it makes or maps a handle (chunked handles, a
 large-handle path)."""
 
@@ -433,3 +433,110 @@ def test_handles_of_every_size_class_map_whole_in_parts_and_at_offsets(driver, g
         machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
+
+
+LIVE_COUNTS = {
+    "mappings": around_powers_of_two(*range(4, 11)),
+    "handles": around_powers_of_two(*range(4, 9)),
+    "reservations": around_powers_of_two(*range(4, 10)),
+}
+"""How many mappings, handles or reservations the rule below holds alive when it probes the driver: each side of
+every power of two from 16 up (mappings to 1025; handles to 257, each an open file on the host, under the usual limit
+of 1024; reservations to 513), the counts at which a driver's table, cache or fast path may change."""
+
+
+@pytest.mark.parametrize("what", LIVE_COUNTS)
+def test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects(driver, what):
+    """Mappings (one-granule mappings of one handle, without access), handles (one granule each) or reservations (one
+    granule each) made one at a time and kept alive; at each count of ``LIVE_COUNTS``, the newest and one made halfway
+    are probed, each call judged against the model: a mapping's access before and after ``set_access``, a write
+    through a tensor, an unmap and a map again at the same place (without access until granted again), a map over it
+    refused; a handle mapped, granted, written and unmapped, an older one released; a reservation mapped into and
+    cleared, an older one freed and reserved again; ``mem_info`` after each. Every observable is checked with the most
+    alive. Checks: P-accessible, P-map, P-map-no-access, P-map-remap, P-map-shared, P-map-overlap, P-access, P-tensor,
+    P-unmap, P-mem-exact, P-create-memory, P-release-returns, P-reserve-disjoint, P-reserve-inaccessible, P-free,
+    P-free-kernel."""
+    counts = LIVE_COUNTS[what]
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g = machine.g
+        top = counts[-1]
+        spare = machine.do_reserve((top + 2 if what == "mappings" else 2) * g, g)
+        shared, other = machine.do_create(g), machine.do_create(g)
+        expect(
+            None not in (spare, shared, other),
+            driver,
+            f"a reservation of {top + 2} granules and two one-granule handles",
+            "made",
+            (spare, shared, other),
+        )
+        made: list[int] = []
+        for n in range(1, top + 1):
+            if what == "mappings":
+                at = spare + (n - 1) * g
+                made.append(at if machine.do_map(at, g, shared) else None)
+            elif what == "handles":
+                made.append(machine.do_create(g))
+            else:
+                made.append(machine.do_reserve(g, g))
+            if made[-1] is None:  # memory or address space ran out (the model judged the refusal): as far as it goes
+                break
+            if n in counts:
+                for i in (n - 1, n // 2):
+                    _probe(machine, what, made, i, spare, shared, other, seed=n + i)
+                machine.call(machine.model.mem_info())
+        machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
+
+
+def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, shared: int, other: int, seed: int):
+    """The calls the rule above makes on the ``i``-th live object it made (``made[i]``), each judged by the model."""
+    g = machine.g
+    accessible = machine.model.accessible
+    if what == "mappings":
+        at = made[i]
+        machine.query(
+            accessible(at), machine.raw.accessible(at), f"accessible({at:#x}), mapping {i + 1} of {len(made)}"
+        )
+        machine.do_set_access(at, g)
+        machine.do_write(at + 5, 64, seed)
+        machine.do_unmap(at, g)
+        machine.query(accessible(at), machine.raw.accessible(at), f"accessible({at:#x}), mapping {i + 1} unmapped")
+        machine.do_map(at, g, shared)
+        machine.query(
+            accessible(at),
+            machine.raw.accessible(at),
+            f"accessible({at:#x}), mapping {i + 1} of {len(made)} mapped again",
+        )
+        machine.do_set_access(at, g)
+        machine.query(
+            accessible(at),
+            machine.raw.accessible(at),
+            f"accessible({at:#x}), mapping {i + 1} of {len(made)} granted again",
+        )
+        machine.do_map(at, g, other)  # over a live mapping: refused
+        return
+    if what == "handles":
+        key = made[i]
+        if key is None or key not in machine.model.unreleased():
+            return
+        if machine.do_map(spare, g, key):
+            machine.do_set_access(spare, g)
+            machine.do_write(spare + 7, 64, seed)
+            machine.do_unmap(spare, g)
+        if i != len(made) - 1 and machine.do_release(key):
+            made[i] = machine.do_create(g)  # as many alive again, the new one made right after a release
+        return
+    va = made[i]
+    if va is None or va not in machine.model.reservations:
+        return
+    machine.query(
+        accessible(va), machine.raw.accessible(va), f"accessible({va:#x}), reservation {i + 1} of {len(made)}"
+    )
+    if machine.do_map(va, g, shared):
+        machine.do_set_access(va, g)
+        machine.do_write(va + 9, 64, seed)
+        machine.do_unmap(va, g)
+    if i != len(made) - 1 and machine.do_free(va, g):
+        made[i] = machine.do_reserve(g, g)

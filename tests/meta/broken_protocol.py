@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from extensible_kv.drivers.records import check_alignment, check_inside, check_no_overlap, mapped_parts
+from extensible_kv.drivers.records import (
+    check_alignment,
+    check_free,
+    check_inside,
+    check_no_overlap,
+    check_one_mapping,
+    mapped_parts,
+)
 from extensible_kv.drivers.host import (
     _MAP_ANONYMOUS,
     _MAP_FAILED,
@@ -874,6 +881,117 @@ def prove_refused_unmap_keeps_access(make: Callable[[], HostDriver]) -> list[boo
         tidy(d, [(r, 3 * g)], [h])
 
 
+# -- many live objects: a table that changes past a count -------------------------------------------------------------
+class ReleasePast128HandlesKeepsTheBytes(_Broken):
+    """P-release-returns. Breaks "Once the handle is released and unmapped everywhere, the bytes ``create`` took are
+    free again": the driver keeps its live handles in a table of 128 entries and moves the rest to an overflow list
+    whose handles, once gone, are taken off the list but not out of the held bytes. With 128 live handles or fewer
+    every release gives its bytes back."""
+
+    TABLE = 128
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._alive: set[int] = set()
+
+    def create(self, size: int) -> HostHandle:
+        handle = super().create(size)
+        with busy(), self._locked():
+            self._alive.add(id(handle))
+        return handle
+
+    def _drop_if_unused(self, handle: HostHandle) -> None:
+        if handle.released and handle.maps == 0 and handle.counted and len(self._alive) > self.TABLE:
+            handle.counted = False  # the bug: its bytes stay in the held count
+            self._alive.discard(id(handle))
+            return
+        super()._drop_if_unused(handle)
+        if not handle.counted:
+            self._alive.discard(id(handle))
+
+
+def prove_release_past_128_handles_keeps_the_bytes(make: Callable[[], HostDriver]) -> list[int]:
+    """130 one-granule handles: the granules ``mem_info`` counts taken, then after one of them is released."""
+    d = make()
+    g = d.granularity()
+    handles = [d.create(g) for _ in range(130)]
+    try:
+        seen = [(d.mem_info()[1] - d.mem_info()[0]) // g]
+        d.release(handles[64])
+        return [*seen, (d.mem_info()[1] - d.mem_info()[0]) // g]
+    finally:
+        tidy(d, [], handles)
+
+
+class FreePast256ReservationsKeepsTheRange(_Broken):
+    """P-free-kernel. Breaks "Afterwards nothing of the range ... is held: on the host the kernel maps nothing there":
+    with more than 256 live reservations ``free`` forgets the record at once but batches its ``munmap``, which runs
+    once the count is back at 256, so the kernel still holds the range when ``free`` returns. With 256 live
+    reservations or fewer every free gives its range back at once."""
+
+    BATCH_ABOVE = 256
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._batch: list[tuple[int, int]] = []
+
+    def _free(self, va: int, size: int) -> None:
+        if len(self._reservations) > self.BATCH_ABOVE:
+            check_free(va, size, self._reservations.get(va) == size, self._mappings)
+            del self._reservations[va]
+            self._batch.append((va, size))
+            return
+        super()._free(va, size)
+        while self._batch:
+            _lib().munmap(*self._batch.pop())
+
+
+def prove_free_past_256_reservations_keeps_the_range(make: Callable[[], HostDriver]) -> int:
+    """Bytes of a freed one-granule reservation the kernel still maps, with 257 more reservations live."""
+    d = make()
+    g = d.granularity()
+    vas = [d.reserve(g, g) for _ in range(258)]
+    try:
+        d.free(vas[-1], g)
+        return kernel_holds(vas[-1], vas[-1] + g)
+    finally:
+        tidy(d, [(va, g) for va in vas[:-1]], [])
+
+
+class UnmapPast512MappingsKeepsTheKernelMapping(_Broken):
+    """P-unmap. Breaks "Afterwards the range is reserved and not mapped: not accessible": with more than 512 live
+    mappings ``unmap`` only forgets its record (the kernel's mapping is left for the next ``map`` there to replace), so
+    an unmapped granule that had access stays readable and writable. With 512 live mappings or fewer every unmap
+    gives the range back to the reservation."""
+
+    LAZY_ABOVE = 512
+
+    def _unmap(self, va: int, size: int) -> None:
+        if len(self._mappings) <= self.LAZY_ABOVE:
+            super()._unmap(va, size)
+            return
+        live = self._mappings.get(va)
+        check_one_mapping(va, size, live and live[0])
+        self._forget(va, live)
+
+
+def prove_unmap_past_512_mappings_keeps_the_kernel_mapping(make: Callable[[], HostDriver]) -> bool:
+    """514 one-granule mappings of one handle; the last given access and unmapped: whether it is accessible."""
+    d = make()
+    g, n = d.granularity(), 514
+    r = d.reserve(n * g, g)
+    h = d.create(g)
+    try:
+        for i in range(n):
+            d.map(r + i * g, g, h)
+        d.set_access(r + (n - 1) * g, g)
+        d.unmap(r + (n - 1) * g, g)
+        return d.accessible(r + (n - 1) * g)
+    finally:
+        _lib().mmap(r, n * g, _PROT_NONE, RESERVED, -1, 0)  # whatever the kernel kept is reserved again
+        tidy(d, [(r, n * g)], [h])
+
+
 # -- the factories and the cases -------------------------------------------------------------------------------------
 set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
 set_access_checks_the_ends_only = functools.partial(
@@ -906,6 +1024,15 @@ refused_set_access_revokes_the_tail = functools.partial(
     RefusedSetAccessRevokesTheTail, "broken-refused-set-access-revokes-the-tail"
 )
 refused_unmap_revokes_the_tail = functools.partial(RefusedUnmapRevokesTheTail, "broken-refused-unmap-revokes-the-tail")
+release_past_128_handles_keeps_the_bytes = functools.partial(
+    ReleasePast128HandlesKeepsTheBytes, "broken-release-past-128-handles-keeps-the-bytes"
+)
+free_past_256_reservations_keeps_the_range = functools.partial(
+    FreePast256ReservationsKeepsTheRange, "broken-free-past-256-reservations-keeps-the-range"
+)
+unmap_past_512_mappings_keeps_the_kernel_mapping = functools.partial(
+    UnmapPast512MappingsKeepsTheKernelMapping, "broken-unmap-past-512-mappings-keeps-the-kernel-mapping"
+)
 
 
 @dataclass(frozen=True)
@@ -980,5 +1107,23 @@ CASES: dict[str, Case] = {
     ),
     "refused_unmap_revokes_the_tail": Case(
         refused_unmap_revokes_the_tail, "refusals", prove_refused_unmap_keeps_access, [True, True, True]
+    ),
+    "release_past_128_handles_keeps_the_bytes": Case(
+        release_past_128_handles_keeps_the_bytes,
+        "many live objects",
+        prove_release_past_128_handles_keeps_the_bytes,
+        [130, 129],
+    ),
+    "free_past_256_reservations_keeps_the_range": Case(
+        free_past_256_reservations_keeps_the_range,
+        "many live objects",
+        prove_free_past_256_reservations_keeps_the_range,
+        0,
+    ),
+    "unmap_past_512_mappings_keeps_the_kernel_mapping": Case(
+        unmap_past_512_mappings_keeps_the_kernel_mapping,
+        "many live objects",
+        prove_unmap_past_512_mappings_keeps_the_kernel_mapping,
+        False,
     ),
 }
