@@ -31,16 +31,44 @@ TOUCH_EVERY = 6  # steps between two faults provoked in a child (a fork costs ~1
 
 
 @contextlib.contextmanager
-def no_new_descriptors():
-    """The process may open no new file descriptor until the block ends (RLIMIT_NOFILE's soft limit set to the
-    lowest free descriptor, the one the next open would take)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest = next(fd for fd in itertools.count() if not _is_open(fd))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+def lowered(limit: int, soft: int):
+    """The soft resource limit ``limit`` (``resource.RLIMIT_*``) at ``soft`` until the block ends, the hard one
+    kept: the kernel refuses the native calls that would pass it."""
+    old, hard = resource.getrlimit(limit)
+    resource.setrlimit(limit, (soft, hard))
     try:
         yield
     finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        resource.setrlimit(limit, (old, hard))
+
+
+def no_new_descriptors():
+    """The process may open no new file descriptor until the block ends (RLIMIT_NOFILE's soft limit set to the
+    lowest free descriptor, the one the next open would take)."""
+    return lowered(resource.RLIMIT_NOFILE, next(fd for fd in itertools.count() if not _is_open(fd)))
+
+
+def no_files_larger_than_a_byte():
+    """No file may grow past one byte until the block ends (RLIMIT_FSIZE; Python ignores the SIGXFSZ that comes
+    with it, so the call fails with EFBIG)."""
+    return lowered(resource.RLIMIT_FSIZE, 1)
+
+
+def little_more_address_space():
+    """The process may map at most 1 MiB more until the block ends (RLIMIT_AS at its size now and 1 MiB)."""
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    return lowered(resource.RLIMIT_AS, size + (1 << 20))
+
+
+NATIVE_LIMITS = {
+    "no new file descriptor": no_new_descriptors,
+    "no file larger than a byte": no_files_larger_than_a_byte,
+    "at most 1 MiB more address space": little_more_address_space,
+}
+"""Kernel limits under which a host driver's native calls fail (the next memfd, a memfd's size, a new mapping), each
+a context manager factory: the calls made inside one must be refused as the protocol says for a native failure, or
+succeed where the driver needs none of what the limit withholds."""
 
 
 def _is_open(fd: int) -> bool:
@@ -279,10 +307,20 @@ class ProtocolChecks(RuleBasedStateMachine):
 
         return convert
 
-    def do_reserve(self, size: int, alignment: int) -> int | None:
+    def under(self, op: str, limit: str | None) -> dict:
+        """``call``'s arguments for a call of ``op`` made under ``NATIVE_LIMITS[limit]`` (none for ``None``): inside
+        the limit, judged by the model's prediction, or, where it raised, as a native refusal naming ``op``."""
+        if limit is None:
+            return {}
+        return {
+            "within": NATIVE_LIMITS[limit],
+            "or_refused": self.model.natively_refused(op, f"the kernel's limit: {limit}"),
+        }
+
+    def do_reserve(self, size: int, alignment: int, limit: str | None = None) -> int | None:
         prediction = self.model.reserve(size, alignment)
         before = KernelView() if self.setup.host else None
-        ok, va = self.call(prediction, size, alignment)
+        ok, va = self.call(prediction, size, alignment, **self.under("reserve", limit))
         if ok and before is not None:
             self._address_space("reserve", va, size, alignment, before)
         return va if ok else None
@@ -317,21 +355,13 @@ class ProtocolChecks(RuleBasedStateMachine):
             left = [(r.lo, r.hi, r.perms, r.name) for r in after.rows if r.lo < va + size and va < r.hi]
             expect_equal(self.driver, f"what the kernel maps in [{va:#x}, +{size}) right after free", [], left)
 
-    def do_create(self, size: int, without_descriptors: bool = False) -> int | None:
-        """``create(size)``; ``without_descriptors`` (the host): while the process may open no new file descriptor,
-        so a driver that needs one fails natively (P-native-failure), and one that needs none may still succeed."""
+    def do_create(self, size: int, limit: str | None = None) -> int | None:
+        """``create(size)``, under ``NATIVE_LIMITS[limit]`` if one is named (the host): a driver that needs what the
+        limit withholds fails natively (P-native-failure), one that needs none of it may still succeed."""
         prediction = self.model.create(size)
         key = next(self.keys)
         fds = open_memfds() if self.setup.host else None
-        limits = {}
-        if without_descriptors:
-            limits = {
-                "within": no_new_descriptors,
-                "or_refused": self.model.natively_refused(
-                    "create", "the process may open no new file descriptor (RLIMIT_NOFILE at the lowest free one)"
-                ),
-            }
-        ok, _ = self.call(prediction, size, convert=self.register(key), **limits)
+        ok, _ = self.call(prediction, size, convert=self.register(key), **self.under("create", limit))
         if fds is not None:
             new = [i for i in open_memfds() if i not in fds]
             sizes = [
@@ -360,15 +390,16 @@ class ProtocolChecks(RuleBasedStateMachine):
     def do_release(self, key: int) -> bool:
         return self.call(self.model.release(key), self.objects[key], key=key)[0]
 
-    def do_map(self, va: int, size: int, key: int, offset: int = 0) -> bool:
-        return self.call(self.model.map(va, size, key, offset), va, size, self.objects[key], offset, key=key)[0]
+    def do_map(self, va: int, size: int, key: int, offset: int = 0, limit: str | None = None) -> bool:
+        prediction = self.model.map(va, size, key, offset)
+        return self.call(prediction, va, size, self.objects[key], offset, key=key, **self.under("map", limit))[0]
 
     def do_unmap(self, va: int, size: int) -> bool:
         self.raw.synchronize()  # the protocol's order: outstanding work first
         return self.call(self.model.unmap(va, size), va, size)[0]
 
-    def do_set_access(self, va: int, size: int) -> bool:
-        return self.call(self.model.set_access(va, size), va, size)[0]
+    def do_set_access(self, va: int, size: int, limit: str | None = None) -> bool:
+        return self.call(self.model.set_access(va, size), va, size, **self.under("set_access", limit))[0]
 
     def do_zero(self, va: int, size: int) -> bool:
         return self.call(self.model.zero(va, size), va, size)[0]

@@ -134,7 +134,7 @@ class ProtocolMachine(ProtocolChecks):
         size = granules * self.g
         if self.model.exact and size > self.model.expected_free():
             return
-        self.do_create(size, without_descriptors=True)
+        self.do_create(size, limit="no new file descriptor")
 
     @rule(kind=st.sampled_from(("past_total", "past_free")))
     def create_more_than_memory(self, kind):

@@ -17,6 +17,7 @@ least ``MIN_EXAMPLES``: 12 and 8 in CI, 8 and 8 under the meta-tests' profile), 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import tempfile
@@ -30,7 +31,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 
 from .helpers import around_powers_of_two, expect
-from .protocol_checks import learn_setup
+from .protocol_checks import NATIVE_LIMITS, learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
 from .thread_machine import TwoThreadMachine
@@ -540,3 +541,78 @@ def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, 
         machine.do_unmap(va, g)
     if i != len(made) - 1 and machine.do_free(va, g):
         made[i] = machine.do_reserve(g, g)
+
+
+LIFECYCLE_STEPS = ("remap", "release", "alias", "unmap")
+"""What may happen to a written handle while none of its bytes is on view: a remap of its first mapping (unmapped
+and mapped again without access), its release, a mapping at a second address (without access), the unmap of its
+first mapping."""
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(LIFECYCLE_STEPS)), ids="-".join)
+def test_a_handles_bytes_survive_every_order_of_remap_release_alias_and_unmap(driver, order):
+    """A two-granule handle mapped whole with access and written across both granules, then the steps of
+    ``LIFECYCLE_STEPS`` in every order (24), each judged against the model (a released handle mapped nowhere is
+    gone; one released may not be mapped again): whatever mappings of it are left are granted access, and an
+    unreleased handle mapped nowhere is mapped again; its bytes are the ones written, through every mapping (every
+    observable checked). A driver may do what it likes with memory no one sees, except lose it. Checks:
+    P-release-mapped, P-map-remap, P-map-shared, P-map-no-access, P-map-released, P-unmap, P-release-returns."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        g = machine.g
+        first, second, key = machine.do_reserve(2 * g, g), machine.do_reserve(2 * g, g), machine.do_create(2 * g)
+        expect(
+            None not in (first, second, key) and machine.do_map(first, 2 * g, key),
+            driver,
+            "two reservations of two granules and a two-granule handle mapped into the first",
+            "made",
+            (first, second, key),
+        )
+        machine.do_set_access(first, 2 * g)
+        machine.do_write(first + 3, 2 * g - 6, seed=len(order[0]) + 11)
+        handle = machine.model.handles[key]
+        for step in order:  # a handle that is gone is never passed again (P-release-once)
+            mapped = first in machine.model.mappings
+            if step == "remap" and mapped and machine.do_unmap(first, 2 * g) and handle.alive:
+                machine.do_map(first, 2 * g, key)
+            elif step == "release" and handle.alive:
+                machine.do_release(key)
+            elif step == "alias" and handle.alive:
+                machine.do_map(second, 2 * g, key)
+            elif step == "unmap" and mapped:
+                machine.do_unmap(first, 2 * g)
+        shown = [m.va for m in machine.model.mappings.values() if m.handle == key]
+        if not shown and key in machine.model.unreleased():
+            shown = [first] if machine.do_map(first, 2 * g, key) else []
+        for va in shown:
+            machine.do_set_access(va, 2 * g)
+        machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("limit", NATIVE_LIMITS)
+def test_every_call_the_kernel_refuses_natively_is_a_driver_error_that_leaves_nothing(driver, limit):
+    """On the host, under each kernel limit of ``NATIVE_LIMITS`` in turn (no new file descriptor, no file larger than a
+    byte, at most 1 MiB more address space): a create of one granule and of 16 MiB, a reserve of 16 MiB, a map and a
+    set_access; each refused as a ``DriverError`` naming the call, changing nothing (no memfd, descriptor, byte or
+    address space kept), or taken where the driver needs none of what the limit withholds; every observable checked
+    after the limit is lifted. Every native step of a call can fail, not only the first. Checks: P-native-failure,
+    P-refusal, P-refusal-unchanged, P-create-memory, P-reserve-kernel."""
+    setup = learn_setup(driver)
+    if not setup.host:
+        pytest.skip("the kernel's resource limits fail the host driver's native calls; a GPU driver's fail elsewhere")
+    machine = ProtocolMachine(setup)
+    try:
+        g = machine.g
+        big = max(-(-(16 << 20) // g), 2) * g  # more than the address space the last limit leaves
+        va, key = machine.do_reserve(2 * g, g), machine.do_create(g)
+        expect(None not in (va, key), driver, "a two-granule reservation and a one-granule handle", "made", (va, key))
+        machine.do_create(g, limit=limit)
+        machine.do_create(big, limit=limit)
+        machine.do_reserve(big, g, limit=limit)
+        if machine.do_map(va, g, key, limit=limit):
+            machine.do_set_access(va, g, limit=limit)
+        machine.every_observable_matches_the_model()
+    finally:
+        machine.teardown()

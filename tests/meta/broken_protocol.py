@@ -22,6 +22,7 @@ Note [A proof drives both drivers]
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import itertools
@@ -992,6 +993,80 @@ def prove_unmap_past_512_mappings_keeps_the_kernel_mapping(make: Callable[[], Ho
         tidy(d, [(r, n * g)], [h])
 
 
+# -- bytes no one sees ------------------------------------------------------------------------------------------------
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch(fd: int, size: int) -> None:
+    """Give the pages of ``[0, size)`` of the file ``fd`` back to the kernel (they read as zeros afterwards)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size)
+
+
+class LastUnmapDropsTheBytes(_Broken):
+    """P-map-remap. Breaks "A handle unmapped and mapped again (at the same or another address) shows its bytes
+    still": when the last mapping of a handle that is not released goes, the driver gives the handle's pages back to
+    the kernel, reasoning that a handle mapped nowhere shows nothing to anyone; mapped again it reads zeros. A handle
+    with another mapping alive keeps its bytes."""
+
+    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super()._forget(va, live)
+        handle = live[1]
+        if handle.maps == 0 and not handle.released:
+            _punch(handle.fd, handle.size)
+
+
+def prove_last_unmap_drops_the_bytes(make: Callable[[], HostDriver]) -> int:
+    """A one-granule handle mapped with access, 0x5A written at its first byte, unmapped, mapped again with access:
+    the byte read there."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    h = d.create(g)
+    try:
+        d.map(r, g, h)
+        d.set_access(r, g)
+        poke(d, r, 0x5A)
+        d.unmap(r, g)
+        d.map(r, g, h)
+        d.set_access(r, g)
+        return read_byte(d, r)
+    finally:
+        tidy(d, [(r, g)], [h])
+
+
+# -- a native step that fails after the first ------------------------------------------------------------------------
+class FtruncateUnchecked(_Broken):
+    """P-native-failure. Breaks "A native call that fails raises ``DriverError`` naming the operation": ``create``
+    sizes its memfd through libc's ``ftruncate`` and does not look at what it returned, so where the kernel refuses
+    the size (a file size limit) the handle is made over an empty file: ``create`` succeeds, holding nothing it could
+    map. A failed ``memfd_create`` is still a ``DriverError``."""
+
+    def _create(self, size: int) -> HostHandle:
+        try:
+            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.ftruncate.argtypes = [ctypes.c_int, ctypes.c_long]
+        libc.ftruncate(fd, size)  # the bug: -1 (EFBIG) goes unseen
+        return HostHandle(fd, size)
+
+
+def prove_ftruncate_unchecked(make: Callable[[], HostDriver]) -> str:
+    """The outcome of a one-granule ``create`` while no file may grow past one byte (``RLIMIT_FSIZE``, one call)."""
+    d = make()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    made: list[HostHandle] = []
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))
+    try:
+        return outcome(lambda: made.append(d.create(d.granularity())))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        tidy(d, [], made)
+
+
 # -- the factories and the cases -------------------------------------------------------------------------------------
 set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
 set_access_checks_the_ends_only = functools.partial(
@@ -1030,6 +1105,8 @@ release_past_128_handles_keeps_the_bytes = functools.partial(
 free_past_256_reservations_keeps_the_range = functools.partial(
     FreePast256ReservationsKeepsTheRange, "broken-free-past-256-reservations-keeps-the-range"
 )
+ftruncate_unchecked = functools.partial(FtruncateUnchecked, "broken-ftruncate-unchecked")
+last_unmap_drops_the_bytes = functools.partial(LastUnmapDropsTheBytes, "broken-last-unmap-drops-the-bytes")
 unmap_past_512_mappings_keeps_the_kernel_mapping = functools.partial(
     UnmapPast512MappingsKeepsTheKernelMapping, "broken-unmap-past-512-mappings-keeps-the-kernel-mapping"
 )
@@ -1119,6 +1196,12 @@ CASES: dict[str, Case] = {
         "many live objects",
         prove_free_past_256_reservations_keeps_the_range,
         0,
+    ),
+    "ftruncate_unchecked": Case(
+        ftruncate_unchecked, "native failures", prove_ftruncate_unchecked, "DriverError(create)"
+    ),
+    "last_unmap_drops_the_bytes": Case(
+        last_unmap_drops_the_bytes, "bytes no one sees", prove_last_unmap_drops_the_bytes, 0x5A
     ),
     "unmap_past_512_mappings_keeps_the_kernel_mapping": Case(
         unmap_past_512_mappings_keeps_the_kernel_mapping,
