@@ -194,7 +194,11 @@ def poke(d: HostDriver, va: int, value: int) -> None:
 
 def interrupt_at_line(d: HostDriver, nth: int, call: Callable[..., Any], *args: Any) -> bool:
     """Make ``call(*args)`` with a ``KeyboardInterrupt`` raised at the ``nth`` line that the driver's own methods run
-    (a trace hook, between lines); whether it was raised."""
+    (a trace hook, between lines); whether it was raised. A broken driver interrupted as it leaves a multi-line
+    ``with busy():`` keeps this thread's section (Note [Locked sections are one line] in ``reaper``): it is given
+    back here, or every later sweep of the process (other tests' collected tensors) would be put off for good."""
+    section = busy()
+    outside = not section._is_owned()
     lines = [0]
 
     def on_line(frame: Any, event: str, arg: Any) -> Any:
@@ -214,6 +218,8 @@ def interrupt_at_line(d: HostDriver, nth: int, call: Callable[..., Any], *args: 
         return True
     finally:
         sys.settrace(None)
+        while outside and section._is_owned():
+            section.release()
     return False
 
 
