@@ -494,28 +494,21 @@ def test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects(d
 def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, shared: int, other: int, seed: int):
     """The calls the rule above makes on the ``i``-th live object it made (``made[i]``), each judged by the model."""
     g = machine.g
-    accessible = machine.model.accessible
+
+    def ask(va: int, where: str) -> None:
+        machine.query(machine.model.accessible(va), machine.raw.accessible(va), f"accessible({va:#x}), {where}")
+
     if what == "mappings":
         at = made[i]
-        machine.query(
-            accessible(at), machine.raw.accessible(at), f"accessible({at:#x}), mapping {i + 1} of {len(made)}"
-        )
+        ask(at, f"mapping {i + 1} of {len(made)}")
         machine.do_set_access(at, g)
         machine.do_write(at + 5, 64, seed)
         machine.do_unmap(at, g)
-        machine.query(accessible(at), machine.raw.accessible(at), f"accessible({at:#x}), mapping {i + 1} unmapped")
+        ask(at, f"mapping {i + 1} unmapped")
         machine.do_map(at, g, shared)
-        machine.query(
-            accessible(at),
-            machine.raw.accessible(at),
-            f"accessible({at:#x}), mapping {i + 1} of {len(made)} mapped again",
-        )
+        ask(at, f"mapping {i + 1} of {len(made)} mapped again")
         machine.do_set_access(at, g)
-        machine.query(
-            accessible(at),
-            machine.raw.accessible(at),
-            f"accessible({at:#x}), mapping {i + 1} of {len(made)} granted again",
-        )
+        ask(at, f"mapping {i + 1} of {len(made)} granted again")
         machine.do_map(at, g, other)  # over a live mapping: refused
         return
     if what == "handles":
@@ -532,9 +525,7 @@ def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, 
     va = made[i]
     if va is None or va not in machine.model.reservations:
         return
-    machine.query(
-        accessible(va), machine.raw.accessible(va), f"accessible({va:#x}), reservation {i + 1} of {len(made)}"
-    )
+    ask(va, f"reservation {i + 1} of {len(made)}")
     if machine.do_map(va, g, shared):
         machine.do_set_access(va, g)
         machine.do_write(va + 9, 64, seed)
