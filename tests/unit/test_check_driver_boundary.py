@@ -33,6 +33,15 @@ def _env(markers: Path | None = None) -> dict[str, str]:
     return env
 
 
+def _signals_at_their_default() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their default action, as in a terminal's foreground command. A
+    shell without job control starts a background command with SIGINT ignored, and a process inherits that (and
+    Python keeps it): a test run started that way would otherwise start check-driver deaf to Ctrl-C, as its user
+    asked, and the SIGINT case would wait out the rule's limit."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start(*args: str, markers: Path | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "extensible_kv", "check-driver", *args],
@@ -42,6 +51,7 @@ def _start(*args: str, markers: Path | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_signals_at_their_default,
     )
 
 
