@@ -8,14 +8,13 @@ import bisect
 import ctypes
 import os
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .helpers import MEMFD_NAME
 from .protocol_model import intervals_minus
 
 
-@dataclass(frozen=True)
-class _Row:
+class _Row(NamedTuple):  # a tuple: thousands are made per read of the maps
     lo: int
     hi: int
     perms: str

@@ -54,21 +54,28 @@ def no_files_larger_than_a_byte():
     return lowered(resource.RLIMIT_FSIZE, 1)
 
 
-def little_more_address_space():
-    """The process may map at most 1 MiB more until the block ends (RLIMIT_AS at its size now and 1 MiB)."""
-    with open("/proc/self/status") as status:
-        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-    return lowered(resource.RLIMIT_AS, size + (1 << 20))
+def more_address_space(nbytes: int):
+    """A factory of blocks in which the process may map at most ``nbytes`` more (RLIMIT_AS at its size then, plus
+    ``nbytes``)."""
+
+    def limited():
+        with open("/proc/self/status") as status:
+            size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+        return lowered(resource.RLIMIT_AS, size + nbytes)
+
+    return limited
 
 
 NATIVE_LIMITS = {
     "no new file descriptor": no_new_descriptors,
     "no file larger than a byte": no_files_larger_than_a_byte,
-    "at most 1 MiB more address space": little_more_address_space,
+    "at most 1 MiB more address space": more_address_space(1 << 20),
+    "at most 1 GiB more address space": more_address_space(1 << 30),
 }
-"""Kernel limits under which a host driver's native calls fail (the next memfd, a memfd's size, a new mapping), each
-a context manager factory: the calls made inside one must be refused as the protocol says for a native failure, or
-succeed where the driver needs none of what the limit withholds."""
+"""Kernel limits under which a host driver's native calls fail (the next memfd, a memfd's size, a new mapping: one
+smaller than a granule, one that takes a plain reservation but no padding for a large alignment), each a context
+manager factory: the calls made inside one must be refused as the protocol says for a native failure, or succeed
+where the driver needs none of what the limit withholds."""
 
 
 def _is_open(fd: int) -> bool:
@@ -210,6 +217,7 @@ class ProtocolChecks(RuleBasedStateMachine):
         returned (``apply``, with ``convert`` turning the driver's result into the model's terms) and how the free
         bytes moved. Returns (succeeded, result)."""
         op = prediction.op
+        kernel = self._kernel_holds() if self.setup.host and (prediction.refusal or or_refused) else None
         before = self.raw.mem_info()[0]
         try:
             with within():
@@ -217,6 +225,8 @@ class ProtocolChecks(RuleBasedStateMachine):
         except Exception as exc:  # noqa: BLE001 - every exception is an outcome the model judges
             result, raised = None, exc
         after = self.raw.mem_info()[0]
+        if kernel is not None and raised is not None:
+            self._kernel_unchanged(f"{op}({shown(args)}), refused", kernel)
         if raised is not None and or_refused is not None:
             prediction = or_refused
         if raised is None:
@@ -236,6 +246,32 @@ class ProtocolChecks(RuleBasedStateMachine):
         if prediction.refusal is not None:
             self.refused.append((args[0], args[1]) if op in ADDRESSED else (0, 0))
         return raised is None, result
+
+    @staticmethod
+    def _kernel_holds() -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[int, int]]:
+        """What the kernel holds for a host driver in this process: the reserved address space (anonymous, without
+        access), the ranges its memfds are mapped at, and its memfds (inode: bytes)."""
+        kernel = KernelView()
+        return kernel.reserved_space(0, 1 << 64), kernel.memfd_ranges(), kernel.memfds()
+
+    def _kernel_unchanged(self, what: str, before: tuple) -> None:
+        """A refused call left the kernel holding what it held before it: no address space reserved or given back, no
+        memfd mapped, unmapped, made, grown or closed (P-refusal-unchanged, P-native-failure), wherever it is."""
+        after = self._kernel_holds()
+        if after == before:
+            return
+        (space, mapped, memfds), (space2, mapped2, memfds2) = before, after
+        got = {
+            "reserved address space (gained, lost)": (intervals_minus(space2, space), intervals_minus(space, space2)),
+            "memfd mappings (gained, lost)": (intervals_minus(mapped2, mapped), intervals_minus(mapped, mapped2)),
+            "memfds (inode: bytes)": memfds2,
+        }
+        want = {
+            "reserved address space (gained, lost)": ([], []),
+            "memfd mappings (gained, lost)": ([], []),
+            "memfds (inode: bytes)": memfds,
+        }
+        expect_equal(self.driver, f"{what}: what the kernel holds, vs before the call", want, got)
 
     def call_in_child(self, prediction: Prediction, *args: object) -> None:
         """``call`` in a forked child, for a call the protocol refuses that a driver which took it would run on

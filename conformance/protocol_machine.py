@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from .protocol_checks import ProtocolChecks
+from .protocol_checks import ProtocolChecks, shown
 from .protocol_model import MAX_BYTES, UNREACHABLE_BYTES, CallerError
 
 MAX_RESERVATIONS = 5
@@ -421,9 +421,15 @@ class ProtocolMachine(ProtocolChecks):
         P-unmap-refused, P-access-refused, P-access, P-free-refused, P-release-once, P-refusal,
         P-refusal-names, P-refusal-unchanged."""
         rs = self._reservations()
-        if not rs:
-            return
-        g, r = self.g, rs[pick % len(rs)]
+        if rs:
+            r = rs[pick % len(rs)]
+            ms = self.model.mappings_in(r)
+            self.refusals_around(r, ms[pick % len(ms)] if ms else None, pick)
+
+    def refusals_around(self, r, m, pick: int) -> None:
+        """``refusals`` around the reservation ``r`` and its mapping ``m`` (``None``: none), with the handle and the
+        freed range ``pick`` chooses."""
+        g = self.g
         live = sorted(self.model.unreleased())
         released = sorted(set(self.model.alive()) - set(live))  # and mapped still: one whose memory is free is gone
         key = live[pick % len(live)] if live else None
@@ -444,8 +450,7 @@ class ProtocolMachine(ProtocolChecks):
             calls += [("release", released[pick % len(released)])]
             calls += [("map", spare, g, released[pick % len(released)], 0)] if spare is not None else []
         ms = self.model.mappings_in(r)
-        if ms and key is not None:
-            m = ms[pick % len(ms)]
+        if m is not None and key is not None:
             calls += [
                 ("map", *where, key, 0)
                 for where in (
@@ -456,8 +461,7 @@ class ProtocolMachine(ProtocolChecks):
                     (m.va - g, m.size + 2 * g),
                 )
             ]
-        if ms:
-            m = ms[pick % len(ms)]
+        if m is not None:
             chain = self._chain(m)
             later = [x for x in ms if x.va > m.end]
             calls += [
@@ -511,6 +515,32 @@ class ProtocolMachine(ProtocolChecks):
         if found[0] is None:
             return (ms[pick % len(ms)].va if ms else rs[pick % len(rs)].va if rs else 1 << 40), g, 0
         return found[0], found[1], 0
+
+    def caller_errors(self) -> None:
+        """Calls that break a caller's obligation (P-units), each of which a driver may take or refuse: a reservation
+        aligned to half a granule past the granularity, to three granules or to half a granule; a handle of a granule
+        and a half or of half a granule; a map at half a granule's offset. Refused, the call changes nothing: every
+        observable, and on the host what the kernel holds, as before; taken, what it made is given back at once."""
+        g, half = self.g, max(self.g // 2, 1)
+        va = self._unmapped_granule(0)
+        key = next((k for k in self.model.unreleased() if self.model.handles[k].size >= 2 * g), None)
+        calls = [("reserve", 2 * g, a) for a in (g + half, 3 * g, half)] + [("create", n) for n in (g + half, half)]
+        calls += [("map", va, g, self.objects[key], half)] if va is not None and key is not None else []
+        undo = {
+            "reserve": lambda result, args: self.raw.free(result, args[0]),
+            "create": lambda result, args: self.raw.release(result),
+            "map": lambda result, args: self.raw.unmap(args[0], args[1]),
+        }
+        for op, *args in calls:
+            kernel = self._kernel_holds() if self.setup.host else None
+            try:
+                result = getattr(self.raw, op)(*args)
+            except Exception:  # noqa: BLE001 - a refusal of any kind: it must change nothing
+                if kernel is not None:
+                    self._kernel_unchanged(f"{op}({shown(args)}), a caller's error, refused", kernel)
+                self.every_observable_matches_the_model()
+                continue
+            undo[op](result, args)
 
     @rule(op=st.sampled_from(BAD_VALUE_CALLS), kind=st.sampled_from(BAD_VALUES), pick=PICK)
     def bad_value(self, op, kind, pick):

@@ -16,6 +16,8 @@ the protocol lacks.
 
 from __future__ import annotations
 
+import bisect
+
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -802,23 +804,26 @@ def linearize(model: ProtocolModel, histories: Sequence[Sequence[Event]]) -> tup
 
 def intervals_minus(a: Iterable[tuple[int, int]], b: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of the ranges ``a`` outside every range of ``b`` (half-open ranges, merged)."""
+    cuts = _merged(sorted(b))
+    ends = [hi for _, hi in cuts]  # sorted, the cuts being merged
     out = []
-    cuts = sorted(b)
     for lo, hi in sorted(a):
-        for c_lo, c_hi in cuts:
-            if c_hi <= lo or hi <= c_lo:
-                continue
-            if c_lo > lo:
-                out.append((lo, c_lo))
-            lo = max(lo, c_hi)
-            if lo >= hi:
-                break
+        j = bisect.bisect_right(ends, lo)  # the first cut ending past lo
+        while lo < hi and j < len(cuts) and cuts[j][0] < hi:
+            if cuts[j][0] > lo:
+                out.append((lo, cuts[j][0]))
+            lo, j = max(lo, cuts[j][1]), j + 1
         if lo < hi:
             out.append((lo, hi))
+    return _merged(out)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ranges with those that touch or overlap joined."""
     merged: list[tuple[int, int]] = []
-    for lo, hi in out:
+    for lo, hi in ranges:
         if merged and merged[-1][1] >= lo:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
+        elif lo < hi:
             merged.append((lo, hi))
     return merged

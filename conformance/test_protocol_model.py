@@ -22,6 +22,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 
 import pytest
 import torch
@@ -31,10 +32,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 
 from .helpers import around_powers_of_two, expect
-from .protocol_checks import NATIVE_LIMITS, learn_setup
+from .protocol_checks import NATIVE_LIMITS, Keeper, learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
-from .thread_machine import TwoThreadMachine
+from .thread_machine import CONTENDED, TwoThreadMachine
 
 EXAMPLES_ENV = "EXTENSIBLE_KV_PROTOCOL_EXAMPLES"
 SEQUENTIAL_SHARE = 0.5  # of the profile's max_examples: 12 in CI (25), 2 under the meta-tests' profile (5)
@@ -97,12 +98,37 @@ def test_calls_from_two_threads_match_some_serial_order(driver):
         )
 
 
+CONTENDED_ROUNDS = 4
+"""How many times the rule below makes each contended pair of calls."""
+
+
+def test_every_contended_pair_of_calls_from_two_threads_matches_some_serial_order(driver):
+    """Each pair of calls of ``CONTENDED`` (the same call twice on one reservation, mapping or handle, two calls on one,
+    one call on two mappings of one handle), ``CONTENDED_ROUNDS`` times, made by two threads at once with nothing else:
+    the rule above samples one or two per step, this one makes all of them in every run. Each outcome, and the state
+    after both, is that of some serial order; every observable checked after each. Checks: P-threads, P-map-overlap,
+    P-unmap-refused, P-release-once, P-free-refused, P-release-mapped, P-release-returns, P-mem-exact."""
+    machine = TwoThreadMachine(learn_setup(driver))
+    try:
+        for what in CONTENDED:
+            for _ in range(CONTENDED_ROUNDS):
+                machine.two_threads(programs=([], []), contended=[what])
+                machine.every_observable_matches_the_model()
+                while machine.model.reservations:  # each round from nothing (two_threads skips past a bound)
+                    machine.clear_and_free(pick=0)
+                for key in sorted(machine.model.unreleased()):
+                    machine.do_release(key)
+    finally:
+        machine.teardown()
+
+
 def test_every_bad_value_of_every_call_is_refused_and_named(driver):
     """Every kind of bad value (``BAD_VALUES``: each value of the call below its bound, negative, at 2**63, a bool or a
     float; ranges reaching 2**63) passed to every call that takes it, in a call that is valid otherwise, in turn, each
     compared with the model at once: the table the random rule samples from, all of it in every run; and ``accessible``
-    at the ends of the address space, where nothing is reserved: False. Checks: P-bad-value, P-refusal, P-refusal-names,
-    P-refusal-unchanged, P-accessible."""
+    at the ends of the address space, where nothing is reserved: False; then calls that break a caller's obligation
+    (``caller_errors``), refused without a trace or taken. Checks: P-bad-value, P-refusal, P-refusal-names,
+    P-refusal-unchanged, P-accessible, P-units."""
     machine = ProtocolMachine(learn_setup(driver))
     try:
         machine.populate(sizes=[3, 2], alignment=1, pick=1)
@@ -115,6 +141,7 @@ def test_every_bad_value_of_every_call_is_refused_and_named(driver):
                     machine.every_observable_matches_the_model()
         for at in (0, 1, MAX_BYTES - machine.g, MAX_BYTES - 1):
             machine.query(machine.model.accessible(at), machine.raw.accessible(at), f"accessible({at:#x})")
+        machine.caller_errors()
     finally:
         machine.teardown()
 
@@ -440,76 +467,130 @@ LIVE_COUNTS = {
     "mappings": around_powers_of_two(*range(4, 11)),
     "handles": around_powers_of_two(*range(4, 9)),
     "reservations": around_powers_of_two(*range(4, 10)),
+    "tensors": around_powers_of_two(*range(4, 11)),
 }
-"""How many mappings, handles or reservations the rule below holds alive when it probes the driver: each side of
-every power of two from 16 up (mappings to 1025; handles to 257, each an open file on the host, under the usual limit
-of 1024; reservations to 513), the counts at which a driver's table, cache or fast path may change."""
+"""How many mappings, handles, reservations (each with a mapping) or tensors the rule below holds alive when it probes
+the driver: each side of every power of two from 16 up (mappings and tensors to 1025; handles to 257, each an open
+file on the host, under the usual limit of 1024; reservations to 513), the counts at which a driver's table, cache or
+fast path may change."""
 
 
 @pytest.mark.parametrize("what", LIVE_COUNTS)
 def test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects(driver, what):
-    """Mappings (one-granule mappings of one handle, without access), handles (one granule each) or reservations (one
-    granule each) made one at a time and kept alive; at each count of ``LIVE_COUNTS``, the newest and one made halfway
-    are probed, each call judged against the model: a mapping's access before and after ``set_access``, a write
-    through a tensor, an unmap and a map again at the same place (without access until granted again), a map over it
-    refused; a handle mapped, granted, written and unmapped, an older one released; a reservation mapped into and
-    cleared, an older one freed and reserved again; ``mem_info`` after each. Every observable is checked with the most
-    alive. Checks: P-accessible, P-map, P-map-no-access, P-map-remap, P-map-shared, P-map-overlap, P-access, P-tensor,
-    P-unmap, P-mem-exact, P-create-memory, P-release-returns, P-reserve-disjoint, P-reserve-inaccessible, P-free,
-    P-free-kernel."""
+    """Mappings (two-granule mappings of one handle, without access), handles (one granule each), reservations (two
+    granules each, the first mapped) or tensors (each with its own keeper) made one at a time and kept alive; at each
+    count of ``LIVE_COUNTS`` the newest, one made halfway and the oldest are probed, each call judged against the
+    model: a mapping's access before and after ``set_access``, a write through a tensor, at each count one past a power
+    of two every refusal the protocol names around it and its reservation (``refusals_around``: parts, overlaps, frees
+    with mappings, ...), an unmap and
+    a map again at the same place (without access until granted again), a map over it refused; a handle mapped,
+    granted, written and unmapped, an older one released; a reservation mapped into and cleared, an older one freed and
+    reserved again; a tensor's keeper held and its address; ``mem_info`` after each. Every observable is checked with
+    the most alive. Checks: P-accessible, P-map, P-map-no-access, P-map-remap, P-map-shared, P-map-overlap, P-access,
+    P-tensor, P-tensor-keeper, P-unmap, P-unmap-refused, P-free-refused, P-refusal-unchanged, P-mem-exact,
+    P-create-memory, P-release-returns, P-reserve-disjoint, P-reserve-inaccessible, P-free, P-free-kernel."""
     counts = LIVE_COUNTS[what]
     machine = ProtocolMachine(learn_setup(driver))
     try:
         g = machine.g
         top = counts[-1]
-        spare = machine.do_reserve((top + 2 if what == "mappings" else 2) * g, g)
-        shared, other = machine.do_create(g), machine.do_create(g)
+        size = 2 * g if what == "mappings" else g  # the size of each mapping made (whole handles on every driver)
+        spare = machine.do_reserve((2 * top + 2 if what == "mappings" else 2) * g, g)
+        shared, other = machine.do_create(size), machine.do_create(size)
         expect(
             None not in (spare, shared, other),
             driver,
-            f"a reservation of {top + 2} granules and two one-granule handles",
+            f"a reservation for {top} mappings and two handles of {size} bytes",
             "made",
             (spare, shared, other),
         )
-        made: list[int] = []
+        tensors = _Tensors(machine, spare, shared) if what == "tensors" else None
+        made: list = []
         for n in range(1, top + 1):
             if what == "mappings":
-                at = spare + (n - 1) * g
-                made.append(at if machine.do_map(at, g, shared) else None)
+                at = spare + 2 * (n - 1) * g
+                made.append(at if machine.do_map(at, size, shared) else None)
             elif what == "handles":
                 made.append(machine.do_create(g))
+            elif what == "reservations":
+                made.append(_mapped_reservation(machine, shared))
             else:
-                made.append(machine.do_reserve(g, g))
+                made.append(tensors.make(n))
             if made[-1] is None:  # memory or address space ran out (the model judged the refusal): as far as it goes
                 break
             if n in counts:
-                for i in (n - 1, n // 2):
-                    _probe(machine, what, made, i, spare, shared, other, seed=n + i)
+                past = (n - 1) & (n - 2) == 0  # one past a power of two: the refusals too
+                for i in sorted({n - 1, n // 2, 0}, reverse=True):
+                    _probe(machine, what, made, i, spare, shared, other, tensors, seed=n + i, refusals=past)
                 machine.call(machine.model.mem_info())
         machine.every_observable_matches_the_model()
     finally:
         machine.teardown()
 
 
-def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, shared: int, other: int, seed: int):
-    """The calls the rule above makes on the ``i``-th live object it made (``made[i]``), each judged by the model."""
+def _mapped_reservation(machine: ProtocolMachine, key: int) -> int | None:
+    """A new two-granule reservation with the one-granule handle ``key`` mapped at its first granule, or ``None``."""
+    va = machine.do_reserve(2 * machine.g, machine.g)
+    return va if va is not None and machine.do_map(va, machine.g, key) else None
+
+
+class _Tensors:
+    """The tensors of the rule above, over one accessible granule of ``spare``: each 64 bytes at its own place, with a
+    keeper of its own, which its storage must hold while it lives (P-tensor-keeper)."""
+
+    def __init__(self, machine: ProtocolMachine, spare: int, key: int) -> None:
+        self.machine, self.spare = machine, spare
+        machine.do_map(spare, machine.g, key)
+        machine.do_set_access(spare, machine.g)
+        self.kept: dict[int, tuple[torch.Tensor, weakref.ref, int]] = {}
+
+    def make(self, n: int) -> int:
+        va = self.spare + n * 64 % (self.machine.g - 64)
+        keeper = Keeper()
+        self.kept[n] = (self.machine.raw.tensor(va, 64, keeper), weakref.ref(keeper), va)
+        return n
+
+    def probe(self, n: int, of: int) -> None:
+        t, alive, va = self.kept[n]
+        got = {"keeper alive": alive() is not None, "data_ptr": t.data_ptr(), "numel": t.numel()}
+        want = {"keeper alive": True, "data_ptr": va, "numel": 64}
+        expect(
+            got == want,
+            self.machine.driver,
+            f"tensor({va:#x}, 64, keeper) {n} of {of} alive (the others made since kept alive)",
+            want,
+            got,
+        )
+
+
+def _probe(machine, what: str, made: list, i: int, spare: int, shared: int, other: int, tensors, seed: int, refusals):
+    """The calls the rule above makes on the ``i``-th live object it made (``made[i]``), each judged by the model (with
+    ``refusals``, every refusal around it too)."""
     g = machine.g
+
+    def refused_around(va: int, at: int | None) -> None:
+        if refusals:
+            machine.refusals_around(machine.model.reservations[va], machine.model.mappings.get(at), seed)
 
     def ask(va: int, where: str) -> None:
         machine.query(machine.model.accessible(va), machine.raw.accessible(va), f"accessible({va:#x}), {where}")
 
+    if what == "tensors":
+        tensors.probe(made[i], len(made))
+        return
     if what == "mappings":
         at = made[i]
         ask(at, f"mapping {i + 1} of {len(made)}")
-        machine.do_set_access(at, g)
-        machine.do_write(at + 5, 64, seed)
-        machine.do_unmap(at, g)
+        machine.do_set_access(at, 2 * g)
+        machine.do_write(at + g - 5, 64, seed)
+        refused_around(spare, at)
+        machine.do_unmap(at, 2 * g)
         ask(at, f"mapping {i + 1} unmapped")
-        machine.do_map(at, g, shared)
+        machine.do_map(at, 2 * g, shared)
         ask(at, f"mapping {i + 1} of {len(made)} mapped again")
-        machine.do_set_access(at, g)
-        ask(at, f"mapping {i + 1} of {len(made)} granted again")
-        machine.do_map(at, g, other)  # over a live mapping: refused
+        machine.do_set_access(at, 2 * g)
+        ask(at + g, f"mapping {i + 1} of {len(made)} granted again")
+        machine.do_map(at, 2 * g, other)  # over a live mapping: refused
         return
     if what == "handles":
         key = made[i]
@@ -518,6 +599,7 @@ def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, 
         if machine.do_map(spare, g, key):
             machine.do_set_access(spare, g)
             machine.do_write(spare + 7, 64, seed)
+            refused_around(spare, spare)
             machine.do_unmap(spare, g)
         if i != len(made) - 1 and machine.do_release(key):
             made[i] = machine.do_create(g)  # as many alive again, the new one made right after a release
@@ -525,13 +607,15 @@ def _probe(machine: ProtocolMachine, what: str, made: list, i: int, spare: int, 
     va = made[i]
     if va is None or va not in machine.model.reservations:
         return
-    ask(va, f"reservation {i + 1} of {len(made)}")
-    if machine.do_map(va, g, shared):
-        machine.do_set_access(va, g)
-        machine.do_write(va + 9, 64, seed)
-        machine.do_unmap(va, g)
-    if i != len(made) - 1 and machine.do_free(va, g):
-        made[i] = machine.do_reserve(g, g)
+    ask(va, f"reservation {i + 1} of {len(made)}, mapped without access")
+    ask(va + g, f"reservation {i + 1} of {len(made)}, its unmapped granule")
+    if machine.do_map(va + g, g, other):
+        machine.do_set_access(va + g, g)
+        machine.do_write(va + g + 9, 64, seed)
+        machine.do_unmap(va + g, g)
+    refused_around(va, va)
+    if i != len(made) - 1 and machine.do_unmap(va, g) and machine.do_free(va, 2 * g):
+        made[i] = _mapped_reservation(machine, shared)
 
 
 LIFECYCLE_STEPS = ("remap", "release", "alias", "unmap")
@@ -582,11 +666,16 @@ def test_a_handles_bytes_survive_every_order_of_remap_release_alias_and_unmap(dr
         machine.teardown()
 
 
+LARGE_ALIGNMENT = 1 << 36
+"""An alignment (64 GiB) whose padding no limit of ``NATIVE_LIMITS`` leaves room for."""
+
+
 @pytest.mark.parametrize("limit", NATIVE_LIMITS)
 def test_every_call_the_kernel_refuses_natively_is_a_driver_error_that_leaves_nothing(driver, limit):
     """On the host, under each kernel limit of ``NATIVE_LIMITS`` in turn (no new file descriptor, no file larger than a
-    byte, at most 1 MiB more address space): a create of one granule and of 16 MiB, a reserve of 16 MiB, a map and a
-    set_access; each refused as a ``DriverError`` naming the call, changing nothing (no memfd, descriptor, byte or
+    byte, at most 1 MiB or 1 GiB more address space): a create of one granule and of 16 MiB, a reserve of 16 MiB, and
+    of a granule and of 16 MiB aligned to ``LARGE_ALIGNMENT`` (each freed if taken), a map and a set_access; each
+    refused as a ``DriverError`` naming the call, changing nothing (no memfd, descriptor, byte or
     address space kept), or taken where the driver needs none of what the limit withholds; every observable checked
     after the limit is lifted. Every native step of a call can fail, not only the first. Checks: P-native-failure,
     P-refusal, P-refusal-unchanged, P-create-memory, P-reserve-kernel."""
@@ -601,7 +690,10 @@ def test_every_call_the_kernel_refuses_natively_is_a_driver_error_that_leaves_no
         expect(None not in (va, key), driver, "a two-granule reservation and a one-granule handle", "made", (va, key))
         machine.do_create(g, limit=limit)
         machine.do_create(big, limit=limit)
-        machine.do_reserve(big, g, limit=limit)
+        for size, alignment in [(big, g), *((n, LARGE_ALIGNMENT) for n in (g, big))]:
+            made = machine.do_reserve(size, alignment, limit=limit)
+            if made is not None:
+                machine.do_free(made, size)
         if machine.do_map(va, g, key, limit=limit):
             machine.do_set_access(va, g, limit=limit)
         machine.every_observable_matches_the_model()

@@ -42,9 +42,12 @@ CONTENDED = (
     "release_vs_map",
     "unmap_vs_free",
     "map_overlapping",
+    "map_handle_twice",
+    "unmap_handle_twice",
 )
-"""The calls both threads make at once on one shared resource: the same call twice, and two different calls on one
-reservation, mapping or handle (the pair decides what the other sees)."""
+"""The calls both threads make at once on one shared resource: the same call twice, two different calls on one
+reservation, mapping or handle (the pair decides what the other sees), and the same call on two mappings of one handle
+(its count of mappings decides when its bytes come back)."""
 HANDLES = {"H": "HR", "R": "RR", "M": "MR"}  # a shared handle's name -> the reservation it is mapped at
 BARRIER_S = 30
 
@@ -201,6 +204,13 @@ class _Worker:
                 self.do("unmap", (s["UF"], g), (s["UF"], g))
             else:
                 self.do("free", (s["UF"], 2 * g), (s["UF"], 2 * g))
+        elif what == "map_handle_twice":  # one handle into two reservations: mapped twice, whatever the order
+            va = s["MA"] if self.tid == 0 else s["MB"]
+            self.do("map", (va, g, s["MH"], 0), (va, g, objects[s["MH"]], 0))
+        elif what == "unmap_handle_twice":  # a released handle's two mappings: its bytes back once both are gone
+            self.raw.synchronize()
+            va = s["UA"] if self.tid == 0 else s["UB"]
+            self.do("unmap", (va, g), (va, g))
         elif what == "map_overlapping":  # [O, O+2g) and [O+g, O+2g), sharing one granule: one of them is refused
             if self.tid == 0:
                 self.do("map", (s["O"], 2 * g, s["OH"], 0), (s["O"], 2 * g, objects[s["OH"]], 0))
@@ -237,6 +247,18 @@ class TwoThreadMachine(ProtocolChecks):
                     return None
                 self.do_release(key)
                 shared["UF"] = va
+                continue
+            if what in ("map_handle_twice", "unmap_handle_twice"):  # one handle, a reservation for each thread
+                key, a, b = self.do_create(g), self.do_reserve(g, g), self.do_reserve(g, g)
+                if None in (key, a, b):
+                    return None
+                if what == "map_handle_twice":
+                    shared["MH"], shared["MA"], shared["MB"] = key, a, b
+                    continue
+                if not (self.do_map(a, g, key) and self.do_map(b, g, key)):
+                    return None
+                self.do_release(key)
+                shared["UA"], shared["UB"] = a, b
                 continue
             if what == "map_overlapping":
                 va, key = self.do_reserve(2 * g, g), self.do_create(2 * g)
@@ -278,7 +300,8 @@ class TwoThreadMachine(ProtocolChecks):
         on a shared resource at once (both map one range, both unmap one mapping, both release one handle, both
         free one reservation, map into a reservation the other frees, grant access to a mapping the other
         unmaps, release a handle the other unmaps or maps, unmap in a reservation the other frees, map two ranges
-        sharing a granule); every outcome, and the state after both, is that of some serial order of the calls.
+        sharing a granule, map one handle into two reservations, unmap two mappings of one released handle); every
+        outcome, and the state after both, is that of some serial order of the calls.
         Checks:
         P-threads, P-map-overlap, P-unmap-refused, P-release-once, P-free-refused, P-map-inside,
         P-reserve-disjoint, P-mem-exact."""
@@ -291,7 +314,7 @@ class TwoThreadMachine(ProtocolChecks):
         if len(self.model.reservations) >= 2 * MAX_RESERVATIONS:  # not a precondition: the threads' outcome
             return  # varies from run to run, and what Hypothesis draws must not
         shared = self._shared(contended)
-        self.shared_left = [va for name, va in (shared or {}).items() if name not in (*HANDLES, "OH")]
+        self.shared_left = [va for name, va in (shared or {}).items() if name not in (*HANDLES, "OH", "MH")]
         if shared is None:
             return
         barrier = threading.Barrier(2)
@@ -326,6 +349,10 @@ class TwoThreadMachine(ProtocolChecks):
             raise
         if "OH" in shared:  # mapped at O or not: released now, given back with O's mappings
             self.do_release(shared["OH"])
+        if "MH" in shared:  # released, then unmapped at one address: its bytes held while the other shows them
+            self.do_release(shared["MH"])
+            if shared["MA"] in self.model.mappings:
+                self.do_unmap(shared["MA"], self.g)
 
     def _linearize(self, workers: list[_Worker]) -> None:
         after, why = linearize(self.model, [w.events for w in workers])

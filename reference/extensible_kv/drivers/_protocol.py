@@ -11,8 +11,8 @@ the rules in step.
 [P-units] Every size, address and offset passed to ``map``/``unmap``/``set_access``/``create`` is a multiple of
 ``granularity()``, every ``reserve`` alignment is the granularity times a power of two (what ``cuMemAddressReserve``
 takes), and ``zero`` and writes through ``tensor`` touch accessible bytes only: callers (``ExtensibleTensor``)
-guarantee it, and ``Ledger`` checks the granularity; a driver need not refuse anything else. ``zero`` and ``tensor``
-take any byte range.
+guarantee it, and ``Ledger`` checks the granularity; a driver need not refuse anything else, and one that refuses
+such a call changes nothing, as for every refusal. ``zero`` and ``tensor`` take any byte range.
 
 [P-bad-value] A value that is not an ``int`` (a ``bool``, a ``float``), a size below 1, a negative address or offset,
 or a value or range that reaches 2**63 is refused by
