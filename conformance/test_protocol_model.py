@@ -479,16 +479,16 @@ fast path may change."""
 def test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects(driver, what):
     """Mappings (two-granule mappings of one handle, without access), handles (one granule each), reservations (two
     granules each, the first mapped) or tensors (each with its own keeper) made one at a time and kept alive; at each
-    count of ``LIVE_COUNTS`` the newest, one made halfway and the oldest are probed, each call judged against the
-    model: a mapping's access before and after ``set_access``, a write through a tensor, at each count one past a power
-    of two every refusal the protocol names around it and its reservation (``refusals_around``: parts, overlaps, frees
-    with mappings, ...), an unmap and
-    a map again at the same place (without access until granted again), a map over it refused; a handle mapped,
-    granted, written and unmapped, an older one released; a reservation mapped into and cleared, an older one freed and
-    reserved again; a tensor's keeper held and its address; ``mem_info`` after each. Every observable is checked with
-    the most alive. Checks: P-accessible, P-map, P-map-no-access, P-map-remap, P-map-shared, P-map-overlap, P-access,
-    P-tensor, P-tensor-keeper, P-unmap, P-unmap-refused, P-free-refused, P-refusal-unchanged, P-mem-exact,
-    P-create-memory, P-release-returns, P-reserve-disjoint, P-reserve-inaccessible, P-free, P-free-kernel."""
+    count of ``LIVE_COUNTS`` the newest, one made halfway and the oldest are probed, each call judged against the model:
+    a mapping's access before and after ``set_access``, a write through a tensor, at each count one past a power of two
+    every refusal the protocol names around it and its reservation (``refusals_around``: parts, overlaps, frees with
+    mappings, ...), an unmap and a map again at the same place (without access until granted again), a map over it
+    refused; a handle mapped, granted, written and unmapped, an older one released; a reservation mapped into and
+    cleared, the refusals around it again with nothing mapped in it, an older one freed and reserved again; a tensor's
+    keeper held and its address; ``mem_info`` after each. Every observable is checked with the most alive. Checks:
+    P-accessible, P-map, P-map-no-access, P-map-remap, P-map-shared, P-map-overlap, P-access, P-tensor, P-tensor-keeper,
+    P-unmap, P-unmap-refused, P-free-refused, P-refusal-unchanged, P-mem-exact, P-create-memory, P-release-returns,
+    P-reserve-disjoint, P-reserve-inaccessible, P-free, P-free-kernel."""
     counts = LIVE_COUNTS[what]
     machine = ProtocolMachine(learn_setup(driver))
     try:
@@ -614,8 +614,13 @@ def _probe(machine, what: str, made: list, i: int, spare: int, shared: int, othe
         machine.do_write(va + g + 9, 64, seed)
         machine.do_unmap(va + g, g)
     refused_around(va, va)
-    if i != len(made) - 1 and machine.do_unmap(va, g) and machine.do_free(va, 2 * g):
+    if not machine.do_unmap(va, g):
+        return
+    refused_around(va, None)  # with nothing mapped in it
+    if i != len(made) - 1 and machine.do_free(va, 2 * g):
         made[i] = _mapped_reservation(machine, shared)
+    else:
+        machine.do_map(va, g, shared)  # as it was
 
 
 LIFECYCLE_STEPS = ("remap", "release", "alias", "unmap")

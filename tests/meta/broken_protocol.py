@@ -25,12 +25,14 @@ import contextlib
 import ctypes
 import errno
 import functools
+import gc
 import itertools
 import os
 import resource
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -1073,6 +1075,319 @@ def prove_ftruncate_unchecked(make: Callable[[], HostDriver]) -> str:
         tidy(d, [], made)
 
 
+# -- refusals, counts, limits and pairs of the eighth set's kinds ----------------------------------------------------
+_ANON_RESERVE = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+"""The flags of a new reservation (the host's ``reserve``), without ``MAP_FIXED``."""
+
+
+def _reserved_ranges() -> list[tuple[int, int]]:
+    """The ranges the kernel holds as reserved (anonymous, no access), in address order."""
+    return sorted((lo, hi) for lo, hi, perms, path in kernel_ranges() if perms == "---p" and not path)
+
+
+def _ranges_minus(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` that no range of ``taken`` covers (``taken`` in address order)."""
+    left = []
+    for lo, hi in ranges:
+        cut = lo
+        for t_lo, t_hi in taken:
+            if t_lo < hi and cut < t_hi:
+                if cut < t_lo:
+                    left.append((cut, t_lo))
+                cut = t_hi
+        if cut < hi:
+            left.append((cut, hi))
+    return left
+
+
+def _vm_size() -> int:
+    """The bytes of address space the process holds, as the kernel counts them against ``RLIMIT_AS``."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+
+
+class MapRefusalLeaksAScratchRange(_Broken):
+    """P-refusal-unchanged. Breaks "A refused call leaves every observable as it was: ... the memory and address space
+    the kernel holds": ``map`` first reserves a staging range of one granule (anonymous, no access) and then runs its
+    usual checks; a map that is taken gives the staging range back, a refused one (past the reservation's end, over a
+    live mapping, a released handle, a bad value) leaves it with the kernel: one granule of address space more per
+    refusal. A staging range the kernel will not give is done without."""
+
+    def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
+        g = self._granularity
+        scratch: list[int | None] = []
+        try:  # the staging range's address is stored by C (host.py, Note [A result is stored by C])
+            scratch.extend(map(_lib().mmap, [None], [g], [_PROT_NONE], [_ANON_RESERVE], [-1], [0]))
+            super().map(va, size, handle, offset)
+            self._drop_scratch(scratch)
+        except DriverError:
+            raise  # the bug: a refused map keeps its staging range
+        except BaseException:
+            self._drop_scratch(scratch)
+            raise
+
+    def _drop_scratch(self, scratch: list[int | None]) -> None:
+        for raw in scratch:
+            if raw not in (None, _MAP_FAILED):
+                _lib().munmap(raw, self._granularity)
+
+
+def prove_map_refusal_leaks_a_scratch_range(make: Callable[[], HostDriver]) -> list[object]:
+    """A one-granule map refused over a live mapping: its outcome, and how many granules of reserved address space
+    (anonymous, no access) the kernel holds that it did not hold before the call (given back to the kernel here)."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    live, other = d.create(g), d.create(g)
+    try:
+        d.map(r, g, live)
+        before = _reserved_ranges()
+        seen = outcome(d.map, r, g, other)
+        leaked = _ranges_minus(_reserved_ranges(), before)
+        for lo, hi in leaked:
+            _lib().munmap(lo, hi - lo)
+        return [seen, sum(hi - lo for lo, hi in leaked) // g]
+    finally:
+        tidy(d, [(r, g)], [live, other])
+
+
+class FreeAroundAReservationTakenPast100Reservations(_Broken):
+    """P-free-refused. Breaks "Refused, changing nothing: ... a range around one": with more than 100 live reservations
+    the driver searches its records by range (its large table is kept in address order), and ``free`` of a range
+    around a live reservation with nothing mapped in it (starting before it or ending after it) frees the first such
+    reservation the range covers instead of refusing. With 100 live reservations or fewer the range must be exactly
+    one reservation."""
+
+    SEARCH_ABOVE = 100
+
+    def _free(self, va: int, size: int) -> None:
+        if len(self._reservations) > self.SEARCH_ABOVE and self._reservations.get(va) != size:
+            covered = [
+                (r, s)
+                for r, s in self._reservations.items()
+                if va <= r and r + s <= va + size and not any(r <= m < r + s for m in self._mappings)
+            ]
+            if covered:
+                super()._free(*min(covered))  # the bug: the reservation the range covers goes
+                return
+        super()._free(va, size)
+
+
+def prove_free_around_a_reservation_taken_past_100_reservations(make: Callable[[], HostDriver]) -> str:
+    """102 one-granule reservations: the outcome of ``free`` of the newest one and the granule below it."""
+    d = make()
+    g = d.granularity()
+    vas = [d.reserve(g, g) for _ in range(102)]
+    try:
+        return outcome(d.free, vas[-1] - g, 2 * g)
+    finally:
+        tidy(d, [(va, g) for va in vas if va in d._reservations], [])
+
+
+class _Tally:
+    """Held by a tensor's buffer: takes its serial out of its driver's set of live storages when the storage is freed
+    (no lock: ``set.discard`` is one step, and a finalizer must not take the driver's lock)."""
+
+    def __init__(self, alive: set[int], serial: int) -> None:
+        self.alive, self.serial = alive, serial
+
+    def __del__(self) -> None:
+        self.alive.discard(self.serial)
+
+
+class KeeperHeldWeaklyPast600Tensors(_Broken):
+    """P-tensor-keeper. Breaks "Its storage holds a strong reference to ``keeper`` until the storage is freed": the
+    driver counts the storages of its tensors alive and, while more than 600 are, spares their memory by having a new
+    storage hold only a weak reference to its keeper (a keeper no weak reference can follow is held as before), so a
+    keeper no one else holds is collected while its tensor lives. With 600 tensors alive or fewer every keeper is
+    held."""
+
+    WEAK_ABOVE = 600
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._alive: set[int] = set()
+        self._serials = itertools.count()
+
+    def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        self._check("tensor", va=va, size=nbytes)
+        buffer = (ctypes.c_uint8 * nbytes).from_address(va)
+        buffer.keeper = keeper
+        if len(self._alive) > self.WEAK_ABOVE:
+            with contextlib.suppress(TypeError):  # the bug: a keeper a weak reference can follow is held weakly
+                buffer.keeper = weakref.ref(keeper)
+        serial = next(self._serials)
+        buffer.tally = _Tally(self._alive, serial)  # before the count: a storage counted is one that will be uncounted
+        self._alive.add(serial)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+class _Keeper:
+    """Something a weak reference can follow."""
+
+
+def prove_keeper_held_weakly_past_600_tensors(make: Callable[[], HostDriver]) -> bool:
+    """601 one-byte tensors alive (each with its own keeper), then one more with a keeper no one else holds: whether
+    that keeper is still alive after a collection."""
+    d = make()
+    g = d.granularity()
+    r = d.reserve(g, g)
+    h = d.create(g)
+    try:
+        d.map(r, g, h)
+        d.set_access(r, g)
+        rest = [d.tensor(r + i, 1, _Keeper()) for i in range(601)]
+        keeper = _Keeper()
+        ref = weakref.ref(keeper)
+        last = d.tensor(r + 601, 1, keeper)
+        del keeper
+        gc.collect()
+        alive = ref() is not None
+        del last, rest
+        gc.collect()
+        return alive
+    finally:
+        tidy(d, [(r, g)], [h])
+
+
+class ReserveHalvesThePaddingUntilItFits(_Broken):
+    """P-reserve-aligned. Breaks "Reserve ``size`` bytes of virtual addresses and return the first, a multiple of
+    ``alignment``": when the padded ``mmap`` (``size + alignment``) fails for want of address space, ``reserve`` tries
+    again with half the padding, and half of that, down to the granularity, and aligns the range within the padding it
+    got to the largest power of two it can: a range aligned to less than was asked. A reservation whose padded ``mmap``
+    succeeds is aligned, and one that fails at the granularity's alignment is refused."""
+
+    def _reserve(self, size: int, alignment: int) -> int:
+        try:
+            return super()._reserve(size, alignment)
+        except DriverOutOfMemory:
+            if alignment <= self._granularity:
+                raise
+        pad = alignment // 2
+        while pad >= self._granularity:  # the bug: less padding than the alignment needs
+            va = self._reserve_in(size, pad, alignment)
+            if va is not None:
+                return va
+            pad //= 2
+        raise DriverOutOfMemory("reserve", f"mmap(PROT_NONE) of {size} bytes with any padding down to {pad * 2}")
+
+    def _reserve_in(self, size: int, pad: int, alignment: int) -> int | None:
+        """``[va, va+size)`` taken from an ``mmap`` of ``size + pad`` bytes, ``va`` the multiple of the largest power
+        of two up to ``alignment`` the padding allows, the rest given back (as the host's ``_reserve`` does, undone
+        whole on any exception); ``None`` when the ``mmap`` fails."""
+        span = size + pad
+        raws: list[int | None] = []
+        at: list[int] = []
+        head = tail = False
+        try:  # the mmap's result is stored by C (host.py, Note [A result is stored by C])
+            raws.extend(map(_lib().mmap, [None], [span], [_PROT_NONE], [_ANON_RESERVE], [-1], [0]))
+            if raws[0] in (None, _MAP_FAILED):
+                return None
+            raw = raws[0]
+            fit = next(a for a in (alignment >> k for k in itertools.count()) if -raw % a <= pad)
+            at.append(raw + -raw % fit)
+            va = at[0]
+            head = va == raw or _lib().munmap(raw, va - raw) == 0
+            tail = raw + span == va + size or _lib().munmap(va + size, raw + span - (va + size)) == 0
+            self._reservations[va] = size
+            return va
+        except BaseException:
+            if raws and raws[0] not in (None, _MAP_FAILED):
+                raw = raws[0]
+                va = at[0] if at else raw
+                if at:
+                    self._reservations.pop(va, None)
+                lo, hi = (va if head else raw), (va + size if tail else raw + span)
+                _lib().munmap(lo, hi - lo)
+            raise
+
+
+def prove_reserve_halves_the_padding_until_it_fits(make: Callable[[], HostDriver]) -> str:
+    """The outcome of a 4-granule reservation aligned to 64 GiB while the process may map at most 1 GiB more
+    (``RLIMIT_AS`` lowered for the one call): the error, or whether the range returned is aligned (freed again)."""
+    d = make()
+    size, alignment = 4 * d.granularity(), 1 << 36
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + GIB, hard))
+    try:
+        va = d.reserve(size, alignment)
+    except Exception as exc:  # noqa: BLE001 - the type is what the proof looks at
+        return f"{type(exc).__name__}({getattr(exc, 'operation', '')})"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    d.free(va, size)
+    return "aligned" if va % alignment == 0 else "unaligned"
+
+
+class UnmapCountsDownOutsideTheLock(_Broken):
+    """P-threads. Breaks "Any call may be made from several threads at once on one driver: each takes effect whole, so
+    what every call returned, and the state the driver is left in, are those of some serial order of the calls":
+    ``unmap`` gives the range back to the kernel, forgets its record and reads its handle's count of mappings under the
+    driver's lock, then lets the lock go and writes the count less one, giving the handle's bytes back once it wrote 0
+    on a released handle; two threads unmapping two mappings of one released handle at once both write the same count,
+    and the bytes are never given back. Unmaps from one thread, or of mappings of different handles, are counted
+    right."""
+
+    WINDOW_S = 2e-3
+
+    def unmap(self, va: int, size: int) -> None:
+        self._check("unmap", va=va, size=size)
+        taken: list[tuple[tuple[int, HostHandle], int]] = []
+        try:  # the kernel and the record under the lock, the count after it; on any exception the records count it
+            with busy(), self._locked(): taken.extend(map(self._take, [va], [size]))  # fmt: skip
+            time.sleep(self.WINDOW_S)  # the race window, widened (Note [A proof drives both drivers])
+            (_, handle), maps = taken[0]
+            handle.maps = maps - 1  # the bug: written outside the lock, from the count read under it
+            with busy(), self._locked(): self._drop_if_unused(handle)  # fmt: skip
+        except BaseException:
+            for (_, handle), _ in taken:  # the mapping is gone: its handle's count is counted again from the records
+                with busy(), self._locked(): self._count_maps(handle)  # fmt: skip
+            raise
+
+    def _take(self, va: int, size: int) -> tuple[tuple[int, HostHandle], int]:
+        """Give ``[va, va+size)`` back to the reservation and forget its record (the host's ``_unmap`` up to the count);
+        the mapping's record and its handle's count of mappings, as read."""
+        live = self._mappings.get(va)
+        check_one_mapping(va, size, live and live[0])
+        got: list[int | None] = []
+        try:  # the kernel first, then the record (host.py, Notes [Every call is whole, ...], [A result is stored by C])
+            got.extend(map(_lib().mmap, [va], [size], [_PROT_NONE], [RESERVED], [-1], [0]))
+            if got[0] != va:
+                self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+            return self._mappings.pop(va), live[1].maps
+        except BaseException:
+            if got == [va]:  # the kernel unmapped it: the records follow
+                self._recount(va, live)
+            raise
+
+    def _count_maps(self, handle: HostHandle) -> None:
+        """Count the mappings of ``handle`` from the records, and give its bytes back if it is released and mapped
+        nowhere (called with the lock held)."""
+        handle.maps = sum(1 for _, h in self._mappings.values() if h is handle)
+        self._drop_if_unused(handle)
+
+
+def prove_unmap_counts_down_outside_the_lock(make: Callable[[], HostDriver]) -> int:
+    """A one-granule handle mapped at two one-granule reservations, released, and unmapped from both by two threads at
+    once: the granules ``mem_info`` counts taken (the first try that differs from none, of up to 20)."""
+    for _ in range(20):
+        d = make()
+        g = d.granularity()
+        a, b = d.reserve(g, g), d.reserve(g, g)
+        h = d.create(g)
+        try:
+            d.map(a, g, h)
+            d.map(b, g, h)
+            d.release(h)
+            _race(lambda i: d.unmap((a, b)[i], g))
+            free, total = d.mem_info()
+        finally:
+            tidy(d, [(a, g), (b, g)], [h])
+        if free != total:
+            return (total - free) // g
+    return 0
+
+
 # -- the factories and the cases -------------------------------------------------------------------------------------
 set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
 set_access_checks_the_ends_only = functools.partial(
@@ -1115,6 +1430,21 @@ ftruncate_unchecked = functools.partial(FtruncateUnchecked, "broken-ftruncate-un
 last_unmap_drops_the_bytes = functools.partial(LastUnmapDropsTheBytes, "broken-last-unmap-drops-the-bytes")
 unmap_past_512_mappings_keeps_the_kernel_mapping = functools.partial(
     UnmapPast512MappingsKeepsTheKernelMapping, "broken-unmap-past-512-mappings-keeps-the-kernel-mapping"
+)
+map_refusal_leaks_a_scratch_range = functools.partial(
+    MapRefusalLeaksAScratchRange, "broken-map-refusal-leaks-a-scratch-range"
+)
+free_around_a_reservation_taken_past_100_reservations = functools.partial(
+    FreeAroundAReservationTakenPast100Reservations, "broken-free-around-a-reservation-taken-past-100-reservations"
+)
+keeper_held_weakly_past_600_tensors = functools.partial(
+    KeeperHeldWeaklyPast600Tensors, "broken-keeper-held-weakly-past-600-tensors"
+)
+reserve_halves_the_padding_until_it_fits = functools.partial(
+    ReserveHalvesThePaddingUntilItFits, "broken-reserve-halves-the-padding-until-it-fits"
+)
+unmap_counts_down_outside_the_lock = functools.partial(
+    UnmapCountsDownOutsideTheLock, "broken-unmap-counts-down-outside-the-lock"
 )
 
 
@@ -1214,5 +1544,26 @@ CASES: dict[str, Case] = {
         "many live objects",
         prove_unmap_past_512_mappings_keeps_the_kernel_mapping,
         False,
+    ),
+    "map_refusal_leaks_a_scratch_range": Case(
+        map_refusal_leaks_a_scratch_range, "refusals", prove_map_refusal_leaks_a_scratch_range, ["DriverError(map)", 0]
+    ),
+    "free_around_a_reservation_taken_past_100_reservations": Case(
+        free_around_a_reservation_taken_past_100_reservations,
+        "many live objects",
+        prove_free_around_a_reservation_taken_past_100_reservations,
+        "DriverError(free)",
+    ),
+    "keeper_held_weakly_past_600_tensors": Case(
+        keeper_held_weakly_past_600_tensors, "many live objects", prove_keeper_held_weakly_past_600_tensors, True
+    ),
+    "reserve_halves_the_padding_until_it_fits": Case(
+        reserve_halves_the_padding_until_it_fits,
+        "address space",
+        prove_reserve_halves_the_padding_until_it_fits,
+        "DriverOutOfMemory(reserve)",
+    ),
+    "unmap_counts_down_outside_the_lock": Case(
+        unmap_counts_down_outside_the_lock, "two threads", prove_unmap_counts_down_outside_the_lock, 0
     ),
 }
