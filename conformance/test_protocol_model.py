@@ -35,7 +35,7 @@ from .helpers import around_powers_of_two, expect
 from .protocol_checks import NATIVE_LIMITS, Keeper, learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
-from .thread_machine import CONTENDED, TwoThreadMachine
+from .thread_machine import CONTENDED, OWN_CALLS, TwoThreadMachine
 
 EXAMPLES_ENV = "EXTENSIBLE_KV_PROTOCOL_EXAMPLES"
 SEQUENTIAL_SHARE = 0.5  # of the profile's max_examples: 12 in CI (25), 2 under the meta-tests' profile (5)
@@ -100,19 +100,28 @@ def test_calls_from_two_threads_match_some_serial_order(driver):
 
 CONTENDED_ROUNDS = 4
 """How many times the rule below makes each contended pair of calls."""
+PAIRS = {
+    **{what: [] for what in CONTENDED},
+    **{f"own_{op}": [("map", 0), ("set_access", 0)] for op in OWN_CALLS if op != "free"},
+    "own_free": [],
+}
+"""The pairs of calls of the rule below, each with what each thread does on its own before it (a map of its first
+handle at its first granule, with access; nothing before a free of its reservation)."""
 
 
 def test_every_contended_pair_of_calls_from_two_threads_matches_some_serial_order(driver):
     """Each pair of calls of ``CONTENDED`` (the same call twice on one reservation, mapping or handle, two calls on one,
-    one call on two mappings of one handle), ``CONTENDED_ROUNDS`` times, made by two threads at once with nothing else:
-    the rule above samples one or two per step, this one makes all of them in every run. Each outcome, and the state
-    after both, is that of some serial order; every observable checked after each. Checks: P-threads, P-map-overlap,
-    P-unmap-refused, P-release-once, P-free-refused, P-release-mapped, P-release-returns, P-mem-exact."""
+    one call on two mappings of one handle) and the same call of ``OWN_CALLS`` from each thread on its own resources,
+    ``CONTENDED_ROUNDS`` times, made by two threads lined up by a barrier: the rule above samples one or two contended
+    pairs per step, this one makes all of them in every run. Each outcome, and the state after both, is that of some
+    serial order; every observable checked after each. Checks: P-threads, P-map-overlap, P-unmap-refused,
+    P-release-once, P-free-refused, P-release-mapped, P-release-returns, P-mem-exact."""
     machine = TwoThreadMachine(learn_setup(driver))
     try:
-        for what in CONTENDED:
+        for what, before in PAIRS.items():
             for _ in range(CONTENDED_ROUNDS):
-                machine.two_threads(programs=([], []), contended=[what])
+                program = [*before, *[("granularity", 0)] * len(before)]  # ``before`` ahead of the barrier
+                machine.two_threads(programs=(program, program), contended=[what])
                 machine.every_observable_matches_the_model()
                 while machine.model.reservations:  # each round from nothing (two_threads skips past a bound)
                     machine.clear_and_free(pick=0)

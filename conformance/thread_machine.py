@@ -48,6 +48,9 @@ CONTENDED = (
 """The calls both threads make at once on one shared resource: the same call twice, two different calls on one
 reservation, mapping or handle (the pair decides what the other sees), and the same call on two mappings of one handle
 (its count of mappings decides when its bytes come back)."""
+OWN_CALLS = ("reserve", "free", "create", "release", "map", "unmap", "set_access", "write", "zero", "accessible")
+"""Calls both threads make at once each on its own resources (``own_<call>`` in a contended list): nothing shared but
+the driver's own tables, counters and locks."""
 HANDLES = {"H": "HR", "R": "RR", "M": "MR"}  # a shared handle's name -> the reservation it is mapped at
 BARRIER_S = 30
 
@@ -167,7 +170,9 @@ class _Worker:
 
     def contend(self, what: str) -> None:
         s, g, objects = self.shared, self.g, self.m.objects
-        if what == "map_same" and self.handles:
+        if what.startswith("own_"):
+            self.own(what.removeprefix("own_"))
+        elif what == "map_same" and self.handles:
             key = self.handles[0]
             self.do("map", (s["S"], g, key, 0), (s["S"], g, objects[key], 0))
         elif what == "unmap_same":
@@ -218,6 +223,19 @@ class _Worker:
                 key = self.handles[0]
                 self.do("map", (s["O"] + g, g, key, 0), (s["O"] + g, g, objects[key], 0))
 
+    def own(self, op: str) -> None:
+        """``op`` on this thread's own resources (``OWN_CALLS``): a new reservation, the free of its own (empty one),
+        a new handle, the release of its second (mapped nowhere: its bytes come back), a map of its second handle at
+        its second granule, and the calls of ``step`` on its mapping at the first."""
+        g = self.g
+        if op == "reserve":
+            self.do("reserve", (g, g), (g, g))
+        elif op == "free" and self.reservation:
+            if self.do("free", self.reservation, self.reservation)[0]:
+                self.reservation = None
+        else:
+            self.step(op, 1 if op in ("map", "release") else 0)
+
 
 class TwoThreadMachine(ProtocolChecks):
     """Two threads call one driver at once (see the module docstring)."""
@@ -230,6 +248,8 @@ class TwoThreadMachine(ProtocolChecks):
         """The shared resources the contended calls need, made here (in this thread) through the model."""
         g, shared = self.g, {}
         for what in contended:
+            if what.startswith("own_"):  # nothing shared
+                continue
             if what in ("release_vs_unmap", "release_vs_map"):  # a handle mapped once, at a reservation of its own
                 name = "R" if what == "release_vs_unmap" else "M"
                 key, va = self.do_create(g), self.do_reserve(g, g)
