@@ -27,11 +27,11 @@ _MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) \S+ (\d+) *
 
 
 class KernelView:
-    """``/proc/self/maps``, read once."""
+    """``/proc/self/maps``, read once (or as read before: ``text``)."""
 
-    def __init__(self) -> None:
-        with open("/proc/self/maps") as fh:
-            text = fh.read()
+    def __init__(self, text: str | None = None) -> None:
+        if text is None:
+            text = maps_text()
         self.rows = [
             _Row(int(lo, 16), int(hi, 16), perms, int(offset, 16), int(inode), name.strip())
             for lo, hi, perms, offset, inode, name in _MAPS_LINE.findall(text)
@@ -69,14 +69,7 @@ class KernelView:
     def memfds(self) -> dict[int, int]:
         """inode -> bytes of every memfd of the host driver the process holds open or mapped (what the kernel keeps
         for it, whatever the driver's records say; ``helpers.kernel_memfds`` without a second read of the maps)."""
-        found = {}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
-                    st = os.stat(f"/proc/self/fd/{fd}")
-                    found[st.st_ino] = st.st_size
-            except OSError:  # closed meanwhile (the listing's own fd)
-                pass
+        found = open_memfd_sizes()
         for r in self.rows:
             if MEMFD_NAME in r.name and r.inode not in found:
                 try:
@@ -84,6 +77,25 @@ class KernelView:
                 except OSError:  # map_files unreadable here: the mapped extent is a lower bound
                     found[r.inode] = max(found.get(r.inode, 0), r.offset + r.hi - r.lo)
         return found
+
+
+def open_memfd_sizes() -> dict[int, int]:
+    """inode -> bytes of every memfd of the host driver this process holds a file descriptor of."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
+                st = os.stat(f"/proc/self/fd/{fd}")
+                found[st.st_ino] = st.st_size
+        except OSError:  # closed meanwhile (the listing's own fd)
+            pass
+    return found
+
+
+def maps_text() -> str:
+    """``/proc/self/maps`` as the kernel writes it now."""
+    with open("/proc/self/maps") as fh:
+        return fh.read()
 
 
 def open_memfds() -> list[int]:

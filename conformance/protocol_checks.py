@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 from extensible_kv.errors import DriverError
 
 from .helpers import MEMFD_NAME, expect, expect_equal, first_mismatch, host_kernel, kernel_memfds, touch
-from .kernel_view import AccessProbe, KernelView, open_memfds
+from .kernel_view import AccessProbe, KernelView, maps_text, open_memfd_sizes, open_memfds
 from .protocol_model import MAX_BYTES, Prediction, ProtocolModel, intervals_minus, judge, unnamed
 
 FAULTS = ("SIGSEGV", "SIGBUS")
@@ -248,19 +248,22 @@ class ProtocolChecks(RuleBasedStateMachine):
         return raised is None, result
 
     @staticmethod
-    def _kernel_holds() -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[int, int]]:
-        """What the kernel holds for a host driver in this process: the reserved address space (anonymous, without
-        access), the ranges its memfds are mapped at, and its memfds (inode: bytes)."""
-        kernel = KernelView()
-        return kernel.reserved_space(0, 1 << 64), kernel.memfd_ranges(), kernel.memfds()
+    def _kernel_holds() -> tuple[str, dict[int, int]]:
+        """What the kernel holds for a host driver in this process: its maps (memfds mapped among them) and the memfds
+        it holds open (inode: bytes)."""
+        return maps_text(), open_memfd_sizes()
 
-    def _kernel_unchanged(self, what: str, before: tuple) -> None:
+    def _kernel_unchanged(self, what: str, before: tuple[str, dict[int, int]]) -> None:
         """A refused call left the kernel holding what it held before it: no address space reserved or given back, no
-        memfd mapped, unmapped, made, grown or closed (P-refusal-unchanged, P-native-failure), wherever it is."""
+        memfd mapped, unmapped, made, grown or closed (P-refusal-unchanged, P-native-failure), wherever it is. The maps
+        as text first (the same text: nothing changed); else the reserved space and memfd ranges they show."""
         after = self._kernel_holds()
         if after == before:
             return
-        (space, mapped, memfds), (space2, mapped2, memfds2) = before, after
+        views = [KernelView(text) for text, _ in (before, after)]
+        space, space2 = (v.reserved_space(0, 1 << 64) for v in views)
+        mapped, mapped2 = (v.memfd_ranges() for v in views)
+        memfds, memfds2 = (v.memfds() for v in views)
         got = {
             "reserved address space (gained, lost)": (intervals_minus(space2, space), intervals_minus(space, space2)),
             "memfd mappings (gained, lost)": (intervals_minus(mapped2, mapped), intervals_minus(mapped, mapped2)),
