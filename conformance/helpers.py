@@ -13,6 +13,7 @@ import faulthandler
 import functools
 import os
 import signal
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -391,3 +392,14 @@ def touch(va: int, write: bool = False) -> str:
     if os.WIFSIGNALED(status):
         return signal.Signals(os.WTERMSIG(status)).name
     return "ok" if os.WEXITSTATUS(status) == 0 else f"exit {os.WEXITSTATUS(status)}"
+
+
+def wait_until_gone(threads, limit_s: float = 5.0) -> None:
+    """Wait (at most ``limit_s``) until the kernel has no task left of the joined ``threads``. ``join`` returns before
+    a thread's C library is done with its exit, and that exit may still unmap thread stacks it kept: a check of the
+    address space the driver reserved must not see that happen beside the driver's call."""
+    deadline = time.monotonic() + limit_s
+    for t in threads:
+        tid = getattr(t, "native_id", None)
+        while tid is not None and os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+            time.sleep(0.001)

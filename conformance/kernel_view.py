@@ -23,6 +23,14 @@ class _Row(NamedTuple):  # a tuple: thousands are made per read of the maps
     name: str
 
 
+HEAP_BLOCK = 64 << 20
+"""glibc's HEAP_MAX_SIZE on 64-bit machines: the size and alignment of a thread arena's block."""
+
+
+def _anonymous_rw(r: _Row) -> bool:
+    return not r.name and r.inode == 0 and r.perms == "rw-p"
+
+
 _MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) \S+ (\d+) *(.*)$", re.MULTILINE)
 
 
@@ -62,6 +70,19 @@ class KernelView:
             if r.lo < hi and lo < r.hi and not r.name and r.inode == 0 and r.perms == "---p"
         ]
         return intervals_minus(parts, [])
+
+    def thread_heaps(self) -> list[tuple[int, int]]:
+        """The blocks glibc keeps for the malloc arenas of threads: each ``HEAP_BLOCK`` bytes, aligned to it, opening
+        with read-write anonymous memory; the rest is reserved (``---p``) until the arena grows into it, or shrinks
+        back. A thread that calls the driver mallocs, so these change beside a call: no driver's doing."""
+        blocks = []
+        for r, n in zip(self.rows, [*self.rows[1:], None]):
+            if not _anonymous_rw(r) or r.lo % HEAP_BLOCK:
+                continue
+            end = r.lo + HEAP_BLOCK  # the read-write part fills the block, or a reserved part follows up to its end
+            if r.hi == end or (n is not None and n.lo == r.hi and n.hi == end and n.perms == "---p" and not n.name):
+                blocks.append((r.lo, end))
+        return blocks
 
     def memfd_ranges(self) -> list[tuple[int, int]]:
         return intervals_minus([(r.lo, r.hi) for r in self.rows if MEMFD_NAME in r.name], [])

@@ -31,7 +31,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 
-from .helpers import around_powers_of_two, expect
+from .helpers import around_powers_of_two, expect, wait_until_gone
 from .protocol_checks import NATIVE_LIMITS, Keeper, learn_setup
 from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
@@ -368,6 +368,7 @@ def test_every_call_from_a_thread_new_to_the_driver_is_taken(driver):
         thread.start()
         thread.join(NEW_THREAD_WAIT_S)
         expect(bool(out), driver, f"{what} from a new thread", f"done within {NEW_THREAD_WAIT_S:.0f} s", "waiting")
+        wait_until_gone([thread])
         done, value = out[0]
         if not done:
             raise value

@@ -12,7 +12,7 @@ import weakref
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from .helpers import expect
+from .helpers import expect, wait_until_gone
 from .protocol_checks import ADDRESSED, Keeper, ProtocolChecks, Setup, pattern_at, shown
 from .protocol_machine import MAX_RESERVATIONS, PICK
 from .protocol_model import Event, linearize
@@ -350,6 +350,8 @@ class TwoThreadMachine(ProtocolChecks):
         finally:
             sys.setswitchinterval(interval)
         hung = [t.name for t in threads if t.is_alive()]
+        if not hung:
+            wait_until_gone(threads)
         expect(not hung, self.driver, "calls from two threads", "both threads done", f"{hung} still running")
         for w in workers:
             if w.error is not None:
