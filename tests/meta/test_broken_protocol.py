@@ -1,16 +1,16 @@
 """Broken drivers written from the protocol's text, each breaking one sentence: the break is real, and the rules alone
 catch it.
 
-Eight sets, each a module of ``tests/meta`` with its ``CASES``: ``broken_protocol``, and ``broken_outside``,
-``broken_third``, ``broken_fourth``, ``broken_fifth``, ``broken_sixth``, ``broken_seventh`` and ``broken_eighth`` (each
-written by a reader outside the rules); a case's id names its set and its factory (``outside:zero_head_off_by_one``).
-For every driver: its proof, run on the intact host driver and on the broken one, observes what the protocol says on the
-first and something else on the second (the break is real on this machine); and ``extensible-kv check-driver`` on the
-broken driver, in a fresh process as a backend team runs it, fails (exit status 1) with at least one rule named. The
-second test runs the whole rule set up to the first failure, minutes for a driver no rule catches: it is marked ``slow``
-and runs with ``EXTENSIBLE_KV_BROKEN_DRIVERS=1``. With ``-x`` pytest-xdist (which ``check-driver`` runs the rules in)
-ends the run at the first failure as interrupted, exit status 2: that status counts as a failure only together with
-xdist's own "stopping after 1 failures" line and a failed rule in the report.
+Nine sets, each a module of ``tests/meta`` with its ``CASES``: ``broken_protocol``, and ``broken_outside``,
+``broken_third``, ``broken_fourth``, ``broken_fifth``, ``broken_sixth``, ``broken_seventh``, ``broken_eighth`` and
+``broken_ninth`` (each written by a reader outside the rules); a case's id names its set and its factory
+(``outside:zero_head_off_by_one``). For every driver: its proof, run on the intact host driver and on the broken one,
+observes what the protocol says on the first and something else on the second (the break is real on this machine); and
+``extensible-kv check-driver`` on the broken driver, in a fresh process as a backend team runs it, fails (exit status 1)
+with at least one rule named. The second test runs the whole rule set up to the first failure, minutes for a driver no
+rule catches: it is marked ``slow`` and runs with ``EXTENSIBLE_KV_BROKEN_DRIVERS=1``. With ``-x`` pytest-xdist (which
+``check-driver`` runs the rules in) ends the run at the first failure as interrupted, exit status 2: that status counts
+as a failure only together with xdist's own "stopping after 1 failures" line and a failed rule in the report.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.meta import (
     broken_eighth,
     broken_fifth,
     broken_fourth,
+    broken_ninth,
     broken_outside,
     broken_protocol,
     broken_seventh,
@@ -47,6 +48,7 @@ SETS = {
     "sixth": broken_sixth,
     "seventh": broken_seventh,
     "eighth": broken_eighth,
+    "ninth": broken_ninth,
 }
 """The sets of broken drivers, by the label their cases' ids start with."""
 CASES = {f"{label}:{name}": case for label, module in SETS.items() for name, case in module.CASES.items()}
