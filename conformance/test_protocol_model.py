@@ -439,8 +439,10 @@ def test_handles_of_every_size_class_map_whole_in_parts_and_at_offsets(driver, g
     """A handle of ``granules`` granules (``HANDLE_GRANULES``) mapped whole, then (where the driver maps parts, and at
     offsets) its first granule, its last granule at its offset and its middle at the offset of its second granule,
     each at its place in a reservation of the handle's size, given access and written, each judged against the model,
-    every observable checked with the last piece mapped; then everything given back. Checks: P-map, P-map-offset,
-    P-map-handle-end, P-access, P-create-memory, P-release-returns."""
+    every observable checked with the last piece mapped; then, its last mapping gone, the whole handle mapped again
+    with access into a new reservation: every byte written through any piece is still there (a driver may not drop
+    the pages of a handle it holds, at any size); then everything given back. Checks: P-map, P-map-offset,
+    P-map-handle-end, P-access, P-create-memory, P-map-remap, P-release-returns."""
     machine = ProtocolMachine(learn_setup(driver))
     try:
         g, n = machine.g, granules
@@ -466,6 +468,18 @@ def test_handles_of_every_size_class_map_whole_in_parts_and_at_offsets(driver, g
             if (first, count) == pieces[-1]:  # once per handle (each check reads every byte): the last piece mapped
                 machine.every_observable_matches_the_model()
             machine.do_unmap(at, size)
+        again = machine.do_reserve(n * g, g)
+        expect(
+            again is not None and machine.do_map(again, n * g, key),
+            machine.driver,
+            f"a {n}-granule handle mapped nowhere, mapped again whole into a new reservation",
+            "taken",
+            "refused",
+        )
+        machine.do_set_access(again, n * g)
+        machine.every_observable_matches_the_model()
+        machine.do_unmap(again, n * g)
+        machine.do_free(again, n * g)
         machine.do_release(key)
         machine.do_free(va, n * g)
         machine.every_observable_matches_the_model()

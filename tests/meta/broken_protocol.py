@@ -1426,6 +1426,47 @@ def prove_release_counts_outside_the_lock(make: Callable[[], HostDriver]) -> int
     return 0
 
 
+class LastUnmapPunchesLargeHandlesTails(_Broken):
+    """P-map-remap. Breaks "A handle unmapped and mapped again (at the same or another address) shows its bytes still":
+    the last unmap of a handle of 16 granules or more hands the pages past its first granule back to the kernel
+    (``fallocate(PUNCH_HOLE)``, as a driver trimming a handle it thinks idle might); the memfd, its size and the memory
+    counted stay as they were, and bytes past the first granule read as zeros once the handle is mapped again. Smaller
+    handles keep every byte."""
+
+    LARGE = 16
+
+    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super()._forget(va, live)
+        handle = live[1]
+        if handle.maps == 0 and not handle.released and handle.size >= self.LARGE * self._granularity:
+            g = self._granularity
+            punch_hole_keep_size = 0x02 | 0x01
+            fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+            fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+            fallocate(handle.fd, punch_hole_keep_size, g, handle.size - g)
+
+
+def prove_last_unmap_punches_large_handles_tails(make: Callable[[], HostDriver]) -> list[int]:
+    """A 16-granule handle mapped with access, 0x3C written at the start of its first and of its last granule,
+    unmapped, and mapped with access into another reservation: the two bytes read back."""
+    d = make()
+    g = d.granularity()
+    n = LastUnmapPunchesLargeHandlesTails.LARGE
+    first, second = d.reserve(n * g, g), d.reserve(n * g, g)
+    handle = d.create(n * g)
+    try:
+        d.map(first, n * g, handle)
+        d.set_access(first, n * g)
+        poke(d, first, 0x3C)
+        poke(d, first + (n - 1) * g, 0x3C)
+        d.unmap(first, n * g)
+        d.map(second, n * g, handle)
+        d.set_access(second, n * g)
+        return [read_byte(d, second), read_byte(d, second + (n - 1) * g)]
+    finally:
+        tidy(d, [(first, n * g), (second, n * g)], [handle])
+
+
 # -- the factories and the cases -------------------------------------------------------------------------------------
 set_access_first_mapping_only = functools.partial(SetAccessFirstMappingOnly, "broken-set-access-first-mapping-only")
 set_access_checks_the_ends_only = functools.partial(
@@ -1483,6 +1524,9 @@ reserve_halves_the_padding_until_it_fits = functools.partial(
 )
 unmap_counts_down_outside_the_lock = functools.partial(
     UnmapCountsDownOutsideTheLock, "broken-unmap-counts-down-outside-the-lock"
+)
+last_unmap_punches_large_handles_tails = functools.partial(
+    LastUnmapPunchesLargeHandlesTails, "broken-last-unmap-punches-large-handles-tails"
 )
 release_counts_outside_the_lock = functools.partial(
     ReleaseCountsOutsideTheLock, "broken-release-counts-outside-the-lock"
@@ -1609,5 +1653,11 @@ CASES: dict[str, Case] = {
     ),
     "release_counts_outside_the_lock": Case(
         release_counts_outside_the_lock, "two threads", prove_release_counts_outside_the_lock, 0
+    ),
+    "last_unmap_punches_large_handles_tails": Case(
+        last_unmap_punches_large_handles_tails,
+        "handle size classes",
+        prove_last_unmap_punches_large_handles_tails,
+        [0x3C, 0x3C],
     ),
 }
