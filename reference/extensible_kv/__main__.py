@@ -20,6 +20,7 @@ from . import drivers
 
 SCRIPT = "extensible-kv"  # the console script (pyproject.toml)
 SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra brings and the rules import
+SUMMARY_NEEDS = ("pydantic",)  # what the conformance extra brings for --summary-json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,7 +83,8 @@ def _check_driver(args: argparse.Namespace) -> int:
     """Hand over to the suite's own command (``python -m <suite>``) in this process: the runtime never imports the
     suite, and the suite's command, not this one, owns the children it starts and the signals it is sent."""
     name = suite()
-    missing = [m for m in SUITE_NEEDS if _find(m) is None]
+    summary = any(a == "--summary-json" or a.startswith("--summary-json=") for a in args.pytest_args)
+    missing = [m for m in SUITE_NEEDS + (SUMMARY_NEEDS if summary else ()) if _find(m) is None]
     if name is None or missing:
         what = (
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"

@@ -97,16 +97,27 @@ def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, ex
     )
 
 
-@pytest.mark.parametrize("absent", ["extensible_kv_conformance", "pytest"])
-def test_the_command_line_without_the_conformance_extra_says_so_in_one_line(monkeypatch, capsys, absent):
+@pytest.mark.parametrize(
+    ("absent", "options"),
+    [
+        ("extensible_kv_conformance", []),
+        ("pytest", []),
+        ("pydantic", ["--summary-json", "summary.json"]),
+        ("pydantic", ["--summary-json=summary.json"]),
+    ],
+)
+def test_the_command_line_without_the_conformance_extra_says_so_in_one_line(monkeypatch, capsys, absent, options):
     real_find = cli._find
     monkeypatch.setattr(cli, "_find", lambda name: None if name in (absent, "conformance") else real_find(name))
-    code = main(["check-driver", "host-4k"])
+    started = []
+    monkeypatch.setattr(cli.os, "execv", lambda *argv: started.append(argv))  # the suite is never started
+    code = main(["check-driver", "host-4k", *options])
     err = capsys.readouterr().err
-    got = (code, len(err.splitlines()), "needs the conformance extra" in err, "[conformance]" in err)
-    assert got == (2, 1, True, True), (
-        f"check-driver without {absent}: expected (exit 2, one line, naming the "
-        f"conformance extra and how to install it), got {got}:\n{err}"
+    named = "conformance suite" if absent == "extensible_kv_conformance" else absent
+    got = (code, len(err.splitlines()), "needs the conformance extra" in err, "[conformance]" in err, named in err)
+    assert (got, started) == ((2, 1, True, True, True), []), (
+        f"check-driver {' '.join(options)} without {absent}: expected (exit 2, one line, naming the "
+        f"conformance extra, how to install it and {named}) and the suite not started, got {got}, {started}:\n{err}"
     )
 
 
