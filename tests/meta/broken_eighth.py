@@ -58,8 +58,10 @@ from tests.meta.broken_protocol import (
     mmap_handle,
     outcome,
     poke,
+    prove_reserve_aligned_to_64_gib_with_1_gib_left,
     read_byte,
     tidy,
+    vm_size,
 )
 
 # -- shared pieces ---------------------------------------------------------------------------------------------------
@@ -74,12 +76,6 @@ def _held_granules(d: HostDriver) -> int:
     """How many granules ``mem_info`` counts as taken (``total - free``)."""
     free, total = d.mem_info()
     return (total - free) // d.granularity()
-
-
-def _vm_size() -> int:
-    """The bytes of address space the process holds, as the kernel counts them against ``RLIMIT_AS``."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
 
 
 def _perms_at(va: int) -> str:
@@ -645,7 +641,7 @@ def prove_fill_windows_leak_on_failure(make: Callable[[], HostDriver]) -> list[o
     g = d.granularity()
     before = _memfd_ranges()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + 24 * MIB, hard))
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 24 * MIB, hard))
     try:
         seen = outcome(d.create, 24 * g)
     finally:
@@ -675,23 +671,6 @@ class ReserveRetriesWithoutThePadding(_Broken):
             self._fail("reserve", f"mmap(PROT_NONE, {size} bytes) without padding", oom=True)
         self._reservations[raws[0]] = size
         return raws[0]
-
-
-def prove_reserve_retries_without_the_padding(make: Callable[[], HostDriver]) -> str:
-    """The outcome of a 4-granule reservation aligned to 64 GiB while the process may map at most 1 GiB more
-    (``RLIMIT_AS`` lowered for the one call): the error, or whether the range returned is aligned (freed again)."""
-    d = make()
-    size, alignment = 4 * d.granularity(), 1 << 36
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + GIB, hard))
-    try:
-        va = d.reserve(size, alignment)
-    except Exception as exc:  # noqa: BLE001 - the type is what the proof looks at
-        return f"{type(exc).__name__}({getattr(exc, 'operation', '')})"
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    d.free(va, size)
-    return "aligned" if va % alignment == 0 else "unaligned"
 
 
 # -- many live objects -----------------------------------------------------------------------------------------------
@@ -963,7 +942,7 @@ CASES: dict[str, Case] = {
     "reserve_retries_without_the_padding": Case(
         reserve_retries_without_the_padding,
         "P-reserve-aligned",
-        prove_reserve_retries_without_the_padding,
+        prove_reserve_aligned_to_64_gib_with_1_gib_left,
         "DriverOutOfMemory(reserve)",
     ),
     "keepers_in_a_table_of_100": Case(

@@ -96,6 +96,29 @@ def outcome(call: Callable[..., Any], *args: Any) -> str:
     return "done"
 
 
+def vm_size() -> int:
+    """The bytes of address space the process holds, as the kernel counts them against ``RLIMIT_AS``."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+
+
+def prove_reserve_aligned_to_64_gib_with_1_gib_left(make: Callable[[], HostDriver]) -> str:
+    """The outcome of a 4-granule reservation aligned to 64 GiB while the process may map at most 1 GiB more
+    (``RLIMIT_AS`` lowered for the one call): the error, or whether the range returned is aligned (freed again)."""
+    d = make()
+    size, alignment = 4 * d.granularity(), 1 << 36
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + GIB, hard))
+    try:
+        va = d.reserve(size, alignment)
+    except Exception as exc:  # noqa: BLE001 - the type is what the proof looks at
+        return f"{type(exc).__name__}({getattr(exc, 'operation', '')})"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    d.free(va, size)
+    return "aligned" if va % alignment == 0 else "unaligned"
+
+
 def kernel_ranges() -> list[tuple[int, int, str, str]]:
     """``(lo, hi, permissions, path)`` of every range the kernel maps in this process (``/proc/self/maps``)."""
     ranges = []
@@ -1100,12 +1123,6 @@ def _ranges_minus(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -
     return left
 
 
-def _vm_size() -> int:
-    """The bytes of address space the process holds, as the kernel counts them against ``RLIMIT_AS``."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-
-
 class MapRefusalLeaksAScratchRange(_Broken):
     """P-refusal-unchanged. Breaks "A refused call leaves every observable as it was: ... the memory and address space
     the kernel holds": ``map`` first reserves a staging range of one granule (anonymous, no access) and then runs its
@@ -1300,23 +1317,6 @@ class ReserveHalvesThePaddingUntilItFits(_Broken):
                 lo, hi = (va if head else raw), (va + size if tail else raw + span)
                 _lib().munmap(lo, hi - lo)
             raise
-
-
-def prove_reserve_halves_the_padding_until_it_fits(make: Callable[[], HostDriver]) -> str:
-    """The outcome of a 4-granule reservation aligned to 64 GiB while the process may map at most 1 GiB more
-    (``RLIMIT_AS`` lowered for the one call): the error, or whether the range returned is aligned (freed again)."""
-    d = make()
-    size, alignment = 4 * d.granularity(), 1 << 36
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + GIB, hard))
-    try:
-        va = d.reserve(size, alignment)
-    except Exception as exc:  # noqa: BLE001 - the type is what the proof looks at
-        return f"{type(exc).__name__}({getattr(exc, 'operation', '')})"
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    d.free(va, size)
-    return "aligned" if va % alignment == 0 else "unaligned"
 
 
 class UnmapCountsDownOutsideTheLock(_Broken):
@@ -1645,7 +1645,7 @@ CASES: dict[str, Case] = {
     "reserve_halves_the_padding_until_it_fits": Case(
         reserve_halves_the_padding_until_it_fits,
         "address space",
-        prove_reserve_halves_the_padding_until_it_fits,
+        prove_reserve_aligned_to_64_gib_with_1_gib_left,
         "DriverOutOfMemory(reserve)",
     ),
     "unmap_counts_down_outside_the_lock": Case(
