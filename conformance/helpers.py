@@ -351,17 +351,27 @@ def kernel_backing(va: int) -> tuple[int, int] | None:
     return None
 
 
-def kernel_memfds() -> dict[int, int]:
-    """inode -> size of each memfd of the host driver that this process holds open (``/proc/self/fd``) or mapped
-    (``/proc/self/maps``): the physical memory the kernel keeps for it, whatever the driver's records say."""
-    found: dict[int, int] = {}
+def open_memfd_stats() -> list[os.stat_result]:
+    """The ``stat`` of every file descriptor this process holds on one of the host driver's memfds, one per fd."""
+    found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
-                st = os.stat(f"/proc/self/fd/{fd}")
-                found[st.st_ino] = st.st_size
+                found.append(os.stat(f"/proc/self/fd/{fd}"))
         except OSError:  # closed meanwhile (the fd listing itself, another thread's file)
             pass
+    return found
+
+
+def open_memfd_sizes() -> dict[int, int]:
+    """inode -> bytes of every memfd of the host driver this process holds a file descriptor of."""
+    return {st.st_ino: st.st_size for st in open_memfd_stats()}
+
+
+def kernel_memfds() -> dict[int, int]:
+    """inode -> size of each memfd of the host driver that this process holds open (``/proc/self/fd``) or mapped
+    (``/proc/self/maps``): the physical memory the kernel keeps for it, whatever the driver's records say."""
+    found = open_memfd_sizes()
     for lo, hi, _, offset, inode, name in _maps():
         if MEMFD_NAME in name and inode not in found:
             try:

@@ -10,7 +10,7 @@ import os
 import re
 from typing import NamedTuple
 
-from .helpers import MEMFD_NAME
+from .helpers import MEMFD_NAME, open_memfd_sizes, open_memfd_stats
 from .protocol_model import intervals_minus
 
 
@@ -100,19 +100,6 @@ class KernelView:
         return found
 
 
-def open_memfd_sizes() -> dict[int, int]:
-    """inode -> bytes of every memfd of the host driver this process holds a file descriptor of."""
-    found = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
-                st = os.stat(f"/proc/self/fd/{fd}")
-                found[st.st_ino] = st.st_size
-        except OSError:  # closed meanwhile (the listing's own fd)
-            pass
-    return found
-
-
 def maps_text() -> str:
     """``/proc/self/maps`` as the kernel writes it now."""
     with open("/proc/self/maps") as fh:
@@ -121,14 +108,7 @@ def maps_text() -> str:
 
 def open_memfds() -> list[int]:
     """The inode of every memfd of the host driver this process holds a file descriptor of (one entry per fd)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
-                found.append(os.stat(f"/proc/self/fd/{fd}").st_ino)
-        except OSError:  # closed meanwhile (the listing's own fd)
-            pass
-    return sorted(found)
+    return sorted(st.st_ino for st in open_memfd_stats())
 
 
 class AccessProbe:

@@ -21,8 +21,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from extensible_kv.errors import DriverError
 
-from .helpers import MEMFD_NAME, expect, expect_equal, first_mismatch, host_kernel, kernel_memfds, touch
-from .kernel_view import AccessProbe, KernelView, maps_text, open_memfd_sizes, open_memfds
+from .helpers import (
+    MEMFD_NAME,
+    expect,
+    expect_equal,
+    first_mismatch,
+    host_kernel,
+    kernel_memfds,
+    open_memfd_sizes,
+    touch,
+)
+from .kernel_view import AccessProbe, KernelView, maps_text, open_memfds
 from .protocol_model import MAX_BYTES, Prediction, ProtocolModel, intervals_minus, judge, unnamed
 
 FAULTS = ("SIGSEGV", "SIGBUS")
