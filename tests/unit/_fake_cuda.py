@@ -145,9 +145,6 @@ class FakeCuda:
     def live_handles(self) -> set[int]:
         return {k for k, h in self.handles.items() if not h.released}
 
-    def names(self, since: int = 0) -> list[str]:
-        return [name for name, _ in self.calls[since:]]
-
     def _enter(self, name: str, *args: object) -> CUresult | None:
         self.calls.append((name, args))
         return self._failing.pop(name, None)
