@@ -395,6 +395,16 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
                 is_pooling_model=False,
                 max_model_len=2048,
                 scheduler_config=SimpleNamespace(max_num_seqs=8),
+                vllm_config=SimpleNamespace(  # what probes.limits_of reads
+                    scheduler_config=SimpleNamespace(
+                        max_num_batched_tokens=8192, max_num_seqs=8, enable_chunked_prefill=True
+                    ),
+                    cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
+                    model_config=SimpleNamespace(use_mla=False, enable_sleep_mode=False, get_vocab_size=lambda: 1024),
+                    speculative_config=None,
+                    attention_config=SimpleNamespace(backend="FLASH_ATTN"),
+                ),
+                input_batch=SimpleNamespace(block_table=SimpleNamespace(clear=lambda: None)),
                 _dummy_run=lambda num_tokens, **kwargs: (None, None),
                 _build_attention_metadata=lambda **kwargs: ({}, None),
                 _dummy_sampler_run=lambda hidden_states: None,
@@ -436,7 +446,7 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
     module("vllm.v1.worker.gpu_model_runner", GPUModelRunner=GPUModelRunner)
     module("vllm.v1.worker.gpu.model_runner", init_kv_cache=lambda *a: None)
     module("vllm.v1.worker.gpu.attn_utils", _allocate_kv_cache=lambda *a: None)
-    for name in ("synchronize", "reset_peak_memory_stats"):
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     for name, value in (
         ("memory_reserved", 0),
@@ -657,32 +667,54 @@ def test_the_served_query_length_is_undone_on_error_and_refused_where_vllm_passe
     assert vars(runner)["_build_attention_metadata"] is own, "served_batch did not put the runner's own builder back"
 
 
+def _limits_config(max_num_batched_tokens=16384, max_num_seqs=8, block_size=16, mla=False, spec=None):
+    """The vLLM config a runner carries, as ``probes.limits_of`` reads it."""
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, enable_chunked_prefill=True
+        ),
+        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=True),
+        model_config=SimpleNamespace(use_mla=mla, enable_sleep_mode=False, get_vocab_size=lambda: 1024),
+        speculative_config=spec,
+        attention_config=SimpleNamespace(backend="FLASH_ATTN"),
+    )
+
+
 @pytest.mark.parametrize(
-    "profile,served,growth",
+    "takes,growth",
     [
-        # the batch reserves 300 MiB, torch keeps 200 MiB of it (free memory drops by that much before it is read);
-        # what it gave back, 100 MiB, is the growth still to come; the served run takes nothing more
-        ((300, 200), (0, 0), 100),
-        # the served run (attention on, first: the profile then reuses its segments) reserves 48 MiB and keeps 16 MiB;
-        # the profile run reserves 100 MiB and keeps it: the growth still to come is the served run's give-back, not the
-        # profile's 0
-        ((100, 100), (48, 16), 32),
+        # the first batch reserves 300 MiB above the emptied cache and torch keeps 200 MiB of it: the 100 MiB it gave
+        # back is the growth still to come
+        ([(300, 200)], 100),
+        # the first keeps its 100 MiB; the second reserves 48 MiB more and keeps 16: the sequence's peak is 148 MiB
+        # above the emptied cache, 116 MiB kept, 32 MiB still to come (a batch's peak counts from where the
+        # sequence began, not from where the batch began)
+        ([(100, 100), (48, 16)], 32),
+        # nothing given back: no growth, the kept segments are in free_now
+        ([(64, 64), (0, 0), (32, 32)], 0),
     ],
-    ids=["profile-gives-back", "served-takes-more"],
+    ids=["first-gives-back", "second-on-top-of-first", "all-kept"],
 )
-def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_they_took(
-    monkeypatch, profile, served, growth
-):
-    # Note [The peak, brought back and measured]; figures in MiB: (reserved at the run's peak, kept after it)
+def test_measure_runs_the_worst_batches_from_an_emptied_cache_and_sizes_from_what_they_took(monkeypatch, takes, growth):
+    # Note [The worst batch, brought back and measured], Note [From an emptied cache]; figures in MiB: (reserved at
+    # the batch's peak above what torch held when it began, kept after it)
     mib = 1 << 20
     fake = _fake_vllm(monkeypatch)
-    memory = {"reserved": 100 * mib, "max": 100 * mib, "order": []}
+    memory = {"reserved": 150 * mib, "max": 150 * mib, "order": []}
+    pending = list(takes)
 
-    def run(name, peak, keep):
-        memory["order"].append(name)
-        memory["max"] = memory["reserved"] + peak * mib
+    def empty_cache():
+        memory["order"].append("empty_cache")
+        memory["reserved"] = memory["max"] = 100 * mib  # 50 MiB of cached segments handed back
+
+    def run():
+        memory["order"].append("batch")
+        peak, keep = pending.pop(0) if pending else (0, 0)
+        memory["max"] = max(memory["max"], memory["reserved"] + peak * mib)
         memory["reserved"] += keep * mib
 
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: memory.update(max=memory["reserved"]))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: memory["max"])
     monkeypatch.setattr(
@@ -692,9 +724,12 @@ def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_t
     try:
         worker = fake.Worker()
         worker.determine_available_memory()
-        runner = _DummyRunner(on_run=lambda: run("served", *served))
-        runner.profile_run, runner.model_memory_usage = (lambda: run("profile_run", *profile)), 1 << 20
-        runner.reset_mm_cache = lambda: memory["order"].append("reset_mm_cache")
+        runner = _DummyRunner(on_run=run)
+        runner.vllm_config = _limits_config()
+        runner.input_batch = SimpleNamespace(block_table=SimpleNamespace(clear=lambda: memory["order"].append("null")))
+        runner.profile_run = lambda: memory["order"].append("profile_run")
+        runner.model_memory_usage = 1 << 20
+        runner.reset_mm_cache = lambda: memory["order"].append("reset")
         runner.kv_cache_config = SimpleNamespace(num_blocks=50)
         worker.model_runner = runner
         state = worker_kv.start(Ledger(HostDriver(granularity=4096)))
@@ -702,28 +737,26 @@ def test_measure_runs_the_batch_as_served_then_as_profiled_and_sizes_from_what_t
         state.allocate(_kv_config(50, 8192))
         _rpc(fake.WorkerWrapper(worker), "extensible_kv_measure")
         m = state.measured
-        got = (
-            memory["order"],
-            m.again_reserved,
-            m.again_retained,
-            m.served_reserved,
-            m.served_retained,
-            m.torch_growth,
-            m.free_now,
-        )
+        names = [b["name"] for b in m.worst_batches]
+        peak = max(
+            sum(k for _, k in takes[:i]) + p for i, (p, _) in enumerate(takes)
+        )  # the most held above the emptied cache
+        kept = sum(k for _, k in takes)
+        got = (memory["order"], names, m.served_reserved, m.served_retained, m.torch_growth, m.free_now)
         expected = (
-            ["reset_mm_cache", "served", "reset_mm_cache", "profile_run"],
-            profile[0] * mib,
-            profile[1] * mib,
-            served[0] * mib,
-            served[1] * mib,
+            ["empty_cache", "null"] + ["reset", "batch"] * 5 + ["null"],
+            ["prefill_fresh", "prefill_over_context", "prefill_longest_context", "decode_max_len", "mixed"],
+            peak * mib,
+            kept * mib,
             growth * mib,
-            7 * GIB - (profile[1] + served[1]) * mib,
+            7 * GIB - kept * mib,
         )
         assert got == expected, (
-            f"extensible_kv_measure (order, again reserved/retained, served reserved/retained, "
-            f"growth, free): expected {expected}, got {got}"
+            f"extensible_kv_measure (order, batches, worst reserved/retained, growth, free): expected {expected}, "
+            f"got {got}"
         )
+        assert "profile_run" not in memory["order"], "vLLM's profile batch ran again after warmup"
+        assert runner.scheduler_config.max_num_seqs == 8, "a worst batch left max_num_seqs changed"
     finally:
         patches.uninstall()
         state.buffers.close()

@@ -24,6 +24,7 @@ scheduler (built right after). ``initialize_kv_cache`` is never run again, so ca
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -34,7 +35,8 @@ from typing import Any
 
 from ..errors import DriverUnavailable
 from . import agreement, connector, sleep, worker_kv
-from .probes import _on_instance, profile_run_reserved_peak, served_batch
+from .probes import _on_instance, limits_of, profile_run_reserved_peak, worst_batch_runs
+from .worst_batch import derive
 from .worker_kv import ExtensibleKVUnsupported
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -208,7 +210,8 @@ def _determine_available_memory(original: Callable) -> Callable:
         sleep.bind(self)  # sleep mode releases and recommits the KV pages (sleep.py)
         runner = self.model_runner
         wrapped = profile_run_reserved_peak(runner.profile_run)
-        with _on_instance(runner, "profile_run", wrapped):
+        # Note [No CUDA graph estimate on the extensible path] in sizing: the measured graph memory replaces it.
+        with _on_instance(runner, "profile_run", wrapped), _on_instance(runner, "profile_cudagraph_memory", lambda: 0):
             available = original(self)
         estimate = getattr(self, "cudagraph_memory_estimate", 0) or 0
         if envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and self.cache_config.kv_cache_memory_bytes is None:
@@ -254,24 +257,21 @@ def extensible_kv_measure(self) -> int:
     The ranks agree among themselves as well as through the engine's minimum over the replies: with the external
     launcher every rank has its own engine, which sees only its own worker's reply (vLLM agrees on the profiled KV
     memory the same way there)."""
-    import torch
-
     state = _worker_kv()
     self._extensible_kv_state = state  # Note [An engine keeps its RPCs]
-    # Note [The peak, brought back and measured]: vLLM's profile batch as a served step runs it, then as profiled
-    # (the larger batch first: the other then reuses its segments instead of laying out its own). V1's dummy batches
-    # of a multimodal model process their dummy item through a cache that serves only profiling (and assert the item
-    # is not read back from it); cleared before each run (vLLM's reset_mm_cache), each processes it afresh, as
-    # vLLM's own profile did.
+    # Note [The worst batch, brought back and measured] in sizing: every worst batch of this engine's limits
+    # (worst_batch.derive) runs after warmup, in sequence, from an emptied torch cache. V1's dummy batches of a
+    # multimodal model process their dummy item through a cache that serves only profiling (and assert the item is
+    # not read back from it); cleared before each batch (vLLM's reset_mm_cache), each processes it afresh.
     reset_mm_cache = getattr(self.model_runner, "reset_mm_cache", None) or (lambda: None)
-    served = profile_run_reserved_peak(served_batch(self.model_runner))
-    again = profile_run_reserved_peak(self.model_runner.profile_run)
-    with torch.inference_mode():
-        reset_mm_cache()
-        served()
-        reset_mm_cache()
-        again()
-    fits = state.measure(self, margin=_margin(), again=again.figures, served=served.figures).blocks()
+    plan = derive(limits_of(self.model_runner))
+    worst = worst_batch_runs(self.model_runner, plan, reset=reset_mm_cache)
+    # The sequence's figures stand for both runs MemoryState names; vLLM's profile batch is not run again.
+    measured = state.measure(self, margin=_margin(), again=worst, served=worst)
+    state.measured = dataclasses.replace(
+        measured, worst_batches=tuple(worst["batches"]), bounded_batches=tuple(worst["bounded"])
+    )
+    fits = state.measured.blocks()
     group = agreement.vllm_cpu_group()
     return agreement.agree_min(fits, group) if group is not None else fits
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import worker_kv
 from .worker_kv import ExtensibleKVUnsupported
+from .worst_batch import Batch, Dummy, Limits, Plan
 
 _MISSING = object()  # an attribute the instance did not have
 
@@ -218,3 +219,175 @@ def served_batch(model_runner: Any) -> Callable[[], None]:
         del hidden, sampled, held
 
     return run
+
+
+# -- the worst batches (worst_batch.derive), run after warmup -------------------------------------------------------
+def limits_of(model_runner: Any) -> Limits:
+    """The limits that shape this runner's batches, read from its vLLM config (``worst_batch.Limits``)."""
+    config = model_runner.vllm_config
+    scheduler, cache, model = config.scheduler_config, config.cache_config, config.model_config
+    spec = getattr(model_runner, "speculative_config", None) or config.speculative_config
+    budget = encoder_cache_budget(model_runner)
+    groups = getattr(getattr(model_runner, "kv_cache_config", None), "kv_cache_groups", None) or ()
+    block_sizes = [g.kv_cache_spec.block_size for g in groups] or [cache.block_size]
+    return Limits(
+        max_model_len=int(model_runner.max_model_len),
+        max_num_batched_tokens=int(min(scheduler.max_num_batched_tokens, model_runner.max_num_tokens)),
+        max_num_seqs=int(scheduler.max_num_seqs),
+        block_size=int(min(block_sizes)),
+        chunked_prefill=bool(scheduler.enable_chunked_prefill),
+        prefix_caching=bool(cache.enable_prefix_caching),
+        mla=bool(model.use_mla),
+        attention_backend=str(getattr(config, "attention_config", None) and config.attention_config.backend),
+        spec_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
+        vocab_size=int(model.get_vocab_size()),
+        encoder_cache_tokens=budget["encoder_cache_size"] if budget else 0,
+        encoder_tokens_per_item=budget["tokens_per_item"] if budget else 0,
+        sleep_mode=bool(model.enable_sleep_mode),
+    )
+
+
+def _null_block_tables(model_runner: Any) -> None:
+    """Every block-table row the dummy runs read points at block 0, the null block, committed before warmup: a
+    batch's cached context is read from committed memory whatever its length (Note [Cached context over the null
+    block] in ``sizing``). Run with no request in the batch (after warmup, before the scheduler exists)."""
+    if worker_kv.runner_kind(model_runner) == "v2":
+        for table in model_runner.block_tables.input_block_tables:
+            table.zero_()
+    else:
+        model_runner.input_batch.block_table.clear()
+
+
+@contextmanager
+def _v2_context(model_runner: Any, seq_len: int) -> Iterator[None]:
+    """Within the block, V2's dummy input batches have every request's sequence ``seq_len`` long (its cached
+    context is ``seq_len`` less its new tokens): ``InputBatch.make_dummy`` gives seq_len = query_len otherwise."""
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    original = v2.InputBatch
+
+    class WithContext(original):
+        @classmethod
+        def make_dummy(cls, num_reqs, num_tokens, input_buffers):
+            batch = original.make_dummy.__func__(cls, num_reqs, num_tokens, input_buffers)
+            input_buffers.seq_lens[:num_reqs] = seq_len
+            batch.seq_lens_cpu_upper_bound[:] = seq_len
+            batch.num_computed_tokens_np[:] = seq_len - batch.num_scheduled_tokens
+            return batch
+
+    v2.InputBatch = WithContext
+    try:
+        yield
+    finally:
+        v2.InputBatch = original
+
+
+def run_dummy(model_runner: Any, d: Dummy) -> tuple[Any, Any]:
+    """One dummy batch as served (attention on, eager): ``d.num_tokens`` new tokens, each request's sequence
+    ``d.seq_len`` long over block-0 rows; returns (hidden states, sample hidden states)."""
+    if worker_kv.runner_kind(model_runner) == "v2":
+        if d.mixed:
+            raise ExtensibleKVUnsupported("V2's dummy run spreads tokens evenly: a mixed step is bounded, not run")
+        with _v2_context(model_runner, d.seq_len), _on_instance(model_runner, "max_num_reqs", d.num_reqs):
+            return model_runner._dummy_run(d.num_tokens, uniform_decode=d.uniform_decode, skip_eplb=True)
+    from vllm.config import CUDAGraphMode
+
+    new = [n for _, n in _dummy_seqs_of(d)]
+    scheduler = model_runner.scheduler_config
+    saved = scheduler.max_num_seqs
+    scheduler.max_num_seqs = d.num_reqs  # _dummy_run spreads over min(tokens, max_num_seqs) requests
+    try:
+        with _served_query_length(model_runner, max(new)):
+            return model_runner._dummy_run(
+                d.num_tokens,
+                cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                force_attention=True,
+                uniform_decode=d.uniform_decode,
+                create_mixed_batch=d.mixed,
+                skip_eplb=True,
+                profile_seq_lens=d.seq_len,
+            )
+    finally:
+        scheduler.max_num_seqs = saved
+
+
+def _dummy_seqs_of(d: Dummy) -> tuple[tuple[int, int], ...]:
+    from .worst_batch import _dummy_seqs
+
+    return _dummy_seqs(d)
+
+
+def _samples(model_runner: Any) -> bool:
+    if worker_kv.runner_kind(model_runner) == "v2":
+        return bool(model_runner.is_last_pp_rank and model_runner.pooling_runner is None)
+    from vllm.distributed import get_pp_group
+
+    return bool(get_pp_group().is_last_rank and not model_runner.is_pooling_model)
+
+
+def run_batch(model_runner: Any, batch: Batch) -> None:
+    """One worst batch: its dummy forward (with the encoder cache held full where it says so), then the sampler
+    over its rows (at the widest speculative step)."""
+    held = encoder_cache_held(model_runner) if batch.encoder_items_held else []
+    hidden, sampled = run_dummy(model_runner, batch.dummy)
+    if batch.sampled_rows and _samples(model_runner):
+        _sampler_run(model_runner, sampled)
+    del hidden, sampled, held
+
+
+def worst_batch_runs(model_runner: Any, plan: Plan, reset: Callable[[], None] = lambda: None) -> dict:
+    """Every batch of ``plan`` this runner can run, in order, from an emptied torch cache (Note [From an emptied
+    cache] in ``sizing``). Returns the sequence's figures as ``profile_run_reserved_peak`` gives them (relative to
+    torch's reserved bytes once emptied) and ``batches``: per batch its peak reserved (since the sequence began),
+    allocated peak (since the batch began), seconds, shape. ``reset`` runs before every batch (V1's multimodal
+    profiling cache)."""
+    import time
+
+    import torch
+
+    kind = worker_kv.runner_kind(model_runner)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    cache_before = worker_kv.torch_reusable_now()
+    _null_block_tables(model_runner)
+    rows = []
+    top_reserved = top_allocated = 0
+    for batch in plan.runnable(kind):
+        reset()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            run_batch(model_runner, batch)
+        torch.cuda.synchronize()
+        row = {
+            "name": batch.name,
+            "targets": list(batch.targets),
+            "seconds": round(time.perf_counter() - start, 4),
+            "peak_reserved": max(0, torch.cuda.max_memory_reserved() - base),
+            "peak_allocated": max(0, torch.cuda.max_memory_allocated() - allocated),
+            "reserved_after": max(0, torch.cuda.memory_reserved() - base),
+            "num_seqs": len(batch.seqs),
+            "new_tokens": batch.new_tokens,
+            "context_tokens": batch.context_tokens,
+            "seq_len": batch.dummy.seq_len,
+            "mla_context_tokens": batch.mla_context_tokens,
+            "sampled_rows": batch.sampled_rows,
+            "encoder_items_held": batch.encoder_items_held,
+        }
+        rows.append(row)
+        top_reserved = max(top_reserved, row["peak_reserved"])
+        top_allocated = max(top_allocated, row["peak_allocated"])
+    _null_block_tables(model_runner)
+    bounded = [{"name": b.name, "bound": b.bound} for b in plan.batches if kind not in b.runners or b.dummy is None]
+    return {
+        "peak_reserved": top_reserved,
+        "peak_allocated": top_allocated,
+        "retained": max(0, torch.cuda.memory_reserved() - base),
+        "cache_before": cache_before,
+        "cache_after": worker_kv.torch_reusable_now(),
+        "batches": rows,
+        "bounded": bounded,
+    }

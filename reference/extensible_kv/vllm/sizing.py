@@ -2,28 +2,83 @@
 
 vLLM 0.26.0 sizes the KV cache before CUDA graphs are captured, from ``requested - (weights + profiled activation
 peak + non-torch memory) - estimated graph memory``. The extensible path reserves that amount *without* the graph
-estimate (an upper bound), warms up and captures graphs with a small committed prefix, then measures what
-everything other than the KV cache really uses and commits the rest:
+estimate (an upper bound; the estimate is not even computed: Note [No CUDA graph estimate on the extensible path]),
+warms up and captures graphs with a small committed prefix, then runs the engine's worst batches
+(``worst_batch.derive``) and measures what everything other than the KV cache really uses and commits the rest:
 
-    (the profiled batch runs as served, then again as profiled: Note [The peak, brought back and measured])
+    (the worst batches run in sequence from an emptied cache: Note [The worst batch, brought back and measured])
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
-    growth   = max(0, again_reserved - again_retained,   (what either batch took from the device
-                   served_reserved - served_retained)     and torch gave back)
+    growth   = max(0, worst_reserved - worst_retained)   (what the batches took from the device and torch gave back)
     budget   = requested - non_kv - growth - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
+``again_*`` and ``served_*`` both hold the worst-batch sequence's figures (``worst_batches``: per batch).
+
+Note [The worst batch, brought back and measured]
+    Rule: nothing about the working memory is predicted. After warmup the worker empties torch's cache, then runs
+    every batch ``worst_batch.derive`` gives for the engine's limits (the table in ``worst_batch``: fresh prefill,
+    prefill over the longest cached context, decode of max_num_seqs sequences at max_model_len, the sampler at its
+    widest, a mixed step on V1, the encoder cache held full), as served (attention on, eager); ``free_now`` is read
+    after all of them, so what torch kept of their peak is in ``non_kv``. vLLM's profile batch is not run again: the
+    fresh prefill is that batch with attention.
+    Why: the profile batch has no cached context, and a served step does: on an H100 a DeepSeek-V2 dense MLA shape
+    (max_model_len 512, 4096 batched tokens, 32 sequences) ended 625 MiB over the budget sized from the profile
+    batch, under 32 prompts of 400 tokens whose prefix-cache hits ran MLA's context path (Note [MLA's context
+    workspace]).
+    Figure: the worst-batch matrix (``ci/worst_batch_matrix.sh``) records, per case, each batch's peak and the
+    load generator's highest reading against the budget.
 
 Note [The peak, brought back and measured]
-    Rule: nothing about the activation peak is predicted. After warmup the worker runs the peak batch twice, first
-    as served (attention on, eager, sampler: ``served_*``), then as vLLM profiled it (``again_*``); ``free_now`` is
-    read after both, so the peak's segments are in ``non_kv``, and the growth still to come is the larger of what
-    either run reserved and torch gave back.
-    Why: vLLM's profiled peak counts torch's allocated bytes while the device sees reserved segments, and every
-    prediction from the profile's figures was off by tens of MiB; the profile skips attention, which a served
-    batch runs; run second, the served batch laid out segments beside the profile's instead of reusing them.
+    Rule (the one before the worst batches): the profiled batch ran twice after warmup, as served and as profiled,
+    and the growth was the larger of what either reserved and torch gave back. Kept as the fresh-prefill batch.
+    Why: vLLM's profiled peak counts torch's allocated bytes while the device sees reserved segments.
     Figure: Qwen3-0.6B shape, V1 bf16: 22.3 MiB inside the budget at the measured peak (legacy: 425.7 MiB over),
-    run ``h200-matrix-current-2026-12-03``; the evidence per case is in that run folder's README.
+    run ``h200-matrix-current-2026-12-03``.
+
+Note [MLA's context workspace]
+    Rule: with an MLA backend the worst batches include a prefill over cached context whose contexts fill MLA's
+    context workspace: ``W = max(min(max(8 x max_model_len, 4 x max_num_seqs x block_size), 65536), max_num_seqs
+    x block_size)`` tokens (``worst_batch.mla_workspace_tokens``).
+    Why: MLA's prefill gathers the cached latent KV of the context into that workspace chunk by chunk and
+    up-projects it (``kv_b_proj``: ``chunk x heads x (qk_nope + v_head)`` values, then K assembled, per-chunk
+    outputs and their merge): a transient that grows with ``min(W, sum of contexts)`` and that no fresh batch runs.
+    Figure: max_model_len 512, 32 sequences, 4096 batched tokens, block 64: W = 8192 tokens; 32 sequences of 128
+    new tokens at context 384 gather 8192 (``prefill_over_context``); the profile batch gathers 0.
+
+Note [Cached context over the null block]
+    Rule: the worst batches read their cached context through block-table rows of zeros: block 0, the null block,
+    committed before warmup; their new tokens write nowhere (padding slots).
+    Why: after warmup only a prefix of blocks is committed; kernels' working memory depends on lengths (splits,
+    chunk sizes, query and context counts), never on which committed block a row names, so a context of
+    max_model_len tokens read from block 0 takes the memory the same context read from its own blocks takes.
+    Figure: the V1 and V2 worst batches ran without touching an uncommitted block (the committed prefix is 1
+    block on V1): an uncommitted read would fault, not read zeros.
+
+Note [From an emptied cache]
+    Rule: the worst batches start from an emptied torch cache and run in one sequence; ``worst_reserved`` is the
+    most torch held during the sequence above what it held once emptied.
+    Why: after a wake (sleep mode) torch's cache is rebuilt from empty, in the order the served batches come; the
+    sequence lays the largest batches' segments out from nothing, and what one batch left cached and the next
+    could not reuse counts too. The load generator's sleep cycles check it (``integration/load_generator.py``).
+    Figure: the sleep-cycle column of the worst-batch matrix.
+
+Note [A mixed step, bounded by its parts]
+    Rule: a step of max_num_seqs - 1 decodes at max_model_len and one prefill chunk runs on V1 (``create_mixed_batch``
+    with every sequence at max_model_len); V2's dummy run spreads its tokens evenly over its requests and cannot
+    express it, and there it is bounded by the parts run on their own: its tokens are at most max_num_batched_tokens
+    (the fresh prefill's activations), its decode attention at most the decode batch's, its prefill attention at
+    most one sequence's context (the context batches').
+    Why: a mixed step allocates per layer the activations of all its tokens and, in turn, the attention of its decode
+    and prefill parts; none of them is larger than in the batch that runs that part alone.
+    Figure: V1 records the mixed batch's peak beside the others' (``worst_batches``): the bound holds where the
+    mixed batch's peak is not above the largest of the others.
+
+Note [No CUDA graph estimate on the extensible path]
+    Rule: on the extensible path ``profile_cudagraph_memory`` returns 0 instead of capturing throwaway graphs.
+    Why: the extensible reservation is an upper bound of address space; the graphs' real memory is measured after
+    capture, so the estimate only cost start time (vLLM captures every graph size once more to estimate it).
+    Figure: engine start extensible / legacy, recorded per case by the worst-batch matrix (``start_ratio``).
 
 Note [A served batch's query length]
     Rule: on V1 the served batch's attention metadata gives each request its own query length and the batch holds
@@ -92,6 +147,8 @@ class MemoryState:
     margin: int = 0  # extra bytes kept free on purpose
     served_allocated: int = 0  # the served run's allocated peak above what was allocated before it (recorded)
     cache_after: int = 0  # bytes of torch's default pool held unused after the served run (recorded)
+    worst_batches: tuple = ()  # per worst batch: name, targets, peak_reserved, peak_allocated, seconds, shape
+    bounded_batches: tuple = ()  # worst batches this runner cannot run, each with the Note that bounds it
 
     @property
     def non_kv(self) -> int:
@@ -99,8 +156,8 @@ class MemoryState:
 
     @property
     def torch_growth(self) -> int:
-        """Activation bytes a peak batch may still take from the device: the most that either run of the batch
-        (profiled, served) reserved and torch then gave back. Note [The peak, brought back and measured]."""
+        """Activation bytes a worst batch may still take from the device: the most the worst-batch sequence
+        reserved and torch then gave back. Note [The worst batch, brought back and measured]."""
         return max(0, self.again_reserved - self.again_retained, self.served_reserved - self.served_retained)
 
     @property

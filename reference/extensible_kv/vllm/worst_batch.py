@@ -1,0 +1,270 @@
+"""The batches that bring back the peak of each part of a served engine's working memory, derived from its limits.
+
+Pure arithmetic over ``Limits`` (no vLLM, no GPU): ``derive(limits)`` returns named ``Batch`` shapes, each a tuple of
+``(cached_context_len, new_tokens)`` per sequence, the components it targets, and how vLLM 0.26.0's dummy run
+expresses it (``Dummy``); a batch that no dummy run can express names the Note that bounds it instead. The sizing
+(``probes.worst_batch_runs``, ``patches.extensible_kv_measure``) runs every runnable batch after warmup, from an
+emptied torch cache, and keeps free the most any of them took (Note [The worst batch, brought back and measured] in
+``sizing``).
+
+Which batch brings which peak back (vLLM 0.26.0; ``S`` max_num_seqs, ``T`` max_num_batched_tokens, ``L``
+max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens, ``mla_workspace_tokens``):
+
+    component                 batch that brings its peak back            why that batch
+    activations (QKV, MLP,    prefill_fresh: T new tokens over            a step schedules at most T tokens
+      residuals, per token)     min(T, S) sequences, no context
+    encoder cache             prefill_fresh, the cache held full          Note [The encoder cache, held whole]
+    attention over cached     prefill_over_context: T new tokens over     the most new tokens, every sequence
+      context (FA / Triton /    S sequences, each at L                      at the longest context
+      FlashInfer split-KV)    prefill_longest_context: S sequences of     the most cached context
+                                k + 2 new tokens at L
+    MLA context: workspace    prefill_over_context where its contexts     Note [MLA's context workspace]
+      gather, kv_b_proj         fill W, else prefill_longest_context
+      up-projection, merges
+    decode attention          decode_max_len: S sequences of 1 + k new    the most sequences at the longest
+      (split-KV partials)       tokens at L                                 context
+    sampler (rows x vocab     decode_max_len's sampler run: S x (1 + k)   Note [The speculative step, at its
+      logits, sorts)            rows; prefill_fresh's: S rows               widest]
+    mixed prefill/decode      mixed: S - 1 decodes at L, one prefill      Note [A mixed step, bounded by its
+                                chunk (V1 runs it, V2 bounds it)            parts]
+    torch's cache rebuilt     every batch in one sequence from an         Note [From an emptied cache]
+      after a wake              emptied cache
+
+The Notes named are in ``sizing``; each batch's measured peak is in the worker's report (``measured.worst_batches``)
+and, per case, in the worst-batch matrix (``ci/worst_batch_matrix.sh``).
+
+Without chunked prefill and prefix caching no prefill has cached context: the two context batches are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MLA_WORKSPACE_CAP = 64 * 1024  # vLLM 0.26.0's cap on MLA's context workspace, in tokens
+
+
+class LimitsError(ValueError):
+    """Engine limits that no scheduler accepts; the message names the values."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one engine that shape its batches (vLLM's names)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    mla: bool = False  # an MLA attention backend (context workspace, Note [MLA's context workspace])
+    attention_backend: str = "FLASH_ATTN"
+    spec_tokens: int = 0  # ngram / draft tokens per step (k)
+    vocab_size: int = 0
+    encoder_cache_tokens: int = 0  # the scheduler's encoder cache size in tokens (0: no encoder)
+    encoder_tokens_per_item: int = 0
+    sleep_mode: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise LimitsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.spec_tokens < 0:
+            raise LimitsError(f"spec_tokens must be >= 0, got {self.spec_tokens}")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise LimitsError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): a prompt of max_model_len tokens could never be scheduled"
+            )
+        if self.encoder_cache_tokens and self.encoder_tokens_per_item < 1:
+            raise LimitsError(
+                f"an encoder cache of {self.encoder_cache_tokens} tokens needs encoder_tokens_per_item >= 1, "
+                f"got {self.encoder_tokens_per_item}"
+            )
+
+    @property
+    def context_possible(self) -> bool:
+        """A prefill may run on top of cached context: a chunk after the first (chunked prefill) or a prefix-cache
+        hit."""
+        return self.chunked_prefill or self.prefix_caching
+
+    @property
+    def decode_query_len(self) -> int:
+        return 1 + self.spec_tokens
+
+
+@dataclass(frozen=True)
+class Dummy:
+    """How vLLM 0.26.0's ``_dummy_run`` runs a batch: ``num_tokens`` spread over ``min(num_tokens, num_reqs)``
+    requests (the last takes the remainder) with every request's sequence length ``seq_len`` (its cached context is
+    ``seq_len`` minus its new tokens); ``uniform_decode``: every request ``1 + k`` tokens; ``mixed``: V1's
+    ``create_mixed_batch`` (decodes of one token, then one prefill of the rest)."""
+
+    num_tokens: int
+    num_reqs: int
+    seq_len: int
+    uniform_decode: bool = False
+    mixed: bool = False
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One worst batch: ``seqs`` are ``(cached_context_len, new_tokens)`` per sequence."""
+
+    name: str
+    targets: tuple[str, ...]
+    seqs: tuple[tuple[int, int], ...]
+    dummy: Dummy | None
+    sampled_rows: int = 0  # logits rows through the sampler after the forward (0: no sampler run)
+    encoder_items_held: int = 0  # encoder outputs held in the cache during the batch
+    runners: tuple[str, ...] = ("v1", "v2")  # the model runners whose dummy run expresses it
+    bound: str | None = None  # the Note that bounds it where a runner cannot run it
+    mla_context_tokens: int = 0  # tokens gathered into MLA's workspace in one chunk (0 unless MLA)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(n for _, n in self.seqs)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(c for c, _ in self.seqs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The batches of one engine, in the order they run."""
+
+    limits: Limits
+    batches: tuple[Batch, ...] = field(default_factory=tuple)
+
+    def by_component(self) -> dict[str, list[str]]:
+        """Component -> the batches that target it."""
+        table: dict[str, list[str]] = {}
+        for b in self.batches:
+            for t in b.targets:
+                table.setdefault(t, []).append(b.name)
+        return table
+
+    def runnable(self, runner: str) -> tuple[Batch, ...]:
+        return tuple(b for b in self.batches if runner in b.runners and b.dummy is not None)
+
+
+def mla_workspace_tokens(limits: Limits) -> int:
+    """Rows of MLA's context workspace (``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size`` in
+    vLLM 0.26.0, no decode context parallelism)."""
+    s, bs = limits.max_num_seqs, limits.block_size
+    w = min(max(8 * limits.max_model_len, 4 * s * bs), MLA_WORKSPACE_CAP)
+    return max(w, s * bs)
+
+
+def mla_chunk_tokens(contexts: list[int], limits: Limits) -> int:
+    """Tokens MLA gathers into its workspace in the first (largest) context chunk of a prefill batch with these
+    cached contexts (``build_mla_chunked_context_metadata``: an equal share of the workspace per prefill with
+    context, rounded down to the block size)."""
+    with_context = [c for c in contexts if c > 0]
+    if not with_context:
+        return 0
+    share = mla_workspace_tokens(limits) // len(with_context)
+    share = max(limits.block_size, share // limits.block_size * limits.block_size)
+    return sum(min(c, share) for c in with_context)
+
+
+def _dummy_seqs(d: Dummy) -> tuple[tuple[int, int], ...]:
+    """The ``(cached_context_len, new_tokens)`` per sequence that a dummy run runs."""
+    if d.mixed:
+        decodes = min(d.num_reqs - 1, d.num_tokens // 2)
+        prefill = d.num_tokens - decodes
+        return tuple([(d.seq_len - 1, 1)] * decodes + [(d.seq_len - prefill, prefill)])
+    reqs = min(d.num_tokens, d.num_reqs)
+    per, extra = divmod(d.num_tokens, reqs)
+    new = [per] * reqs
+    new[-1] += extra
+    return tuple((d.seq_len - n, n) for n in new)
+
+
+def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **kwargs) -> Batch:
+    seqs = _dummy_seqs(dummy)
+    for ctx, new in seqs:
+        if ctx < 0 or new < 1 or ctx + new > limits.max_model_len:
+            raise LimitsError(f"batch {name}: sequence of context {ctx} and {new} new tokens outside {limits}")
+    if dummy.num_tokens > limits.max_num_batched_tokens:
+        raise LimitsError(f"batch {name}: {dummy.num_tokens} tokens > max_num_batched_tokens")
+    chunk = mla_chunk_tokens([c for c, n in seqs if n > limits.decode_query_len], limits) if limits.mla else 0
+    return Batch(name, targets, seqs, dummy, mla_context_tokens=chunk, **kwargs)
+
+
+def derive(limits: Limits) -> Plan:
+    """The worst batches of an engine with these limits (the table in the module's docstring)."""
+    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+    batches: list[Batch] = []
+
+    # Activations: the most tokens a step schedules, every sequence fresh, the encoder cache full.
+    fresh_tokens = min(t, s * L)
+    reqs = min(fresh_tokens, s)
+    longest = fresh_tokens // reqs + fresh_tokens % reqs
+    held = limits.encoder_cache_tokens // limits.encoder_tokens_per_item if limits.encoder_cache_tokens else 0
+    targets = ("activations", "sampler") + (("encoder_cache",) if held else ())
+    batches.append(
+        _batch(
+            "prefill_fresh",
+            targets,
+            Dummy(fresh_tokens, reqs, min(longest, L)),
+            limits,
+            sampled_rows=reqs,
+            encoder_items_held=held,
+        )
+    )
+
+    prefill_min = limits.decode_query_len + 1  # fewer new tokens and the backends take it for a decode
+    if limits.context_possible and L > prefill_min:
+        # The most new tokens at the longest context: each sequence at max_model_len.
+        reqs = min(s, t // prefill_min)
+        tokens = min(t, reqs * (L - 1))
+        over = _batch(
+            "prefill_over_context",
+            ("activations", "attention_prefill_context") + (("mla_context_workspace",) if limits.mla else ()),
+            Dummy(tokens, reqs, L),
+            limits,
+        )
+        batches.append(over)
+        # The most cached context: every sequence a short prefill chunk at max_model_len (Note [MLA's context
+        # workspace]); for the other backends the split-KV prefill at its longest context.
+        longest_ctx = _batch(
+            "prefill_longest_context",
+            ("attention_prefill_context",) + (("mla_context_workspace",) if limits.mla else ()),
+            Dummy(reqs * prefill_min, reqs, L),
+            limits,
+        )
+        if longest_ctx.context_tokens > over.context_tokens and (
+            not limits.mla or longest_ctx.mla_context_tokens > over.mla_context_tokens
+        ):
+            batches.append(longest_ctx)
+
+    # Decode: every sequence at max_model_len, 1 + k tokens each, then the sampler at its widest.
+    q = limits.decode_query_len
+    reqs = max(1, min(s, t // q))
+    batches.append(
+        _batch(
+            "decode_max_len",
+            ("attention_decode", "sampler"),
+            Dummy(reqs * q, reqs, L, uniform_decode=True),
+            limits,
+            sampled_rows=reqs * q,
+        )
+    )
+
+    # A mixed step: S - 1 decodes at max_model_len and one prefill chunk (V1's create_mixed_batch).
+    if limits.chunked_prefill and s > 1:
+        prefill = min(t - (s - 1), L - 1 if limits.context_possible else L)
+        if prefill >= s - 1 and prefill >= prefill_min:  # create_mixed_batch makes S - 1 decodes only then
+            batches.append(
+                _batch(
+                    "mixed",
+                    ("activations", "attention_prefill_context", "attention_decode"),
+                    Dummy(s - 1 + prefill, s, L, mixed=True),
+                    limits,
+                    runners=("v1",),
+                    bound="Note [A mixed step, bounded by its parts]",
+                )
+            )
+    return Plan(limits, tuple(batches))
