@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The worst-batch matrix (integration/worst_batch_run.py) in one device call: unpack the staged vLLM 0.26.0 bundle
+# if this machine has none yet, run as many cases as fit the time box (resumable: RUN keeps finished cases while
+# the machine stays up), copy every JSON and log to $OUT, print the table last.
+#
+#   ci/worst_batch_matrix.sh [--budget-seconds S] [--only CASE ...] [--batches N]
+#
+# The bundle: ../shared/device/stage-vllm.sh wrote .device-stage/p0, p1, ...; every part but the last is copied to
+# /tmp/stage/ by earlier calls (`mkdir -p /tmp/stage && cp .device-stage/pK /tmp/stage/`), the last is carried here.
+# RUN (default /tmp/worst-batch-run) holds results between calls; WORST_BATCH_SEED_DIR, a folder of earlier JSON in
+# the tree, seeds it after a fresh machine.
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+t0=$(date +%s)
+if [ ! -d /tmp/site/vllm ]; then
+  last=$(ls .device-stage/p* 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$last" ] || { echo "no .device-stage/p* carried and no /tmp/site: stage and carry the last part"; exit 3; }
+  ls /tmp/stage/p* > /dev/null 2>&1 || { echo "no /tmp/stage/p*: copy the earlier parts first"; exit 3; }
+  mkdir -p /tmp/site && cat $(ls /tmp/stage/p* | sort -V) "$last" | xz -d | tar -x -C /tmp/site || exit 3
+fi
+if [ -d /tmp/stage/mm ] && [ ! -d /tmp/site/torchvision ]; then  # the multimodal case's torchvision and pillow
+  for w in /tmp/stage/mm/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+fi
+echo "vllm unpacked in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH="/tmp/site:$root/reference:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
+run=${RUN:-/tmp/worst-batch-run}
+mkdir -p "$run/worst-batch"
+if [ -n "${WORST_BATCH_SEED_DIR:-}" ] && [ -d "$WORST_BATCH_SEED_DIR" ]; then
+  cp -n "$WORST_BATCH_SEED_DIR"/*.json "$run/worst-batch/" 2>/dev/null
+fi
+python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
+python3 -m integration.worst_batch_run "$run" "$@" 2>&1 | tee -a "$run/matrix.log" | tail -n 40
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/worst-batch"
+  cp "$run"/worst-batch/*.json "$run"/worst-batch/*.log "$OUT/worst-batch/" 2>/dev/null
+  cp "$run"/worst-batch-summary.json "$run"/worst-batch-table.md "$run"/matrix.log "$run"/environment.json "$OUT/" 2>/dev/null
+fi
