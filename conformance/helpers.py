@@ -89,11 +89,14 @@ def expect_bytes(driver: Ledger, op: str, actual: torch.Tensor, expected: torch.
 def odd_tensor(
     driver: Ledger, num_segments: int = 3, granules_per_segment: float = 2.5, **kwargs: object
 ) -> ExtensibleTensor:
-    """A tensor whose segment boundaries fall inside granules (segment size a non-multiple of the granularity)."""
+    """A tensor whose segment boundaries fall inside granules (segment size a non-multiple of the granularity), of
+    the class ``--tensor`` selects (``tensors.py``)."""
+    from .tensors import new_tensor  # noqa: PLC0415
+
     g = driver.granularity()
     seg = int(granules_per_segment * g)
     seg -= seg % 256
-    return ExtensibleTensor(seg * num_segments, num_segments, driver=driver, **kwargs)
+    return new_tensor(seg * num_segments, num_segments, driver=driver, **kwargs)
 
 
 def granule_states(driver: Ledger, base: int, nbytes: int) -> list[bool]:

@@ -22,6 +22,7 @@ from .helpers import (
     odd_tensor,
     pattern,
 )
+from .tensors import new_tensor
 
 
 def _steps(t: ExtensibleTensor) -> list[int]:
@@ -166,7 +167,7 @@ def test_straddling_granule_is_mapped_once(driver):
 
 def test_one_handle_per_contiguous_run_of_new_granules(driver):
     g = driver.granularity()
-    t = ExtensibleTensor(16 * g, driver=driver)
+    t = new_tensor(16 * g, driver=driver)
     t.resize_per_segment_(g)
     before = len(driver.calls)
     t.resize_per_segment_(16 * g)
@@ -273,7 +274,7 @@ CONSTRUCTOR_MISUSES = {
 @pytest.mark.parametrize("kwargs", CONSTRUCTOR_MISUSES.values(), ids=CONSTRUCTOR_MISUSES.keys())
 def test_invalid_construction_raises_and_reserves_nothing(driver, kwargs):
     with pytest.raises(InvalidSizeError):
-        ExtensibleTensor(driver=driver, **kwargs)
+        new_tensor(driver=driver, **kwargs)
     expect_equal(driver, f"driver calls made by ExtensibleTensor({kwargs})", [], driver.calls)
 
 

@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import CommitError
 
 from .helpers import expect, expect_equal, expected_granules, granule_states
+from .tensors import new_tensor
 
 
 @st.composite
@@ -33,7 +33,7 @@ def test_random_growth_matches_a_bytearray_model(driver, plan):
     num_segments, quarter_granules, extra, steps = plan
     g = driver.granularity()
     seg = quarter_granules * g // 4 // 256 * 256 + extra * 256 or 256
-    t = ExtensibleTensor(seg * num_segments, num_segments, driver=driver, alignment=256)
+    t = new_tensor(seg * num_segments, num_segments, driver=driver, alignment=256)
     model = [bytearray(seg) for _ in range(num_segments)]
     known = 0  # bytes per segment whose value the model knows
     try:

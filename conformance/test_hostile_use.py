@@ -18,6 +18,7 @@ from extensible_kv.errors import BusyError, ClosedError, InvalidSizeError
 from . import layouts
 from .helpers import expect, expect_equal, odd_tensor
 from .layouts import MAX_BLOCKS
+from .tensors import new_tensor
 
 RACES = 30
 
@@ -184,10 +185,10 @@ def test_tensors_and_kv_buffers_refuse_to_be_copied(driver, how):
 
 
 HUGE = {
-    "2**64 + 4096": lambda d: ExtensibleTensor(2**64 + 4096, driver=d),
-    "2**63": lambda d: ExtensibleTensor(2**63, driver=d),
-    "2**63 - 1, rounded up": lambda d: ExtensibleTensor(2**63 - 1, driver=d),
-    "2**70 in 2 segments": lambda d: ExtensibleTensor(2**70, 2, driver=d),
+    "2**64 + 4096": lambda d: new_tensor(2**64 + 4096, driver=d),
+    "2**63": lambda d: new_tensor(2**63, driver=d),
+    "2**63 - 1, rounded up": lambda d: new_tensor(2**63 - 1, driver=d),
+    "2**70 in 2 segments": lambda d: new_tensor(2**70, 2, driver=d),
     "KV max_num_blocks=2**51": lambda d: layouts.kv_cache_blocks(d, 2**51),
 }
 

@@ -25,6 +25,7 @@ from .helpers import (
     odd_tensor,
 )
 from .layouts import MAX_BLOCKS
+from .tensors import zeroes_through_driver
 
 
 class Interrupt(KeyboardInterrupt):
@@ -59,7 +60,7 @@ def test_failure_at_every_call_of_a_tensor_growth_step_rolls_back(driver, fault)
 
     counts = _calls_of_a_step(driver, make, grow)
     expect(
-        counts["create"] >= 2 and counts["zero"] >= 1,
+        counts["create"] >= 2 and (counts["zero"] >= 1 or not zeroes_through_driver()),
         driver,
         "calls in the swept growth step",
         "several creates and zeros",

@@ -1,10 +1,11 @@
 """VMM drivers: the protocol, the built-in drivers, and a registry by name.
 
-A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``, ``hip``) or by ``module:factory``, where
-``factory`` is a zero-argument callable in an importable module that returns a driver. ``get_driver`` resolves
-both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the GPU driver when one
-works and the host driver otherwise; ``resolve`` turns a ``driver=`` argument (a driver, a spec or ``None``) into a
-driver. ``install_command`` says how to install the extra a driver needs, the way this copy was installed.
+A driver is named either by a registered name (``host``, ``host-4k``, ``cuda``, ``hip``, ``vllm``) or by
+``module:factory``, where ``factory`` is a zero-argument callable in an importable module that returns a driver.
+``get_driver`` resolves both; ``probe`` says why a registered driver cannot run here; ``best_available`` picks the
+GPU driver when one works and the host driver otherwise (of those registered with ``auto``); ``resolve`` turns a
+``driver=`` argument (a driver, a spec or ``None``) into a driver. ``install_command`` says how to install the extra a
+driver needs, the way this copy was installed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..errors import DriverLoadError, DriverUnavailable
 from . import cuda as _cuda
 from . import hip as _hip
 from . import host as _host
+from . import vllm_vmm as _vllm_vmm
 from ._device_array import DeviceArray
 from ._protocol import DRIVER_ATTRIBUTES, DRIVER_METHODS, Driver, Handle, conforming, protocol_methods
 from .ledger import Ledger
@@ -48,20 +50,28 @@ class _Entry:
     probe: Callable[[], str | None]
     gpu: bool
     extra: str | None = None  # the package extra that brings the driver's bindings
+    auto: bool = True  # whether best_available may pick it
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
 def register(
-    name: str, factory: Callable[[], Driver], probe: Callable[[], str | None], *, gpu: bool, extra: str | None = None
+    name: str,
+    factory: Callable[[], Driver],
+    probe: Callable[[], str | None],
+    *,
+    gpu: bool,
+    extra: str | None = None,
+    auto: bool = True,
 ) -> None:
     """Register a driver under ``name``; ``probe()`` returns ``None`` when it can run, else the reason. ``extra``
     names the extra of this package that installs what the driver needs (its probe's reason then ends with the
-    command that installs it)."""
+    command that installs it). ``auto=False``: ``best_available`` never picks it (a driver that is there to be
+    judged, such as ``vllm``, is used only when named)."""
     if not name or ":" in name:
         raise DriverLoadError(f"driver names must be non-empty and contain no ':', got {name!r}")
-    _REGISTRY[name] = _Entry(factory, probe, gpu, extra)
+    _REGISTRY[name] = _Entry(factory, probe, gpu, extra, auto)
 
 
 def _checkout() -> Path | None:
@@ -103,9 +113,9 @@ def _with_install_command(reason: str | None, extra: str | None) -> str | None:
 
 
 def best_available() -> str:
-    """The first registered GPU driver whose probe passes, else ``host``."""
+    """The first registered GPU driver (of those it may pick) whose probe passes, else ``host``."""
     for name in registered():
-        if _REGISTRY[name].gpu and _REGISTRY[name].probe() is None:
+        if _REGISTRY[name].gpu and _REGISTRY[name].auto and _REGISTRY[name].probe() is None:
             return name
     return "host"
 
@@ -154,3 +164,4 @@ register(
 )
 register("cuda", _cuda.CudaDriver, _cuda.probe, gpu=True, extra="cuda")
 register("hip", _hip.HipDriver, _hip.probe, gpu=True, extra="rocm")
+register("vllm", _vllm_vmm.VllmVmmDriver, _vllm_vmm.probe, gpu=True, auto=False)

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The conformance rules on vLLM's own VMM driver and ExtensibleTensor (vLLM >= 0.34), on a GPU machine where nothing
+# can be installed: torch, cuda-bindings, pytest, pytest-xdist and hypothesis must be importable, and the 17
+# pure-Python modules of vLLM its driver and tensor import must be on PYTHONPATH (they run on torch 2.11; no vLLM kernels).
+#
+#   ci/vllm_native_check.sh stage [SOURCE]   # here: copy those modules into .device-stage/vllm034/ (git-ignored)
+#   ci/vllm_native_check.sh run OUTDIR       # on the GPU machine, with .device-stage/vllm034 carried
+#
+# SOURCE is a folder holding vllm/ (default /work/vllm034) or a vLLM wheel (the modules are unzipped from it).
+# `run` writes into OUTDIR: check-driver-vllm.log and rules-driver.json (per rule: outcome and, for a rule the
+# caller-guaranteed profile leaves out, its reason), tensor-rules.log and rules-tensor.json (the tensor rules on
+# vLLM's ExtensibleTensor over the vllm driver, --tensor vllm), probe.txt (vLLM's version and the driver's probe),
+# environment.json where pydantic is present, and the junit XML of both; it prints a short table last. The exit
+# status is 0 when both steps ran to their summary (rules may have failed: the table says which), else 1.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+stage_dir="$root/.device-stage/vllm034"
+MODULES=(vllm/__init__.py vllm/_version.py vllm/version.py vllm/env_override.py vllm/envs.py vllm/logger.py
+  vllm/utils/__init__.py vllm/utils/torch_version.py vllm/utils/vmm_driver.py vllm/utils/extensible_tensor.py)
+MODULE_DIRS=(vllm/logging_utils)
+
+case ${1:?stage or run} in
+  stage)
+    src=${2:-/work/vllm034}
+    rm -rf "$stage_dir" && mkdir -p "$stage_dir"
+    if [ -f "$src" ]; then  # a wheel: unzip only the modules
+      python3 - "$src" "$stage_dir" "${MODULES[@]}" "${MODULE_DIRS[@]}" <<'EOF'
+import sys, zipfile
+wheel, dest, *wanted = sys.argv[1:]
+with zipfile.ZipFile(wheel) as z:
+    names = [n for n in z.namelist() if n in wanted or any(n.startswith(d + "/") and n.endswith(".py") and n.count("/") == d.count("/") + 1 for d in wanted)]
+    z.extractall(dest, names)
+print(len(names), "modules")
+EOF
+    else
+      (cd "$src" && cp --parents "${MODULES[@]}" "$stage_dir/" && for d in "${MODULE_DIRS[@]}"; do
+        mkdir -p "$stage_dir/$d" && cp "$d"/*.py "$stage_dir/$d/"; done)
+    fi
+    count=$(find "$stage_dir" -name '*.py' | wc -l)
+    echo "staged $count modules into .device-stage/vllm034 ($(du -sh "$stage_dir" | cut -f1)); carry .device-stage/vllm034"
+    [ "$count" -eq 17 ] || { echo "expected 17 modules, found $count" >&2; exit 1; }
+    exit 0 ;;
+  run) ;;
+  *) echo "usage: $0 stage [SOURCE] | run OUTDIR" >&2; exit 2 ;;
+esac
+
+out=${2:?OUTDIR}
+mkdir -p "$out"
+cd "$root"
+export PYTHONPATH="$stage_dir:$root/reference:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export EXTENSIBLE_KV_REQUIRE_GPU=1
+python3 -m extensible_kv environment "$out" > /dev/null 2>&1 || true
+# vLLM's driver does not call cuInit: the probe makes torch's context first (Note in drivers/vllm_vmm.py).
+python3 - > "$out/probe.txt" 2>&1 <<'EOF'
+import torch, vllm
+from extensible_kv import drivers
+print("vllm", vllm.__version__, "from", vllm.__file__)
+print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+print("probe(vllm):", drivers.probe("vllm") or "available")
+EOF
+cat "$out/probe.txt"
+
+status=0
+# 1. Every driver rule on vLLM's VmmDriver (the caller-guaranteed profile reports what it leaves out, per rule).
+python3 -m extensible_kv check-driver vllm -q "--junitxml=$out/junit-driver.xml" > "$out/check-driver-vllm.log" 2>&1
+rc_driver=$?
+grep -q "conformance summary" "$out/check-driver-vllm.log" || status=1
+# 2. The tensor rules on vLLM's ExtensibleTensor, over the vllm driver (through the rules' Ledger).
+files=$(python3 -c "from conformance.tensors import TENSOR_RULE_FILES as f; print(' '.join('conformance/' + n for n in f))")
+python3 -m pytest $files --driver vllm --tensor vllm -p no:cacheprovider -p xdist -n 1 -q \
+  "--junitxml=$out/junit-tensor.xml" > "$out/tensor-rules.log" 2>&1
+rc_tensor=$?
+grep -q "conformance summary" "$out/tensor-rules.log" || status=1
+
+python3 - "$out" "$rc_driver" "$rc_tensor" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+out, rc_driver, rc_tensor = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def rules(xml_path):
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return [{"test": None, "outcome": "not run", "reason": str(exc)}]
+    found = []
+    for case in root.iter("testcase"):
+        outcome, reason = "passed", None
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "failed", "skipped": "skipped"}[kind]
+                reason = (el.get("message") or "")[:2000]
+                break
+        if outcome == "skipped" and reason and "not held:" in reason:
+            outcome = "not held"
+        found.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome, "reason": reason})
+    return found
+
+table = []
+for step, xml, name, rc in (("check-driver vllm", "junit-driver.xml", "rules-driver.json", rc_driver),
+                            ("tensor rules, --tensor vllm", "junit-tensor.xml", "rules-tensor.json", rc_tensor)):
+    found = rules(f"{out}/{xml}")
+    json.dump({"step": step, "exit_status": rc, "rules": found}, open(f"{out}/{name}", "w"), indent=1)
+    counts = {k: sum(r["outcome"] == k for r in found) for k in ("passed", "failed", "not held", "skipped")}
+    table.append((step, counts, [r["test"] for r in found if r["outcome"] == "failed"]))
+print(f"{'step':<30} {'passed':>6} {'failed':>6} {'not held':>8} {'skipped':>7}")
+for step, c, failed in table:
+    print(f"{step:<30} {c['passed']:>6} {c['failed']:>6} {c['not held']:>8} {c['skipped']:>7}")
+for step, _, failed in table:
+    for test in failed:
+        print(f"FAILED [{step}] {test}")
+EOF
+exit $status
