@@ -98,14 +98,14 @@ def _burst(kind: str, rng: random.Random, s: Shape, history: list[Burst], out: i
         prefix = _tokens(rng, rng.randint(max(1, L // 2), max(1, L - 9)), V)
         reqs = []
         for _ in range(S):
-            tail = _tokens(rng, rng.randint(1, max(1, min(8, L - 1 - len(prefix)))), V)
+            tail = _tokens(rng, rng.randint(min(1, L - 1 - len(prefix)), max(0, min(8, L - 1 - len(prefix)))), V)
             reqs.append(Request(prefix + tail, rng.randint(1, max(1, min(out, L - len(prefix) - len(tail))))))
         return reqs, 1
     if kind == "repeat" and history:  # an earlier burst's prompts again: whole-prompt hits
         earlier = rng.choice(history)
         return [Request(list(r.prompt), r.max_tokens) for r in earlier.requests], 1
     if kind == "long_prompts_twice":  # long prompts, run twice: the second pass prefills over the cached context
-        n = max(2, min(L - 1, int(L * rng.uniform(0.7, 0.95))))
+        n = min(L - 1, max(2, int(L * rng.uniform(0.7, 0.95))))
         return [Request(_tokens(rng, n, V), rng.randint(1, max(1, min(out, L - n)))) for _ in range(S)], 2
     if kind == "preemption":  # far more requests than sequences, the longest outputs the box allows
         reqs = []

@@ -71,6 +71,16 @@ class Limits:
                 raise LimitsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.spec_tokens < 0:
             raise LimitsError(f"spec_tokens must be >= 0, got {self.spec_tokens}")
+        if self.max_model_len < self.spec_tokens + 2:
+            raise LimitsError(
+                f"max_model_len ({self.max_model_len}) leaves no room for a step of 1 + {self.spec_tokens} "
+                f"speculative tokens after a one-token prompt"
+            )
+        if self.max_num_batched_tokens < self.spec_tokens + 1:
+            raise LimitsError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one decode step of 1 + "
+                f"{self.spec_tokens} speculative tokens"
+            )
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise LimitsError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -193,14 +203,21 @@ def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **
     return Batch(name, targets, seqs, dummy, mla_context_tokens=chunk, **kwargs)
 
 
+def _fits(tokens: int, reqs: int, cap: int) -> int:
+    """The most of ``tokens`` that ``reqs`` requests take when the last takes the remainder (as vLLM's dummy run
+    spreads them) and no request takes more than ``cap``."""
+    per, extra = divmod(tokens, reqs)
+    return reqs * per + min(extra, max(0, cap - per))
+
+
 def derive(limits: Limits) -> Plan:
     """The worst batches of an engine with these limits (the table in the module's docstring)."""
     s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
     batches: list[Batch] = []
 
     # Activations: the most tokens a step schedules, every sequence fresh, the encoder cache full.
-    fresh_tokens = min(t, s * L)
-    reqs = min(fresh_tokens, s)
+    reqs = min(t, s)
+    fresh_tokens = _fits(min(t, s * L), reqs, L)
     longest = fresh_tokens // reqs + fresh_tokens % reqs
     held = limits.encoder_cache_tokens // limits.encoder_tokens_per_item if limits.encoder_cache_tokens else 0
     targets = ("activations", "sampler") + (("encoder_cache",) if held else ())
@@ -216,10 +233,10 @@ def derive(limits: Limits) -> Plan:
     )
 
     prefill_min = limits.decode_query_len + 1  # fewer new tokens and the backends take it for a decode
-    if limits.context_possible and L > prefill_min:
+    if limits.context_possible and L > prefill_min and t >= prefill_min:
         # The most new tokens at the longest context: each sequence at max_model_len.
         reqs = min(s, t // prefill_min)
-        tokens = min(t, reqs * (L - 1))
+        tokens = _fits(min(t, reqs * (L - 1)), reqs, L - 1)
         over = _batch(
             "prefill_over_context",
             ("activations", "attention_prefill_context") + (("mla_context_workspace",) if limits.mla else ()),

@@ -1,0 +1,207 @@
+"""The worst-batch derivation (``extensible_kv.vllm.worst_batch``): given an engine's limits, the batches the sizing
+runs after warmup. Each test names the wrong derivation it catches."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extensible_kv.vllm import sizing, worst_batch
+from extensible_kv.vllm.worst_batch import Dummy, Limits, LimitsError, derive, mla_chunk_tokens, mla_workspace_tokens
+
+# The issue's engine: DeepSeek-V2 dense MLA shape, max_model_len 512, 4096 batched tokens, 32 sequences, FlashMLA's
+# 64-token blocks.
+ISSUE = Limits(max_model_len=512, max_num_batched_tokens=4096, max_num_seqs=32, block_size=64, mla=True)
+
+
+def _by_name(limits: Limits) -> dict:
+    return {b.name: b for b in derive(limits).batches}
+
+
+def test_the_issue_engine_gets_a_prefill_over_context_that_fills_mlas_workspace():
+    # wrong: a context batch at max_model_len - 1, or one that gathers less than the workspace holds
+    batches = _by_name(ISSUE)
+    assert list(batches) == ["prefill_fresh", "prefill_over_context", "decode_max_len", "mixed"]
+    over = batches["prefill_over_context"]
+    assert over.seqs == ((384, 128),) * 32, over.seqs
+    assert over.mla_context_tokens == mla_workspace_tokens(ISSUE) == 8192
+    assert batches["prefill_fresh"].seqs == ((0, 128),) * 32
+    assert batches["prefill_fresh"].mla_context_tokens == 0  # what vLLM's profile batch gathers
+    assert batches["decode_max_len"].seqs == ((511, 1),) * 32 and batches["decode_max_len"].sampled_rows == 32
+
+
+@pytest.mark.parametrize(
+    "max_model_len,max_num_seqs,block_size,expected",
+    [
+        (512, 32, 64, 8192),  # 4 pages per request beat 8 full-length requests
+        (512, 32, 16, 4096),  # 8 full-length requests
+        (16384, 8, 16, 65536),  # capped at 64k tokens
+        (100_000, 256, 1024, 262_144),  # at least one page per request, over the cap
+        (16, 1, 16, 128),
+    ],
+)
+def test_mlas_workspace_is_vllms_formula(max_model_len, max_num_seqs, block_size, expected):
+    # wrong: the cap without the one-page-per-request floor, or the floor missing
+    limits = Limits(max_model_len, 1 << 20, max_num_seqs, block_size, mla=True)
+    assert mla_workspace_tokens(limits) == expected
+
+
+def test_mlas_chunk_is_an_equal_share_of_the_workspace_rounded_down_to_a_block():
+    # wrong: a share not rounded to the block size (4080 gathered instead of 3840)
+    limits = Limits(max_model_len=512, max_num_batched_tokens=4096, max_num_seqs=24, block_size=16, mla=True)
+    assert mla_workspace_tokens(limits) == 4096
+    assert mla_chunk_tokens([342] * 24, limits) == 24 * 160
+    assert mla_chunk_tokens([0, 0], limits) == 0
+    assert mla_chunk_tokens([100, 0], limits) == 100  # one prefill with context takes the whole workspace
+
+
+def _vllm_dummy_seqs(d: Dummy, max_num_seqs: int) -> list[tuple[int, int]]:
+    """vLLM 0.26.0's V1 ``_dummy_run`` spread of ``num_tokens`` (read from its source): ``min(num_tokens,
+    max_num_seqs)`` requests, ``num_tokens // num_reqs`` each, the last the remainder; uniform decode: requests of
+    ``q`` tokens; mixed: ``min(max_num_seqs - 1, num_tokens // 2)`` one-token decodes and one prefill; every request's
+    sequence ``profile_seq_lens`` long."""
+    if d.mixed:
+        decodes = min(max_num_seqs - 1, d.num_tokens // 2)
+        new = [1] * decodes + [d.num_tokens - decodes]
+    elif d.uniform_decode:
+        q = d.num_tokens // d.num_reqs
+        new = [q] * min(max_num_seqs, -(-d.num_tokens // q))
+    else:
+        n = min(d.num_tokens, max_num_seqs)
+        new = [d.num_tokens // n] * n
+        new[-1] += d.num_tokens % n
+    return [(d.seq_len - q, q) for q in new]
+
+
+limits_strategy = st.builds(
+    Limits,
+    max_model_len=st.integers(10, 70_000),
+    max_num_batched_tokens=st.integers(70_000, 140_000) | st.integers(9, 70_000),
+    max_num_seqs=st.integers(1, 1024),
+    block_size=st.sampled_from([16, 32, 64, 128]),
+    chunked_prefill=st.just(True),
+    prefix_caching=st.booleans(),
+    mla=st.booleans(),
+    spec_tokens=st.integers(0, 8),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_strategy)
+def test_every_batch_is_one_the_scheduler_could_schedule_and_vllms_dummy_run_runs(limits):
+    # wrong: a sequence past max_model_len, a step past max_num_batched_tokens or max_num_seqs, or shapes that the
+    # dummy run (as vLLM spreads tokens) would not run
+    for b in derive(limits).batches:
+        assert b.new_tokens <= limits.max_num_batched_tokens, b
+        assert 1 <= len(b.seqs) <= limits.max_num_seqs, b
+        for ctx, new in b.seqs:
+            assert ctx >= 0 and new >= 1 and ctx + new <= limits.max_model_len, b
+        assert list(b.seqs) == _vllm_dummy_seqs(b.dummy, b.dummy.num_reqs), b
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_strategy)
+def test_the_batches_are_the_widest_the_limits_allow(limits):
+    # wrong: fewer tokens than a step may hold, sequences short of max_model_len in the context and decode batches,
+    # a decode batch of fewer than 1 + k tokens per sequence
+    b = _by_name(limits)
+    s, t, L, q = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len, 1 + limits.spec_tokens
+    # the most tokens min(T, S) requests take with the last one taking the remainder, none past max_model_len
+    fresh = b["prefill_fresh"]
+    assert fresh.new_tokens > min(t, s * L) - len(fresh.seqs)
+    decode = b["decode_max_len"]
+    assert all(ctx + new == L and new == q for ctx, new in decode.seqs)
+    assert len(decode.seqs) == max(1, min(s, t // q)) and decode.sampled_rows == len(decode.seqs) * q
+    if L > q + 1 and t >= q + 1:
+        over = b["prefill_over_context"]
+        assert all(ctx + new == L and new >= q + 1 for ctx, new in over.seqs)
+        assert over.new_tokens > min(t, len(over.seqs) * (L - 1)) - len(over.seqs)
+        assert len(over.seqs) == min(s, t // (q + 1))
+
+
+@pytest.mark.parametrize(
+    "chunked,prefix,context", [(False, False, False), (True, False, True), (False, True, True), (True, True, True)]
+)
+def test_context_batches_only_where_a_prefill_can_have_cached_context(chunked, prefix, context):
+    # wrong: context batches without chunked prefill and prefix caching (or none with only one of them)
+    limits = Limits(512, 4096, 8, 16, chunked_prefill=chunked, prefix_caching=prefix)
+    names = set(_by_name(limits))
+    assert ("prefill_over_context" in names) == context
+    assert ("mixed" in names) == chunked
+
+
+def test_speculative_tokens_widen_the_decode_and_keep_prefills_above_the_decode_threshold():
+    # wrong: a decode of one token per sequence with k drafts, a prefill chunk a backend takes for a decode
+    b = _by_name(Limits(4096, 16384, 8, 16, spec_tokens=4))
+    assert b["decode_max_len"].seqs == ((4091, 5),) * 8 and b["decode_max_len"].sampled_rows == 40
+    assert b["decode_max_len"].dummy.uniform_decode
+    assert min(new for _, new in b["prefill_longest_context"].seqs) == 6
+
+
+def test_the_longest_context_batch_is_added_only_where_it_brings_more_context():
+    # wrong: the batch left out for a FlashAttention engine whose context batch has context 1 per sequence, or added
+    # for MLA where it gathers no more than the context batch already does
+    fa = _by_name(Limits(256, 2040, 8, 16))
+    assert fa["prefill_over_context"].context_tokens == 8
+    assert fa["prefill_longest_context"].seqs == ((254, 2),) * 8
+    assert "prefill_longest_context" not in _by_name(ISSUE)
+    mla_short = _by_name(Limits(256, 2040, 8, 16, mla=True))
+    assert mla_short["prefill_longest_context"].mla_context_tokens == 8 * 254 > 8
+
+
+def test_the_encoder_cache_is_held_full_during_the_fresh_prefill_only():
+    # wrong: no items held, the wrong count, or items held in every batch
+    b = _by_name(Limits(4096, 16384, 8, 16, encoder_cache_tokens=16384, encoder_tokens_per_item=576))
+    assert b["prefill_fresh"].encoder_items_held == 28 and "encoder_cache" in b["prefill_fresh"].targets
+    assert all(x.encoder_items_held == 0 for name, x in b.items() if name != "prefill_fresh")
+
+
+def test_the_mixed_step_runs_on_v1_and_names_the_note_that_bounds_it_on_v2():
+    # wrong: a mixed step left to V2's dummy run (which spreads tokens evenly), or a bound whose Note is not written
+    plan = derive(ISSUE)
+    mixed = next(b for b in plan.batches if b.name == "mixed")
+    assert mixed.seqs[:-1] == ((511, 1),) * 31 and mixed.seqs[-1] == (1, 511)
+    assert mixed not in plan.runnable("v2") and mixed in plan.runnable("v1")
+    for b in plan.batches:
+        if b.bound is not None:
+            title = b.bound.removeprefix("Note ")
+            assert f"Note {title}" in sizing.__doc__, f"{b.name} names {b.bound}, which sizing does not write"
+
+
+def test_every_component_a_batch_targets_is_in_the_docstring_table():
+    # wrong: a component the sizing runs for that the one table does not say which batch brings back
+    limits = Limits(512, 4096, 32, 64, mla=True, spec_tokens=2, encoder_cache_tokens=4096, encoder_tokens_per_item=256)
+    table = worst_batch.__doc__
+    words = {
+        "activations": "activations",
+        "sampler": "sampler",
+        "encoder_cache": "encoder cache",
+        "attention_prefill_context": "attention over cached",
+        "mla_context_workspace": "MLA context",
+        "attention_decode": "decode attention",
+    }
+    for component, batches in derive(limits).by_component().items():
+        assert words[component] in table, component
+        for name in batches:
+            assert name in table, name
+
+
+@pytest.mark.parametrize(
+    "kwargs,names",
+    [
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(spec_tokens=-1), "spec_tokens"),
+        (dict(max_num_batched_tokens=4, spec_tokens=4), "max_num_batched_tokens (4) cannot hold one decode step"),
+        (dict(max_model_len=5, spec_tokens=4), "max_model_len (5) leaves no room for a step of 1 + 4"),
+        (dict(chunked_prefill=False, max_num_batched_tokens=100), "max_num_batched_tokens (100)"),
+        (dict(encoder_cache_tokens=100), "encoder_tokens_per_item"),
+    ],
+)
+def test_limits_no_scheduler_accepts_are_refused_naming_the_value(kwargs, names):
+    base = dict(max_model_len=512, max_num_batched_tokens=4096, max_num_seqs=8, block_size=16)
+    with pytest.raises(LimitsError, match=re.escape(names)):
+        Limits(**{**base, **kwargs})
