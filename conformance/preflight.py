@@ -22,10 +22,12 @@ import faulthandler
 import importlib
 import importlib.util
 import json
+import os
 import re
 import signal
 import sys
 import sysconfig
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -67,6 +69,7 @@ def syntax_error(spec: str) -> str | None:
 def _build(spec: str) -> dict:
     """Build the driver ``spec`` names here and return what the run's header shows of it."""
     from extensible_kv import drivers  # noqa: PLC0415 - after faulthandler, so a crash in torch's import is named
+    from extensible_kv.boundaries import factories  # noqa: PLC0415
     from extensible_kv.errors import DriverLoadError, DriverUnavailable  # noqa: PLC0415
 
     if ":" not in spec:
@@ -101,10 +104,10 @@ def _build(spec: str) -> dict:
             built = factory()
         except BaseException as exc:  # noqa: BLE001
             raise _Unbuildable(f"its factory raised {type(exc).__name__}: {exc}") from None
-        try:
-            driver = drivers.resolve(built)
-        except DriverLoadError as exc:
-            raise _Unbuildable(f"its factory returned {type(built).__name__}, not a driver: {exc}") from None
+        try:  # judged as an object, never read as a spec (Note [A factory's result is judged as an object])
+            driver = factories.judge(built, f"driver spec {spec!r}: its factory")
+        except factories.NotADriver as exc:
+            raise _BadSpec(str(exc)) from None
     try:
         return {
             "name": str(driver.name),
@@ -124,21 +127,28 @@ def _say(status: str, **payload: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The child: build ``argv[0]`` and say how it went (exit 0, 2 for a bad spec, 1 for a driver not built)."""
+    """The child: build ``argv[0]`` and say how it went (exit 0, 2 for a bad spec, 1 for a driver not built). A
+    factory that returned but left a non-daemon thread or a process running is not built, and what it left is named
+    and ended (Note [A factory's result is judged as an object])."""
     faulthandler.enable()  # a crash while building names the frame it happened in, on stderr
     if len(argv) != 1:
         _say("bad-spec", message=f"the preflight takes one driver spec, got {argv!r}")
         return 2
+    threads_before = {t.ident for t in threading.enumerate()}
     try:
-        facts = _build(argv[0])
+        status, code, payload = "ok", 0, {"facts": _build(argv[0])}
     except _BadSpec as exc:
-        _say("bad-spec", message=str(exc))
-        return 2
+        status, code, payload = "bad-spec", 2, {"message": " ".join(str(exc).split())}
     except _Unbuildable as exc:
-        _say("unbuildable", message=" ".join(str(exc).split()))
-        return 1
-    _say("ok", facts=facts)
-    return 0
+        status, code, payload = "unbuildable", 1, {"message": " ".join(str(exc).split())}
+    if "extensible_kv.boundaries.factories" in sys.modules:  # imported by _build once the driver's code could run
+        factories = sys.modules["extensible_kv.boundaries.factories"]
+        threads, processes = factories.left_running(threads_before)
+        if (threads or processes) and status == "ok":
+            status, code, payload = "unbuildable", 1, {"message": factories.leftovers_message(threads, processes)}
+        factories.end(processes)
+    _say(status, **payload)
+    return code
 
 
 def _crash_frame(stderr: str) -> str:
@@ -183,4 +193,7 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # a non-daemon thread the driver's code left running does not hold the process (it was named)

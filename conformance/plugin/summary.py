@@ -11,7 +11,6 @@ The outcomes are kept by a ``Summary`` object registered for the run and stashed
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import extensible_kv
 
 from .. import table
+from ..limits import probe_bytes, summary_outputs
 from .selection import build, selection
 from .watchdog import is_controller, limit
 
@@ -38,14 +38,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--commit-probe-bytes",
         action="store",
-        type=int,
+        type=probe_bytes,
         default=None,
-        help="bytes to commit once per driver for the summary's throughput figure "
+        help="bytes to commit once per driver for the summary's throughput figure, from 1 to 2**47 "
         "(default: 8 GiB on GPUs, 256 MiB on the host)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--summary-json", default=None)
+    if path and not hasattr(config, "workerinput"):  # checked before any rule runs, not after every rule ran
+        from extensible_kv.boundaries import BoundaryError  # noqa: PLC0415
+
+        try:
+            summary_outputs(path)
+        except BoundaryError as exc:
+            raise pytest.UsageError(str(exc)) from None
     summary = Summary(config)
     config.stash[SUMMARY] = summary
     config.pluginmanager.register(summary, f"{__name__}.collector")
@@ -110,10 +118,14 @@ class Summary:
         self.outcomes: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> passed / failed / skipped
         self.reasons: dict[tuple[str, str], str] = {}  # (driver spec, nodeid) -> why it was skipped
         self.figures: dict[str, dict] = {}  # driver spec -> figures a pytest-xdist worker measured (the last one)
+        self.session: pytest.Session | None = None
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:
         self.figures.update((getattr(node, "workeroutput", None) or {}).get(_FIGURES, {}))
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.session = session
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         output = getattr(session.config, "workeroutput", None)
@@ -173,10 +185,18 @@ class Summary:
             tr.write_line(line)
         path = config.getoption("--summary-json")
         if path:
-            from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
+            self._write(terminalreporter, path, exitstatus, rows, outcomes)
 
+    def _write(self, terminalreporter, path: str, exitstatus: int, rows: list, outcomes: dict) -> None:
+        """``--summary-json`` and the ``environment.json`` beside it (checked writable at the start); a write that
+        fails all the same (a full disk) is one line, and the run's status says so."""
+        from extensible_kv.boundaries import BoundaryError  # noqa: PLC0415
+        from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
+
+        try:
+            summary, environment = summary_outputs(path)
             write(
-                path,
+                summary,
                 ConformanceSummary(
                     exitstatus=int(exitstatus),
                     torch=torch.__version__,
@@ -187,7 +207,12 @@ class Summary:
                     ],
                 ),
             )
-            write(os.path.join(os.path.dirname(os.path.abspath(path)), "environment.json"), Environment.collect())
+            write(environment, Environment.collect())
+        except (OSError, BoundaryError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            terminalreporter.write_line(f"error: --summary-json {path}: cannot be written ({reason})", red=True)
+            if self.session is not None and self.session.exitstatus == 0:
+                self.session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
 SUMMARY = pytest.StashKey[Summary]()

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from . import drivers
+from . import boundaries, drivers
+from .boundaries import numbers, outputs
+from .errors import ExtensibleKVError
 
 SCRIPT = "extensible-kv"  # the console script (pyproject.toml)
 SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra brings and the rules import
@@ -31,20 +33,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive_int(text: str) -> int:
+    """A size or count of ``validate-backend``: a positive integer below 2**63 (``boundaries.numbers``)."""
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+        return numbers.integer(text, option="the value", what="a positive integer")
+    except numbers.BadNumber as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the value ")) from None
+
+
+def _text(text: str) -> str:
+    """A name given on the command line (a backend, a dtype, a driver): UTF-8 text (``boundaries.text``)."""
+    try:
+        return boundaries.text(text, "the value")
+    except boundaries.BoundaryError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the value ")) from None
 
 
 def _backend_spec(text: str) -> str:
     from .backend_check import BackendLoadError, check_spec  # noqa: PLC0415
 
     try:
-        return check_spec(text)
+        return check_spec(_text(text))
     except BackendLoadError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -127,6 +135,8 @@ def _validate_backend(args: argparse.Namespace) -> int:
         return 2
     if args.json and _find("pydantic") is None:
         return _needs_extra(ModuleNotFoundError(name="pydantic"), "validate-backend --json")
+    if args.json:  # before any work (Note [An output is a regular file or a new path, checked first])
+        outputs.output_file(args.json, option="--json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
     reports = validate_many(
         args.backend,
@@ -150,7 +160,7 @@ def _validate_backend(args: argparse.Namespace) -> int:
         try:
             write(args.json, BackendValidation(results=results))
         except OSError as exc:
-            print(f"error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"error: cannot write {boundaries.shown(args.json)}: {exc.strerror or exc}", file=sys.stderr)
             return 2
     for report in reports:
         print("\n".join(report.lines()))
@@ -168,10 +178,12 @@ def _validate_backend(args: argparse.Namespace) -> int:
 def _environment(args: argparse.Namespace) -> int:
     from .measurements import Environment, write  # noqa: PLC0415
 
+    outputs.output_folder(args.out_dir, option="OUT_DIR", files=["environment.json"])
+    path = os.path.join(args.out_dir, "environment.json")
     try:
-        print(write(f"{args.out_dir}/environment.json", Environment.collect()).as_posix())
+        print(write(path, Environment.collect()).as_posix())
     except OSError as exc:
-        print(f"error: cannot write {args.out_dir}/environment.json: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: cannot write {boundaries.shown(path)}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -197,8 +209,16 @@ def prog() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; without one, list the commands on stdout and return 2 (nothing was run)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run a command; without one, list the commands on stdout and return 2 (nothing was run). An interrupt while
+    the command line is read is one line too (130)."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        print("error: interrupted before any command ran", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = _Parser(
         prog=prog(),
         description="Growable, virtual-memory-backed tensors and KV caches: the drivers, "
@@ -239,12 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         default="NHD",
         help="vLLM KV cache layout (VLLM_KV_CACHE_LAYOUT) to check under; 'both' runs NHD and HND",
     )
-    vb.add_argument("--driver", default=None, help="driver name or module:factory (default: best available)")
+    vb.add_argument(
+        "--driver", type=_text, default=None, help="driver name or module:factory (default: best available)"
+    )
     vb.add_argument("--num-kv-heads", type=_positive_int, default=4)
     vb.add_argument("--head-size", type=_positive_int, default=64)
     vb.add_argument("--block-size", type=_positive_int, default=16)
-    vb.add_argument("--dtype", default="bfloat16")
-    vb.add_argument("--cache-dtype", default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape")
+    vb.add_argument("--dtype", type=_text, default="bfloat16")
+    vb.add_argument(
+        "--cache-dtype", type=_text, default="auto", help="vLLM cache_dtype_str passed to get_kv_cache_shape"
+    )
     vb.add_argument(
         "--json",
         metavar="PATH",
@@ -267,12 +291,33 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "run", None) is None:  # options but no command
         print(parser.format_help(), end="")
         return 2
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``args.run(args)``, every way it can end as one line: a value refused at a boundary or a typed error of this
+    package (exit 2), an interrupt (130), any other exception, named with its type (2). Nothing is half-written:
+    every output is written whole or not at all (``boundaries.outputs``)."""
     try:
         return args.run(args)
     except ModuleNotFoundError as exc:
         if exc.name not in REPORT_NEEDS:
-            raise
+            return _failed(args, exc)
         return _needs_extra(exc, args.command)
+    except ExtensibleKVError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: {args.command} interrupted; nothing was left half-written", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a command line answers with one line, never a traceback
+        return _failed(args, exc)
+
+
+def _failed(args: argparse.Namespace, exc: BaseException) -> int:
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    print(f"error: {args.command} failed: {boundaries.shown(reason, 300)[1:-1]}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ fields a model does not name are kept as they are.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .boundaries import files, outputs
 
 # Note [Numbers a device can hold]
 # Every number of a file is bounded by what hardware can hold, so a corrupt or hostile file is refused here, naming
@@ -457,37 +458,27 @@ class ScriptSummary(Record):
     rows: list[dict[str, Any]] = []
 
 
-class BadFile(ValueError):
-    """A measurement file that cannot be read or is not in its format; the message names the file and the field."""
+BadFile = files.BadInputFile  # a measurement file that cannot be read or is not in its format: names the file
 
 
 def write(path: str | Path, model: BaseModel) -> Path:
     """``model`` as indented JSON in ``path`` (its folder made if needed), whole or not at all: written beside it and
     renamed into place, so a write cut short (an interrupt, a killed call) leaves the file as it was, never
-    truncated (a resumed matrix reads what is there)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    truncated (a resumed matrix reads what is there). ``path`` must be a regular file or a new name
+    (``boundaries.outputs``: a FIFO or a device given as output is refused, never replaced)."""
     text = model.model_dump_json(indent=2, by_alias=True) + "\n"
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return path
+    return outputs.write_file(path, text.encode("utf-8", "backslashreplace"), option="measurement file")
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def read(path: str | Path, model: type[M]) -> M:
-    """The file at ``path`` as ``model``; ``BadFile`` naming the file and the field path where it is not."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as exc:
-        raise BadFile(f"{path}: cannot be read ({exc.strerror or exc})") from None
+def read(path: str | Path, model: type[M], *, folder: files.Folder | None = None) -> M:
+    """The file at ``path`` as ``model``; ``BadFile`` naming the file and the field path where it is not. The file is
+    read through ``boundaries.files`` (a regular file of at most 16 MiB, UTF-8; with ``folder``, inside it and counted
+    against its limits)."""
+    text = folder.read_text(Path(path)) if folder is not None else files.read_text(path)
     if not text.strip():
         raise BadFile(f"{path}: empty file")
     try:

@@ -44,3 +44,37 @@ class _HangInZero(HostDriver):
 
 def hang_in_zero() -> HostDriver:
     return _HangInZero(granularity=4096, name="hang-in-zero")
+
+
+def returns_none() -> None:
+    """Returns ``None``, which ``drivers.resolve`` would read as "the best available driver"."""
+    return None
+
+
+def returns_host() -> str:
+    """Returns the string ``"host"``, which ``drivers.resolve`` would read as a spec and build the host driver."""
+    return "host"
+
+
+def returns_a_module():
+    """Returns an object with no driver methods (this module)."""
+    import sys  # noqa: PLC0415
+
+    return sys.modules[__name__]
+
+
+def leaves_a_thread() -> HostDriver:
+    """Returns a driver at once, but leaves a non-daemon thread running that keeps its process alive."""
+    import threading  # noqa: PLC0415
+
+    threading.Thread(target=time.sleep, args=(3600,), name="factory-helper", daemon=False).start()
+    return HostDriver(granularity=4096, name="leaves-a-thread")
+
+
+def leaves_a_process() -> HostDriver:
+    """Returns a driver at once, but leaves a child process running that holds its stdout and stderr."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    return HostDriver(granularity=4096, name="leaves-a-process")

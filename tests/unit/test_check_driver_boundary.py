@@ -160,3 +160,61 @@ def test_a_signal_to_check_driver_ends_every_process_it_started(tmp_path, sig, s
         f"{sig.name} to check-driver {spec} (pid {proc.pid}; preflight, controller and workers "
         f"{sorted(started)}): expected {want}, got {got}\n{(out + err)[-2000:]}"
     )
+
+
+# Note [A factory's result is judged as an object]: before, a factory that returned None or "host" read as a spec and
+# "built HostDriver 'host'", and one that left a thread or a process running read as "did not finish within 60 s".
+NOT_A_DRIVER = {
+    "returns_none": "returned None, not a driver object",
+    "returns_host": "returned str 'host', not a driver object",
+    "returns_a_module": "not a driver: it lacks the protocol's granularity",
+}
+
+
+@pytest.mark.parametrize(("factory", "words"), NOT_A_DRIVER.items(), ids=NOT_A_DRIVER.keys())
+def test_a_factory_that_returns_no_driver_object_is_one_line_and_exit_2(factory, words):
+    spec = f"{FACTORIES}:{factory}"
+    code, out, err = _finish(_start(spec, "--build-timeout", "30"), f"check-driver {spec}", limit_s=120)
+    lines = err.splitlines()
+    head = f"error: driver spec {spec!r}: its factory returned "
+    got = {"exit": code, "one line naming it": len(lines) == 1 and lines[0].startswith(head) and words in lines[0]}
+    want = {"exit": 2, "one line naming it": True}
+    assert got == want and not out, f"check-driver {spec}: expected {want} and no output, got {got}\n{out}{err}"
+
+
+LEFT_RUNNING = {"leaves_a_thread": "non-daemon thread 'factory-helper'", "leaves_a_process": "process "}
+
+
+@pytest.mark.parametrize(("factory", "words"), LEFT_RUNNING.items(), ids=LEFT_RUNNING.keys())
+def test_a_factory_that_leaves_helpers_running_is_named_at_once_and_they_are_ended(factory, words):
+    spec = f"{FACTORIES}:{factory}"
+    start = time.monotonic()
+    proc = _start(spec, "--build-timeout", "60")
+    code, out, err = _finish(proc, f"check-driver {spec}", limit_s=120)
+    took = time.monotonic() - start
+    left = [p.name for p in Path("/proc").glob("[0-9]*") if _running(int(p.name)) and _sleeps_an_hour(p)]
+    for pid in left:  # leave nothing behind, whatever the result
+        os.kill(int(pid), signal.SIGKILL)
+    lines = err.splitlines()
+    got = {
+        "exit": code,
+        "one line naming it": len(lines) == 1 and "left running" in lines[0] and words in lines[0],
+        "read as a timeout": "did not finish" in err,
+        "within the build limit": took < 60,
+        "left running": left,
+    }
+    want = {
+        "exit": 1,
+        "one line naming it": True,
+        "read as a timeout": False,
+        "within the build limit": True,
+        "left running": [],
+    }
+    assert got == want, f"check-driver {spec} (took {took:.1f} s): expected {want}, got {got}\n{err}{out[-1500:]}"
+
+
+def _sleeps_an_hour(proc: Path) -> bool:
+    try:
+        return b"time.sleep(3600)" in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False

@@ -105,9 +105,9 @@ ROWS = {
         VALID | {"taken": ""},
         ("report", "{tmp}/run", "--out", "{tmp}/taken"),
         2,
-        ("cannot write", "taken"),
+        ("--out", "taken", "is a regular file, not a folder"),
     ),
-    "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
+    "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in '/etc'",)),
     # check-driver: the driver is required, and a spec that names no driver is one line (nothing imported here)
     "check_driver_without_a_driver": ({}, ("check-driver",), 2, ("check-driver", "required: driver")),
     "check_driver_no_such_module": (
@@ -174,7 +174,7 @@ ROWS = {
         {"taken": ""},
         ("validate-backend", GOOD, "--driver", "host-4k", "--json", "{tmp}/taken/vb.json"),
         2,
-        ("cannot write", "vb.json"),
+        ("--json", "taken/vb.json", "cannot be written (Not a directory)"),
     ),
     "backend_json_written": (
         {},
@@ -183,7 +183,7 @@ ROWS = {
         ("1 of 1 passed",),
     ),
     # environment: one line when the folder cannot be written
-    "environment_unwritable": ({"taken": ""}, ("environment", "{tmp}/taken"), 2, ("cannot write", "environment.json")),
+    "environment_unwritable": ({"taken": ""}, ("environment", "{tmp}/taken"), 2, ("OUT_DIR", "taken", "not a folder")),
     # fp8 KV caches are a normal setting: a correct backend passes
     "fp8_e4m3": (
         {},

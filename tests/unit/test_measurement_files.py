@@ -3,32 +3,43 @@ numbers that hardware can hold."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
+from extensible_kv.boundaries import outputs
 from extensible_kv.measurements import BadFile, CaseSpec, IntegrationCase, read, write
 
 
-def test_a_write_cut_short_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_path, monkeypatch):
+class _HalfThenInterrupt(io.FileIO):
+    """A file whose first write writes half its bytes, then is interrupted."""
+
+    def write(self, data):
+        super().write(bytes(data)[: len(data) // 2])
+        raise KeyboardInterrupt
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("cut", ["mid-write", "before-rename"])
+def test_a_write_cut_short_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_path, monkeypatch, cut):
     path = tmp_path / "case.json"
     write(path, CaseSpec(model="first", runner="v1", backend="FLASH_ATTN", mode="legacy"))
     before = path.read_text()
-    real = Path.write_text
-
-    def half_then_interrupt(self, text, *args, **kwargs):
-        real(self, text[: len(text) // 2], *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Path, "write_text", half_then_interrupt)
+    if cut == "mid-write":
+        monkeypatch.setattr(outputs.os, "fdopen", lambda fd, mode: _HalfThenInterrupt(fd, "wb"))
+    else:
+        monkeypatch.setattr(outputs.os, "replace", _interrupt)
     with pytest.raises(KeyboardInterrupt):
         write(path, CaseSpec(model="second", runner="v2", backend="FLASH_ATTN", mode="extensible"))
     monkeypatch.undo()
     got = (path.read_text() == before, sorted(p.name for p in tmp_path.iterdir()))
     assert got == (True, ["case.json"]), (
-        f"measurements.write interrupted mid-file: expected case.json unchanged "
-        f"and alone, got (unchanged, files) = {got}"
+        f"measurements.write interrupted {cut}: expected case.json unchanged and alone, got (unchanged, files) = {got}"
     )
 
 

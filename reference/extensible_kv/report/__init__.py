@@ -16,33 +16,41 @@ import json
 import sys
 from pathlib import Path
 
-from ..measurements import BadFile
-from .run import RunFolderError, load_run
+from ..boundaries import BoundaryError, outputs, shown
+from .run import load_run, run_name
 
 __all__ = ["RENDERED", "register", "run_command"]
 RENDERED = Path("reports") / "rendered"  # the default output folder, in .gitignore
 
 
+REPORT_FILES = ("report.md", "report.html", "summary.json")  # what a report writes, beside its PNGs
+
+
 def run_command(args: argparse.Namespace) -> int:
     """The ``report`` command: writes the report and prints the run's verdict; 2 when the run folder is missing,
-    holds no measurement file or a file that cannot be read, or when the output folder cannot be written."""
+    holds no measurement file or a file that cannot be read, or when the output folder cannot be written (checked
+    before the run is read: Note [An output is a regular file or a new path, checked first])."""
     try:
-        run = load_run(args.run_dir, name=args.name)
-    except (RunFolderError, BadFile) as exc:
+        name = run_name(args.name) if args.name is not None else None
+        out = outputs.output_folder(args.out, option="--out", files=REPORT_FILES) if args.out else None
+        run = load_run(args.run_dir, name=name)
+        if out is None:
+            out = outputs.output_folder(RENDERED / run.name, option="the report folder", files=REPORT_FILES)
+    except BoundaryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not run.measured:
-        print(f"error: no measurement files in {run.path}", file=sys.stderr)
+        print(f"error: no measurement files in {shown(run.path)}", file=sys.stderr)
         return 2
     from .document import run_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
     from .rendering import write  # noqa: PLC0415
 
     doc = run_document(run)
-    out = Path(args.out) if args.out else RENDERED / run.name
     try:
         write(out, doc.markdown, doc.html, doc.summary, doc.figures)
-    except OSError as exc:
-        print(f"error: cannot write the report to {out.as_posix()}: {exc.strerror or exc}", file=sys.stderr)
+    except (OSError, BoundaryError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: cannot write the report to {shown(out)}: {reason}", file=sys.stderr)
         return 2
     undrawn = [f for f in doc.figures.drawn.values() if f.png is None]
     note = f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""
@@ -58,7 +66,7 @@ def _bench_summary(args: argparse.Namespace) -> int:
 
     try:
         summary = summarize(args.benchmark_json)
-    except BadFile as exc:
+    except BoundaryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2) if args.json else bench_tables(summary, Path(args.benchmark_json).name))

@@ -13,6 +13,7 @@ import operator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..boundaries.files import Folder
 from ..measurements import BadFile, BenchmarkFile, read
 from .numbers import div, sub
 
@@ -33,8 +34,8 @@ class Bench:
     summary: dict
 
     @classmethod
-    def load(cls, path: Path) -> Bench:
-        data = read(path, BenchmarkFile)
+    def load(cls, path: Path, folder: Folder | None = None) -> Bench:
+        data = read(path, BenchmarkFile, folder=folder)
         found = entries(data)
         if not found:
             raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")

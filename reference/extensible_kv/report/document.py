@@ -13,6 +13,10 @@ from .rendering import Figures, html, markdown
 from .run import ENVIRONMENT_NAMES, Run
 from .serving import serving_rows
 
+# The conformance tests that did not pass, listed in the report: a page stays readable (and its Markdown and HTML
+# bounded in size, whatever a run folder holds); summary.json lists every one.
+ODD_ROWS = 100
+
 
 class Document(NamedTuple):
     markdown: str
@@ -117,6 +121,7 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
         "run": run,
         "environment_names": ENVIRONMENT_NAMES,
         "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
+        "odd_rows": ODD_ROWS,
         "breakdowns": breakdowns,
         "refused": accounting.refused(run.cases),
         "parity": rows,

@@ -19,6 +19,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from mdit_py_plugins.anchors import anchors_plugin
 
+from ..boundaries import BoundaryError, files, outputs
 from .numbers import NOT_MEASURED, number
 
 
@@ -128,20 +129,21 @@ def bench_tables(summary: dict, source: str) -> str:
     return markdown("bench.md.j2", {"s": summary, "source": source}, Figures())
 
 
-def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figures) -> None:
-    """Write the report into ``out_dir``; PNGs an earlier report there listed and this one does not are removed."""
+def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figures) -> Path:
+    """Write the report into ``out_dir`` (``boundaries.outputs.write_folder``): a new folder appears whole, and in an
+    existing one each file is replaced whole; PNGs an earlier report there listed and this one does not are removed.
+    Every file is encoded before the first is written."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     drawn = {f.name: f.png for f in figures.drawn.values() if f.png is not None}
     try:
-        old = json.loads((out / "summary.json").read_text()).get("figures", [])
-    except (OSError, ValueError, AttributeError):
+        old = json.loads(files.read_text(out / "summary.json")).get("figures", [])
+    except (BoundaryError, ValueError, AttributeError):
         old = []
-    for stale in (out / str(name) for name in old if name not in drawn):
-        if stale.suffix == ".png" and stale.parent == out and stale.is_file():
-            stale.unlink()
-    for name, png in drawn.items():
-        (out / name).write_bytes(png)
-    (out / "report.md").write_text(md)
-    (out / "report.html").write_text(page)
-    (out / "summary.json").write_text(json.dumps(dict(summary, figures=sorted(drawn)), indent=2) + "\n")
+    stale = [str(name) for name in old if isinstance(name, str) and name.endswith(".png") and name not in drawn]
+    contents = {
+        **drawn,
+        "report.md": md.encode("utf-8", "backslashreplace"),
+        "report.html": page.encode("utf-8", "backslashreplace"),
+        "summary.json": (json.dumps(dict(summary, figures=sorted(drawn)), indent=2) + "\n").encode(),
+    }
+    return outputs.write_folder(out, contents, option="--out", remove=[n for n in stale if "/" not in n])

@@ -6,10 +6,14 @@ the inputs a run lacks.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..boundaries import BoundaryError, shown, text
+from ..boundaries.files import Folder
 from ..measurements import (
     BackendValidation,
     ConformanceSummary,
@@ -48,8 +52,11 @@ INPUTS = (
 )
 
 
-class RunFolderError(Exception):
-    """The run folder does not exist or is not a folder."""
+NAME_CHARS = 200  # the longest run name: a heading and a folder name
+
+
+class RunFolderError(BoundaryError):
+    """The run folder does not exist or is not a folder, or its name or the run's name is not one."""
 
 
 @dataclass(frozen=True)
@@ -137,28 +144,67 @@ class Run:
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
+    """The run folder ``path``, read through ``boundaries.files.Folder`` (Note [A file read is a regular file of bounded
+    size]): its names UTF-8, every file regular, bounded and inside it; ``RunFolderError`` or ``BadFile`` otherwise."""
+    if name is not None:
+        name = run_name(name)
+    try:
+        text(path, "run folder")
+    except BoundaryError as exc:
+        raise RunFolderError(str(exc)) from None
     folder = Path(path)
-    if not folder.is_dir():
-        raise RunFolderError(f"run folder {str(folder)!r} does not exist or is not a folder")
+    try:
+        is_dir = stat.S_ISDIR(os.stat(folder).st_mode)
+    except FileNotFoundError:
+        raise RunFolderError(f"run folder {shown(folder)} does not exist") from None
+    except OSError as exc:  # no such file, a path too long, a folder of it that is a file
+        raise RunFolderError(f"run folder {shown(folder)} cannot be read ({exc.strerror})") from None
+    if not is_dir:
+        raise RunFolderError(f"run folder {shown(folder)} does not exist or is not a folder")
+    found = Folder(folder)
+
+    def files(pattern: str) -> list[Path]:
+        return found.glob(pattern)
+
+    def load(p: Path, model):
+        return read(p, model, folder=found)
+
     integration = folder / "integration"
-    cases = sorted(p for p in integration.rglob("*.json") if p.name != "environment.json")
+    cases = [p for p in files("integration/*.json") if p.name != "environment.json"]
     run = Run(
-        name or folder.resolve().name,
+        name or run_name(folder.resolve().name),
         folder,
-        [Source(p.name, read(p, ConformanceSummary)) for p in sorted(folder.glob("conformance-*.json"))],
-        [Bench.load(p) for p in sorted(folder.glob("bench*.json"))],
-        [Case(p.relative_to(integration).as_posix(), read(p, IntegrationCase)) for p in cases],
-        [Source(p.name, read(p, BackendValidation)) for p in sorted(folder.glob("validate-backend*.json"))],
-        [Source(p.name, read(p, ServingSpeed)) for p in sorted(folder.glob("serving-*.json"))],
+        [Source(p.name, load(p, ConformanceSummary)) for p in files("conformance-*.json")],
+        [Bench.load(p, found) for p in files("bench*.json")],
+        [Case(p.relative_to(integration).as_posix(), load(p, IntegrationCase)) for p in cases],
+        [Source(p.name, load(p, BackendValidation)) for p in files("validate-backend*.json")],
+        [Source(p.name, load(p, ServingSpeed)) for p in files("serving-*.json")],
     )
-    envs = [p for p in [folder / "environment.json", *sorted(integration.rglob("environment.json"))] if p.is_file()]
-    run.environment = environment(run, [(p.relative_to(folder).as_posix(), read(p, Environment)) for p in envs])
-    scripts = {t: folder / n / "summary.json" for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
-    for title, script in ((t, read(f, ScriptSummary)) for t, f in scripts.items() if f.is_file()):
-        for key in (k for k in ("pairs", "cases", "rows") if getattr(script, k)):
-            scalar = [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in getattr(script, key)]
-            run.features[f"{title}: {key}"] = scalar  # scalar cells only: token lists stay in the files
+    envs = [*files("environment.json"), *(p for p in files("integration/*.json") if p.name == "environment.json")]
+    run.environment = environment(run, [(p.relative_to(folder).as_posix(), load(p, Environment)) for p in envs])
+    scripts = {f"{n}/summary.json": t for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
+    for rel, title in scripts.items():
+        for p in files(rel):
+            script = load(p, ScriptSummary)
+            for key in (k for k in ("pairs", "cases", "rows") if getattr(script, k)):
+                scalar = [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in getattr(script, key)]
+                run.features[f"{title}: {key}"] = scalar  # scalar cells only: token lists stay in the files
     return run
+
+
+def run_name(name: str) -> str:
+    """``name`` as a run's name (``--name``, or the run folder's): UTF-8 text of one line, at most 200 characters, and
+    one path component (the default output folder is ``reports/rendered/<name>``); ``RunFolderError`` otherwise."""
+    try:
+        text(name, "run name")
+    except BoundaryError as exc:
+        raise RunFolderError(str(exc)) from None
+    if not name or name in (".", "..") or "/" in name or len(name) > NAME_CHARS or not name.isprintable():
+        raise RunFolderError(
+            f"run name {shown(name)} is not a name: give one line of at most {NAME_CHARS} printable characters, "
+            f"without '/', not '.' or '..'"
+        )
+    return name
 
 
 def environment(run: Run, files: list[tuple[str, Environment]]) -> dict[str, tuple[str | None, str | None]]:
