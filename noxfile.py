@@ -169,6 +169,49 @@ def layouts(session: nox.Session) -> None:
     _pytest(session, "integration/test_backend_layouts.py", "integration/test_connector_views.py", *session.posargs)
 
 
+VLLM_RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+"""The releases `vllm_versions` reads (reference/extensible_kv/vllm/versions.py holds the table they decide)."""
+
+
+# Not in the default sessions: each wheel is 240-320 MB (about 2.5 GB together), too much for every CI run.
+@nox.session(venv_backend="virtualenv", tags=["vllm-versions"])
+def vllm_versions(session: nox.Session) -> None:
+    """Each vLLM release's patch points, read from its wheel's source (no import, no GPU), against the version gate;
+    then the tensor rules on vLLM 0.34's own ExtensibleTensor over the host driver (`--tensor vllm`). Wheels are
+    downloaded once into .nox/vllm-wheels/ (`pip download --no-deps`) and only their .py files unpacked."""
+    import zipfile  # noqa: PLC0415
+
+    _install(session, "-e", ".[conformance]", *TEST_DEPS)
+    wheels = ROOT / ".nox" / "vllm-wheels"
+    sources = ROOT / ".nox" / "vllm-sources"
+    wheels.mkdir(parents=True, exist_ok=True)
+    for version in VLLM_RELEASES:
+        target = sources / version
+        if (target / "vllm" / "__init__.py").is_file():
+            continue
+        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+        if not found:
+            session.run("python", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"vllm=={version}",
+                        "-d", str(wheels))  # fmt: skip
+            found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+        with zipfile.ZipFile(found[0]) as wheel:
+            wheel.extractall(target, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+    session.env["EXTENSIBLE_KV_VLLM_SOURCES"] = str(sources)
+    _pytest(session, "tests/unit/test_vllm_versions.py", "tests/unit/test_vllm_driver.py", *session.posargs)
+    from conformance.tensors import TENSOR_RULE_FILES  # noqa: PLC0415
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sources / "0.34.0"), before]))  # _run_python reads it
+    try:
+        # Rules vLLM's class fails are findings (reports/runs/*-vllm-native/), not a failure of this session.
+        _run_python(
+            session, "-m", "pytest", *(f"conformance/{name}" for name in TENSOR_RULE_FILES), "--driver", "host",
+            "--tensor", "vllm", "--rule-timeout", "120", "-p", "xdist", "-n", "1", success_codes=[0, 1],
+        )  # fmt: skip
+    finally:
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.__setitem__("PYTHONPATH", before)
+
+
 @nox.session(venv_backend="virtualenv")
 def stress(session: nox.Session) -> None:
     """The stateful rules at stress size: hostile use at 10,000 examples, the protocol model at 2,000 per machine

@@ -1,5 +1,9 @@
 """The extensible KV cache for vLLM 0.26.0's V1 and V2 model runners (opt-in; vLLM is untouched when off).
 
+Which vLLM releases are patched is the version gate's (``versions``): 0.26.0, and 0.27 to 0.33 where every patch
+point matches; 0.34 has its own extensible KV cache and is left to it; any other release is refused in one log line
+and runs untouched. ``enable()`` and the plugin entry both go through the gate.
+
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
 
     from extensible_kv.vllm import extensible_kv_cache
@@ -25,6 +29,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from . import versions
 from .worker_kv import ExtensibleKVUnsupported
 
 ENV_VAR = "EXTENSIBLE_KV_CACHE"
@@ -32,11 +37,15 @@ ENV_VAR = "EXTENSIBLE_KV_CACHE"
 __all__ = ["ENV_VAR", "ExtensibleKVUnsupported", "enable", "disable", "extensible_kv_cache", "env_enabled"]
 
 
-def enable() -> None:
-    """Install the patches in this process (idempotent)."""
-    from . import patches
+def enable() -> versions.Decision:
+    """Install the patches in this process (idempotent) where the version gate says to patch the installed vLLM;
+    otherwise log its one line (a refusal, or vLLM's native path) and leave vLLM untouched. Returns the decision."""
+    decision = versions.gate()
+    if decision.action == versions.PATCH:
+        from . import patches
 
-    patches.install()
+        patches.install()
+    return decision
 
 
 def disable() -> None:

@@ -6,6 +6,7 @@ from . import enable, env_enabled
 
 
 def register() -> None:
-    """Install the extensible KV cache patches when ``EXTENSIBLE_KV_CACHE=1``; do nothing otherwise."""
+    """Install the extensible KV cache patches when ``EXTENSIBLE_KV_CACHE=1`` and the version gate says to patch this
+    vLLM (``versions``: otherwise one log line, and vLLM runs untouched); do nothing otherwise."""
     if env_enabled():
         enable()
