@@ -10,7 +10,8 @@
 # `run` writes into OUTDIR: check-driver-vllm.log and rules-driver.json (per rule: outcome and, for a rule the
 # caller-guaranteed profile leaves out, its reason), tensor-rules.log and rules-tensor.json (the tensor rules on
 # vLLM's ExtensibleTensor over the vllm driver, --tensor vllm), probe.txt (vLLM's version and the driver's probe),
-# environment.json where pydantic is present, and the junit XML of both; it prints a short table last. The exit
+# findings.json and findings.log (ci/vllm_native_repro.py: each code-read finding reproduced or not, with vLLM's API
+# only), environment.json where pydantic is present, and the junit XML of both; it prints a short table last. The exit
 # status is 0 when both steps ran to their summary (rules may have failed: the table says which), else 1.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -72,6 +73,8 @@ python3 -m pytest $files --driver vllm --tensor vllm -p no:cacheprovider -p xdis
 rc_tensor=$?
 grep -q "conformance summary" "$out/tensor-rules.log" || status=1
 
+# 3. The reproducers of what reading vLLM's code suggests (ci/vllm_native_repro.py), each in its own process.
+python3 ci/vllm_native_repro.py "$out/findings.json" > "$out/findings.log" 2>&1 || status=1
 python3 - "$out" "$rc_driver" "$rc_tensor" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
@@ -109,5 +112,10 @@ for step, c, failed in table:
 for step, _, failed in table:
     for test in failed:
         print(f"FAILED [{step}] {test}")
+try:
+    for f in json.load(open(f"{out}/findings.json")):
+        print(f"{f['outcome']:<24} {f['finding']}")
+except (OSError, ValueError) as exc:
+    print("findings: not run", exc)
 EOF
 exit $status

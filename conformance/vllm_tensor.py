@@ -175,8 +175,8 @@ class VllmTensor:
             )
         except (ValueError, TypeError, IndexError) as exc:
             raise InvalidSizeError(f"vLLM's ExtensibleTensor({max_num_bytes!r}, {num_segments!r}): {exc}") from exc
-        except RuntimeError as exc:
-            raise self._commit_error(exc, max_num_bytes, 0) from exc
+        except RuntimeError as exc:  # the reservation failed: the driver's own error, as this project's tensor raises
+            raise (facade.last_error or self._commit_error(exc, max_num_bytes, 0)) from exc
 
     # -- what the rules read -----------------------------------------------------------------------------------
     @property
