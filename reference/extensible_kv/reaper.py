@@ -33,6 +33,31 @@ Note [Locked sections are one line]
     inside ``work`` leaves through the handler. A signal handler runs only where the interpreter checks for pending
     calls (after a call returns, at a loop's backward jump, at a function's start), which on this line is after the
     lock's C ``__exit__`` has run.
+
+Note [A finalizer never waits on a lock its thread may hold]
+    A finalizer (a user's ``__del__``, a weakref callback) or a signal handler runs inside whatever its thread was
+    doing, also inside a driver's locked section. Code that can run there never waits on a lock: a sweep is put
+    off (above), and a driver refuses a call from a thread that is already inside one of its calls, at once, with
+    ``DriverError`` naming the call, changing nothing (``drivers/host.py``, Note [A call never waits on its own
+    thread]). An owner whose ``close()`` finds its thread inside a section (``inside_section()``) hands its memory
+    to the next sweep with ``defer(record)`` instead of calling the driver. Nested calls are not run instead: one
+    would run while the outer call's records are half changed (a generator over the driver's mappings sees them
+    change size). Nor is the collector turned off in sections: ``gc.disable`` is process-wide, a second thread
+    turns it back on, and a signal handler runs all the same. Figure: a ``__del__`` calling ``close()``, collected
+    inside the host driver's ``_reserve``, hung (killed after 5 s) before this rule; now its ``close()`` raises
+    ``DriverError`` at once and the next collection returns the memory (``tests/unit/test_finalizer_reentry.py``).
+
+Note [What a forked child inherits]
+    ``fork`` copies the calling thread only: locks that other threads of the parent held stay held in the child,
+    by threads that do not exist there, and records those threads were changing stay half changed. So a child
+    uses nothing of the parent's: every driver call and every ``Ledger`` operation checks the process first,
+    before any lock, and refuses with ``DriverError`` naming the call and both processes (``mem_info`` and
+    ``granularity`` included: the parent's numbers are not the child's); records of the parent's memory are
+    dropped by the child's first sweep, never torn down (the parent still uses that memory); and every lock made
+    with ``process_lock()`` is unlocked again in the child (``os.register_at_fork``), so what still reads such an
+    object there never waits. Figure: children forked while a thread released 16,384 mappings hung in
+    ``mem_info()`` 3 of 3 times (killed after 5 s), and one forked after it returned the parent's
+    ``(1073741824, 1073741824)``; now each raises ``DriverError`` at once (``tests/unit/test_fork_inheritance.py``).
 """
 
 from __future__ import annotations
@@ -46,21 +71,31 @@ import weakref
 
 from .errors import ExtensibleKVError
 
-_local = threading.local()
-_owned: dict[int, Owned] = {}
-_sweeping = threading.Lock()
-_put_off = 0  # sweeps put off inside a section: Note [A put-off sweep is never lost]
-_swept = 0  # the value of ``_put_off`` the last whole sweep covered
-_exiting = False  # Note [Nothing is unmapped at interpreter exit] in ``tensor``
+_process_locks: weakref.WeakSet = weakref.WeakSet()  # unlocked again in a forked child
+
+
+def process_lock(reentrant: bool = False) -> threading.Lock | threading.RLock:
+    """A new ``threading.Lock`` (``RLock`` when ``reentrant``) that a forked child finds unlocked, whichever thread of
+    the parent held it at the fork (Note [What a forked child inherits]); in the parent it is an ordinary lock."""
+    lock = threading.RLock() if reentrant else threading.Lock()
+    _process_locks.add(lock)
+    return lock
 
 
 def _after_fork_in_child() -> None:
-    global _sweeping
-    _sweeping = threading.Lock()  # a thread of the parent may have held it; in the child nothing does
+    for lock in list(_process_locks):  # no thread of the child holds any of them
+        lock._at_fork_reinit()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_local = threading.local()
+_owned: dict[int, Owned] = {}
+_sweeping = process_lock()
+_put_off = 0  # sweeps put off inside a section: Note [A put-off sweep is never lost]
+_swept = 0  # the value of ``_put_off`` the last whole sweep covered
+_exiting = False  # Note [Nothing is unmapped at interpreter exit] in ``tensor``
 
 
 def busy() -> threading.RLock:
@@ -100,6 +135,22 @@ def own(record: Owned) -> None:
 
 def disown(record: Owned) -> None:
     _owned.pop(id(record), None)
+
+
+def _gone() -> None:
+    return None
+
+
+def defer(record: Owned) -> None:
+    """Hand ``record`` to the next sweep outside a section, as if its owner were gone: for an owner whose ``close()``
+    runs inside a section (a finalizer or a signal handler inside a driver call, Note [A finalizer never waits on a
+    lock its thread may hold]), which must not call the driver there. The record stays owned until that sweep has
+    torn it down, and the sweep is counted as put off, so the end of the next collection covers it (Note [A put-off
+    sweep is never lost])."""
+    global _put_off
+    own(record)
+    record.owner = _gone
+    _put_off += 1
 
 
 def sweep() -> None:

@@ -50,14 +50,26 @@ Note [Sizes are checked before ctypes]
 Note [No use after fork]
     Handles are ``MAP_SHARED`` memfds, so a forked child that wrote through an inherited mapping would change the
     parent's data, and one that mapped or unmapped would desynchronize this driver's records from the parent's.
-    A driver refuses every call from a process other than the one that built it, with ``DriverError`` (as CUDA
-    refuses a context after fork).
+    A driver refuses every call from a process other than the one that built it, ``granularity`` and ``mem_info``
+    included, with ``DriverError`` (as CUDA refuses a context after fork). The process is checked first, before
+    any lock: a thread of the parent may have held the lock at the fork, and in the child nothing ever gives it back
+    (Note [What a forked child inherits] in ``reaper``).
 
 Note [The driver lock and the garbage collector]
     The driver's lock is not reentrant; a garbage collection inside a locked section may run a tensor finalizer
     that calls this driver. Locked sections run inside ``reaper.busy()``, so such a finalizer leaves the teardown to
-    the next sweep (see ``extensible_kv.reaper``). Each is one line, ``with busy(), self._locked(): return
-    self._work(...)``: Note [Locked sections are one line] there says why.
+    the next sweep (see ``extensible_kv.reaper``). Each is one line, ``with busy(), self._mark(), self._locked():
+    return self._work(...)``: Note [Locked sections are one line] there says why.
+
+Note [A call never waits on its own thread]
+    A finalizer or a signal handler that runs inside a locked section and calls this driver (a user's ``__del__``
+    that calls ``close()``) would wait forever on the lock its own thread holds. So each locked section also holds
+    this thread's mark for this driver (``_mark()``, a thread-local RLock taken before the lock and given back after
+    it, in C on the same line), and a call that takes the lock is refused first, with ``DriverError`` naming the
+    call and its values, when its thread holds the mark: nothing was done, and the caller may call again once the
+    outer call has returned. Calls that take no lock (``zero``, ``tensor``, ``accessible``) run. The rule for every
+    owner of a lock is Note [A finalizer never waits on a lock its thread may hold] in ``reaper``; one mark per
+    thread and driver costs a thread-local lookup and an RLock per call (about 0.2 us).
 
 Note [Every call is whole, even when interrupted]
     An exception may land on any line (a raising signal handler, a SIGALRM timeout, a trace hook): each call returns
@@ -100,7 +112,9 @@ from .records import (
     check_free,
     check_inside,
     check_no_overlap,
+    check_not_inside,
     check_one_mapping,
+    check_process,
     check_range,
     mapped_parts,
 )
@@ -118,6 +132,8 @@ _MAP_ANONYMOUS = 0x20
 _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MEMFD_NAME = "extensible-kv"
+_LOCKING = frozenset({"reserve", "free", "create", "release", "map", "unmap", "set_access", "mem_info"})
+"""The calls that take the driver's lock: Note [A call never waits on its own thread]."""
 
 _libc: ctypes.CDLL | None = None
 
@@ -205,6 +221,7 @@ class HostDriver:
         self._held = 0
         self._fill_byte = fill_byte
         self._lock = threading.Lock()
+        self._marks = threading.local()  # Note [A call never waits on its own thread]
         self._pid = os.getpid()
         self._reservations: dict[int, int] = {}  # va -> size
         self._mappings: dict[int, tuple[int, HostHandle]] = {}  # va -> (size, handle); see Note [MAP_FIXED ...]
@@ -214,6 +231,7 @@ class HostDriver:
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def granularity(self) -> int:
+        self._check("granularity")
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
@@ -222,11 +240,11 @@ class HostDriver:
         alignment = max(alignment, PAGE_BYTES)
         made: list[int] = []
         try:  # the reservation is undone unless it is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))  # fmt: skip
+            with busy(), self._mark(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))  # fmt: skip
             return made[0]
         except BaseException:
             for va in made:
-                with busy(), self._locked(): self._free(va, size)  # fmt: skip
+                with busy(), self._mark(), self._locked(): self._free(va, size)  # fmt: skip
             raise
 
     def _reserve(self, size: int, alignment: int) -> int:
@@ -258,7 +276,7 @@ class HostDriver:
 
     def free(self, va: int, size: int) -> None:
         self._check("free", va=va, size=size)
-        with busy(), self._locked(): return self._free(va, size)  # fmt: skip
+        with busy(), self._mark(), self._locked(): return self._free(va, size)  # fmt: skip
 
     def _free(self, va: int, size: int) -> None:
         check_free(va, size, self._reservations.get(va) == size, self._mappings)
@@ -275,13 +293,13 @@ class HostDriver:
         self._check("create", size=size)
         counted, made = [0], []  # the bytes this call added to the held count, and the handle it made
         try:  # both are given back unless the handle is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._locked(): self._count(size, counted)  # fmt: skip
+            with busy(), self._mark(), self._locked(): self._count(size, counted)  # fmt: skip
             made.extend(map(self._create, [size]))  # Note [A result is stored by C]
             return made[0]
         except BaseException:
             for handle in made:  # never returned: nobody maps it
                 fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # fmt: skip
-            with busy(), self._locked(): self._count(-counted[0], counted)  # fmt: skip
+            with busy(), self._mark(), self._locked(): self._count(-counted[0], counted)  # fmt: skip
             raise
 
     def _count(self, size: int, counted: list[int]) -> None:
@@ -312,7 +330,7 @@ class HostDriver:
 
     def release(self, handle: HostHandle) -> None:
         self._check("release")
-        with busy(), self._locked(): return self._release(handle)  # fmt: skip
+        with busy(), self._mark(), self._locked(): return self._release(handle)  # fmt: skip
 
     def _release(self, handle: HostHandle) -> None:
         if handle.released:
@@ -328,7 +346,7 @@ class HostDriver:
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._locked(): return self._map(va, size, handle, offset)  # fmt: skip
+        with busy(), self._mark(), self._locked(): return self._map(va, size, handle, offset)  # fmt: skip
 
     def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         check_inside("map", va, size, self._reservations.items())
@@ -351,7 +369,7 @@ class HostDriver:
 
     def unmap(self, va: int, size: int) -> None:
         self._check("unmap", va=va, size=size)
-        with busy(), self._locked(): return self._unmap(va, size)  # fmt: skip
+        with busy(), self._mark(), self._locked(): return self._unmap(va, size)  # fmt: skip
 
     def _unmap(self, va: int, size: int) -> None:
         live = self._mappings.get(va)
@@ -383,7 +401,7 @@ class HostDriver:
 
     def set_access(self, va: int, size: int) -> None:
         self._check("set_access", va=va, size=size)
-        with busy(), self._locked(): return self._set_access(va, size)  # fmt: skip
+        with busy(), self._mark(), self._locked(): return self._set_access(va, size)  # fmt: skip
 
     def _set_access(self, va: int, size: int) -> None:
         # The check and mprotect under one lock: an unmap between them would leave anonymous memory read-write
@@ -414,17 +432,23 @@ class HostDriver:
         return False
 
     def synchronize(self) -> None:
-        pass
+        self._check("synchronize")
 
     def mem_info(self) -> tuple[int, int]:
         """``(total - held, total)``: see Note [Host memory accounting]."""
-        with busy(), self._locked(): return self._total - self._held, self._total  # fmt: skip
+        self._check("mem_info")
+        with busy(), self._mark(), self._locked(): return self._total - self._held, self._total  # fmt: skip
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _locked(self) -> threading.Lock:
         """The driver's lock, a C-level context manager; every section holding it is also inside ``reaper.busy()``
-        and is one line (Note [The driver lock and the garbage collector])."""
+        and ``_mark()`` and is one line (Note [The driver lock and the garbage collector])."""
         return self._lock
+
+    def _mark(self) -> threading.RLock:
+        """This thread's mark of being inside a call of this driver: Note [A call never waits on its own thread]. One
+        line, made or found: every call runs the same lines (the interrupt rules count them)."""
+        return getattr(self._marks, "mark", None) or self._marks.__dict__.setdefault("mark", threading.RLock())
 
     def _drop_if_unused(self, handle: HostHandle) -> None:
         """Stop counting a handle's bytes once it is released and mapped nowhere, once (called with the lock held)."""
@@ -432,12 +456,9 @@ class HostDriver:
             self._held, handle.counted = self._held - handle.size, False
 
     def _check(self, op: str, **values: int) -> None:
-        if os.getpid() != self._pid:  # Note [No use after fork]
-            raise DriverError(
-                op,
-                f"{self.name} driver built in process {self._pid} used from forked process "
-                f"{os.getpid()}; build a new driver in the child",
-            )
+        check_process(op, self.name, self._pid)  # first, before any lock: Note [No use after fork]
+        if op in _LOCKING and getattr(self._marks, "mark", None) is not None and self._marks.mark._is_owned():
+            check_not_inside(op, self.name, values)  # Note [A call never waits on its own thread]
         check_range(op, **values)  # Note [Sizes are checked before ctypes]
 
     @staticmethod

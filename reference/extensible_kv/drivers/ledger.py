@@ -10,18 +10,28 @@ It wraps any driver (``Ledger(inner)``) and is itself a driver. It keeps:
 
 Fault injection: ``fail(op, nth)`` makes the ``nth`` next call of ``op`` (1 = the next one) raise ``DriverError``
 without reaching the inner driver, which is how the conformance suite proves that a growth step rolls back.
+
+In a forked child every operation is refused with ``DriverError`` before the ledger's lock is taken or anything is
+recorded, whatever the inner driver would do, and the queries reach the inner driver, which refuses them too; the
+inspection (``outstanding``, ``count``, ``calls``) reads the parent's records as they were at the fork, and its lock
+is free there (Note [What a forked child inherits] in ``reaper``). Its lock is reentrant, so a finalizer or a signal
+handler that runs inside one of its sections and calls it again goes on; every check iterates over a copy of the
+records (``dict.copy`` allocates nothing per entry, so no collection starts inside it), so a nested call that changes
+them cannot cut the outer check short ("dictionary changed size during iteration").
 """
 
 from __future__ import annotations
 
-import threading
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import DriverError, ProtocolViolation
+from ..reaper import process_lock
 from ._protocol import DRIVER_METHODS, Driver, Handle, conforming, protocol_methods
+from .records import check_process
 
 # The queries read a driver's state without changing it: a Ledger passes them through, neither recorded nor failed.
 QUERIES = protocol_methods("granularity", "tensor", "accessible", "mem_info")
@@ -59,7 +69,8 @@ class Ledger:
         self.device = inner.device
         self.max_handle_bytes = inner.max_handle_bytes
         self._granularity = inner.granularity()
-        self._lock = threading.RLock()
+        self._lock = process_lock(reentrant=True)
+        self._pid = os.getpid()
         self.calls: list[Call] = []
         self.reservations: dict[int, int] = {}
         self.handles: dict[int, tuple[Handle, int]] = {}  # id(handle) -> (handle, size)
@@ -101,6 +112,7 @@ class Ledger:
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
+        check_process("reserve", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._aligned("reserve", size=size, alignment=alignment)
         self._record("reserve", size, alignment)
         va = self.inner.reserve(size, alignment)
@@ -111,10 +123,11 @@ class Ledger:
         return va
 
     def free(self, va: int, size: int) -> None:
+        check_process("free", self.name, self._pid)  # first: Note [What a forked child inherits]
         with self._lock:
             if self.reservations.get(va) != size:
                 raise ProtocolViolation(f"{self.name}: free({va:#x}, {size}) is not exactly one live reservation")
-            inside = [m for m in self.mappings if va <= m < va + size]
+            inside = [m for m in self.mappings.copy() if va <= m < va + size]
             if inside:
                 raise ProtocolViolation(f"{self.name}: free({va:#x}, {size}) with {len(inside)} live mapping(s)")
         self._record("free", va, size)
@@ -123,6 +136,7 @@ class Ledger:
             del self.reservations[va]
 
     def create(self, size: int) -> Handle:
+        check_process("create", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._aligned("create", size=size)
         self._record("create", size)
         handle = self.inner.create(size)
@@ -131,6 +145,7 @@ class Ledger:
         return handle
 
     def release(self, handle: Handle) -> None:
+        check_process("release", self.name, self._pid)  # first: Note [What a forked child inherits]
         with self._lock:
             if id(handle) not in self.handles:
                 raise ProtocolViolation(f"{self.name}: release of a handle that is not live: {handle!r}")
@@ -140,6 +155,7 @@ class Ledger:
             del self.handles[id(handle)]
 
     def map(self, va: int, size: int, handle: Handle, offset: int = 0) -> None:
+        check_process("map", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._aligned("map", va=va, size=size, offset=offset)
         with self._lock:
             if id(handle) not in self.handles:
@@ -149,9 +165,9 @@ class Ledger:
                     f"{self.name}: map offset {offset} + size {size} exceeds the "
                     f"{self.handles[id(handle)][1]}-byte handle"
                 )
-            if not any(r <= va and va + size <= r + s for r, s in self.reservations.items()):
+            if not any(r <= va and va + size <= r + s for r, s in self.reservations.copy().items()):
                 raise ProtocolViolation(f"{self.name}: map [{va:#x}, +{size}) is outside every live reservation")
-            for m_va, m_size in self.mappings.items():
+            for m_va, m_size in self.mappings.copy().items():
                 if m_va < va + size and va < m_va + m_size:
                     raise ProtocolViolation(
                         f"{self.name}: map [{va:#x}, +{size}) overlaps the live mapping "
@@ -163,6 +179,7 @@ class Ledger:
             self.mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:
+        check_process("unmap", self.name, self._pid)  # first: Note [What a forked child inherits]
         with self._lock:
             if self.mappings.get(va) != size:
                 raise ProtocolViolation(f"{self.name}: unmap({va:#x}, {size}) is not exactly one live mapping")
@@ -172,15 +189,17 @@ class Ledger:
             del self.mappings[va]
 
     def set_access(self, va: int, size: int) -> None:
+        check_process("set_access", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._aligned("set_access", va=va, size=size)
         with self._lock:
-            covered = sum(s for m, s in self.mappings.items() if va <= m and m + s <= va + size)
+            covered = sum(s for m, s in self.mappings.copy().items() if va <= m and m + s <= va + size)
         if covered != size:
             raise ProtocolViolation(f"{self.name}: set_access [{va:#x}, +{size}) covers only {covered} mapped bytes")
         self._record("set_access", va, size)
         self.inner.set_access(va, size)
 
     def zero(self, va: int, size: int) -> None:
+        check_process("zero", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._record("zero", va, size)
         self.inner.zero(va, size)
 
@@ -191,6 +210,7 @@ class Ledger:
         return self.inner.accessible(va)
 
     def synchronize(self) -> None:
+        check_process("synchronize", self.name, self._pid)  # first: Note [What a forked child inherits]
         self._record("synchronize")
         self.inner.synchronize()
 

@@ -9,6 +9,7 @@ checks callers on its own, independently of any driver, and does not use these.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from ..errors import DriverError
@@ -27,6 +28,29 @@ def check_range(op: str, **values: int) -> None:
             raise DriverError(op, f"{name}={value!r} is outside [{low}, 2**63)")
     if values.get("va", 0) + values.get("size", 0) + values.get("offset", 0) >= MAX_BYTES:
         raise DriverError(op, f"{', '.join(f'{k}={v}' for k, v in values.items())} runs past the 64-bit address space")
+
+
+def check_process(op: str, name: str, pid: int) -> None:
+    """Refuse ``op`` in any process but ``pid``, the one that built the driver ``name``: checked before any lock, as
+    a forked child may have inherited it held (Note [What a forked child inherits] in ``reaper``)."""
+    if os.getpid() != pid:
+        child = os.getpid()
+        raise DriverError(
+            op,
+            f"{name} driver built in process {pid} used from forked process {child}; build a new driver in the child",
+        )
+
+
+def check_not_inside(op: str, name: str, values: dict[str, int]) -> None:
+    """Refuse ``op`` made by a thread that is already inside a call of the driver ``name`` (a finalizer or a signal
+    handler run inside it), which would wait forever on the lock its own thread holds (``drivers/host.py``, Note [A
+    call never waits on its own thread])."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+    raise DriverError(
+        op,
+        f"{name} driver: {op}({shown}) called by a thread already inside a call of this driver (a finalizer or a "
+        f"signal handler run inside it); refused, nothing done: it would wait on the lock its own thread holds",
+    )
 
 
 def check_alignment(alignment: int, granularity: int) -> None:
