@@ -72,6 +72,12 @@ def _nearest_folder(path: Path, option: str) -> Path:
     return parent
 
 
+def _dangling(path: Path, option: str) -> None:
+    """``BadOutputPath`` if ``path`` is a link to nothing (writing would follow it, or replace the link)."""
+    if os.path.islink(path):
+        raise BadOutputPath(f"{option} {shown(path)} is a link to {shown(os.readlink(path))}, which does not exist")
+
+
 def output_file(path: str | os.PathLike, *, option: str) -> Path:
     """The file to write for ``option`` (a link to a regular file is followed), checked before any work: a regular
     file that can be replaced, or a new name in a folder that exists or can be made. ``BadOutputPath`` otherwise."""
@@ -81,10 +87,7 @@ def output_file(path: str | os.PathLike, *, option: str) -> Path:
     try:
         st = os.stat(target)
     except FileNotFoundError:
-        if os.path.islink(target):
-            raise BadOutputPath(
-                f"{option} {shown(raw)} is a link to {shown(os.readlink(target))}, which does not exist"
-            )
+        _dangling(target, option)
         _nearest_folder(Path(os.path.abspath(target)), option)
         return target
     except OSError as exc:  # ENOTDIR (a folder of it is a file), ELOOP, EACCES
@@ -106,6 +109,7 @@ def output_folder(path: str | os.PathLike, *, option: str, files: Iterable[str] 
     try:
         st = os.stat(folder)
     except FileNotFoundError:
+        _dangling(folder, option)
         _nearest_folder(Path(os.path.abspath(folder)), option)
         for name in files:
             _limits(os.path.join(raw, name), option)
