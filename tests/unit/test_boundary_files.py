@@ -52,13 +52,13 @@ def _fifo(path: Path) -> tuple[Path, str]:
 
 def _dev_zero(path: Path) -> tuple[Path, str]:
     path.symlink_to("/dev/zero")
-    return path, "'/dev/zero'"
+    return path, "a link to /dev/zero"
 
 
 def _char_device(path: Path) -> tuple[Path, str]:
     if os.geteuid() != 0:
         path.symlink_to("/dev/urandom")
-        return path, "'/dev/urandom'"
+        return path, "a link to /dev/urandom"
     os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers, a node of this test's folder
     return path, "is a character device, not a regular file"
 

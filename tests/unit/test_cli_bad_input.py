@@ -107,7 +107,7 @@ ROWS = {
         2,
         ("--out", "taken", "is a regular file, not a folder"),
     ),
-    "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in '/etc'",)),
+    "report_no_measurements": ({}, ("report", "/etc", "--out", "{tmp}/out"), 2, ("no measurement files in /etc",)),
     # check-driver: the driver is required, and a spec that names no driver is one line (nothing imported here)
     "check_driver_without_a_driver": ({}, ("check-driver",), 2, ("check-driver", "required: driver")),
     "check_driver_no_such_module": (

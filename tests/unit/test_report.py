@@ -391,7 +391,7 @@ def test_an_empty_run_folder_is_refused_and_reads_everything_as_not_measured(tmp
     run = tmp_path / "empty-run"
     run.mkdir()
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 2
-    assert f"no measurement files in {str(run)!r}" in capsys.readouterr().err
+    assert f"no measurement files in {run}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     doc = document.run_document(load_run(run))
     md, summary = doc.markdown, doc.summary

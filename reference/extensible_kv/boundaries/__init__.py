@@ -19,7 +19,7 @@ import re
 
 from ..errors import ExtensibleKVError
 
-__all__ = ["BoundaryError", "shown", "text"]
+__all__ = ["BoundaryError", "named", "shown", "text"]
 
 _ESCAPED_BYTE = re.compile(r"(?<!\\)\\udc([89a-f][0-9a-f])")  # a byte that is not UTF-8, as repr shows it
 SHOWN_CHARS = 120  # the most of one value a message shows: its start and its end, the middle elided
@@ -41,6 +41,15 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         half = (limit - 5) // 2
         body = f"{body[: half + 1]}...{body[-half - 1 :]}"
     return body
+
+
+def named(value: str | os.PathLike) -> str:
+    """A path as a message names it: as it is where it is printable UTF-8 of at most ``SHOWN_CHARS`` characters
+    (``/tmp/run/bench.json: empty file``), else quoted and escaped by ``shown``."""
+    raw = os.fspath(value)
+    if isinstance(raw, str) and len(raw) <= SHOWN_CHARS and raw.isprintable() and raw == shown(raw)[1:-1]:
+        return raw
+    return shown(raw)
 
 
 def text(value: str | os.PathLike, what: str) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import BoundaryError, shown, text
+from . import BoundaryError, named, text
 
 MIB = 1 << 20
 FILE_LIMIT = 16 * MIB  # one measurement file
@@ -58,7 +58,7 @@ def read_bytes(path: str | os.PathLike, *, limit: int = FILE_LIMIT, within: str 
     resolved) must lie inside that folder. ``BadInputFile`` otherwise (Note [A file read is a regular file of bounded
     size])."""
     text(path, "file name")
-    name = f"{shown(path)} (a link to {shown(os.path.realpath(path))})" if os.path.islink(path) else shown(path)
+    name = f"{named(path)} (a link to {named(os.path.realpath(path))})" if os.path.islink(path) else named(path)
     if within is not None:
         inside(path, within)
     try:
@@ -99,7 +99,7 @@ def _decoded(path: str | os.PathLike, data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadInputFile(
-            f"{shown(path)} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+            f"{named(path)} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
         ) from None
 
 
@@ -107,7 +107,7 @@ def inside(path: str | os.PathLike, folder: str | os.PathLike) -> Path:
     """``path`` with its links resolved, if that lies inside ``folder`` (resolved too); else ``BadInputFile``."""
     real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
     if real != root and root not in real.parents:
-        raise BadInputFile(f"{shown(path)} is a link to {shown(real)}, outside the folder {shown(folder)}")
+        raise BadInputFile(f"{named(path)} is a link to {named(real)}, outside the folder {named(folder)}")
     return real
 
 
@@ -140,7 +140,7 @@ class Folder:
                 self._entries += 1
                 if self._entries > self.files_limit:
                     raise BadInputFile(
-                        f"folder {shown(self.path)} holds more than {self.files_limit:,} files and folders; a run "
+                        f"folder {named(self.path)} holds more than {self.files_limit:,} files and folders; a run "
                         f"folder holds measurement files only"
                     )
             self._files = sorted(found, key=lambda rel: rel.split("/"))  # as sorted Paths are
@@ -150,13 +150,13 @@ class Folder:
         """The relative path of every entry below the folder; a link to a folder is listed, never walked into."""
 
         def fail(exc: OSError) -> None:
-            raise BadInputFile(f"folder {shown(exc.filename or self.path)}: cannot be read ({exc.strerror or exc})")
+            raise BadInputFile(f"folder {named(exc.filename or self.path)}: cannot be read ({exc.strerror or exc})")
 
         for top, dirs, names in os.walk(self.path, onerror=fail, followlinks=False):
             dirs.sort()
             for name in [*names, *dirs]:
                 rel = os.path.relpath(os.path.join(top, name), self.path).replace(os.sep, "/")
-                text(rel, f"a name in folder {shown(self.path)}:")
+                text(rel, f"a name in folder {named(self.path)}:")
                 yield rel
 
     def glob(self, pattern: str) -> list[Path]:
@@ -175,7 +175,7 @@ class Folder:
         self.read += len(data)
         if self.read > self.limit:
             raise BadInputFile(
-                f"folder {shown(self.path)} holds more than the {size_text(self.limit)} of files a run folder may "
-                f"hold (reached at {shown(os.path.relpath(path, self.path))})"
+                f"folder {named(self.path)} holds more than the {size_text(self.limit)} of files a run folder may "
+                f"hold (reached at {named(os.path.relpath(path, self.path))})"
             )
         return _decoded(path, data)

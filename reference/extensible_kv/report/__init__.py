@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..boundaries import BoundaryError, outputs, shown
+from ..boundaries import BoundaryError, named, outputs
 from .run import load_run, run_name
 
 __all__ = ["RENDERED", "register", "run_command"]
@@ -40,7 +40,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not run.measured:
-        print(f"error: no measurement files in {shown(run.path)}", file=sys.stderr)
+        print(f"error: no measurement files in {named(run.path)}", file=sys.stderr)
         return 2
     from .document import run_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
     from .rendering import write  # noqa: PLC0415
@@ -50,7 +50,7 @@ def run_command(args: argparse.Namespace) -> int:
         write(out, doc.markdown, doc.html, doc.summary, doc.figures)
     except (OSError, BoundaryError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        print(f"error: cannot write the report to {shown(out)}: {reason}", file=sys.stderr)
+        print(f"error: cannot write the report to {named(out)}: {reason}", file=sys.stderr)
         return 2
     undrawn = [f for f in doc.figures.drawn.values() if f.png is None]
     note = f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""

@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..boundaries import BoundaryError, shown, text
+from ..boundaries import BoundaryError, named, shown, text
 from ..boundaries.files import Folder
 from ..measurements import (
     BackendValidation,
@@ -156,11 +156,11 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     try:
         is_dir = stat.S_ISDIR(os.stat(folder).st_mode)
     except FileNotFoundError:
-        raise RunFolderError(f"run folder {shown(folder)} does not exist") from None
+        raise RunFolderError(f"run folder {named(folder)} does not exist") from None
     except OSError as exc:  # no such file, a path too long, a folder of it that is a file
-        raise RunFolderError(f"run folder {shown(folder)} cannot be read ({exc.strerror})") from None
+        raise RunFolderError(f"run folder {named(folder)} cannot be read ({exc.strerror})") from None
     if not is_dir:
-        raise RunFolderError(f"run folder {shown(folder)} does not exist or is not a folder")
+        raise RunFolderError(f"run folder {named(folder)} does not exist or is not a folder")
     found = Folder(folder)
 
     def files(pattern: str) -> list[Path]:
