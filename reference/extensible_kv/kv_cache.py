@@ -19,6 +19,17 @@ addresses in every buffer as one step: on any exception the buffers recommitted 
 ``closed``.
 A growth step is interrupt-safe as each buffer's is: the block count is set inside the step's ``try`` and every
 buffer grown in it is retracted on any exception before it returns.
+
+Note [A registration pins the committed blocks]
+    A KV connector registers the committed blocks once (vLLM's connectors keep the first extent they are given, or
+    register the memory with a transport), so once one has (``pin``) the buffers neither release their pages nor
+    grow past the count it saw, on every path: ``release_physical`` here or on any buffer's tensor (sleep mode,
+    a direct call) and ``ensure_blocks`` past the count (the commit RPC, a warmup, a direct call) are refused with
+    ``BusyError`` naming the holder, before anything changes. Checking in the buffers, not in each caller, is what
+    makes it every path: the sleep backend once released pages a connector held because only the commit RPC asked.
+
+        pin("KV connector X") at 40 blocks -> ensure_blocks(40): 40 | ensure_blocks(41): BusyError
+                                           -> release_physical(): BusyError, nothing released
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import torch
 
 from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES
-from .errors import ClosedError, FailedStateError, InvalidSizeError, ReleasedError
+from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int
 
@@ -136,6 +147,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._num_blocks = 0
         self._closed = False
         self._lock = threading.Lock()
+        self._pins: dict[str, int] = {}  # holder -> the block count it registered
         self._tensors: dict[str, ExtensibleTensor] = {}
         try:
             for b, seg in zip(buffers, segments):
@@ -220,6 +232,11 @@ class ExtensibleKVCacheBuffers(Unshareable):
         old = self._num_blocks
         if num_blocks <= old:
             return old
+        if self._pins:
+            raise BusyError(
+                f"ensure_blocks({num_blocks}) on KV buffers at {old} blocks is refused: {', '.join(self._pins)} "
+                f"registered the {old} committed blocks once (Note [A registration pins the committed blocks])"
+            )
         marks = []
         try:
             for b in self._buffers:
@@ -244,6 +261,13 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     def _release(self) -> None:
         self._check_open("release_physical")
+        held = sorted({holder for t in self._tensors.values() for holder in t.pinned_by})
+        if held:
+            raise BusyError(
+                f"release_physical on KV buffers at {self._num_blocks} blocks is refused: {', '.join(held)} "
+                f"registered views of them and would be left on unmapped memory; nothing was released (Note [A "
+                f"registration pins the committed blocks])"
+            )
         for t in self._tensors.values():
             if t.state == "open":  # a buffer released before an interrupt is not released twice
                 t.release_physical()
@@ -275,6 +299,38 @@ class ExtensibleKVCacheBuffers(Unshareable):
     @property
     def released(self) -> bool:
         return self.state == "released"
+
+    # -- registrations (Note [A registration pins the committed blocks]) ---------------------------------------------
+    def pin(self, holder: str) -> None:
+        """Record that ``holder`` registered the committed blocks: release and growth are refused until ``unpin``."""
+        if not isinstance(holder, str) or not holder:
+            raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
+        with self._lock: return self._pin(holder)  # one line: see reaper  # fmt: skip
+
+    def _pin(self, holder: str) -> None:
+        self._check_open("pin")
+        if holder in self._pins:
+            raise InvalidArgumentError(f"pin({holder!r}): already pinned at {self._pins[holder]} blocks")
+        for t in self._tensors.values():
+            t.pin(holder)
+        self._pins[holder] = self._num_blocks
+
+    def unpin(self, holder: str) -> None:
+        """Drop ``holder``'s registration (``pin``)."""
+        with self._lock: return self._unpin(holder)  # one line: see reaper  # fmt: skip
+
+    def _unpin(self, holder: str) -> None:
+        if holder not in self._pins:
+            raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {sorted(self._pins)}")
+        for t in self._tensors.values():
+            if holder in t.pinned_by:
+                t.unpin(holder)
+        del self._pins[holder]
+
+    @property
+    def pinned_by(self) -> dict[str, int]:
+        """Who registered the committed blocks (``pin``), with the block count each saw."""
+        return dict(self._pins)
 
     # -- views -------------------------------------------------------------------------------------------------
     def layer_views(self, layer: str) -> list[torch.Tensor]:

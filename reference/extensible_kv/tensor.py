@@ -47,9 +47,34 @@ Note [Nothing is unmapped at interpreter exit]
 
 Note [Forked children]
     A forked child inherits the parent's mappings, but not ownership of them: the child's tensor finalizers and
-    ``close()`` return nothing to the driver (the parent still uses the memory), and the host driver refuses every
-    call from a child with ``DriverError`` (CUDA forbids using a context after fork). Views the child inherited
-    still see the parent's committed bytes (host memfds are shared mappings): a child must not write them.
+    ``close()`` return nothing to the driver (the parent still uses the memory) and take no lock (a thread of the
+    parent may have held it at the fork); every other call of a tensor from a child is refused with ``DriverError``
+    before any lock, as the host driver refuses every call from a child (CUDA forbids using a context after fork).
+    Views the child inherited still see the parent's committed bytes (host memfds are shared mappings): a child
+    must not write them.
+
+Note [Operations never wait on themselves]
+    A finalizer or a signal handler runs user code inside whatever this thread was doing: inside an operation of
+    the same tensor (its lock held), or inside a driver call (``reaper.busy()``: the driver's own lock may be held).
+    Waiting there waits forever. So the tensor's lock is an ``RLock`` used only to see who holds it: an operation
+    entered again by the thread already inside one is refused with ``BusyError``, and so is an operation that calls
+    the driver (growth, rollback, release, recommit, ``close()``) while the thread is inside a driver call. Nothing
+    has changed when it is refused; a finalizer's ``close()`` refused there leaves the memory to the reaper, which
+    returns it once the tensor is collected, or to a later ``close()``.
+
+        finalizer -> b.close() inside host.reserve (driver lock held): BusyError at once, b still open
+        finalizer -> b.close() between operations:                     b closed, memory returned
+
+Note [A checkpoint names a lineage]
+    ``rollback_to`` unmaps the mappings made since its checkpoint and sets the size back; that is right only if the
+    mappings before the checkpoint are still the ones it counted. A release unmaps all of them and a recommit maps
+    new ones at the same addresses, so a count taken before (or while released) would unmap the recommitted pages
+    and leave the tensor open over nothing. So every growth step gets a number, the tensor keeps the numbers of the
+    steps since its last release or recommit (its lineage, which starts with a fresh number), and a checkpoint
+    names its place in it: a checkpoint whose step is no longer there (a release, a recommit, or a rollback past
+    it came since) is refused with ``InvalidArgumentError``, and nothing changes.
+
+        grow (1,2) | checkpoint@2 | release (7) | recommit (8) | rollback_to(@2): refused, 7 != 2
 
 Note [CUDA graphs do not keep memory alive]
     A captured CUDA graph holds raw addresses, not Python references. Growth never moves the base, so graphs
@@ -61,6 +86,7 @@ Note [CUDA graphs do not keep memory alive]
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import threading
 import weakref
@@ -86,7 +112,11 @@ from .errors import (
     ReleasedError,
     SegmentIndexError,
 )
-from .reaper import Owned, busy, disown, own, sweep
+from .reaper import Owned, busy, disown, inside_section, own, sweep
+
+_SERIALS = itertools.count(1)
+"""Growth steps and epochs (construction, release, recommit) are numbered from one counter: Note [A checkpoint names a
+lineage]."""
 
 
 def _check_int(name: str, value: object) -> int:
@@ -274,6 +304,18 @@ class TensorStats:
         return self.backed_bytes - self.committed_bytes
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A point ``rollback_to`` can return to (``ExtensibleTensor.checkpoint``): the size per segment, the number of
+    mappings and the lineage of growth steps then (Note [A checkpoint names a lineage])."""
+
+    tensor: weakref.ref
+    per_segment: int
+    mappings: int
+    depth: int
+    serial: int
+
+
 class _ViewKeeper:
     """Held by each view's storage; holds the tensor. Weakly tracked so ``close()`` can see live views."""
 
@@ -331,7 +373,9 @@ class ExtensibleTensor(Unshareable):
         self._state = "open"
         self._failure = ""
         self._op = "create"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
+        self._lineage = [next(_SERIALS)]  # Note [A checkpoint names a lineage]
+        self._pins: list[str] = []
         self._views: weakref.WeakSet[_ViewKeeper] = weakref.WeakSet()
         sweep()
         # Owned first, then reserved into: Note [Memory is owned from before it exists] in ``reaper``.
@@ -399,7 +443,7 @@ class ExtensibleTensor(Unshareable):
     def stats(self) -> TensorStats:
         """The accounting; in the ``failed`` state it says so, counts nothing as committed and reports what is
         still mapped as backed."""
-        with self._lock: return self._stats()  # one line: see reaper  # fmt: skip
+        with self._locked("stats", driver=False): return self._stats()  # one line: see reaper  # fmt: skip
 
     def _stats(self) -> TensorStats:
         if self._state == "closed":
@@ -440,7 +484,7 @@ class ExtensibleTensor(Unshareable):
         committed before are never touched. The base address never changes.
         """
         nbytes = _check_int("nbytes", nbytes)
-        with self._lock: return self._resize(nbytes, zero_new)  # one line: see reaper  # fmt: skip
+        with self._locked("resize_per_segment_"): return self._resize(nbytes, zero_new)  # one line  # fmt: skip
 
     def _resize(self, nbytes: int, zero_new: bool) -> ExtensibleTensor:
         self._check_open("resize_per_segment_")
@@ -471,7 +515,7 @@ class ExtensibleTensor(Unshareable):
         try:
             with busy(): self._back(runs, old, new, zero_new)  # one line: see reaper  # fmt: skip
             sweep()  # what a collection inside the step left to the reaper: Note [Finalizers never wait ...]
-            self._per_segment = new
+            self._per_segment, self._lineage = new, [*self._lineage, next(_SERIALS)]  # one step: Note [A checkpoint...]
             return self
         except BaseException as exc:
             problems = self._rollback(mark, old)
@@ -511,13 +555,15 @@ class ExtensibleTensor(Unshareable):
             for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
                 driver.zero(memory.base + lo, hi - lo)
 
-    def _rollback(self, count: int, old: int) -> list[str]:
+    def _rollback(self, count: int, old: int, depth: int | None = None) -> list[str]:
         """Set the size back to ``old`` and undo what was made since the memory held ``count`` mappings: settle the
         intent, unmap (newest first), release the handles not yet released. The tensor is ``failed`` until that is
         done, and stays so when a mapping could not be unmapped (``close()`` retries it); a handle that could not be
-        released stays on record for ``close()``. Returns what could not be undone."""
+        released stays on record for ``close()``. The lineage keeps its first ``depth`` steps (all of them by
+        default). Returns what could not be undone."""
         memory, failure = self._memory, f"undoing a growth step from {old} bytes per segment did not finish"
-        self._state, self._failure, self._per_segment = "failed", failure, old  # one step: the state says it first
+        lineage = self._lineage[: len(self._lineage) if depth is None else depth]
+        self._state, self._failure, self._per_segment, self._lineage = "failed", failure, old, lineage  # one step
         with busy(): problems = self._undo_since(count)  # one line: Note [Locked sections are one line]  # fmt: skip
         if len(memory.mappings) > count or memory.uncertain():
             self._failure = f"undoing a growth step from {old} bytes per segment failed: {'; '.join(problems)}"
@@ -547,20 +593,38 @@ class ExtensibleTensor(Unshareable):
                 problems.append(f"release: {exc}")
         return problems
 
-    def checkpoint(self) -> tuple[int, int]:
-        """A point to ``rollback_to``: the size per segment and the number of mappings now (for callers that grow
-        several tensors as one step, as ``ExtensibleKVCacheBuffers.ensure_blocks`` does)."""
-        return self._per_segment, len(self._memory.mappings)
+    def checkpoint(self) -> Checkpoint:
+        """A point to ``rollback_to`` (for callers that grow several tensors as one step, as
+        ``ExtensibleKVCacheBuffers.ensure_blocks`` does): valid until a release, a recommit or a rollback past it
+        (Note [A checkpoint names a lineage])."""
+        lineage = self._lineage
+        return Checkpoint(weakref.ref(self), self._per_segment, len(self._memory.mappings), len(lineage), lineage[-1])
 
-    def rollback_to(self, mark: tuple[int, int]) -> list[str]:
+    def rollback_to(self, mark: Checkpoint) -> list[str]:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step); a tensor
-        that is not open is left as it is. Returns what could not be undone (the tensor is then ``failed``)."""
-        with self._lock: return self._retract_to(*mark)  # one line: Note [Locked sections are one line]  # fmt: skip
+        that is not open is left as it is. Returns what could not be undone (the tensor is then ``failed``). A mark
+        that is not a checkpoint of this tensor, or one of another lineage (taken before a release, a recommit or a
+        rollback past it), is refused with ``InvalidArgumentError`` and nothing changes."""
+        if not isinstance(mark, Checkpoint) or mark.tensor() is not self:
+            raise InvalidArgumentError(
+                f"rollback_to needs a checkpoint() of this {self._driver.name} ExtensibleTensor, got "
+                f"{type(mark).__name__} {mark!r}"
+            )
+        with self._locked("rollback_to"): return self._retract_to(mark)  # one line: see reaper  # fmt: skip
 
-    def _retract_to(self, per_segment: int, count: int) -> list[str]:
-        if self._state != "open" or (self._per_segment, len(self._memory.mappings)) == (per_segment, count):
+    def _retract_to(self, mark: Checkpoint) -> list[str]:
+        lineage = self._lineage
+        if self._state != "open":
             return []
-        return self._rollback(count, per_segment)
+        if len(lineage) < mark.depth or lineage[mark.depth - 1] != mark.serial:
+            raise InvalidArgumentError(
+                f"rollback_to a checkpoint of another lineage ({mark.per_segment} bytes per segment, step "
+                f"{mark.depth}): a release, a recommit or a rollback past it came since; the tensor keeps "
+                f"{self._per_segment} bytes per segment (Note [A checkpoint names a lineage])"
+            )
+        if len(lineage) == mark.depth:  # no growth step since
+            return []
+        return self._rollback(mark.mappings, mark.per_segment, mark.depth)
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------
     def release_physical(self) -> None:
@@ -569,11 +633,18 @@ class ExtensibleTensor(Unshareable):
         touched until ``recommit_physical()``. Refused unless open (``ReleasedError`` when released already). A
         release that does not finish (a driver call fails, an exception lands) leaves the tensor ``failed``:
         ``close()`` returns the rest."""
-        with self._lock: return self._release()  # one line: see reaper  # fmt: skip
+        with self._locked("release_physical"): return self._release()  # one line: see reaper  # fmt: skip
 
     def _release(self) -> None:
         self._check_open("release_physical")
-        self._state, self._failure = "failed", "release_physical() did not finish"  # until every page is returned
+        if self._pins:
+            raise BusyError(
+                f"release_physical on {self!r} is refused: {', '.join(self._pins)} registered views of its "
+                f"{self._per_segment} committed bytes per segment and would be left on unmapped memory; "
+                f"nothing was released"
+            )
+        failure = "release_physical() did not finish"  # until every page is returned
+        self._state, self._failure, self._lineage = "failed", failure, [next(_SERIALS)]
         try:
             with busy(): _unback(self._memory)  # one line: see reaper  # fmt: skip
         except BaseException:
@@ -586,7 +657,7 @@ class ExtensibleTensor(Unshareable):
         nothing: a recommit that fails (``CommitError``/``CommitOutOfMemory``, as growth) or is interrupted leaves
         the tensor ``released`` with its size on record (or ``failed`` where its own rollback could not finish).
         Refused unless released."""
-        with self._lock: return self._recommit()  # one line: see reaper  # fmt: skip
+        with self._locked("recommit_physical"): return self._recommit()  # one line: see reaper  # fmt: skip
 
     def _recommit(self) -> ExtensibleTensor:
         if self._state != "released":
@@ -598,7 +669,7 @@ class ExtensibleTensor(Unshareable):
             )
         size = self._per_segment
         try:
-            self._state, self._per_segment = "open", 0
+            self._state, self._per_segment, self._lineage = "open", 0, [next(_SERIALS)]
             if size:
                 self._grow(0, size, True)
             return self
@@ -616,7 +687,7 @@ class ExtensibleTensor(Unshareable):
         itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
             raise SegmentIndexError(f"segment index {index} is out of range for {self._num_segments} segment(s)")
-        with self._lock: return self._segment_view(index, dtype, itemsize)  # one line: see ``reaper``  # fmt: skip
+        with self._locked("segment_view", driver=False): return self._segment_view(index, dtype, itemsize)  # fmt: skip
 
     def _segment_view(self, index: int, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
         self._check_open("segment_view")
@@ -639,7 +710,7 @@ class ExtensibleTensor(Unshareable):
             raise InvalidSizeError(
                 f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} elements of {itemsize} bytes"
             )
-        with self._lock: return self._full_view(dtype)  # one line: Note [Locked sections are one line]  # fmt: skip
+        with self._locked("full_view", driver=False): return self._full_view(dtype)  # one line  # fmt: skip
 
     def _full_view(self, dtype: torch.dtype) -> torch.Tensor:
         self._check_open("full_view")
@@ -666,8 +737,17 @@ class ExtensibleTensor(Unshareable):
         then the caller promises no view is used again. If it does not finish (a driver call fails, an exception
         lands), the tensor is ``failed`` and ``close()`` again returns the rest.
         """
+        if self._memory.pid != os.getpid():  # Note [Forked children]: nothing to return, no lock to wait on
+            self._state = "closed"
+            return
+        if inside_section():  # Note [Operations never wait on themselves]
+            raise BusyError(
+                f"close() of {self!r} ran inside a driver call of this thread (from a finalizer or a signal "
+                f"handler), where the driver's lock may be held: refused, nothing changed; the memory goes back "
+                f"when the tensor is collected or close() is called again"
+            )
         sweep()
-        with self._lock: return self._close(force)  # one line: see reaper  # fmt: skip
+        with self._locked("close"): return self._close(force)  # one line: see reaper  # fmt: skip
 
     def _close(self, force: bool) -> None:
         if self._state == "closed":
@@ -684,6 +764,46 @@ class ExtensibleTensor(Unshareable):
         disown(self._memory)
         self._finalizer.detach()
         self._state = "closed"
+
+    def _locked(self, op: str, driver: bool = True) -> threading.RLock:
+        """The tensor's lock for ``op``, refusing what would wait forever (Note [Operations never wait on
+        themselves]): a forked child (``DriverError``: the parent owns the memory; Note [Forked children]), an
+        operation of this tensor already running in this thread, or, for an operation that calls the driver, a
+        driver call of this thread in progress (``BusyError``)."""
+        if self._memory.pid != os.getpid():
+            raise DriverError(
+                op,
+                f"ExtensibleTensor made in process {self._memory.pid} used from forked process {os.getpid()}; "
+                f"the parent owns its memory (Note [Forked children])",
+            )
+        if self._lock._is_owned() or (driver and inside_section()):
+            inside = "an operation of this tensor" if self._lock._is_owned() else "a driver call"
+            raise BusyError(
+                f"{op} on {self!r} ran inside {inside} in this thread (from a finalizer or a signal handler): "
+                f"refused, nothing changed"
+            )
+        return self._lock
+
+    # -- registrations -------------------------------------------------------------------------------------------
+    def pin(self, holder: str) -> None:
+        """Record that ``holder`` (a KV connector, say) registered views of the committed bytes: until ``unpin``,
+        ``release_physical`` is refused with ``BusyError`` naming it, since it would leave them on unmapped memory."""
+        if not isinstance(holder, str) or not holder:
+            raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
+        self._check_open("pin")
+        self._pins.append(holder)
+
+    def unpin(self, holder: str) -> None:
+        """Drop one registration of ``holder`` (``pin``); one that is not there is refused with
+        ``InvalidArgumentError``."""
+        if holder not in self._pins:
+            raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {self._pins}")
+        self._pins.remove(holder)
+
+    @property
+    def pinned_by(self) -> tuple[str, ...]:
+        """Who registered views of the committed bytes (``pin``)."""
+        return tuple(self._pins)
 
     def _check_open(self, op: str) -> None:
         if self._state == "released":

@@ -35,10 +35,12 @@ Note [Registered once]
     vLLM's connectors register the KV memory once: ``OffloadingConnector``'s spec keeps the first worker it builds
     (a second ``register_kv_caches`` keeps the old extent silently), NIXL and Mooncake register memory regions with
     the transport. So once a connector is registered the extensible KV cache neither grows nor releases its pages:
-    ``check_resize`` refuses a commit past the registered count, ``refuse_release`` a release, and sleep mode with
-    a connector configured is refused when the engine starts (``unsupported_reasons``), before anything is
-    reserved. Re-registering was the alternative; it would depend on every connector accepting a second
-    registration, which vLLM's own do not.
+    ``register`` pins the buffers (Note [A registration pins the committed blocks] in ``extensible_kv.kv_cache``),
+    which then refuse every release and every growth past the registered count, whichever path asks (the sleep
+    backend included); ``check_resize`` and ``refuse_release`` say so first, naming the connector, where the engine
+    asks; and sleep mode with a connector configured is refused when the engine starts (``unsupported_reasons``),
+    before anything is reserved. Re-registering was the alternative; it would depend on every connector accepting a
+    second registration, which vLLM's own do not.
 
 Note [The connector is told the committed count]
     A connector's worker side is built (``ensure_kv_transfer_initialized``) before the KV cache, from the
@@ -399,6 +401,7 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
             f"KV connector {current.name} refused the KV caches of this model "
             f"({kind}, {n} blocks): {type(exc).__name__}: {exc}"
         ) from exc
+    state.buffers.pin(f"KV connector {current.name}")  # every release and growth path refuses from now on
     current.registration = Registration(current.name, kind, n, committed, storage_bytes, rows)
     logger.info(
         "extensible KV cache: KV connector %s registered %d committed blocks (%d bytes in %d tensors)",

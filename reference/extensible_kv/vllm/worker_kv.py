@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ExtensibleKVError
+from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
 from .sizing import MemoryState, reusable_cache
@@ -106,11 +106,12 @@ class WorkerKV:
         if self.buffers is None:
             raise ExtensibleKVError("ensure_blocks before allocate")
         before = self.buffers.num_blocks
-        got = self.buffers.ensure_blocks(min(num_blocks, self.buffers.max_num_blocks))
+        try:  # the buffers refuse a count past the reservation before committing anything: one place checks it
+            got = self.buffers.ensure_blocks(num_blocks)
+        except InvalidSizeError as exc:
+            raise InvalidSizeError(f"{reason}: {exc}") from exc
         if got > before:
             self.events.append({"event": "ensure_blocks", "reason": reason, "from": before, "to": got})
-        if num_blocks > got:
-            raise ExtensibleKVError(f"{reason} needs {num_blocks} KV blocks, only {got} are reserved")
         return got
 
     def measure(

@@ -1,0 +1,52 @@
+"""Model-based rules of the tensor's and the KV buffers' whole life: random sequences of every public transition,
+valid and invalid, interrupts at any line, forks and user finalizers, each compared after every step with the
+executable model (``lifecycle_model.py``): state, committed bytes, data, views, memory and the driver's records.
+
+Examples: ``EXTENSIBLE_KV_LIFECYCLE_EXAMPLES`` sets the number of examples of each machine (a stress run sets
+thousands); by default ``SHARE`` of the profile's ``max_examples`` (at least ``MIN_EXAMPLES``), each at most
+``STEPS`` steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from .lifecycle_model import HostileLifecycleMachine, LifecycleMachine
+
+EXAMPLES_ENV = "EXTENSIBLE_KV_LIFECYCLE_EXAMPLES"
+SHARE = 0.6  # of the profile's max_examples: 15 in CI (25)
+HOSTILE_SHARE = 0.3
+MIN_EXAMPLES = 5
+STEPS = 40
+SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+}
+
+
+def _examples(share: float) -> int:
+    return int(os.environ.get(EXAMPLES_ENV) or 0) or max(round(settings.default.max_examples * share), MIN_EXAMPLES)
+
+
+def _run(machine, driver, share: float) -> None:
+    gc.collect()
+    run_state_machine_as_test(
+        lambda: machine(driver),
+        settings=settings(settings.default, max_examples=_examples(share), stateful_step_count=STEPS, **SETTINGS),
+    )
+
+
+def test_the_lifecycle_matches_the_model(driver):
+    """Tensors and a worker's KV cache: growth valid and invalid, views, writes, checkpoints and rollbacks,
+    release and recommit, sleep with and without a registered connector, close, and interrupts at any line."""
+    _run(LifecycleMachine, driver, SHARE)
+
+
+def test_forks_and_user_finalizers_match_the_model(driver):
+    """The same, with a fork at any line of an operation (the child's calls are refused with typed errors, never
+    hang) and a user finalizer that closes another tensor, collected at any line of an operation (no deadlock)."""
+    _run(HostileLifecycleMachine, driver, HOSTILE_SHARE)
