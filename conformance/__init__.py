@@ -72,7 +72,8 @@ def check_driver(driver: str | Callable[[], object], pytest_args: Sequence[str] 
     module and name). Nothing of it runs in this process (Note [Who builds the driver under test] in ``preflight``):
     a child builds it first, within ``--build-timeout``; a spec that names no driver (or whose factory returns an
     object that is not a driver) and an option out of range are one line on stderr and 2, a driver that cannot be
-    built (the factory raises, crashes, hangs or leaves a thread or a process running) one line, the summary and 1. The rules then run in pytest's child process, in a pytest-xdist worker: a driver that faults or runs past
+    built (the factory raises, crashes, hangs or leaves a thread or a process running) one line, the summary and 1.
+    The rules then run in pytest's child process, in a pytest-xdist worker: a driver that faults or runs past
     ``--rule-timeout`` fails the rule it was in, the worker is replaced and the run goes on to its summary; the status
     is then pytest's. The driver is named explicitly, so if it cannot run here the rules fail rather than skip. On
     Ctrl-C or SIGTERM the children are ended as a group before this returns (``process_group``).

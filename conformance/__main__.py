@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("check-driver: interrupted; its child processes were ended", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a command line answers with one line, never a traceback
+        from extensible_kv.boundaries import shown  # noqa: PLC0415
+        from extensible_kv.errors import ExtensibleKVError  # noqa: PLC0415
+
+        what = str(exc) if isinstance(exc, ExtensibleKVError) else f"check-driver failed: {type(exc).__name__}: {exc}"
+        print(f"error: {shown(' '.join(what.split()), 400)[1:-1]}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
