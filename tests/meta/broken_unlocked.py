@@ -3,7 +3,7 @@ method (``reserve``, ``free``, ``create``, ``release``, ``map``, ``unmap``, ``se
 it runs alone, and a call of another thread on the same range or handle that lands in the gap (tens of microseconds,
 no sleep widens it) sees records that the kernel does not yet agree with. ``unmap_unlocked`` is the driver the
 two-thread rules once passed 3 runs of 3: a ``map`` of the range in its gap is wiped by its kernel call. The rule that
-must catch each, every run, is ``conformance/test_contended_pairs.py``.
+must catch each, every run, is ``conformance/test_contended_pairs.py`` (``conformance/protocol_pairs.py``).
 
 Each comes with a proof, as in ``broken_protocol`` (Note [A proof drives both drivers] there): the racing calls made
 from two threads, the waiting one repeating its call until it is taken (so it lands at the first moment the records

@@ -1,8 +1,8 @@
 """The drivers of ``broken_unlocked`` (one per effectful method, each letting go of its lock between its records and its
 kernel call): the break is real (its proof, as in ``test_broken_protocol``), and the rule of contended pairs
-(``conformance/test_contended_pairs.py``) catches each, run in this process on the pairs in their order up to the first
-failure. With ``EXTENSIBLE_KV_BROKEN_DRIVERS=1`` each also fails ``extensible-kv check-driver`` run on that rule, as a
-backend team runs it."""
+(``conformance/test_contended_pairs.py``, its machinery in ``conformance/protocol_pairs.py``) catches each, run in this
+process on the pairs in their order up to the first failure. With ``EXTENSIBLE_KV_BROKEN_DRIVERS=1`` each also fails
+``extensible-kv check-driver`` run on that rule, as a backend team runs it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.test_contended_pairs import PAIRS, run_pair
+from conformance.protocol_pairs import PAIRS, run_pair
 from extensible_kv.drivers import Ledger
 from tests.meta import broken_unlocked
 from tests.meta.broken_unlocked import CASES, intact
