@@ -5,16 +5,16 @@ view of the shared granules compared with the model after each try. The rule is 
 Note [Stalls inside the driver]
     A driver that lets go of its lock between its records and its kernel call leaves a gap of a few microseconds in
     which another thread's call on the same range sees records the kernel does not agree with. Two calls started from
-    a barrier, or with the thread switch interval at a microsecond, land in it 0 to 3 times in a hundred (the map of
-    a range another thread unmaps: 2 of 100, 0 of 100 once the range had access), and a wrapper around the driver
+    a barrier, with the thread switch interval at 5 ms or at a microsecond, land in it rarely (the map of a range
+    another thread unmaps: 2 to 3 times in 100, 0 in 100 once the range had access), and a wrapper around the driver
     cannot widen it: the gap is inside the driver. So one thread runs under a trace function that sleeps
     ``STALL_S`` at every line of the driver's own Python code (its class and its bases), which widens every gap
     between two lines, and the other thread's call starts at the stalled one's first line event, then its second,
     and so on to its last (at most ``MAX_LINES``), then the same with the roles swapped: the other call lands between
     every two lines of this one, the gap among them. Figure: each of the seven drivers of
-    ``tests/meta/broken_unlocked.py`` fails here at 5 to 30 of the 20 to 60 tries of its pair, every run (10 runs of
-    10 each), where the two-thread rules before passed the ``unmap`` one 3 runs of 3; a run on the host driver takes
-    about 25 s on two loaded cores.
+    ``tests/meta/broken_unlocked.py`` fails its pair at 6 to 40 of the 18 to 62 start lines, and fails this rule 10
+    runs of 10, where the two-thread rules before passed the ``unmap`` one 3 runs of 3 and its pair landed 0 times in
+    40 without the stalls; the rule takes about 24 s per host driver on two loaded cores.
 
 Note [A waiting call lands in the gap]
     Where the records let one call through only after the other (a ``map`` of a range being unmapped, an ``unmap``
