@@ -183,7 +183,7 @@ class Mark:
     serial: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: comparing views would read their bytes
 class Held:
     """A view the machine holds: of which object, which segment (``None``: the full view) and how many bytes."""
 
@@ -442,7 +442,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         h = mine[pick % len(mine)]
         self.held.remove(h)
         self.model["a"].views -= h.nbytes > 0
-        del h
+        del h, mine
         self.check("drop a view of a")
 
     @precondition(lambda self: any(h.owner == "a" for h in self.held))

@@ -102,7 +102,7 @@ def test_a_forked_child_is_refused_with_a_typed_error_and_the_parent_keeps_its_m
     proc = _child("""
         import os
         from extensible_kv import ExtensibleTensor
-        from extensible_kv.errors import CommitError
+        from extensible_kv.errors import DriverError
         t = ExtensibleTensor(4 * 4096, driver="host-4k")
         t.resize_per_segment_(4096)
         t.segment_view(0).fill_(9)
@@ -112,7 +112,7 @@ def test_a_forked_child_is_refused_with_a_typed_error_and_the_parent_keeps_its_m
             try:
                 t.resize_per_segment_(8192)
                 msg = "grew"
-            except CommitError as exc:
+            except DriverError as exc:  # refused before any lock or driver call: Note [Forked children]
                 msg = "refused" if "forked" in str(exc) else f"other: {exc}"
             except BaseException as exc:
                 msg = f"{type(exc).__name__}: {exc}"
