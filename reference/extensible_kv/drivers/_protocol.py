@@ -31,7 +31,10 @@ native library's own error, and changes nothing.
 [P-oom] A call refused for lack of memory raises ``DriverOutOfMemory`` (a ``DriverError``).
 [P-threads] Any call may be made from several threads at once on one driver: each takes effect whole, so what every
 call returned, and the state the driver is left in, are those of some serial order of the calls (two threads mapping
-one range: one mapping and one refusal; two threads releasing one handle: one release and one refusal).
+one range: one mapping and one refusal; two threads releasing one handle: one release and one refusal). A driver that
+lets go of its lock between its records and its native call breaks this: a call of another thread in between sees
+records the device does not agree with (``conformance/test_contended_pairs.py`` starts the other call at every line
+of the driver's Python code).
 [P-interrupted] An exception raised inside a call while it runs (a ``KeyboardInterrupt`` from a signal handler, at any
 line of the driver's own Python code) comes out of the call and leaves the call done whole or not at all: ``reserve``
 and ``create``, whose result never reaches the caller, hold nothing afterwards; any other call leaves the state of
