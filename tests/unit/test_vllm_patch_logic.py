@@ -13,7 +13,7 @@ from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.layout import LayoutError, attention_view
 from extensible_kv.vllm import ExtensibleKVUnsupported, env_enabled, patches, probes, worker_kv
-from extensible_kv.vllm.sizing import MemoryState, reusable_cache
+from extensible_kv.vllm.sizing import MemoryState, reusable_cache, served_step_bound
 
 GIB = 1 << 30
 
@@ -726,6 +726,7 @@ def test_measure_runs_the_worst_batches_from_an_emptied_cache_and_sizes_from_wha
         worker.determine_available_memory()
         runner = _DummyRunner(on_run=run)
         runner.vllm_config = _limits_config()
+        runner.vllm_config.scheduler_config.async_scheduling = True  # vLLM 0.26.0's default
         runner.input_batch = SimpleNamespace(block_table=SimpleNamespace(clear=lambda: memory["order"].append("null")))
         runner.profile_run = lambda: memory["order"].append("profile_run")
         runner.model_memory_usage = 1 << 20
@@ -756,6 +757,8 @@ def test_measure_runs_the_worst_batches_from_an_emptied_cache_and_sizes_from_wha
             f"got {got}"
         )
         assert "profile_run" not in memory["order"], "vLLM's profile batch ran again after warmup"
+        # Note [What a served step adds after the worst batches]: two steps in flight under async scheduling
+        assert m.served_step == served_step_bound(async_scheduling=True) == 16 * mib, m.served_step
         assert runner.scheduler_config.max_num_seqs == 8, "a worst batch left max_num_seqs changed"
     finally:
         patches.uninstall()

@@ -3,13 +3,17 @@ runs after warmup. Each test names the wrong derivation it catches."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extensible_kv.vllm import sizing, worst_batch
+from extensible_kv.vllm import probes, sizing, worst_batch
 from extensible_kv.vllm.worst_batch import Dummy, Limits, LimitsError, derive, mla_chunk_tokens, mla_workspace_tokens
 
 # The issue's engine: DeepSeek-V2 dense MLA shape, max_model_len 512, 4096 batched tokens, 32 sequences, FlashMLA's
@@ -199,9 +203,101 @@ def test_every_component_a_batch_targets_is_in_the_docstring_table():
         (dict(max_model_len=5, spec_tokens=4), "max_model_len (5) leaves no room for a step of 1 + 4"),
         (dict(chunked_prefill=False, max_num_batched_tokens=100), "max_num_batched_tokens (100)"),
         (dict(encoder_cache_tokens=100), "encoder_tokens_per_item"),
+        (dict(decode_threshold=0), "decode_threshold must be >= 1"),
     ],
 )
 def test_limits_no_scheduler_accepts_are_refused_naming_the_value(kwargs, names):
     base = dict(max_model_len=512, max_num_batched_tokens=4096, max_num_seqs=8, block_size=16)
     with pytest.raises(LimitsError, match=re.escape(names)):
         Limits(**{**base, **kwargs})
+
+
+# -- Note [A prefill is a prefill to the backend] -----------------------------------------------------------------
+FLASHMLA = dataclasses.replace(ISSUE, decode_threshold=128)  # FlashMLA's reorder_batch_threshold in vLLM 0.26.0
+
+
+def test_prefills_give_each_request_more_than_the_backends_decode_threshold():
+    # wrong: 32 requests of 128 tokens, which FlashMLA takes for decodes (the h100-2026-12-06-worst-batch run)
+    b = _by_name(FLASHMLA)
+    for name in ("prefill_fresh", "prefill_over_context"):
+        assert min(new for _, new in b[name].seqs) > 128, (name, b[name].seqs)
+        assert b[name].new_tokens == 4096, (name, b[name].new_tokens)  # still the most a step schedules
+    over = b["prefill_over_context"]
+    assert over.seqs == ((380, 132),) * 30 + ((376, 136),), over.seqs
+    assert over.mla_context_tokens == 31 * 256 == 7936  # 8192 // 31 = 264, rounded down to 64-token blocks
+    mixed_prefill = b["mixed"].seqs[-1]
+    assert mixed_prefill[1] > 128 and all(new == 1 for _, new in b["mixed"].seqs[:-1]), b["mixed"].seqs
+
+
+def test_a_request_at_the_threshold_gathers_no_mla_context():
+    # wrong: counting requests of exactly the threshold's length as prefills (they run FlashMLA's decode kernel)
+    limits = dataclasses.replace(FLASHMLA, decode_threshold=132)
+    assert worst_batch._batch("x", (), Dummy(4096, 31, 512), limits).mla_context_tokens == 376  # the 136-token one
+
+
+def test_the_decode_threshold_is_the_largest_of_the_runners_attention_groups():
+    # wrong: the first group's, the smallest, or None read as 0
+    def group(threshold):
+        return SimpleNamespace(get_metadata_builder=lambda: SimpleNamespace(reorder_batch_threshold=threshold))
+
+    runner = SimpleNamespace(attn_groups=[[group(16)], [group(128), group(None)], [group(1)]])
+    assert probes.decode_threshold_of(runner) == 128
+    assert probes.decode_threshold_of(SimpleNamespace(attn_groups=[[group(None)]])) == 1
+    assert probes.decode_threshold_of(SimpleNamespace()) == 1
+
+
+# -- Note [What a served step adds after the worst batches] ---------------------------------------------------------
+RUN = Path(__file__).resolve().parents[2] / "reports" / "runs" / "h100-2026-12-06-worst-batch" / "worst-batch"
+MIB = 1 << 20
+
+
+def _run_case(name: str) -> dict:
+    return json.loads((RUN / f"{name}.json").read_text())
+
+
+def _growth_after_commit(case: dict) -> tuple[int, int]:
+    """(torch, non-torch) bytes the load added to what the worker used right after the final commit."""
+    memory, reading = case["memory"], case["load"]["highest"]["reading"]
+    used = reading["used"] - (memory["init_free"] - memory["free_after_warmup"])
+    torch_growth = reading["torch_reserved"] - memory["torch_reserved"]
+    return torch_growth, used - torch_growth
+
+
+def test_the_served_step_bound_is_its_derived_granules():
+    # wrong: one step in flight under async scheduling, or the code granules left out
+    assert sizing.served_step_bound(async_scheduling=True) == (2 * 2 + 4) * 2 * MIB == 16 * MIB
+    assert sizing.served_step_bound(async_scheduling=False) == (2 * 1 + 4) * 2 * MIB == 12 * MIB
+
+
+@pytest.mark.parametrize(
+    "name", ["mla-v1-extensible", "mla-v2-extensible", "qwen3-v1-extensible", "mla-v1-sleep-extensible"]
+)
+def test_each_part_of_the_bound_covers_what_the_h100_load_added(name):
+    # wrong: fewer small-pool segments than mla-v2 took (3), fewer code granules than the MLA loads took (3)
+    torch_growth, non_torch = _growth_after_commit(_run_case(name))
+    assert torch_growth % sizing.SEGMENT == 0 and non_torch % sizing.SEGMENT == 0, (torch_growth, non_torch)
+    assert torch_growth <= sizing.SMALL_SEGMENTS_PER_STEP * 2 * sizing.SEGMENT, torch_growth
+    assert non_torch <= sizing.CODE_GRANULES * sizing.SEGMENT, non_torch
+
+
+@pytest.mark.parametrize("name", ["mla-v1", "mla-v2", "qwen3-v1"])
+def test_legacy_loads_added_the_same_non_torch_memory(name):
+    # wrong: reading the non-torch growth as something the extensible sizing causes
+    assert (
+        _growth_after_commit(_run_case(f"{name}-legacy"))[1] == _growth_after_commit(_run_case(f"{name}-extensible"))[1]
+    )
+
+
+@pytest.mark.parametrize("name", ["mla-v1", "mla-v2", "qwen3-v1", "mla-v1-sleep"])
+def test_sized_with_the_bound_the_h100_loads_end_inside_the_budget(name):
+    # wrong: a bound of 0 (mla-v1 ended 9,279,897 bytes over) or a budget that does not subtract it
+    case = _run_case(f"{name}-extensible")
+    recorded = case["extensible"]["measured"]
+    fields = {f.name for f in dataclasses.fields(sizing.MemoryState)}
+    state = sizing.MemoryState(**{k: v for k, v in recorded.items() if k in fields and k != "served_step"})
+    assert state.blocks() == recorded["blocks"] == case["num_gpu_blocks"]  # the run's own sizing, recomputed
+    bounded = dataclasses.replace(state, served_step=sizing.served_step_bound(async_scheduling=True))
+    fewer = state.blocks() - bounded.blocks()
+    over = case["load"]["highest_over_budget"] - fewer * state.bytes_per_block
+    assert over <= 0, f"{name}: {fewer} blocks fewer, still {over} bytes over"
+    assert fewer * state.bytes_per_block <= sizing.served_step_bound(async_scheduling=True) + state.bytes_per_block

@@ -183,6 +183,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     envs = [*files("environment.json"), *(p for p in files("integration/*.json") if p.name == "environment.json")]
     run.environment = environment(run, [(p.relative_to(folder).as_posix(), load(p, Environment)) for p in envs])
     scripts = {f"{n}/summary.json": t for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
+    scripts["worst-batch-summary.json"] = "worst batch"  # integration/worst_batch_run.py
     for rel, title in scripts.items():
         for p in files(rel):
             script = load(p, ScriptSummary)

@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import DriverUnavailable
 from . import agreement, connector, sleep, worker_kv
 from .probes import _on_instance, limits_of, profile_run_reserved_peak, worst_batch_runs
+from .sizing import served_step_bound
 from .worst_batch import derive
 from .worker_kv import ExtensibleKVUnsupported
 
@@ -268,8 +269,12 @@ def extensible_kv_measure(self) -> int:
     worst = worst_batch_runs(self.model_runner, plan, reset=reset_mm_cache)
     # The sequence's figures stand for both runs MemoryState names; vLLM's profile batch is not run again.
     measured = state.measure(self, margin=_margin(), again=worst, served=worst)
+    async_scheduling = bool(getattr(self.model_runner.vllm_config.scheduler_config, "async_scheduling", False))
     state.measured = dataclasses.replace(
-        measured, worst_batches=tuple(worst["batches"]), bounded_batches=tuple(worst["bounded"])
+        measured,
+        worst_batches=tuple(worst["batches"]),
+        bounded_batches=tuple(worst["bounded"]),
+        served_step=served_step_bound(async_scheduling),  # Note [What a served step adds after the worst batches]
     )
     fits = state.measured.blocks()
     group = agreement.vllm_cpu_group()

@@ -244,7 +244,21 @@ def limits_of(model_runner: Any) -> Limits:
         encoder_cache_tokens=budget["encoder_cache_size"] if budget else 0,
         encoder_tokens_per_item=budget["tokens_per_item"] if budget else 0,
         sleep_mode=bool(model.enable_sleep_mode),
+        decode_threshold=decode_threshold_of(model_runner),
     )
+
+
+def decode_threshold_of(model_runner: Any) -> int:
+    """The longest query any attention group of this runner takes for a decode: the largest
+    ``reorder_batch_threshold`` of its metadata builders (``attn_groups``, V1 and V2; FlashMLA's is 128), at least 1.
+    Note [A prefill is a prefill to the backend] in ``sizing``."""
+    found = [1]
+    for groups in getattr(model_runner, "attn_groups", None) or ():
+        for group in groups:
+            threshold = getattr(group.get_metadata_builder(), "reorder_batch_threshold", None)
+            if threshold is not None:
+                found.append(int(threshold))
+    return max(found)
 
 
 def _null_block_tables(model_runner: Any) -> None:

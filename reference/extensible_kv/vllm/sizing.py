@@ -9,7 +9,8 @@ warms up and captures graphs with a small committed prefix, then runs the engine
     (the worst batches run in sequence from an emptied cache: Note [The worst batch, brought back and measured])
     non_kv   = init_free - free_now - kv_backed          (weights, graph pools, activations, workspaces, NCCL, ...)
     growth   = max(0, worst_reserved - worst_retained)   (what the batches took from the device and torch gave back)
-    budget   = requested - non_kv - growth - margin
+    served   = served_step_bound(async_scheduling)       (Note [What a served step adds after the worst batches])
+    budget   = requested - non_kv - growth - served - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
@@ -28,6 +29,28 @@ Note [The worst batch, brought back and measured]
     workspace]).
     Figure: the worst-batch matrix (``ci/worst_batch_matrix.sh``) records, per case, each batch's peak and the
     load generator's highest reading against the budget.
+
+Note [What a served step adds after the worst batches]
+    Rule: the budget keeps ``(k_small + k_code) x 2 MiB`` free beyond the worst batches (``served_step_bound``):
+    k_small = 2 per step in flight (2 with async scheduling, vLLM 0.26.0's default; 1 without), k_code = 4. 16 MiB
+    with async scheduling, 12 MiB without. Bound derived, not yet measured on the GPU.
+    Why: after the worst batches torch holds every large segment a step needs, but a step's small tensors (<= 1 MiB:
+    input and attention metadata, FlashMLA's tile-scheduler metadata, sampled ids) come from 2 MiB small-pool
+    segments; a dummy batch runs alone, while a served step keeps the previous step's outputs alive as it builds its
+    own: per step in flight one segment for its small tensors and one that a longer-lived block pins. The driver
+    loads kernel code on first use in 2 MiB granules, as the load reaches kernels no batch ran (GEMM kernels chosen
+    by token count, attention split variants, V1's slot-mapping kernel): one granule per family of four.
+    Figure: used after the commit grew by torch + non-torch 4 + 6 MiB (mla-v1), 6 + 6 (mla-v2), 2 + 2 (qwen3-v1);
+    legacy's non-torch growth was the same (6, 6, 2 MiB); mla-v1 ended 8.8 MiB over. Run h100-2026-12-06-worst-batch.
+
+Note [A prefill is a prefill to the backend]
+    Rule: a prefill batch gives each request more new tokens than the backend's decode threshold
+    (``reorder_batch_threshold`` of its metadata builders, ``probes.decode_threshold_of``): FlashMLA's is 128.
+    Why: MLA builders take every request of at most that many query tokens (uniform lengths) for a decode; 4096
+    tokens over 32 requests are 128 each, so the fresh and the context batch ran FlashMLA's decode kernel, never
+    MLA's prefill with its context gather and up-projection.
+    Figure: mla-v1 recorded identical peaks for both (624,951,296 reserved, 424,707,072 allocated); with the
+    threshold 31 requests of 132 to 136 new tokens gather 7,936 context tokens. Run h100-2026-12-06-worst-batch.
 
 Note [The peak, brought back and measured]
     Rule (the one before the worst batches): the profiled batch ran twice after warmup, as served and as profiled,
@@ -113,6 +136,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 DEFAULT_POOL = (0, 0)  # torch's segment_pool_id of the caching allocator's default pool
+SEGMENT = 2 << 20  # torch's small-pool segment (kSmallBuffer) and the driver's granule for kernel code
+SMALL_SEGMENTS_PER_STEP = 2  # per step in flight: one for its small tensors, one pinned by a longer-lived block
+CODE_GRANULES = 4  # GEMM by token count, attention split variants, served-path Triton kernels, torch's own ops
+
+
+def served_step_bound(async_scheduling: bool) -> int:
+    """Bytes a served step may add after the worst batches: torch small-pool segments for the steps in flight and
+    the driver's granules for kernels first loaded by served steps. Note [What a served step adds after the worst
+    batches]."""
+    steps_in_flight = 2 if async_scheduling else 1
+    return (SMALL_SEGMENTS_PER_STEP * steps_in_flight + CODE_GRANULES) * SEGMENT
 
 
 def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
@@ -149,6 +183,7 @@ class MemoryState:
     cache_after: int = 0  # bytes of torch's default pool held unused after the served run (recorded)
     worst_batches: tuple = ()  # per worst batch: name, targets, peak_reserved, peak_allocated, seconds, shape
     bounded_batches: tuple = ()  # worst batches this runner cannot run, each with the Note that bounds it
+    served_step: int = 0  # ``served_step_bound``: what a served step adds after the worst batches
 
     @property
     def non_kv(self) -> int:
@@ -162,7 +197,7 @@ class MemoryState:
 
     @property
     def budget(self) -> int:
-        return self.requested - self.non_kv - self.torch_growth - self.margin
+        return self.requested - self.non_kv - self.torch_growth - self.served_step - self.margin
 
     def blocks(self) -> int:
         """Blocks to commit: what fits the budget, never below the committed count, never above capacity."""

@@ -33,7 +33,9 @@ max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens
 The Notes named are in ``sizing``; each batch's measured peak is in the worker's report (``measured.worst_batches``)
 and, per case, in the worst-batch matrix (``ci/worst_batch_matrix.sh``).
 
-Without chunked prefill and prefix caching no prefill has cached context: the two context batches are left out.
+Without chunked prefill and prefix caching no prefill has cached context: the two context batches are left out. A
+backend that takes short queries for decodes (FlashMLA: up to 128 tokens, ``decode_threshold``) gets prefill batches
+of more new tokens per request than that (Note [A prefill is a prefill to the backend]).
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class Limits:
     encoder_cache_tokens: int = 0  # the scheduler's encoder cache size in tokens (0: no encoder)
     encoder_tokens_per_item: int = 0
     sleep_mode: bool = False
+    decode_threshold: int = 1  # the longest query the backend takes for a decode (its reorder_batch_threshold)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "decode_threshold"):
             if getattr(self, name) < 1:
                 raise LimitsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.spec_tokens < 0:
@@ -101,6 +104,12 @@ class Limits:
     @property
     def decode_query_len(self) -> int:
         return 1 + self.spec_tokens
+
+    @property
+    def prefill_query_len(self) -> int:
+        """The fewest new tokens a request needs to be a prefill to the backend: more than a decode step and more
+        than the backend's decode threshold (Note [A prefill is a prefill to the backend] in ``sizing``)."""
+        return max(self.decode_query_len, self.decode_threshold) + 1
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,8 @@ def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **
             raise LimitsError(f"batch {name}: sequence of context {ctx} and {new} new tokens outside {limits}")
     if dummy.num_tokens > limits.max_num_batched_tokens:
         raise LimitsError(f"batch {name}: {dummy.num_tokens} tokens > max_num_batched_tokens")
-    chunk = mla_chunk_tokens([c for c, n in seqs if n > limits.decode_query_len], limits) if limits.mla else 0
+    prefills = [c for c, n in seqs if n >= limits.prefill_query_len]  # the requests the backend takes for prefills
+    chunk = mla_chunk_tokens(prefills, limits) if limits.mla else 0
     return Batch(name, targets, seqs, dummy, mla_context_tokens=chunk, **kwargs)
 
 
@@ -215,8 +225,12 @@ def derive(limits: Limits) -> Plan:
     s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
     batches: list[Batch] = []
 
-    # Activations: the most tokens a step schedules, every sequence fresh, the encoder cache full.
+    # Activations: the most tokens a step schedules, every sequence fresh, the encoder cache full; where the backend
+    # takes short queries for decodes, few enough requests that each is a prefill to it.
+    prefill_min = limits.prefill_query_len  # fewer new tokens and the backend takes it for a decode
     reqs = min(t, s)
+    if limits.decode_threshold > limits.decode_query_len and t >= prefill_min:
+        reqs = min(reqs, t // prefill_min)
     fresh_tokens = _fits(min(t, s * L), reqs, L)
     longest = fresh_tokens // reqs + fresh_tokens % reqs
     held = limits.encoder_cache_tokens // limits.encoder_tokens_per_item if limits.encoder_cache_tokens else 0
@@ -232,7 +246,6 @@ def derive(limits: Limits) -> Plan:
         )
     )
 
-    prefill_min = limits.decode_query_len + 1  # fewer new tokens and the backends take it for a decode
     if limits.context_possible and L > prefill_min and t >= prefill_min:
         # The most new tokens at the longest context: each sequence at max_model_len.
         reqs = min(s, t // prefill_min)
