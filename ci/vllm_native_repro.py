@@ -165,6 +165,16 @@ except RuntimeError as e:
 print("REPRODUCED" if len(calls) != len(set(calls)) else "NOT", "released:", calls)
 """,
     ),
+    "F12 a size past 2**64 reserves the size modulo 2**64": (
+        "VmmDriver.reserve passes the size through ctypes.c_size_t, which keeps its low 64 bits: ExtensibleTensor("
+        "2**64 + g) reserves one granule while its capacity reads 2**64 + g, and growth is checked against the "
+        "capacity. Seen on the H100 (2026-12-06) as no refusal of 2**64 + 4096 bytes; nothing is mapped here.",
+        """
+t = ExtensibleTensor(2**64 + g)
+print("REPRODUCED" if t.capacity_bytes > 2**64 else "NOT", "capacity", t.capacity_bytes, "base", hex(t.base_ptr))
+t.free()
+""",
+    ),
 }
 
 
