@@ -5,7 +5,7 @@ The rules build their tensors with ``helpers.odd_tensor`` and ``new_tensor``, wh
 rules' ``conftest.py`` reads ``--tensor`` and selects it around each rule (``selected``). Under ``--tensor vllm`` each
 rule of ``TENSOR_RULE_FILES`` is either held (``HELD_ON_VLLM``) or reported "not held" with the reason
 (``NOT_HELD_ON_VLLM``): a rule about an API vLLM's class does not have, never a silent skip. A rule in those files that
-is in neither table is an error, so a new rule is classified when it is written (``tests/unit/test_vllm_tensor.py``).
+is in neither table is an error, so a new rule is classified when it is written (``tests/unit/test_vllm_driver.py``).
 
 Note [Which tensor rules hold vLLM's class]
     Held: every rule about what a growable tensor promises whatever its API: the base address never moves, data
@@ -36,7 +36,7 @@ TENSOR_RULE_FILES = (
     "test_reliability.py",
     "test_hostile_use.py",
 )
-"""The rules ``--tensor vllm`` runs (the GPU script and ``tests/unit/test_vllm_tensor.py`` pass these files)."""
+"""The rules ``--tensor vllm`` runs (the GPU script and ``tests/unit/test_vllm_driver.py`` pass these files)."""
 
 _ALIGNMENT = "vLLM's ExtensibleTensor has no alignment unit for sizes (an API of this project)"
 _RELEASED = "vLLM's release_physical keeps views and growth open by design (views go empty, growth recommits)"

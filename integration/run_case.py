@@ -1008,7 +1008,8 @@ def warmup_figures(llm, mode: str, record: RunnerRecord | None) -> Warmup:
     memory = llm.collective_rpc(memory_figures if record is None else partial(memory_figures, record=record))
     return Warmup(
         [CaseMemory.model_validate(m) for m in memory],
-        None if reports is None else [ExtensibleFigures.model_validate(r) for r in reports],
+        # Through JSON, as a measurement file is read: the worker's report holds tuples where the schema says list.
+        None if reports is None else [ExtensibleFigures.model_validate_json(json.dumps(r)) for r in reports],
     )
 
 
