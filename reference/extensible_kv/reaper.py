@@ -16,6 +16,19 @@ Note [A put-off sweep is never lost]
     collection found garbage. A sweep repeats while sweeps were put off during it (an owner that died inside one of
     its own teardowns). An interrupted sweep leaves the count uncovered, so the next collection picks it up.
 
+Note [A failed teardown is owed to the next full collection]
+    The put-off count covers sweeps that never ran, not teardowns that ran and did not finish. A tensor collected
+    outside any section is swept at once by its finalizer; when its teardown failed there (the driver refused a
+    call, or an interrupt landed in it), nothing was put off, so the count said "covered", and the record, owner
+    gone, kept its reservation until some tensor operation swept again: a collection alone never came back to it,
+    and a leak check counting after ``gc.collect()`` saw one reservation more than live tensors. So a sweep marks
+    the reaper ``_owed`` before its first teardown and, after a whole pass, leaves it set only if a gone owner's
+    record is still owned; the end of the next full collection (generation 2, what ``gc.collect()`` runs) sweeps
+    while it is set. Only full collections: a driver that keeps failing is asked again once per full collection,
+    not at every young one, and the failure is still reported once. Figure: a tensor whose ``unmap`` failed once
+    in its finalizer's sweep still held its reservation after ``gc.collect()`` (2 of 2 cases); now that collection
+    returns it (``tests/unit/test_reaper.py``, a driver's refusal and an interrupt).
+
 Note [Memory is owned from before it exists]
     A record of memory to give back is in one table (``own``) from before its first native effect until its
     teardown has returned everything (``disown``). A tensor's finalizer carries no record: it only starts a
@@ -95,6 +108,7 @@ _owned: dict[int, Owned] = {}
 _sweeping = process_lock()
 _put_off = 0  # sweeps put off inside a section: Note [A put-off sweep is never lost]
 _swept = 0  # the value of ``_put_off`` the last whole sweep covered
+_owed = False  # a gone owner's record outlived a sweep: Note [A failed teardown is owed to the next full collection]
 _exiting = False  # Note [Nothing is unmapped at interpreter exit] in ``tensor``
 
 
@@ -168,18 +182,20 @@ def sweep() -> None:
 
 
 def _sweep_locked() -> None:
-    global _swept
-    covers = None
+    global _swept, _owed
+    _owed = True  # until a whole pass says otherwise: Note [A failed teardown is owed to the next full collection]
+    covers, left = None, False
     while covers != _put_off:  # again while sweeps were put off during this one
         covers = _put_off
-        _sweep_once()
-    _swept = covers  # only after a whole pass: an interrupted one leaves the count for the next collection
+        left = _sweep_once()
+    _swept, _owed = covers, left  # only after a whole pass: an interrupted one leaves both for the next collection
 
 
 def _after_collection(phase: str, info: dict) -> None:
     """``gc.callbacks``: at the end of a collection outside a section, the sweeps put off since the last whole sweep
-    (Note [A put-off sweep is never lost])."""
-    if phase == "stop" and _swept != _put_off and not _exiting:
+    (Note [A put-off sweep is never lost]) and, at the end of a full one, the teardowns that did not finish (Note [A
+    failed teardown is owed to the next full collection])."""
+    if phase == "stop" and not _exiting and (_swept != _put_off or (_owed and info.get("generation") == 2)):
         sweep()
 
 
@@ -192,8 +208,10 @@ gc.callbacks.append(_after_collection)
 atexit.register(_at_exit)
 
 
-def _sweep_once() -> None:
+def _sweep_once() -> bool:
+    """One pass over the owned records; whether a gone owner's record is still owned after it (a failed teardown)."""
     pid = os.getpid()
+    left = False
     for record in list(_owned.values()):
         if record.pid != pid:  # Note [Forked children] in ``tensor``: the parent's memory is the parent's to return
             disown(record)
@@ -201,11 +219,13 @@ def _sweep_once() -> None:
             try:
                 record.teardown()
             except ExtensibleKVError as exc:  # the driver's failure; anything else (an interrupt) propagates
+                left = True
                 if not record.reported:
                     record.reported = True
                     sys.unraisablehook(_Unraisable(exc, record))
             else:
                 disown(record)
+    return left
 
 
 class _Unraisable:
