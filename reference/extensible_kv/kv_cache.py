@@ -30,10 +30,18 @@ Note [A registration pins the committed blocks]
 
         pin("KV connector X") at 40 blocks -> ensure_blocks(40): 40 | ensure_blocks(41): BusyError
                                            -> release_physical(): BusyError, nothing released
+
+Forks and finalizers, as for the tensor (Notes [Forked children] and [Operations never wait on themselves] in
+``tensor``): in a forked child every call but ``close()`` is refused with the driver's ``DriverError``
+(``records.check_process``) before any lock, and ``close()`` returns at once, giving nothing back (the parent owns
+the memory); an operation that takes the buffers' lock, entered again by the thread already inside one, or calling
+the driver from inside a driver call of this thread (a finalizer or a signal handler), is refused with
+``BusyError`` and changes nothing.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,10 +49,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .drivers import Driver, resolve
-from .drivers.records import MAX_BYTES
+from .drivers.records import MAX_BYTES, check_process
 from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int
+from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, refuse_reentry
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._max_num_blocks = max_num_blocks
         self._num_blocks = 0
         self._closed = False
-        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
         self._pins: dict[str, int] = {}  # holder -> the block count it registered
         self._tensors: dict[str, ExtensibleTensor] = {}
         try:
@@ -225,7 +234,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
             raise InvalidSizeError(
                 f"num_blocks={num_blocks} exceeds the reserved upper bound max_num_blocks={self._max_num_blocks}"
             )
-        with self._lock: return self._ensure(num_blocks, zero_new)  # one line: see reaper  # fmt: skip
+        with self._locked("ensure_blocks"): return self._ensure(num_blocks, zero_new)  # one line  # fmt: skip
 
     def _ensure(self, num_blocks: int, zero_new: bool) -> int:
         self._check_open("ensure_blocks")
@@ -257,7 +266,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         views handed out keep their addresses and must not be touched until ``recommit_physical()``. Refused unless
         open (``ReleasedError`` when released already). A release that does not finish leaves the buffers
         ``failed``: ``close()`` returns the rest."""
-        with self._lock: return self._release()  # one line: see reaper  # fmt: skip
+        with self._locked("release_physical"): return self._release()  # one line: see reaper  # fmt: skip
 
     def _release(self) -> None:
         self._check_open("release_physical")
@@ -276,7 +285,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         """Map zeroed pages back for the block count on record in every buffer, at the same addresses, as one step;
         return the block count. On any exception the buffers recommitted in the step are released again and the
         buffers stay ``released``. Refused unless released."""
-        with self._lock: return self._recommit()  # one line: see reaper  # fmt: skip
+        with self._locked("recommit_physical"): return self._recommit()  # one line: see reaper  # fmt: skip
 
     def _recommit(self) -> int:
         if self.state != "released":
@@ -305,7 +314,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         """Record that ``holder`` registered the committed blocks: release and growth are refused until ``unpin``."""
         if not isinstance(holder, str) or not holder:
             raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
-        with self._lock: return self._pin(holder)  # one line: see reaper  # fmt: skip
+        with self._locked("pin", driver=False): return self._pin(holder)  # one line: see reaper  # fmt: skip
 
     def _pin(self, holder: str) -> None:
         self._check_open("pin")
@@ -317,7 +326,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     def unpin(self, holder: str) -> None:
         """Drop ``holder``'s registration (``pin``)."""
-        with self._lock: return self._unpin(holder)  # one line: see reaper  # fmt: skip
+        with self._locked("unpin", driver=False): return self._unpin(holder)  # one line: see reaper  # fmt: skip
 
     def _unpin(self, holder: str) -> None:
         if holder not in self._pins:
@@ -391,8 +400,10 @@ class ExtensibleKVCacheBuffers(Unshareable):
     def close(self) -> None:
         """Drop the views this object holds and close every buffer (forcing: callers promise not to use views). A
         buffer whose close fails is tried again by the next ``close()``; the others are closed meanwhile, and the
-        first failure is raised."""
-        with self._lock: return self._close()  # one line: see reaper  # fmt: skip
+        first failure is raised. In a forked child it returns at once, giving nothing back (the module docstring)."""
+        if self._pid != os.getpid():  # no lock: each tensor's close() returns at once in a child
+            return self._close()
+        with self._locked("close"): return self._close()  # one line: see reaper  # fmt: skip
 
     def _close(self) -> None:
         self._closed = True
@@ -406,7 +417,22 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if failures:
             raise failures[0]
 
+    def _locked(self, op: str, driver: bool = True) -> threading.RLock:
+        """The buffers' lock for ``op``, refusing first what would wait forever: a forked child (``DriverError``), an
+        operation of these buffers running in this thread, or, for one that calls the driver, a driver call of this
+        thread in progress (``BusyError``); the module docstring."""
+        check_process(op, self._driver.name, self._pid)
+        refuse_reentry(op, self, "KV cache", self._lock, driver)
+        return self._lock
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtensibleKVCacheBuffers({len(self._buffers)} buffer(s), {self._num_blocks} of {self._max_num_blocks} "
+            f"blocks, driver {self._driver.name})"
+        )
+
     def _check_open(self, op: str, *, failed_too: bool = True) -> None:
+        check_process(op, self._driver.name, self._pid)  # the calls that take no lock: a child is refused here
         state = self.state
         if state == "closed":
             raise ClosedError(

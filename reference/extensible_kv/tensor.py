@@ -131,6 +131,18 @@ def _itemsize(dtype: object) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def refuse_reentry(op: str, owner: object, kind: str, lock: threading.RLock, driver: bool) -> None:
+    """Refuse ``op`` on ``owner`` (a ``kind``) with ``BusyError`` when this thread holds ``lock`` (an operation of
+    ``owner`` is running in it) or, for an operation that calls the driver (``driver``), is inside a driver call:
+    Note [Operations never wait on themselves]. Nothing has changed when it refuses."""
+    if lock._is_owned() or (driver and inside_section()):
+        inside = f"an operation of this {kind}" if lock._is_owned() else "a driver call"
+        raise BusyError(
+            f"{op} on {owner!r} ran inside {inside} in this thread (from a finalizer or a signal handler): "
+            f"refused, nothing changed"
+        )
+
+
 class Unshareable:
     """Base of the objects that own virtual memory: copy, deepcopy and pickle raise ``TypeError``, since a copy
     would be a second owner that frees the memory under the first one's views."""
@@ -776,12 +788,7 @@ class ExtensibleTensor(Unshareable):
                 f"ExtensibleTensor made in process {self._memory.pid} used from forked process {os.getpid()}; "
                 f"the parent owns its memory (Note [Forked children])",
             )
-        if self._lock._is_owned() or (driver and inside_section()):
-            inside = "an operation of this tensor" if self._lock._is_owned() else "a driver call"
-            raise BusyError(
-                f"{op} on {self!r} ran inside {inside} in this thread (from a finalizer or a signal handler): "
-                f"refused, nothing changed"
-            )
+        refuse_reentry(op, self, "tensor", self._lock, driver)
         return self._lock
 
     # -- registrations -------------------------------------------------------------------------------------------

@@ -33,3 +33,50 @@ def run_child(code: str, what: str, timeout_s: float = 60) -> dict:
             pytrace=False,
         )
     return json.loads(lines[-1])
+
+
+def fake_driver(kind: str) -> str:
+    """Code for ``run_child`` that builds the ``kind`` driver (``cuda`` or ``hip``) named ``unit-{kind}`` over its
+    fake bindings (``_fake_cuda``, ``_fake_hip``), torch's CUDA calls stood in for, and the fake's native unmap
+    running the callables put in ``INSIDE`` first (under the driver's lock). It defines ``drv``, ``fake``, ``g`` and
+    ``records()`` (the driver's records and the fake's state, comparable with ``==``)."""
+    return f"""
+    from types import SimpleNamespace
+    import torch
+
+    KIND = {kind!r}
+    INSIDE = []
+    if KIND == "cuda":
+        import extensible_kv.drivers.cuda as module
+        from tests.unit._fake_cuda import FakeCuda as Fake
+        UNMAP = "cuMemUnmap"
+        torch.cuda.is_available = lambda: True
+        torch.cuda.init = lambda: None
+    else:
+        import extensible_kv.drivers.hip as module
+        from tests.unit._fake_hip import FakeHip as Fake
+        UNMAP = "hipMemUnmap"
+        module._torch_reason = lambda ordinal: None
+    torch.cuda.current_stream = lambda device=None: SimpleNamespace(cuda_stream=0x5EED)
+    torch.cuda.synchronize = lambda device=None: None
+
+    class Hooked(Fake):
+        pass
+
+    def _unmap(self, *args, real=getattr(Fake, UNMAP)):
+        while INSIDE:
+            INSIDE.pop()()
+        return real(self, *args)
+
+    setattr(Hooked, UNMAP, _unmap)
+    fake = Hooked()
+    module._bindings = lambda: fake
+    drv = module.CudaDriver(name="unit-cuda") if KIND == "cuda" else module.HipDriver(name="unit-hip")
+    g = drv.granularity()
+
+    def records():
+        reserved = {{va: r[0] if KIND == "hip" else r for va, r in drv._reservations.items()}}  # hip: (size, raw...)
+        mine = [reserved, dict(drv._mappings), set(getattr(drv, "_live", ()))]
+        theirs = [dict(fake.reservations), {{va: m[0] for va, m in fake.mappings.items()}}, len(fake.live_handles())]
+        return mine + theirs
+"""

@@ -1,17 +1,21 @@
 """Finalizers and signal handlers that run inside a driver's locked section and call the driver again (Note [A finalizer
 never waits on a lock its thread may hold] in ``extensible_kv.reaper``, Note [A call never waits on its own thread] in
 ``drivers/host.py``): each is refused at once with ``DriverError`` naming the call, the outer call finishes whole, and
-memory a refused ``close()`` left is returned by the next collection. Each case runs in a child interpreter, so the
-deadlock these tests were written against fails after a deadline instead of hanging the run."""
+memory a refused ``close()`` left is returned by the next collection; the same for the cuda and hip drivers over their
+fakes, and the KV buffers refuse with ``BusyError`` (Note [Operations never wait on themselves] in ``tensor``). Each
+case runs in a child interpreter, so the deadlock these tests were written against fails after a deadline instead of
+hanging the run."""
 
 from __future__ import annotations
 
 import gc
 
+import pytest
+
 from extensible_kv import reaper
 from extensible_kv.reaper import Owned, busy, defer, own
 
-from ._child import run_child
+from ._child import fake_driver, run_child
 
 # Inside the host driver's locked ``_reserve`` (its mmap, through a wrapped libc), run ``INSIDE[0]`` once.
 HOOK = """
@@ -212,4 +216,183 @@ def test_a_deferred_record_is_torn_down_by_the_next_collection_outside_a_section
     assert got == (0, 1, False, True), (
         f"reaper.defer inside a section: expected (torn inside, torn after the next collection, still owned, owner "
         f"alive) (0, 1, False, True), got {got}"
+    )
+
+
+# A finalizer or a signal handler run inside the cuda or hip driver's locked unmap (the fake's native call) calls
+# each call of that driver that takes its lock.
+NATIVE_NESTED = """
+    import gc, json, signal
+    from extensible_kv.errors import DriverError
+
+    va = drv.reserve(4 * g, g)
+    h, h2, spare = drv.create(g), drv.create(g), drv.create(g)
+    drv.map(va, g, h, 0)
+    drv.map(va + g, g, h2, 0)
+    CALLS = {
+        "reserve": lambda: drv.reserve(g, g),
+        "free": lambda: drv.free(va, 4 * g),
+        "create": lambda: drv.create(g),
+        "release": lambda: drv.release(spare),
+        "map": lambda: drv.map(va + 2 * g, g, spare, 0),
+        "unmap": lambda: drv.unmap(va, g),
+        "set_access": lambda: drv.set_access(va, g),
+    }
+    LOCKING = sorted(getattr(module, "_LOCKING", ()))
+
+    def attempt(op, seen):
+        try:
+            CALLS[op]()
+            seen[op] = "taken"
+        except DriverError as exc:
+            seen[op] = [type(exc).__name__, exc.operation, exc.detail]
+        except BaseException as exc:
+            seen[op] = f"{type(exc).__name__}: {exc}"
+
+    class Caller:  # a finalizer that calls the driver: collected inside the outer call
+        def __init__(self, op, seen):
+            self.op, self.seen, self.me = op, seen, self
+
+        def __del__(self):
+            attempt(self.op, self.seen)
+
+    seen, results = {}, {}
+    for op in OPS:
+        before = records()
+        if HOW == "finalizer":
+            gc.disable()
+            Caller(op, seen)
+            INSIDE.append(gc.collect)
+        else:  # a signal handler, run where the interpreter next checks for pending calls inside the hook
+            signal.signal(signal.SIGUSR1, lambda *_, op=op: attempt(op, seen))
+            INSIDE.append(lambda: [signal.raise_signal(signal.SIGUSR1)] + [i for i in range(3)])
+        drv.unmap(va + g, g)  # the outer call: the nested one runs under its lock
+        gc.enable()
+        drv.map(va + g, g, h2, 0)  # as before
+        results[op] = [seen.get(op), records() == before]
+    print(json.dumps({"results": results, "locking": LOCKING}))
+"""
+
+# The calls of each driver that take its lock: the others (hip's create and release, mem_info, zero) never wait.
+NATIVE_LOCKING = {
+    "cuda": ["create", "free", "map", "release", "reserve", "set_access", "unmap"],
+    "hip": ["free", "map", "reserve", "set_access", "unmap"],
+}
+
+
+@pytest.mark.parametrize("how", ["finalizer", "signal handler"])
+@pytest.mark.parametrize("kind", ["cuda", "hip"])
+def test_each_locking_call_of_a_gpu_driver_made_inside_its_locked_section_is_refused_and_changes_nothing(kind, how):
+    ops = NATIVE_LOCKING[kind]
+    code = f"\n    HOW, OPS = {how!r}, {ops!r}" + fake_driver(kind) + NATIVE_NESTED
+    out = run_child(code, f"{kind} driver calls from a {how} inside its locked unmap", timeout_s=30)
+    assert out["locking"] == ops, (
+        f"unit-{kind} driver: expected the calls that take its lock {ops}, got {out['locking']}"
+    )
+    for op, (seen, unchanged) in out["results"].items():
+        assert isinstance(seen, list) and seen[:2] == ["DriverError", op], (
+            f"unit-{kind} driver: {op} from a {how} inside unmap's locked section: expected DriverError naming {op}, "
+            f"got {seen!r}"
+        )
+        assert seen[2].startswith(f"unit-{kind} driver: {op}(") and "already inside a call of this driver" in seen[2], (
+            f"unit-{kind} driver: {op} from a {how}: expected the refusal to name the driver, the call and why, got "
+            f"{seen[2]!r}"
+        )
+        assert unchanged, f"unit-{kind} driver: {op} refused inside unmap: expected its records and the fake unchanged"
+
+
+# KV buffers: a finalizer calls each operation of theirs that takes their lock, collected inside their own growth (the
+# host driver's mmap of a growth step, with their lock held) or inside another tensor's growth (a driver call of this
+# thread, their lock free).
+KV_NESTED = (
+    HOOK
+    + """
+    from conformance import layouts
+    from extensible_kv.errors import BusyError
+    from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+    driver = HostDriver(granularity=G, budget_bytes=1 << 20, name="unit-host")
+    kv = ExtensibleKVCacheBuffers([KVBuffer("kv", layouts.PAGE, (layouts.kv_first("l0"),))], 16, driver=driver)
+    kv.ensure_blocks(2)
+    other = ExtensibleTensor(16 * G, driver=driver)
+    CALLS = {
+        "close": kv.close,
+        "ensure_blocks": lambda: kv.ensure_blocks(1),
+        "release_physical": kv.release_physical,
+        "recommit_physical": kv.recommit_physical,
+        "pin": lambda: kv.pin("connector"),
+        "unpin": lambda: kv.unpin("connector"),
+        "pin, unpin": lambda: (kv.pin("connector"), kv.unpin("connector")),  # call no driver: taken outside kv's lock
+    }
+    WHERE = {
+        "kv growth": [op for op in CALLS if op != "pin, unpin"],
+        "other growth": ["close", "ensure_blocks", "release_physical", "recommit_physical", "pin, unpin"],
+    }
+
+    def state():
+        return [kv.state, kv.pinned_by, [kv.tensor("kv").state], kv.stats().committed_bytes]
+
+    class Caller:
+        def __init__(self, op, seen):
+            self.op, self.seen, self.me = op, seen, self
+
+        def __del__(self):
+            try:
+                CALLS[self.op]()
+                self.seen[self.op] = "taken"
+            except BusyError as exc:
+                self.seen[self.op] = ["BusyError", str(exc)]
+            except BaseException as exc:
+                self.seen[self.op] = [type(exc).__name__, str(exc)]
+
+    results = {}
+    for where, ops in WHERE.items():
+        for op in ops:
+            seen = {}
+            blocks, size = kv.num_blocks, other.stats().committed_bytes
+            before = state()
+            gc.disable()
+            Caller(op, seen)
+            INSIDE.append(gc.collect)
+            if where == "kv growth":
+                kv.ensure_blocks(blocks + 1)
+            else:
+                other.resize_per_segment_(size + G)
+            gc.enable()
+            grown = [kv.num_blocks - blocks, other.stats().committed_bytes - size]
+            committed = before[3] + (layouts.PAGE if where == "kv growth" else 0)
+            results[f"{op} in {where}"] = [seen.get(op), state() == [*before[:3], committed], grown]
+    kv.close()
+    other.close()
+    print(json.dumps({"results": results, "after": [driver.mem_info()[0], len(driver._mappings)]}))
+    """
+)
+
+
+def test_each_kv_buffer_operation_a_finalizer_makes_inside_a_growth_is_refused_and_changes_nothing():
+    out = run_child(KV_NESTED, "KV buffer operations from a finalizer inside a growth", timeout_s=30)
+    for case, (seen, unchanged, grown) in out["results"].items():
+        op, where = case.split(" in ")
+        inside = "an operation of this KV cache" if where == "kv growth" else "a driver call"
+        if op == "pin, unpin":  # their lock is free and they call no driver: they run, and leave no pin
+            assert (seen, unchanged, grown) == ("taken", True, [0, 4096]), (
+                f"ExtensibleKVCacheBuffers: pin and unpin from a finalizer inside {where}: expected both taken, the "
+                f"buffers as before and the growth whole, got {(seen, unchanged, grown)}"
+            )
+            continue
+        assert isinstance(seen, list) and seen[0] == "BusyError", (
+            f"ExtensibleKVCacheBuffers: {op} from a finalizer inside {where}: expected BusyError, got {seen!r}"
+        )
+        assert seen[1].startswith(f"{op} on ExtensibleKVCacheBuffers(1 buffer(s), ") and inside in seen[1], (
+            f"ExtensibleKVCacheBuffers: {op} from a finalizer inside {where}: expected the refusal to name the call, "
+            f"the buffers and {inside!r}, got {seen[1]!r}"
+        )
+        assert unchanged, f"ExtensibleKVCacheBuffers: {op} refused inside {where}: expected the buffers unchanged"
+        want = [1, 0] if where == "kv growth" else [0, 4096]
+        assert grown == want, (
+            f"ExtensibleKVCacheBuffers: the {where} with {op} refused inside it: expected it whole (blocks, bytes "
+            f"grown) {want}, got {grown}"
+        )
+    assert out["after"] == [1 << 20, 0], (
+        f"after closing everything: expected (free bytes, mappings) [1 MiB, 0], got {out['after']}"
     )

@@ -58,7 +58,11 @@ Note [One lock over records and native calls]
     ``cuMemSetAccess`` called after the lock was dropped, left ``cuMemSetAccess`` failing with
     CUDA_ERROR_ALREADY_MAPPED on later fresh mappings of the process, and 33 later rules of the same worker failed;
     the lock has covered ``cuMemSetAccess`` since. Each locked section is one line (Note [Locked sections are one
-    line] in ``reaper``) and runs inside ``reaper.busy()``, as on the host.
+    line] in ``reaper``) and runs inside ``reaper.busy()`` and this thread's mark for this driver, as on the host.
+
+Note [No use after fork] and Note [A call never waits on its own thread] in ``host`` hold here as written: every
+call checks its process first, before any lock (a CUDA context is not usable after fork either), and a call that
+takes the lock (``_LOCKING``) made by a thread already inside one is refused with ``DriverError`` naming it.
 
 Note [Every call is whole, even when interrupted]
     As on the host (the note of that name in ``host``), an exception may land on any line: each call does all of
@@ -73,6 +77,7 @@ Note [Every call is whole, even when interrupted]
 
 from __future__ import annotations
 
+import os
 import threading
 from itertools import starmap
 from typing import Any
@@ -82,9 +87,20 @@ import torch
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
 from ._device_array import DeviceArray
-from .records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
+from .records import (
+    check_entry,
+    check_free,
+    check_inside,
+    check_no_overlap,
+    check_one_mapping,
+    check_range,
+    mapped_parts,
+    thread_mark,
+)
 
 _OOM_NAMES = ("CUDA_ERROR_OUT_OF_MEMORY",)
+_LOCKING = frozenset({"reserve", "free", "create", "release", "map", "unmap", "set_access"})
+"""The calls that take the driver's lock: Note [A call never waits on its own thread] in ``host``."""
 
 
 def _bindings() -> Any:
@@ -134,6 +150,8 @@ class CudaDriver:
         torch.cuda.init()
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._marks = threading.local()  # Note [A call never waits on its own thread] in ``host``
+        self._pid = os.getpid()
         self._reservations: dict[int, int] = {}  # va -> size; Note [cuMem accepts what the protocol refuses]
         self._mappings: dict[int, int] = {}  # va -> size
         self._live: set[int] = set()  # handles created and not yet released: Note [cuMemMap takes a released handle]
@@ -157,25 +175,26 @@ class CudaDriver:
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def granularity(self) -> int:
+        self._enter("granularity")
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
-        check_range("reserve", size=size, alignment=alignment)
+        self._enter("reserve", size=size, alignment=alignment)
         got: list[tuple] = []
         try:  # given back unless returned: Note [Every call is whole, even when interrupted]
             va = int(self._native(got, "reserve", "cuMemAddressReserve", size, alignment, 0, 0))
-            with busy(), self._lock: self._reservations[va] = size  # fmt: skip
+            with busy(), thread_mark(self._marks), self._lock: self._reservations[va] = size  # fmt: skip
             return va
         except BaseException:
             if self._succeeded(got):
                 va = int(got[0][1])
-                with busy(), self._lock: self._reservations.pop(va, None)  # fmt: skip
+                with busy(), thread_mark(self._marks), self._lock: self._reservations.pop(va, None)  # fmt: skip
                 self._cu.cuMemAddressFree(va, size)
             raise
 
     def free(self, va: int, size: int) -> None:
-        check_range("free", va=va, size=size)
-        with busy(), self._lock: return self._free(va, size)  # fmt: skip
+        self._enter("free", va=va, size=size)
+        with busy(), thread_mark(self._marks), self._lock: return self._free(va, size)  # fmt: skip
 
     def _free(self, va: int, size: int) -> None:
         check_free(va, size, self._reservations.get(va) == size, self._mappings)
@@ -189,21 +208,22 @@ class CudaDriver:
             raise
 
     def create(self, size: int) -> int:
-        check_range("create", size=size)
+        self._enter("create", size=size)
         got: list[tuple] = []
         try:  # released unless returned: Note [Every call is whole, even when interrupted]
             handle = int(self._native(got, "create", "cuMemCreate", size, self._prop, 0))
-            with busy(), self._lock: self._live.add(handle)  # fmt: skip
+            with busy(), thread_mark(self._marks), self._lock: self._live.add(handle)  # fmt: skip
             return handle
         except BaseException:
             if self._succeeded(got):
                 handle = int(got[0][1])
-                with busy(), self._lock: self._live.discard(handle)  # fmt: skip
+                with busy(), thread_mark(self._marks), self._lock: self._live.discard(handle)  # fmt: skip
                 self._cu.cuMemRelease(handle)
             raise
 
     def release(self, handle: int) -> None:
-        with busy(), self._lock: return self._release(handle)  # fmt: skip
+        self._enter("release")
+        with busy(), thread_mark(self._marks), self._lock: return self._release(handle)  # fmt: skip
 
     def _release(self, handle: int) -> None:
         self._check_live("release", handle)
@@ -217,8 +237,8 @@ class CudaDriver:
             raise
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
-        check_range("map", va=va, size=size, offset=offset)
-        with busy(), self._lock: return self._map(va, size, handle, offset)  # fmt: skip
+        self._enter("map", va=va, size=size, offset=offset)
+        with busy(), thread_mark(self._marks), self._lock: return self._map(va, size, handle, offset)  # fmt: skip
 
     def _map(self, va: int, size: int, handle: int, offset: int) -> None:
         check_inside("map", va, size, self._reservations.items())
@@ -234,8 +254,8 @@ class CudaDriver:
             raise
 
     def unmap(self, va: int, size: int) -> None:
-        check_range("unmap", va=va, size=size)
-        with busy(), self._lock: return self._unmap(va, size)  # fmt: skip
+        self._enter("unmap", va=va, size=size)
+        with busy(), thread_mark(self._marks), self._lock: return self._unmap(va, size)  # fmt: skip
 
     def _unmap(self, va: int, size: int) -> None:
         check_one_mapping(va, size, self._mappings.get(va))
@@ -249,23 +269,25 @@ class CudaDriver:
             raise
 
     def set_access(self, va: int, size: int) -> None:
-        check_range("set_access", va=va, size=size)
-        with busy(), self._lock: return self._set_access(va, size)  # fmt: skip
+        self._enter("set_access", va=va, size=size)
+        with busy(), thread_mark(self._marks), self._lock: return self._set_access(va, size)  # fmt: skip
 
     def _set_access(self, va: int, size: int) -> None:
         mapped_parts(va, size, self._mappings.items())  # with the native call: Note [One lock over records and ...]
         self._call("set_access", "cuMemSetAccess", va, size, self._access, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
-        check_range("zero", va=va, size=size)
+        self._enter("zero", va=va, size=size)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._call("zero", "cuMemsetD8Async", va, 0, size, stream)
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        self._enter("tensor", va=va, size=nbytes)
         self._make_current()
         return torch.as_tensor(DeviceArray(va, nbytes, keeper), device=self.device)
 
     def accessible(self, va: int) -> bool:  # Note [accessible() probes unmapped addresses]
+        self._enter("accessible", va=va)
         self._make_current()
         err, flags = self._cu.cuMemGetAccess(self._access[0].location, va)
         if err != self._cu.CUresult.CUDA_SUCCESS:
@@ -273,13 +295,21 @@ class CudaDriver:
         return int(flags) == int(self._cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
 
     def synchronize(self) -> None:
+        self._enter("synchronize")
         torch.cuda.synchronize(self.device)
 
     def mem_info(self) -> tuple[int, int]:
+        self._enter("mem_info")
         free, total = self._call("mem_info", "cuMemGetInfo")
         return int(free), int(total)
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    def _enter(self, op: str, **values: int) -> None:
+        """What every call checks first, before any lock: its process, its thread (``records.check_entry``), its
+        values (``check_range``)."""
+        check_entry(op, self.name, self._pid, self._marks, op in _LOCKING, values)
+        check_range(op, **values)
+
     def _check_live(self, op: str, handle: int) -> None:
         """Refuse ``op`` on a handle that is not live here (released, or never made by this driver), before CUDA
         sees it (called with the lock held): Note [cuMemMap takes a released handle]."""

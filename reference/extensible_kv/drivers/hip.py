@@ -89,11 +89,17 @@ Note [Current device]
     HIP runtime calls act on the calling thread's current device (``hipMemAddressReserve`` reserves through it).
     Every call runs with ``ordinal`` current and restores the thread's previous device afterwards, so the driver
     neither depends on nor disturbs torch's choice of device on that thread.
+
+Note [No use after fork] and Note [A call never waits on its own thread] in ``host`` hold here as written: every
+call checks its process first, before any lock, and a call that takes the lock (``_LOCKING``) made by a thread
+already inside one is refused with ``DriverError`` naming it. Each locked section is one line inside
+``reaper.busy()`` and this thread's mark, as on the host (Note [Locked sections are one line] in ``reaper``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,13 +108,25 @@ from typing import Any
 import torch
 
 from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ..reaper import busy
 from ._device_array import DeviceArray
-from .records import check_free, check_inside, check_no_overlap, check_one_mapping, check_range, mapped_parts
+from .records import (
+    check_entry,
+    check_free,
+    check_inside,
+    check_no_overlap,
+    check_one_mapping,
+    check_range,
+    mapped_parts,
+    thread_mark,
+)
 
 HANDLE_CHUNK_BYTES = 256 << 20
 """Largest physical handle asked of HIP before rounding to the granularity; see Note [Chunked handles]."""
 
 _OOM_NAMES = ("hipErrorOutOfMemory", "hipErrorMemoryAllocation")
+_LOCKING = frozenset({"reserve", "free", "map", "unmap", "set_access"})
+"""The calls that take the driver's lock: Note [A call never waits on its own thread] in ``host``."""
 
 
 def _bindings() -> Any:
@@ -190,6 +208,8 @@ class HipDriver:
         self.device = torch.device("cuda", ordinal)  # torch's ROCm build names HIP devices "cuda"
         self._hip = hip = _bindings()
         self._lock = threading.Lock()
+        self._marks = threading.local()  # Note [A call never waits on its own thread] in ``host``
+        self._pid = os.getpid()
         self._reservations: dict[int, tuple[int, int, int]] = {}  # va -> (size, raw va, raw size)
         self._mappings: dict[int, int] = {}  # va -> size; Notes [Access per mapping], [Unmap per mapping]
         self._prop = self._allocation_prop()
@@ -210,10 +230,11 @@ class HipDriver:
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def granularity(self) -> int:
+        self._enter("granularity")
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:  # Note [Reserve alignment]
-        check_range("reserve", size=size, alignment=alignment)
+        self._enter("reserve", size=size, alignment=alignment)
         va = int(self._call("reserve", "hipMemAddressReserve", size, alignment, 0, 0))
         raw, raw_size = va, size
         if alignment > 1 and va % alignment:
@@ -221,63 +242,74 @@ class HipDriver:
             raw_size = size + alignment
             raw = int(self._call("reserve", "hipMemAddressReserve", raw_size, alignment, 0, 0))
             va = -(-raw // alignment) * alignment
-        with self._lock:
-            self._reservations[va] = (size, raw, raw_size)
+        with busy(), thread_mark(self._marks), self._lock: self._reservations[va] = (size, raw, raw_size)  # fmt: skip
         return va
 
     def free(self, va: int, size: int) -> None:
-        check_range("free", va=va, size=size)
-        with self._lock:  # records and native call together: a call from another thread sees both or neither
-            entry = self._reservations.get(va)
-            check_free(va, size, entry is not None and entry[0] == size, self._mappings)
-            _, raw, raw_size = entry
-            self._call("free", "hipMemAddressFree", raw, raw_size)
-            del self._reservations[va]
+        self._enter("free", va=va, size=size)
+        # records and native call together: a call from another thread sees both or neither
+        with busy(), thread_mark(self._marks), self._lock: return self._free(va, size)  # fmt: skip
+
+    def _free(self, va: int, size: int) -> None:
+        entry = self._reservations.get(va)
+        check_free(va, size, entry is not None and entry[0] == size, self._mappings)
+        _, raw, raw_size = entry
+        self._call("free", "hipMemAddressFree", raw, raw_size)
+        del self._reservations[va]
 
     def create(self, size: int) -> Any:
-        check_range("create", size=size)
+        self._enter("create", size=size)
         return self._call("create", "hipMemCreate", size, self._prop, 0)
 
     def release(self, handle: Any) -> None:
+        self._enter("release")
         self._call("release", "hipMemRelease", handle)
 
     def map(self, va: int, size: int, handle: Any, offset: int = 0) -> None:
-        check_range("map", va=va, size=size, offset=offset)
+        self._enter("map", va=va, size=size, offset=offset)
         if offset != 0:  # Note [hipMemMap offset]
             raise DriverError(
                 "map",
                 f"hipMemMap offset must be 0 on ROCm, got offset={offset} for "
                 f"[{va:#x}, +{size}); map whole handles (Note [hipMemMap offset])",
             )
-        with self._lock:
-            check_inside("map", va, size, ((r, entry[0]) for r, entry in self._reservations.items()))
-            check_no_overlap(va, size, self._mappings.items())
-            self._call("map", "hipMemMap", va, size, 0, handle, 0)
-            self._mappings[va] = size
+        with busy(), thread_mark(self._marks), self._lock: return self._map(va, size, handle)  # fmt: skip
+
+    def _map(self, va: int, size: int, handle: Any) -> None:
+        check_inside("map", va, size, ((r, entry[0]) for r, entry in self._reservations.items()))
+        check_no_overlap(va, size, self._mappings.items())
+        self._call("map", "hipMemMap", va, size, 0, handle, 0)
+        self._mappings[va] = size
 
     def unmap(self, va: int, size: int) -> None:  # Note [Unmap per mapping]
-        check_range("unmap", va=va, size=size)
-        with self._lock:
-            check_one_mapping(va, size, self._mappings.get(va))
-            self._call("unmap", "hipMemUnmap", va, size)
-            del self._mappings[va]
+        self._enter("unmap", va=va, size=size)
+        with busy(), thread_mark(self._marks), self._lock: return self._unmap(va, size)  # fmt: skip
+
+    def _unmap(self, va: int, size: int) -> None:
+        check_one_mapping(va, size, self._mappings.get(va))
+        self._call("unmap", "hipMemUnmap", va, size)
+        del self._mappings[va]
 
     def set_access(self, va: int, size: int) -> None:  # Note [Access per mapping]
-        check_range("set_access", va=va, size=size)
-        with self._lock:
-            parts = mapped_parts(va, size, self._mappings.items())
-            address = ctypes.addressof(self._access)
-            for lo, hi in parts:
-                self._call("set_access", "hipMemSetAccess", lo, hi - lo, address, len(self._access))
+        self._enter("set_access", va=va, size=size)
+        with busy(), thread_mark(self._marks), self._lock: return self._set_access(va, size)  # fmt: skip
+
+    def _set_access(self, va: int, size: int) -> None:
+        parts = mapped_parts(va, size, self._mappings.items())
+        address = ctypes.addressof(self._access)
+        for lo, hi in parts:
+            self._call("set_access", "hipMemSetAccess", lo, hi - lo, address, len(self._access))
 
     def zero(self, va: int, size: int) -> None:
-        check_range("zero", va=va, size=size)
+        self._enter("zero", va=va, size=size)
         self._call("zero", "hipMemsetD8Async", va, 0, size, self._current_stream())
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
+        self._enter("tensor", va=va, size=nbytes)
         return torch.as_tensor(DeviceArray(va, nbytes, keeper), device=self.device)
 
     def accessible(self, va: int) -> bool:
+        self._enter("accessible", va=va)
         hip = self._hip
         with self._on_device():
             err, flags = hip.hipMemGetAccess(ctypes.addressof(self._access[0].location), va)
@@ -286,13 +318,21 @@ class HipDriver:
         return int(flags) == int(hip.hipMemAccessFlags.hipMemAccessFlagsProtReadWrite)
 
     def synchronize(self) -> None:
+        self._enter("synchronize")
         self._call("synchronize", "hipDeviceSynchronize")
 
     def mem_info(self) -> tuple[int, int]:
+        self._enter("mem_info")
         free, total = self._call("mem_info", "hipMemGetInfo")
         return int(free), int(total)
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    def _enter(self, op: str, **values: int) -> None:
+        """What every call checks first, before any lock: its process, its thread (``records.check_entry``), its
+        values (``check_range``)."""
+        check_entry(op, self.name, self._pid, self._marks, op in _LOCKING, values)
+        check_range(op, **values)
+
     def _current_stream(self) -> int:
         """torch's current stream on the device, as the integer hipStream_t hip-python accepts."""
         return torch.cuda.current_stream(self.device).cuda_stream

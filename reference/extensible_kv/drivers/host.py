@@ -109,14 +109,14 @@ from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
 from ..reaper import busy
 from .records import (
     check_alignment,
+    check_entry,
     check_free,
     check_inside,
     check_no_overlap,
-    check_not_inside,
     check_one_mapping,
-    check_process,
     check_range,
     mapped_parts,
+    thread_mark,
 )
 
 MIB = 1 << 20
@@ -446,9 +446,9 @@ class HostDriver:
         return self._lock
 
     def _mark(self) -> threading.RLock:
-        """This thread's mark of being inside a call of this driver: Note [A call never waits on its own thread]. One
-        line, made or found: every call runs the same lines (the interrupt rules count them)."""
-        return getattr(self._marks, "mark", None) or self._marks.__dict__.setdefault("mark", threading.RLock())
+        """This thread's mark of being inside a call of this driver (``records.thread_mark``): Note [A call never
+        waits on its own thread]."""
+        return thread_mark(self._marks)
 
     def _drop_if_unused(self, handle: HostHandle) -> None:
         """Stop counting a handle's bytes once it is released and mapped nowhere, once (called with the lock held)."""
@@ -456,9 +456,8 @@ class HostDriver:
             self._held, handle.counted = self._held - handle.size, False
 
     def _check(self, op: str, **values: int) -> None:
-        check_process(op, self.name, self._pid)  # first, before any lock: Note [No use after fork]
-        if op in _LOCKING and getattr(self._marks, "mark", None) is not None and self._marks.mark._is_owned():
-            check_not_inside(op, self.name, values)  # Note [A call never waits on its own thread]
+        # First, before any lock: Notes [No use after fork], [A call never waits on its own thread].
+        check_entry(op, self.name, self._pid, self._marks, op in _LOCKING, values)
         check_range(op, **values)  # Note [Sizes are checked before ctypes]
 
     @staticmethod

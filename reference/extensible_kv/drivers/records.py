@@ -10,6 +10,7 @@ checks callers on its own, independently of any driver, and does not use these.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 
 from ..errors import DriverError
@@ -51,6 +52,22 @@ def check_not_inside(op: str, name: str, values: dict[str, int]) -> None:
         f"{name} driver: {op}({shown}) called by a thread already inside a call of this driver (a finalizer or a "
         f"signal handler run inside it); refused, nothing done: it would wait on the lock its own thread holds",
     )
+
+
+def thread_mark(marks: threading.local) -> threading.RLock:
+    """This thread's mark of being inside a call of one driver (``marks``: that driver's thread-local), made or found
+    in one line, so every call runs the same lines (the interrupt rules count them): Note [A call never waits on its
+    own thread] in ``host``. A locked section holds it around the driver's lock: ``with busy(), mark, lock:``."""
+    return getattr(marks, "mark", None) or marks.__dict__.setdefault("mark", threading.RLock())
+
+
+def check_entry(op: str, name: str, pid: int, marks: threading.local, locking: bool, values: dict[str, int]) -> None:
+    """What every call of the driver ``name`` checks first, before any lock: the process (``check_process``), and,
+    for a call that takes the driver's lock (``locking``), that this thread is not already inside a call of it
+    (``check_not_inside``; ``marks`` as ``thread_mark`` takes)."""
+    check_process(op, name, pid)
+    if locking and getattr(marks, "mark", None) is not None and marks.mark._is_owned():
+        check_not_inside(op, name, values)
 
 
 def check_alignment(alignment: int, granularity: int) -> None:
