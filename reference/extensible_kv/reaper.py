@@ -194,8 +194,12 @@ def _sweep_locked() -> None:
 def _after_collection(phase: str, info: dict) -> None:
     """``gc.callbacks``: at the end of a collection outside a section, the sweeps put off since the last whole sweep
     (Note [A put-off sweep is never lost]) and, at the end of a full one, the teardowns that did not finish (Note [A
-    failed teardown is owed to the next full collection])."""
-    if phase == "stop" and not _exiting and (_swept != _put_off or (_owed and info.get("generation") == 2)):
+    failed teardown is owed to the next full collection]). Inside a section (a sweep's own teardown included) it
+    does nothing: what it would cover is still uncovered, and counting it as a put-off sweep made a sweep whose
+    allocations start full collections (``gc.set_threshold(1, 1, 1)``) repeat forever."""
+    if phase != "stop" or _exiting or inside_section():  # what it would cover inside a section stays uncovered
+        return
+    if _swept != _put_off or (_owed and info.get("generation") == 2):
         sweep()
 
 

@@ -6,6 +6,7 @@ that dies inside another tensor's teardown is returned by the same sweep."""
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from collections.abc import Callable
 
@@ -145,3 +146,52 @@ def test_a_teardown_that_failed_outside_a_section_is_retried_by_the_next_full_co
         f"next full collection; still reserved: {left}"
     )
     assert len(reports) == 1, f"expected the failure reported once, got {reports}"
+
+
+class _CollectsInside(HostDriver):
+    """A host driver that runs a full collection inside every ``synchronize`` (so inside a teardown's section) and,
+    while ``refuse`` is set, refuses every ``unmap``."""
+
+    refuse = True
+
+    def synchronize(self) -> None:
+        gc.collect()
+        super().synchronize()
+
+    def unmap(self, va: int, size: int) -> None:
+        if self.refuse:
+            raise DriverError("unmap", "refused by the test's driver")
+        super().unmap(va, size)
+
+
+def test_a_sweep_ends_when_full_collections_end_inside_its_teardown(monkeypatch):
+    """Full collections that end inside a sweep's own teardown, whose driver keeps failing: the end-of-collection
+    hook must do nothing inside the section; counted as put-off sweeps, they made the sweep repeat forever
+    (``_after_collection`` in ``extensible_kv.reaper``). The failure is reported once, and the next full collection
+    after the driver recovers returns the memory."""
+    reports: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reports.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    host = _CollectsInside(granularity=G)
+    driver = Ledger(host)
+    doomed = _tensor(driver)
+    base = doomed.base_address
+
+    def too_long(signum: int, frame: object) -> None:
+        raise TimeoutError("the sweep did not end within 5 s")
+
+    handler = signal.signal(signal.SIGALRM, too_long)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 5)
+        del doomed  # its finalizer sweeps at once, outside any section; every unmap is refused
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
+    assert [r.split(":")[0] for r in reports] == ["DriverError"], (
+        f"host driver refusing every unmap, a full collection in every synchronize: expected the sweep to end with "
+        f"one DriverError reported, got {reports}"
+    )
+    host.refuse = False
+    gc.collect()
+    left = driver.outstanding().reservations
+    assert base not in left, f"expected {base:#x} back after the driver recovered and a full collection; {left}"
