@@ -681,7 +681,10 @@ class ProtocolModel:
         return ([(va, va + size)], []) if op == "reserve" else ([], [(va, va + size)])
 
     def _paint(self, va: int, nbytes: int, seed: int | None) -> None:
-        for m in self.mappings.values():
+        # In address order: a write goes from low to high addresses, so where two mappings inside the range alias
+        # one byte of a handle (map_many may map a granule of a handle already mapped beside it), the byte written
+        # last, through the higher address, is the one that stays.
+        for m in sorted(self.mappings.values(), key=lambda m: m.va):
             lo, hi = max(va, m.va), min(va + nbytes, m.end)
             if lo >= hi:
                 continue

@@ -76,6 +76,18 @@ Note [A checkpoint names a lineage]
 
         grow (1,2) | checkpoint@2 | release (7) | recommit (8) | rollback_to(@2): refused, 7 != 2
 
+    A checkpoint is also checked against the ones this tensor handed out (size, mapping count and step, by step
+    number), so a mark edited with ``dataclasses.replace`` is refused the same way.
+
+Note [A rollback never strands a view]
+    ``rollback_to`` unmaps the granules above its checkpoint's size. A segment view taken after the checkpoint
+    covers bytes up there, and a write through it after the rollback would fault (a SIGSEGV on the host driver, an
+    illegal address on CUDA), which is what ``close()`` refuses with ``BusyError`` for the whole tensor. So each
+    view's keeper records the bytes per segment it covers, and a rollback below that, while the view is alive after
+    a collection, is refused with ``BusyError`` and undoes nothing. Views taken before the checkpoint (what a KV
+    cache's users hold while ``ensure_blocks`` rolls a failed step back) cover no byte above it and never block
+    it; ``full_view`` is exempt, as touching uncommitted bytes through it is undefined already.
+
 Note [CUDA graphs do not keep memory alive]
     A captured CUDA graph holds raw addresses, not Python references. Growth never moves the base, so graphs
     captured over committed bytes stay valid after ``resize_per_segment_``; but a graph must not be replayed after
@@ -331,10 +343,11 @@ class Checkpoint:
 class _ViewKeeper:
     """Held by each view's storage; holds the tensor. Weakly tracked so ``close()`` can see live views."""
 
-    __slots__ = ("owner", "__weakref__")
+    __slots__ = ("owner", "reach", "__weakref__")
 
-    def __init__(self, owner: ExtensibleTensor) -> None:
+    def __init__(self, owner: ExtensibleTensor, reach: int) -> None:
         self.owner = owner
+        self.reach = reach  # the committed bytes per segment the view covers (Note [A rollback never strands a view])
 
 
 class ExtensibleTensor(Unshareable):
@@ -387,6 +400,7 @@ class ExtensibleTensor(Unshareable):
         self._op = "create"
         self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
         self._lineage = [next(_SERIALS)]  # Note [A checkpoint names a lineage]
+        self._marks: dict[int, tuple[int, int, int]] = {}  # the checkpoints handed out, by step: checked on return
         self._pins: list[str] = []
         self._views: weakref.WeakSet[_ViewKeeper] = weakref.WeakSet()
         sweep()
@@ -442,11 +456,19 @@ class ExtensibleTensor(Unshareable):
     def state(self) -> str:
         """``open``, ``released`` (``release_physical``), ``failed`` (a close, a rollback or a release did not finish:
         retry ``close()``) or ``closed``."""
+        self._notice_reclaimed()
         return self._state
 
     @property
     def closed(self) -> bool:
-        return self._state == "closed"
+        return self.state == "closed"
+
+    def _notice_reclaimed(self) -> None:
+        """A tensor whose memory the collector's finalizer already returned (the object resurrected by a user
+        ``__del__`` in its cycle) is closed: it holds no reservation and must hand out nothing."""
+        finalizer = getattr(self, "_finalizer", None)
+        if self._state != "closed" and finalizer is not None and not finalizer.alive:  # it ran: the reaper owns all
+            self._state, self._failure = "closed", "its memory was returned when the collector finalized it"
 
     @property
     def released(self) -> bool:
@@ -458,6 +480,7 @@ class ExtensibleTensor(Unshareable):
         with self._locked("stats", driver=False): return self._stats()  # one line: see reaper  # fmt: skip
 
     def _stats(self) -> TensorStats:
+        self._notice_reclaimed()
         if self._state == "closed":
             self._check_open("stats")
         memory = self._memory
@@ -610,7 +633,11 @@ class ExtensibleTensor(Unshareable):
         ``ExtensibleKVCacheBuffers.ensure_blocks`` does): valid until a release, a recommit or a rollback past it
         (Note [A checkpoint names a lineage])."""
         lineage = self._lineage
-        return Checkpoint(weakref.ref(self), self._per_segment, len(self._memory.mappings), len(lineage), lineage[-1])
+        mark = Checkpoint(weakref.ref(self), self._per_segment, len(self._memory.mappings), len(lineage), lineage[-1])
+        live = set(lineage)
+        self._marks = {k: v for k, v in self._marks.items() if k in live}
+        self._marks[mark.serial] = (mark.per_segment, mark.mappings, mark.depth)
+        return mark
 
     def rollback_to(self, mark: Checkpoint) -> list[str]:
         """Undo the growth steps made since ``mark`` (for callers that grow several tensors as one step); a tensor
@@ -628,15 +655,38 @@ class ExtensibleTensor(Unshareable):
         lineage = self._lineage
         if self._state != "open":
             return []
-        if len(lineage) < mark.depth or lineage[mark.depth - 1] != mark.serial:
+        fields = (mark.per_segment, mark.mappings, mark.depth, mark.serial)
+        if not all(type(v) is int for v in fields):
+            raise InvalidArgumentError(f"rollback_to a checkpoint with fields that are not ints: {mark!r}")
+        if not 1 <= mark.depth <= len(lineage) or lineage[mark.depth - 1] != mark.serial:
             raise InvalidArgumentError(
                 f"rollback_to a checkpoint of another lineage ({mark.per_segment} bytes per segment, step "
                 f"{mark.depth}): a release, a recommit or a rollback past it came since; the tensor keeps "
                 f"{self._per_segment} bytes per segment (Note [A checkpoint names a lineage])"
             )
+        if self._marks.get(mark.serial) != (mark.per_segment, mark.mappings, mark.depth):
+            raise InvalidArgumentError(
+                f"rollback_to a checkpoint this tensor did not hand out ({mark.per_segment} bytes per segment, "
+                f"{mark.mappings} mappings, step {mark.depth}): it keeps {self._per_segment} bytes per segment "
+                f"(Note [A checkpoint names a lineage])"
+            )
         if len(lineage) == mark.depth:  # no growth step since
             return []
+        self._refuse_stranding(mark.per_segment)
         return self._rollback(mark.mappings, mark.per_segment, mark.depth)
+
+    def _refuse_stranding(self, per_segment: int) -> None:
+        """Refuse a rollback to ``per_segment`` while a segment view over bytes above it is alive: Note [A rollback
+        never strands a view]."""
+        if any(k.reach > per_segment for k in self._views):
+            gc.collect()
+        beyond = sorted({k.reach for k in self._views if k.reach > per_segment})
+        if beyond:
+            raise BusyError(
+                f"rollback_to {per_segment} bytes per segment on {self!r} is refused: segment view(s) over "
+                f"{', '.join(map(str, beyond))} committed bytes per segment are alive and would be left on unmapped "
+                f"memory; drop them first (nothing was undone)"
+            )
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------
     def release_physical(self) -> None:
@@ -709,7 +759,7 @@ class ExtensibleTensor(Unshareable):
                 f"segment {index} (offset {start}, {self._per_segment} committed bytes) is "
                 f"not a whole number of {dtype} elements of {itemsize} bytes"
             )
-        return self._view(start, self._per_segment, dtype)
+        return self._view(start, self._per_segment, dtype, self._per_segment)
 
     def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not.
@@ -726,13 +776,13 @@ class ExtensibleTensor(Unshareable):
 
     def _full_view(self, dtype: torch.dtype) -> torch.Tensor:
         self._check_open("full_view")
-        return self._view(0, self._max_num_bytes, dtype)
+        return self._view(0, self._max_num_bytes, dtype, 0)  # past the committed bytes is undefined anyway
 
-    def _view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, reach: int) -> torch.Tensor:
         """A view of ``[offset, offset+nbytes)``; called with the lock held, so ``close()`` cannot run meanwhile."""
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self._driver.device)
-        keeper = _ViewKeeper(self)
+        keeper = _ViewKeeper(self, reach)
         with busy(): raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)  # one line  # fmt: skip
         self._views.add(keeper)
         return raw.view(dtype)
@@ -813,6 +863,7 @@ class ExtensibleTensor(Unshareable):
         return tuple(self._pins)
 
     def _check_open(self, op: str) -> None:
+        self._notice_reclaimed()
         if self._state == "released":
             raise ReleasedError(
                 f"{op} on a released ExtensibleTensor ({self._max_num_bytes} bytes, "
