@@ -126,6 +126,11 @@ class ExtensibleKVCacheBuffers(Unshareable):
             raise InvalidSizeError(f"max_num_blocks must be positive, got {max_num_blocks}")
         if not buffers:
             raise InvalidSizeError("ExtensibleKVCacheBuffers needs at least one buffer")
+        strays = [b for b in buffers if not isinstance(b, KVBuffer)]
+        if strays:
+            raise InvalidArgumentError(
+                f"ExtensibleKVCacheBuffers takes KVBuffer objects, got {type(strays[0]).__name__} {strays[0]!r}"
+            )
         names = [b.name for b in buffers]
         layer_names = [layer.name for b in buffers for layer in b.layers]
         for kind, seq in (("buffer", names), ("layer", layer_names)):
@@ -214,6 +219,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     def tensor(self, buffer: str) -> ExtensibleTensor:
         self._check_open("tensor", failed_too=False)
+        if not isinstance(buffer, str):
+            raise InvalidArgumentError(f"a buffer is named by a str, got {type(buffer).__name__} {buffer!r}")
         if buffer not in self._tensors:
             raise InvalidSizeError(f"unknown buffer {buffer!r}; buffers: {sorted(self._tensors)}")
         return self._tensors[buffer]
@@ -355,6 +362,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     def _layer(self, layer: str) -> list[tuple[torch.Tensor, int]]:
         self._check_open("layer views")
+        if not isinstance(layer, str):
+            raise InvalidArgumentError(f"a layer is named by a str, got {type(layer).__name__} {layer!r}")
         if layer not in self._views:
             raise InvalidSizeError(f"unknown layer {layer!r}; layers: {sorted(self._views)[:8]}")
         return self._views[layer]

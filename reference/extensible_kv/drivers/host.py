@@ -105,7 +105,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable
+from ..errors import DriverError, DriverOutOfMemory, DriverUnavailable, InvalidSizeError
 from ..reaper import busy
 from .records import (
     check_alignment,
@@ -209,12 +209,15 @@ class HostDriver:
         reason = probe()
         if reason:
             raise DriverUnavailable(reason)
-        if not isinstance(granularity, int) or granularity <= 0 or granularity % PAGE_BYTES:
-            raise ValueError(
+        if type(granularity) is not int or granularity <= 0 or granularity % PAGE_BYTES:
+            raise InvalidSizeError(
                 f"host granularity must be a positive multiple of the page size {PAGE_BYTES}, got {granularity!r}"
             )
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-            raise ValueError(f"host budget_bytes must be a positive int or None, got {budget_bytes!r}")
+        if budget_bytes is not None and (type(budget_bytes) is not int or not 0 < budget_bytes < 2**63):
+            raise InvalidSizeError(
+                f"host budget_bytes must be an int from 1 to 2**63 - 1, or None, got "
+                f"{type(budget_bytes).__name__} {budget_bytes!r}"
+            )
         self.name = name
         self._granularity = granularity
         self._total = budget_bytes or os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES  # Note [Host memory accounting]
