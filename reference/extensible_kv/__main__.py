@@ -138,10 +138,11 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if args.json:  # before any work (Note [An output is a regular file or a new path, checked first])
         outputs.output_file(args.json, option="--json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
+    driver = drivers.resolve(args.driver)  # a bad spec or a driver that cannot run: one line, before any backend
     reports = validate_many(
         args.backend,
         layouts,
-        driver=args.driver,
+        driver=driver,
         num_kv_heads=args.num_kv_heads,
         head_size=args.head_size,
         block_size=args.block_size,

@@ -83,13 +83,19 @@ def check_spec(spec: str) -> str:
     return spec
 
 
+BACKEND_FAULTS = (Exception, SystemExit, GeneratorExit)
+"""What a backend's own code may raise that is its failure, reported for that backend while the others are still
+checked: ``SystemExit`` too (a backend that calls ``sys.exit`` must not end the run silently, with nothing
+reported); a ``KeyboardInterrupt`` is the user's and ends the run."""
+
+
 def resolve_backend(spec: str) -> type:
     """A vLLM ``AttentionBackendEnum`` name (needs vllm) or ``module:Class``."""
     if ":" in check_spec(spec):
         module_name, _, attr = spec.partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), attr)
-        except Exception as exc:  # the module's own import may fail in any way
+        except BACKEND_FAULTS as exc:  # the module's own import may fail in any way
             raise BackendLoadError(f"backend {spec!r} could not be loaded: {exc}") from exc
         return cls
     try:
@@ -104,7 +110,7 @@ def resolve_backend(spec: str) -> type:
         )
     try:
         return AttentionBackendEnum[spec].get_class()
-    except Exception as exc:  # a backend module may fail to import on this machine (missing kernels)
+    except BACKEND_FAULTS as exc:  # a backend module may fail to import on this machine (missing kernels)
         raise BackendLoadError(f"vLLM backend {spec} does not import here: {type(exc).__name__}: {exc}") from exc
 
 
@@ -174,7 +180,7 @@ def validate_backend(
             report.shape, report.stride_order = layer.shape_of(1), layer.stride_order
             report.block_dim = block_dim = layer.block_dim  # each read asks the backend for its shape again
             report.page_size_bytes = page = layer.page_size_bytes()
-        except Exception as exc:  # the backend's own code: whatever it raises is its failure
+        except BACKEND_FAULTS as exc:  # the backend's own code: whatever it raises is its failure
             report.add("layout", False, f"{type(exc).__name__}: {exc}")
             return report
     if page <= 0:

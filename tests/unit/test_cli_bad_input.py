@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GOOD = "tests.unit._factories:KVFirstBackend"
 RAISING = "tests.unit.test_cli_bad_input:RaisingBackend"
 EMPTY = "tests.unit.test_cli_bad_input:EmptyBackend"
+EXITING = "tests.unit.test_cli_bad_input:ExitingBackend"
 
 
 class RaisingBackend:
@@ -27,6 +28,14 @@ class RaisingBackend:
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
         raise RuntimeError("no kernels for this head size")
+
+
+class ExitingBackend:
+    """A backend whose shape function calls ``sys.exit``: its failure, reported, never the end of the run."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        raise SystemExit(3)
 
 
 class EmptyBackend:
@@ -150,6 +159,18 @@ ROWS = {
         ("validate-backend", RAISING, GOOD, "--driver", "host-4k"),
         1,
         ("1 of 2 failed", "RaisingBackend/NHD", "RuntimeError: no kernels for this head size"),
+    ),
+    "backend_shape_exits": (
+        {},
+        ("validate-backend", EXITING, GOOD, "--driver", "host-4k"),
+        1,
+        ("1 of 2 failed", "ExitingBackend/NHD", "SystemExit: 3"),
+    ),
+    "validate_backend_unknown_driver": (
+        {},
+        ("validate-backend", GOOD, "--driver", "cud"),
+        2,
+        ("unknown driver 'cud'", "host-4k"),
     ),
     "backend_shape_empty": (
         {},
