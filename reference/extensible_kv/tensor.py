@@ -466,8 +466,7 @@ class ExtensibleTensor(Unshareable):
     def _notice_reclaimed(self) -> None:
         """A tensor whose memory the collector's finalizer already returned (the object resurrected by a user
         ``__del__`` in its cycle) is closed: it holds no reservation and must hand out nothing."""
-        finalizer = getattr(self, "_finalizer", None)
-        if self._state != "closed" and finalizer is not None and not finalizer.alive:  # it ran: the reaper owns all
+        if self._state != "closed" and self._memory.owner() is None:  # weakrefs die with the cycle: the reaper owns it
             self._state, self._failure = "closed", "its memory was returned when the collector finalized it"
 
     @property

@@ -36,7 +36,7 @@ BAD_CLI = {
     ),
     "bad_driver": (
         ("validate-backend", "tests.unit._factories:KVFirstBackend", "--driver", "nope"),
-        1,
+        2,
         "unknown driver 'nope'",
     ),
 }
