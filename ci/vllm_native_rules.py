@@ -23,19 +23,25 @@ from pathlib import Path
 DRIVER = "vllm"
 STEPS = (  # (step, junit XML, rules JSON, conformance summary)
     ("check-driver vllm", "junit-driver.xml", "rules-driver.json", "conformance-vllm.json"),
-    ("tensor rules, --tensor vllm", "junit-tensor.xml", "rules-tensor.json", "conformance-vllm-tensor.json"),
+    ("tensor rules, --tensor vllm", "junit-tensor*.xml", "rules-tensor.json", "conformance-vllm-tensor.json"),
 )
 OUTCOMES = ("passed", "failed", "not held", "skipped")
 
 
 def rules(xml_path: Path) -> list[dict]:
-    """One entry per rule of the junit XML at ``xml_path`` (Note [A rule is one entry])."""
+    """One entry per rule of the junit XML at ``xml_path``, or of every file its name matches when it is a pattern
+    (one process per rule file: ``ci/vllm_native_check.sh``) (Note [A rule is one entry])."""
+    paths = sorted(xml_path.parent.glob(xml_path.name)) if "*" in xml_path.name else [xml_path]
+    cases = []
     try:
-        root = ET.parse(xml_path).getroot()
+        if not paths:
+            raise OSError(f"no junit XML matches {xml_path}")
+        for path in paths:
+            cases.extend(ET.parse(path).getroot().iter("testcase"))
     except (OSError, ET.ParseError) as exc:
         return [{"test": None, "outcome": "not run", "reason": str(exc)}]
     found: dict[str, dict] = {}
-    for case in root.iter("testcase"):
+    for case in cases:
         outcome, reason = "passed", None
         for kind in ("failure", "error", "skipped"):
             el = case.find(kind)

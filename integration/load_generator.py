@@ -30,6 +30,7 @@ KINDS = (
     "max_len_prompts",
     "decode_to_max_len",
     "shared_prefix",
+    "cached_prefix_new_chunks",
     "repeat",
     "long_prompts_twice",
     "preemption",
@@ -101,6 +102,11 @@ def _burst(kind: str, rng: random.Random, s: Shape, history: list[Burst], out: i
             tail = _tokens(rng, rng.randint(min(1, L - 1 - len(prefix)), max(0, min(8, L - 1 - len(prefix)))), V)
             reqs.append(Request(prefix + tail, rng.randint(1, max(1, min(out, L - len(prefix) - len(tail))))))
         return reqs, 1
+    if kind == "cached_prefix_new_chunks":  # a cached prefix, then new chunks of any length up to the rest
+        prefix = _tokens(rng, rng.randint(max(1, L // 4), max(1, L // 2)), V)
+        room = L - 1 - len(prefix)
+        reqs = [Request(prefix + _tokens(rng, rng.randint(min(1, room), room), V), 1) for _ in range(S)]
+        return reqs, 2  # the first pass caches the prefix, the second prefills every chunk over it
     if kind == "repeat" and history:  # an earlier burst's prompts again: whole-prompt hits
         earlier = rng.choice(history)
         return [Request(list(r.prompt), r.max_tokens) for r in earlier.requests], 1

@@ -46,6 +46,9 @@ def test_two_hundred_bursts_reach_every_extreme():
     shared = next(b for b in bursts if b.kind == "shared_prefix")
     prefix = len(_common_prefix([r.prompt for r in shared.requests]))
     assert prefix >= L // 2 and all(len(r.prompt) - prefix <= 8 for r in shared.requests)
+    chunks = [b for b in bursts if b.kind == "cached_prefix_new_chunks"]
+    spread = [len(r.prompt) - len(_common_prefix([r.prompt for r in b.requests])) for b in chunks for r in b.requests]
+    assert all(b.passes == 2 for b in chunks) and min(spread) <= 8 and max(spread) >= L // 3
     assert any(b.passes == 2 and min(len(r.prompt) for r in b.requests) >= 0.7 * L for b in bursts)
     assert any(len(b.requests) >= 4 * S and min(len(r.prompt) for r in b.requests) >= L // 2 for b in bursts)
     sleeps = [b.sleep_level for b in bursts if b.sleep_level is not None]
