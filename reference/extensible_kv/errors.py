@@ -92,5 +92,12 @@ class CommitError(ExtensibleKVError, RuntimeError):
         super().__init__(message)
 
 
+class ShrinkError(CommitError):
+    """A shrink step (``shrink_per_segment_``) failed at a driver call. ``committed`` is the size per segment the
+    tensor kept (the old one: nothing was unmapped) and ``requested`` the size asked; when the failure came after the
+    step had started unmapping, the tensor is ``failed`` instead and ``close()`` returns everything (the message
+    says which). The driver's error is the ``__cause__``."""
+
+
 class CommitOutOfMemory(CommitError, MemoryError):
     """A growth step was refused by the driver for lack of memory (see ``CommitError``)."""

@@ -1,4 +1,5 @@
-"""Granule arithmetic for lockstep segments: which granules back a committed size, and what a growth step adds.
+"""Granule arithmetic for lockstep segments: which granules back a committed size, what a growth step adds and what a
+shrink releases.
 
 A reservation of ``num_segments * segment_bytes`` bytes is divided into equal segments; committing ``c`` bytes per
 segment backs the byte ranges ``[i * segment_bytes, i * segment_bytes + c)``. Physical memory comes in granules of
@@ -78,6 +79,23 @@ def new_granule_runs(segment_bytes: int, num_segments: int, old: int, new: int, 
     return subtract(
         backed_granules(segment_bytes, num_segments, new, granularity),
         backed_granules(segment_bytes, num_segments, old, granularity),
+    )
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The parts of intervals ``a`` also covered by intervals ``b`` (both sorted and disjoint)."""
+    return subtract(a, subtract(a, b))
+
+
+def released_granule_runs(
+    segment_bytes: int, num_segments: int, old: int, new: int, granularity: int
+) -> list[Interval]:
+    """Contiguous runs of granules that a shrink from ``old`` to ``new`` bytes per segment unmaps: those backing
+    ``old`` and not ``new`` (a granule still holding a byte below ``new`` in any segment stays). Growing back from
+    ``new`` to ``old`` maps exactly these (``new_granule_runs(..., new, old, ...)``)."""
+    return subtract(
+        backed_granules(segment_bytes, num_segments, old, granularity),
+        backed_granules(segment_bytes, num_segments, new, granularity),
     )
 
 

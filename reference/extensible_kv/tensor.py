@@ -6,6 +6,9 @@ mapped in granules (the driver's granularity); each growth step maps one handle 
 (split only where the driver caps handle size) and grants access once per run, so growing by 32 GiB is a handful
 of driver calls, not one per 2 MiB. A granule that straddles a segment boundary is mapped once.
 
+``shrink_per_segment_`` gives the granules above a smaller size back, keeping the base, the reservation and the
+bytes below it (Note [A shrink unmaps whole mappings]).
+
 A growth step is all-or-nothing: if a driver call fails, or any exception lands before the step returns, everything
 the step mapped is unmapped and released, the tensor keeps its previous size and stays usable, and ``CommitError``
 names the operation and the sizes (other exceptions, KeyboardInterrupt included, are re-raised as they are).
@@ -88,6 +91,28 @@ Note [A rollback never strands a view]
     cache's users hold while ``ensure_blocks`` rolls a failed step back) cover no byte above it and never block
     it; ``full_view`` is exempt, as touching uncommitted bytes through it is undefined already.
 
+Note [A shrink unmaps whole mappings]
+    ``shrink_per_segment_`` gives back the granules no kept byte touches (``granules.released_granule_runs``): a
+    granule straddling a segment boundary, or holding bytes below the new size, stays. Drivers unmap only whole
+    mappings (P-unmap) and CUDA maps only whole handles, so a mapping with kept and released granules is split: a new
+    handle per kept chunk is created and its bytes copied aside first (the prepare half: nothing mapped changes, and
+    any exception there, a driver's failure or an interrupt, releases the new handles and keeps the old size), then
+    the dropped and split mappings are unmapped, the new handles mapped at the same addresses and the bytes copied
+    back. An exception after the first unmap leaves the tensor ``failed`` (``close()`` returns everything); a
+    driver's failure is ``ShrinkError`` naming the operation. Growing back maps exactly the released granules.
+
+        one mapping [g0 g1 g2 g3], keep 1.5 granules -> new handle [g0 g1] (bytes copied), g2 g3 returned
+
+    Refused before anything changes while a segment view or a ``pin`` reaches past the new size (as a rollback is:
+    Note [A rollback never strands a view]); a pin reaches the size committed when it was taken.
+
+Note [A shrink is a new lineage]
+    A shrink unmaps mappings a checkpoint counted and maps new ones, as a release and a recommit do, so it starts a
+    fresh lineage: ``rollback_to`` a checkpoint taken before it is refused with ``InvalidArgumentError`` and changes
+    nothing (Note [A checkpoint names a lineage]); a checkpoint taken after it rolls back growth as before.
+
+        grow (1,2) | checkpoint@2 | shrink (9) | grow (10) | rollback_to(@2): refused | checkpoint@10: valid
+
 Note [CUDA graphs do not keep memory alive]
     A captured CUDA graph holds raw addresses, not Python references. Growth never moves the base, so graphs
     captured over committed bytes stay valid after ``resize_per_segment_``; but a graph must not be replayed after
@@ -123,6 +148,7 @@ from .errors import (
     ProtocolViolation,
     ReleasedError,
     SegmentIndexError,
+    ShrinkError,
 )
 from .reaper import Owned, busy, disown, inside_section, own, sweep
 
@@ -402,6 +428,7 @@ class ExtensibleTensor(Unshareable):
         self._lineage = [next(_SERIALS)]  # Note [A checkpoint names a lineage]
         self._marks: dict[int, tuple[int, int, int]] = {}  # the checkpoints handed out, by step: checked on return
         self._pins: list[str] = []
+        self._pin_reach: list[int] = []  # the committed bytes per segment each pin saw: Note [A shrink ...]
         self._views: weakref.WeakSet[_ViewKeeper] = weakref.WeakSet()
         sweep()
         # Owned first, then reserved into: Note [Memory is owned from before it exists] in ``reaper``.
@@ -589,6 +616,152 @@ class ExtensibleTensor(Unshareable):
             for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
                 driver.zero(memory.base + lo, hi - lo)
 
+    # -- shrink ------------------------------------------------------------------------------------------------
+    def shrink_per_segment_(self, nbytes: int) -> ExtensibleTensor:
+        """Shrink every segment's committed prefix to ``nbytes`` bytes and give back the granules above it; return
+        ``self``. Bytes below ``nbytes`` keep their values; the base address and the reservation stay. ``0`` releases
+        every granule and leaves the tensor open at 0 bytes; the current size is a no-op. Growth after it maps fresh
+        granules (zeroed with ``zero_new``). Refused, nothing changed: ``InvalidSizeError`` (not an int, negative,
+        above the current size, misaligned), ``ReleasedError``/``FailedStateError``/``ClosedError`` unless open,
+        ``BusyError`` while a segment view or a ``pin`` reaches past ``nbytes`` (``full_view`` never blocks).
+        Checkpoints taken before it are of another lineage (Note [A shrink is a new lineage]). All or nothing: Note
+        [A shrink unmaps whole mappings]."""
+        nbytes = _check_int("nbytes", nbytes)
+        with self._locked("shrink_per_segment_"): return self._shrink_checked(nbytes)  # one line  # fmt: skip
+
+    def _shrink_checked(self, nbytes: int) -> ExtensibleTensor:
+        self._check_open("shrink_per_segment_")
+        old = self._per_segment
+        if nbytes < 0:
+            raise InvalidSizeError(f"shrink_per_segment_ needs a non-negative size, got nbytes={nbytes}")
+        if nbytes > old:
+            raise InvalidSizeError(
+                f"shrink_per_segment_({nbytes}) on a tensor at {old} bytes per segment: a shrink cannot grow "
+                f"(use resize_per_segment_)"
+            )
+        if nbytes % self._alignment:
+            raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment={self._alignment}")
+        pinned = [f"{h} (at {r})" for h, r in zip(self._pins, self._pin_reach) if r > nbytes]
+        if pinned:
+            raise BusyError(
+                f"shrink_per_segment_({nbytes}) on {self!r} is refused: {', '.join(pinned)} registered views of "
+                f"the committed bytes per segment and would be left on unmapped memory; nothing was released"
+            )
+        if any(k.reach > nbytes for k in self._views):
+            gc.collect()
+        beyond = sorted({k.reach for k in self._views if k.reach > nbytes})
+        if beyond:
+            raise BusyError(
+                f"shrink_per_segment_({nbytes}) on {self!r} is refused: segment view(s) over "
+                f"{', '.join(map(str, beyond))} committed bytes per segment are alive and would be left on unmapped "
+                f"memory; drop them first (nothing was released)"
+            )
+        return self._shrink(old, nbytes) if nbytes < old else self
+
+    def _shrink_plan(self, new: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]]]:
+        """The mappings a shrink to ``new`` unmaps whole (``(va, size)``) and those it splits (``(va, size, kept
+        granule runs)``): Note [A shrink unmaps whole mappings]."""
+        g, base = self._granularity, self._memory.base
+        kept = granules.backed_granules(self._segment_bytes, self._num_segments, new, g)
+        drops, splits = [], []
+        for va, size in self._memory.mappings:
+            run = [((va - base) // g, (va - base + size) // g)]
+            parts = granules.intersect(run, kept)
+            if not parts:
+                drops.append((va, size))
+            elif parts != run:
+                splits.append((va, size, parts))
+        return drops, splits
+
+    def _shrink(self, old: int, new: int) -> ExtensibleTensor:
+        """One shrink step: prepare (new handles for the kept parts of split mappings, their bytes copied aside),
+        then unmap, map the new handles and copy back. Until the first unmap an exception of any kind leaves the old
+        size and everything mapped; after it, the tensor is ``failed`` (Note [A shrink unmaps whole mappings])."""
+        memory, lineage, before = self._memory, self._lineage, list(self._memory.mappings)
+        drops, splits = self._shrink_plan(new)
+        failure = f"shrinking from {old} to {new} bytes per segment did not finish"
+        self._op = "create"
+        try:
+            with busy(): parts = self._shrink_prepare(splits)  # one line: see reaper  # fmt: skip
+            self._state, self._failure, self._per_segment, self._lineage = "failed", failure, new, [next(_SERIALS)]
+            with busy(): self._shrink_apply(drops, splits, parts)  # one line: see reaper  # fmt: skip
+            sweep()  # what a collection inside the step left to the reaper: Note [Finalizers never wait ...]
+            self._state = "open"
+            return self
+        except BaseException as exc:
+            if self._state == "open" and self._per_segment == new:  # the step was done: it stays done
+                raise
+            with busy(): problems = self._shrink_abort()  # one line: see reaper  # fmt: skip
+            intact = memory.mappings == before and not memory.uncertain()
+            if intact:
+                self._state, self._per_segment, self._lineage = "open", old, lineage  # one step
+            if not isinstance(exc, DriverError):
+                raise
+            kept = f"kept {old} bytes per segment" if intact else "the tensor is failed: close() returns the rest"
+            detail = f"; undoing also failed: {'; '.join(problems)}" if problems else ""
+            raise ShrinkError(
+                f"shrinking {self._driver.name} ExtensibleTensor from {old} to {new} bytes per segment "
+                f"({self._num_segments} segment(s)) failed at {self._op}: {exc}; {kept}{detail}",
+                operation=self._op,
+                requested=new,
+                committed=old if intact else 0,
+            ) from exc
+
+    def _shrink_prepare(self, splits: list[tuple[int, int, list]]) -> list[tuple[int, int, object, torch.Tensor]]:
+        """Create a handle per kept chunk of every split mapping and copy its bytes aside (inside ``busy()``);
+        nothing mapped changes. Each handle is on record from the line that creates it."""
+        driver, g, memory = self._driver, self._granularity, self._memory
+        cap = driver.max_handle_bytes
+        max_granules = max(cap // g, 1) if cap else None
+        parts = []
+        if splits:
+            driver.synchronize()
+        for _, _, kept in splits:
+            for lo, hi in kept:
+                for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
+                    va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
+                    self._op = "create"
+                    handle = memory.create(size)
+                    self._op = "copy"
+                    parts.append((va, size, handle, driver.tensor(va, size, None).clone()))
+        return parts
+
+    def _shrink_apply(self, drops: list, splits: list, parts: list) -> None:
+        """Unmap the dropped and split mappings (the device synchronized first, highest first), map the kept chunks'
+        new handles, grant access, copy their bytes back and release the handles (inside ``busy()``)."""
+        driver, memory = self._driver, self._memory
+        self._op = "synchronize"
+        driver.synchronize()
+        for va, size in sorted([*drops, *((va, size) for va, size, _ in splits)], reverse=True):
+            self._op = "unmap"
+            memory.unmap(va, size)
+        for va, size, handle, _ in parts:
+            self._op = "map"
+            memory.map(va, size, handle)
+        for va, size, handle, saved in parts:
+            self._op = "set_access"
+            driver.set_access(va, size)
+            self._op = "copy"
+            driver.tensor(va, size, None).copy_(saved)
+        for va, size, handle, _ in parts:
+            self._op = "release"
+            memory.release(handle)  # the mapping keeps the memory alive
+
+    def _shrink_abort(self) -> list[str]:
+        """Settle the intent and release every handle on record not yet released (a prepared handle, mapped or
+        not); what a failed shrink left mapped stays for ``close()``. Returns what could not be undone."""
+        memory, problems = self._memory, []
+        try:
+            memory.settle()
+        except _REFUSED as exc:
+            problems.append(f"{exc}")
+        for handle in reversed(list(memory.handles)):
+            try:
+                memory.release(handle)
+            except _REFUSED as exc:
+                problems.append(f"release: {exc}")
+        return problems
+
     def _rollback(self, count: int, old: int, depth: int | None = None) -> list[str]:
         """Set the size back to ``old`` and undo what was made since the memory held ``count`` mappings: settle the
         intent, unmap (newest first), release the handles not yet released. The tensor is ``failed`` until that is
@@ -660,7 +833,7 @@ class ExtensibleTensor(Unshareable):
         if not 1 <= mark.depth <= len(lineage) or lineage[mark.depth - 1] != mark.serial:
             raise InvalidArgumentError(
                 f"rollback_to a checkpoint of another lineage ({mark.per_segment} bytes per segment, step "
-                f"{mark.depth}): a release, a recommit or a rollback past it came since; the tensor keeps "
+                f"{mark.depth}): a release, a recommit, a shrink or a rollback past it came since; the tensor keeps "
                 f"{self._per_segment} bytes per segment (Note [A checkpoint names a lineage])"
             )
         if self._marks.get(mark.serial) != (mark.per_segment, mark.mappings, mark.depth):
@@ -847,14 +1020,18 @@ class ExtensibleTensor(Unshareable):
         if not isinstance(holder, str) or not holder:
             raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
         self._check_open("pin")
-        self._pins.append(holder)
+        self._pins, self._pin_reach = [*self._pins, holder], [*self._pin_reach, self._per_segment]  # one step
 
     def unpin(self, holder: str) -> None:
         """Drop one registration of ``holder`` (``pin``); one that is not there is refused with
         ``InvalidArgumentError``."""
         if holder not in self._pins:
             raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {self._pins}")
-        self._pins.remove(holder)
+        i = self._pins.index(holder)
+        self._pins, self._pin_reach = (
+            self._pins[:i] + self._pins[i + 1 :],
+            self._pin_reach[:i] + self._pin_reach[i + 1 :],
+        )
 
     @property
     def pinned_by(self) -> tuple[str, ...]:
