@@ -16,7 +16,8 @@ with ``FailedStateError``, no block counts as committed, and ``close()`` retried
 after ``release_physical()`` (sleep mode: every buffer's pages released, reservations and the block count kept; views
 and growth refused with ``ReleasedError`` until ``recommit_physical()``, which maps zeroed pages back at the same
 addresses in every buffer as one step: on any exception the buffers recommitted in it are released again);
-``closed``.
+``closed``. ``shrink_blocks(n)`` gives the blocks above ``n`` back in every buffer as one step (Note [A shrink of the
+KV buffers is one step]).
 A growth step is interrupt-safe as each buffer's is: the block count is set inside the step's ``try`` and every
 buffer grown in it is retracted on any exception before it returns.
 
@@ -30,6 +31,16 @@ Note [A registration pins the committed blocks]
 
         pin("KV connector X") at 40 blocks -> ensure_blocks(40): 40 | ensure_blocks(41): BusyError
                                            -> release_physical(): BusyError, nothing released
+
+Note [A shrink of the KV buffers is one step]
+    ``shrink_blocks(n)`` shrinks every buffer to ``n`` blocks or none: each buffer's shrink is all-or-nothing
+    (Note [A shrink unmaps whole mappings] in ``tensor``), and when one fails (a driver error, an interrupt) the
+    buffers already shrunk in the step are grown back to the old count, zeroed above ``n`` (their released bytes
+    are gone), as ``ensure_blocks`` retracts a failed growth. A buffer that cannot grow back, or one left
+    ``failed`` by its own shrink, leaves the buffers ``failed``: ``close()`` returns everything. A pin refuses a
+    shrink below the count it saw (its views reach those blocks), before anything changes.
+
+        [A 40 | B 40] shrink_blocks(8): A -> 8, B fails -> A grown back to 40 (blocks 8..39 zeroed), B at 40
 
 Forks and finalizers, as for the tensor (Notes [Forked children] and [Operations never wait on themselves] in
 ``tensor``): in a forked child every call but ``close()`` is refused with the driver's ``DriverError``
@@ -159,6 +170,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._max_num_blocks = max_num_blocks
         self._num_blocks = 0
         self._closed = False
+        self._mixed = ""  # why the buffers' block counts disagree (Note [A shrink of the KV buffers is one step])
         self._pid = os.getpid()
         self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
         self._pins: dict[str, int] = {}  # holder -> the block count it registered
@@ -205,7 +217,9 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if self._closed:
             return "closed" if all(t.closed for t in tensors) else "failed"
         states = {t.state for t in tensors}
-        if "failed" in states or states >= {"open", "released"}:  # part released, part open: nothing to resume
+        if (
+            self._mixed or "failed" in states or states >= {"open", "released"}
+        ):  # part released, part open: nothing to resume
             return "failed"
         return "released" if "released" in states else "open"  # a buffer closed underneath: its own ClosedError
 
@@ -266,6 +280,60 @@ class ExtensibleKVCacheBuffers(Unshareable):
             for t, mark in reversed(marks):  # the failed tensor rolled itself back: retracting it is a no-op
                 t.rollback_to(mark)  # what it could not undo leaves it (and so these buffers) failed
             raise
+
+    # -- shrink ------------------------------------------------------------------------------------------------
+    def shrink_blocks(self, num_blocks: int) -> int:
+        """Shrink every segment of every buffer to blocks ``[0, num_blocks)`` as one step and give the granules above
+        back; return the bytes released (backed bytes before minus after, over every buffer). Blocks below
+        ``num_blocks`` keep their bytes and every address stays; ``ensure_blocks`` grows back (zeroed). ``0`` releases
+        everything and stays open; the committed count is a no-op returning 0. Refused, nothing changed:
+        ``InvalidSizeError`` (not an int, negative, above the committed count), ``ReleasedError`` while released,
+        ``BusyError`` while a ``pin`` saw blocks at or above ``num_blocks`` (Note [A shrink of the KV buffers is one
+        step]).
+        """
+        num_blocks = _check_int("num_blocks", num_blocks)
+        if num_blocks < 0:
+            raise InvalidSizeError(f"shrink_blocks needs a non-negative block count, got num_blocks={num_blocks}")
+        with self._locked("shrink_blocks"): return self._shrink(num_blocks)  # one line: see reaper  # fmt: skip
+
+    def _shrink(self, num_blocks: int) -> int:
+        self._check_open("shrink_blocks")
+        old = self._num_blocks
+        if num_blocks > old:
+            raise InvalidSizeError(
+                f"shrink_blocks({num_blocks}) on KV buffers at {old} blocks: a shrink cannot grow (use ensure_blocks)"
+            )
+        held = [f"{holder} (at {n} blocks)" for holder, n in self._pins.items() if n > num_blocks]
+        if held:
+            raise BusyError(
+                f"shrink_blocks({num_blocks}) on KV buffers at {old} blocks is refused: {', '.join(held)} registered "
+                f"views of the blocks it would release; nothing was released (Note [A registration pins the "
+                f"committed blocks])"
+            )
+        if num_blocks == old:
+            return 0
+        before = sum(t.stats().backed_bytes for t in self._tensors.values())
+        done = []
+        try:
+            for b in self._buffers:
+                t = self._tensors[b.name]
+                t.shrink_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments))
+                done.append((b, t))
+            self._num_blocks = num_blocks
+        except BaseException:
+            self._num_blocks = old
+            for b, t in reversed(done):  # the failed buffer kept its old size or is failed itself
+                self._regrow(b, t, old)
+            raise
+        return before - sum(t.stats().backed_bytes for t in self._tensors.values())
+
+    def _regrow(self, b: KVBuffer, t: ExtensibleTensor, num_blocks: int) -> None:
+        """Grow ``t`` back to ``num_blocks`` after a failed shrink step; one that cannot leaves the buffers
+        ``failed`` (their block counts no longer agree)."""
+        try:
+            t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments))
+        except Exception as exc:  # the step's own exception is the one raised; this one is named in the state
+            self._mixed = f"buffer {b.name} could not grow back to {num_blocks} blocks after a failed shrink: {exc}"
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------
     def release_physical(self) -> None:
@@ -456,7 +524,11 @@ class ExtensibleKVCacheBuffers(Unshareable):
             )
         if state == "failed" and failed_too:
             failed = [name for name, t in self._tensors.items() if t.state == "failed"]
-            what = "close() did not finish" if self._closed else f"buffer(s) {failed} could not undo a growth step"
+            what = (
+                "close() did not finish"
+                if self._closed
+                else self._mixed or f"buffer(s) {failed} could not undo a growth or shrink step"
+            )
             raise FailedStateError(
                 f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "
                 f"max_num_blocks={self._max_num_blocks}): {what}; retry close() to return the "
