@@ -269,11 +269,13 @@ def matrix(session: nox.Session) -> None:
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check with the settings in pyproject.toml (line length 120; the one-line locked
-    sections the formatter leaves alone are explained there). ruff is pinned: its style changes between releases."""
+    sections the formatter leaves alone are explained there), then mypy on the runtime package (`[tool.mypy]`: in a
+    venv of mypy alone, torch and vLLM are Any). ruff and mypy are pinned: their verdicts change between releases."""
     if session.venv_backend != "none":
-        session.install("ruff==0.17.6")
+        session.install("ruff==0.17.6", "mypy==2.4.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
 
 
 @nox.session(venv_backend="virtualenv", tags=["cpu", "cuda", "rocm"])

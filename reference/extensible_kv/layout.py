@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -269,11 +270,14 @@ def buffer_segments(layers: Sequence[Layer], page_size_bytes: int, num_blocks: i
             for view, block_dim in zip(layer.views(raw, num_blocks), layer.block_dims()):
                 yield layer.name, view, block_dim
 
-    return agreed_segments(views(), nbytes)
+    segments = agreed_segments(views(), nbytes)
+    if segments is None:
+        raise LayoutError(f"no layer of {', '.join(layer.name for layer in layers)} has a view of the buffer")
+    return segments
 
 
 # -- vLLM backends ----------------------------------------------------------------------------------------------------
-def backend_stride_order(backend: type) -> tuple[int, ...] | None:
+def backend_stride_order(backend: type[Any]) -> tuple[int, ...] | None:
     """``backend.get_kv_cache_stride_order()``, or ``None`` where the backend has none (identity, as in vLLM)."""
     try:
         return tuple(backend.get_kv_cache_stride_order())
@@ -283,7 +287,7 @@ def backend_stride_order(backend: type) -> tuple[int, ...] | None:
 
 def attention_layer(
     name: str,
-    backend: type,
+    backend: type[Any],
     *,
     block_size: int,
     num_kv_heads: int,

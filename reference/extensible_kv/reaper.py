@@ -81,6 +81,8 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
+from types import TracebackType
 
 from .errors import ExtensibleKVError
 
@@ -135,7 +137,7 @@ class Owned:
     stopped."""
 
     def __init__(self, owner: object) -> None:
-        self.owner = weakref.ref(owner)
+        self.owner: Callable[[], object | None] = weakref.ref(owner)  # ``defer`` puts ``_gone`` here
         self.pid = os.getpid()
         self.reported = False
 
@@ -234,6 +236,11 @@ def _sweep_once() -> bool:
 
 class _Unraisable:
     """The argument ``sys.unraisablehook`` takes."""
+
+    exc_type: type[BaseException]
+    exc_value: BaseException | None
+    exc_traceback: TracebackType | None
+    err_msg: str | None
 
     def __init__(self, exc: BaseException, obj: object) -> None:
         self.exc_type, self.exc_value, self.exc_traceback = type(exc), exc, exc.__traceback__

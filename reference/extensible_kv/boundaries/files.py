@@ -19,7 +19,7 @@ import fnmatch
 import os
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import BoundaryError, named, text
@@ -118,14 +118,12 @@ class Folder:
     ``FOLDER_LIMIT``."""
 
     path: Path
-    limit: int | None = None  # bytes of all files read: FOLDER_LIMIT
-    files_limit: int | None = None  # files and folders below it: FOLDER_FILES
+    limit: int = field(default_factory=lambda: FOLDER_LIMIT)  # bytes of all files read (the limit when built)
+    files_limit: int = field(default_factory=lambda: FOLDER_FILES)  # files and folders below it
     read: int = 0  # bytes read so far
 
     def __post_init__(self) -> None:
         self.path = Path(text(self.path, "folder name"))
-        self.limit = FOLDER_LIMIT if self.limit is None else self.limit
-        self.files_limit = FOLDER_FILES if self.files_limit is None else self.files_limit
         self._files: list[str] | None = None
         self._entries = 0  # files and folders seen
 

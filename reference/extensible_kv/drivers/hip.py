@@ -253,6 +253,7 @@ class HipDriver:
     def _free(self, va: int, size: int) -> None:
         entry = self._reservations.get(va)
         check_free(va, size, entry is not None and entry[0] == size, self._mappings)
+        assert entry is not None  # check_free refused an unknown reservation
         _, raw, raw_size = entry
         self._call("free", "hipMemAddressFree", raw, raw_size)
         del self._reservations[va]
