@@ -121,7 +121,7 @@ GPU_MACHINE = bool(_gpu_extra(None))
 @nox.session(venv_backend="virtualenv", tags=["cpu"])
 def tests(session: nox.Session) -> None:
     """Rules on host and host-4k, unit and meta tests (the wheel too), bench smoke, integration's CPU parts."""
-    _install(session, "-e", ".[conformance,report]", *TEST_DEPS)
+    _install(session, "-e", ".[conformance,report]", "-e", "./lab", *TEST_DEPS)
     # bench/ runs here as a smoke test (each benchmark once, untimed); `nox -s bench` times them.
     _pytest(
         session,
