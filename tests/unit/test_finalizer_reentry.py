@@ -17,7 +17,7 @@ from extensible_kv.reaper import Owned, busy, defer, own
 
 from ._child import fake_driver, run_child
 
-# Inside the host driver's locked ``_reserve`` (its mmap, through a wrapped libc), run ``INSIDE[0]`` once.
+# Inside the host driver's locked ``do_reserve`` (its mmap, through a wrapped libc), run ``INSIDE[0]`` once.
 HOOK = """
     import gc, json, os, signal
     from extensible_kv import ExtensibleTensor
@@ -46,7 +46,7 @@ HOOK = """
 
 def test_a_user_del_that_closes_a_tensor_collected_inside_reserve_neither_hangs_nor_loses_memory():
     # The case as found: a user object whose __del__ calls close(), garbage in a cycle, collected inside the host
-    # driver's `_reserve` while it holds the driver's lock. Before the rule the child hung in the nested unmap.
+    # driver's `do_reserve` while it holds the driver's lock. Before the rule the child hung in the nested unmap.
     out = run_child(
         HOOK
         + """
@@ -144,7 +144,7 @@ NESTED = (
         else:  # a signal handler, run where the interpreter next checks for pending calls inside the hook
             signal.signal(signal.SIGUSR1, lambda *_, op=op: attempt(op, seen))
             INSIDE.append(lambda: [signal.raise_signal(signal.SIGUSR1)] + [i for i in range(3)])
-        outer = driver.reserve(G, G)  # the outer call: its _reserve runs the nested one under the lock
+        outer = driver.reserve(G, G)  # the outer call: its do_reserve runs the nested one under the lock
         gc.enable()
         driver.free(outer, G)
         results[op] = [seen.get(op), state() == before]

@@ -87,7 +87,7 @@ HOOKED = """
     driver = HostDriver(granularity=G, budget_bytes=1 << 20, name="unit-host")
 """
 
-# A thread stopped inside the host driver's locked `_unmap`, inside `release_physical` of tensor `t`; another thread
+# A thread stopped inside the host driver's locked `do_unmap`, inside `release_physical` of tensor `t`; another thread
 # holding a Ledger's lock; a third holding a process_lock().
 SETUP = (
     FORK
@@ -222,7 +222,7 @@ def _judge(out: dict, what: str, expected: dict[str, list]) -> None:
         assert got[-1] < 1.0, f"{what}: {name} in a forked child: expected an answer at once, got {got[-1]} s"
 
 
-# A thread stopped inside the host driver's locked `_unmap`, inside `release_physical` of KV buffers `kv` (their lock,
+# A thread stopped inside the host driver's locked `do_unmap`, inside `release_physical` of KV buffers `kv` (their lock,
 # a tensor's lock and the driver's lock held).
 KV_CALLS = """
     from conformance import layouts

@@ -134,7 +134,7 @@ class _LibcFailing:
             import ctypes
 
             ctypes.set_errno(self.err)
-            return host._MAP_FAILED if self.name == "mmap" else -1  # what the restype makes of MAP_FAILED
+            return host.MAP_FAILED if self.name == "mmap" else -1  # what the restype makes of MAP_FAILED
 
         return fail
 

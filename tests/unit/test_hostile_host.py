@@ -52,8 +52,8 @@ def test_a_tensor_collected_inside_a_driver_call_of_its_driver_does_not_deadlock
             armed = False
 
             @contextmanager
-            def _locked(self):  # a collection that runs while the driver's lock is held
-                with super()._locked():
+            def locked(self):  # a collection that runs while the driver's lock is held
+                with super().locked():
                     if self.armed:
                         self.armed = False
                         gc.collect()

@@ -61,7 +61,7 @@ class Kernel:
             row = next((r for r in self.rows if r[0] <= va < r[1]), None)
             if row is None:
                 states.append("nothing")
-            elif host._MEMFD_NAME in row[4] and row[2] in ("rw-s", "---s"):
+            elif host.MEMFD_NAME in row[4] and row[2] in ("rw-s", "---s"):
                 states.append("accessible" if row[2] == "rw-s" else "mapped")
             elif row[2] == "---p" and row[3] == 0 and not row[4]:
                 states.append("reserved")
@@ -81,10 +81,10 @@ class Kernel:
 
     def memfds(self) -> set[int]:
         """Inodes of the host driver's memfds this process holds open (``/proc/self/fd``) or mapped."""
-        found = {inode for *_, inode, name in self.rows if host._MEMFD_NAME in name}
+        found = {inode for *_, inode, name in self.rows if host.MEMFD_NAME in name}
         for fd in os.listdir("/proc/self/fd"):
             try:
-                if host._MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
+                if host.MEMFD_NAME in os.readlink(f"/proc/self/fd/{fd}"):
                     found.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
             except OSError:  # the listing's own fd, closed meanwhile
                 pass
@@ -131,7 +131,7 @@ class ReservedSpans:
 
     def mmap(self, addr, size, prot, flags, fd, offset):
         got = self._lib.mmap(addr, size, prot, flags, fd, offset)
-        if addr is None and fd == -1 and got not in (None, host._MAP_FAILED):
+        if addr is None and fd == -1 and got not in (None, host.MAP_FAILED):
             self.spans.append((got, got + size))
         return got
 

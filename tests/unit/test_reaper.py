@@ -33,15 +33,15 @@ class _DropsInside(HostDriver):
     def _drop(self) -> None:
         self.doomed.clear()
 
-    def _unmap(self, va: int, size: int) -> None:
+    def do_unmap(self, va: int, size: int) -> None:
         if self.op == "unmap":
             self._drop()
-        super()._unmap(va, size)
+        super().do_unmap(va, size)
 
-    def _set_access(self, va: int, size: int) -> None:
+    def do_set_access(self, va: int, size: int) -> None:
         if self.op == "set_access":
             self._drop()
-        super()._set_access(va, size)
+        super().do_set_access(va, size)
 
     def mem_info(self) -> tuple[int, int]:
         with busy():

@@ -27,6 +27,25 @@ Note [Host memory accounting]
     are rules on the host too. The kernel's own count (memfds open or mapped) is what the conformance suite checks
     this against.
 
+Note [Subclassing the host driver]
+    The broken drivers of the meta tests (``tests/meta/broken/``), and a test that needs a driver which misbehaves in
+    one place, subclass ``HostDriver`` through these names alone; the rest of this module is private.
+
+    - Native calls: ``libc()`` (``mmap``, ``munmap``, ``mprotect`` with their argument types set), the flags
+      ``PROT_*``, ``MAP_*`` (``RESERVED``: the flags ``unmap`` maps with, putting a range back to reserved),
+      ``MAP_FAILED``, ``MEMFD_NAME`` (the name of every memfd) and ``kernel_reserves(va, size)``.
+    - Records: ``reservations`` (``va -> size``), ``mappings`` (``va -> (size, HostHandle)``), ``held`` and
+      ``total`` (Note [Host memory accounting]), ``fill_byte``; a ``HostHandle``'s fields.
+    - Hooks, each one step of a protocol call that a subclass overrides: ``check_call(op, **values)`` (what every
+      call checks first), ``mark()`` and ``locked()`` (a locked section is ``with busy(), self.mark(),
+      self.locked(): ...``), the locked work of each call (``do_reserve``, ``do_free``, ``do_release``, ``do_map``,
+      ``do_unmap``, ``do_set_access``), ``do_create`` (the memfd, outside the lock), ``charge(size, counted)`` (the
+      held count), ``forget``, ``recount`` and ``drop_if_unused`` (a mapping's and a handle's records going),
+      ``fill`` (Note [Fresh pages are not zero]) and ``fail`` (a failed native call as a typed error).
+
+    Each public protocol method checks, takes the lock and calls its hook: an override changes one step and keeps
+    the others.
+
 Note [Host granularity]
     The default granularity is 2 MiB, the CUDA granularity on current NVIDIA GPUs, so the rounding, straddling and
     dedup arithmetic that runs on GPUs runs here too. 4 KiB (the ROCm minimum, and the Linux page) is registered as
@@ -58,13 +77,13 @@ Note [No use after fork]
 Note [The driver lock and the garbage collector]
     The driver's lock is not reentrant; a garbage collection inside a locked section may run a tensor finalizer
     that calls this driver. Locked sections run inside ``reaper.busy()``, so such a finalizer leaves the teardown to
-    the next sweep (see ``extensible_kv.reaper``). Each is one line, ``with busy(), self._mark(), self._locked():
+    the next sweep (see ``extensible_kv.reaper``). Each is one line, ``with busy(), self.mark(), self.locked():
     return self._work(...)``: Note [Locked sections are one line] there says why.
 
 Note [A call never waits on its own thread]
     A finalizer or a signal handler that runs inside a locked section and calls this driver (a user's ``__del__``
     that calls ``close()``) would wait forever on the lock its own thread holds. So each locked section also holds
-    this thread's mark for this driver (``_mark()``, a thread-local RLock taken before the lock and given back after
+    this thread's mark for this driver (``mark()``, a thread-local RLock taken before the lock and given back after
     it, in C on the same line), and a call that takes the lock is refused first, with ``DriverError`` naming the
     call and its values, when its thread holds the mark: nothing was done, and the caller may call again once the
     outer call has returned. Calls that take no lock (``zero``, ``tensor``, ``accessible``) run. The rule for every
@@ -122,16 +141,18 @@ from .records import (
 MIB = 1 << 20
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-_PROT_NONE = 0x0
-_PROT_READ = 0x1
-_PROT_WRITE = 0x2
-_MAP_SHARED = 0x01
-_MAP_PRIVATE = 0x02
-_MAP_FIXED = 0x10
-_MAP_ANONYMOUS = 0x20
-_MAP_NORESERVE = 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MEMFD_NAME = "extensible-kv"
+PROT_NONE = 0x0
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+MAP_SHARED = 0x01
+MAP_PRIVATE = 0x02
+MAP_FIXED = 0x10
+MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+RESERVED = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
+"""The flags of an ``mmap`` that puts a range back to reserved (anonymous, no access), as ``unmap`` does."""
+MEMFD_NAME = "extensible-kv"
 _LOCKING = frozenset({"reserve", "free", "create", "release", "map", "unmap", "set_access", "mem_info"})
 """The calls that take the driver's lock: Note [A call never waits on its own thread]."""
 
@@ -152,6 +173,11 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
+def libc() -> ctypes.CDLL:
+    """The C library the driver calls, argument types set: Note [Subclassing the host driver]."""
+    return _lib()
+
+
 def probe() -> str | None:
     """Return why the host driver cannot run here, or ``None`` when it can."""
     if not sys.platform.startswith("linux"):
@@ -161,7 +187,7 @@ def probe() -> str | None:
     return None
 
 
-def _kernel_reserves(va: int, size: int) -> bool:
+def kernel_reserves(va: int, size: int) -> bool:
     """Whether the kernel still holds all of ``[va, va+size)`` as reserved: anonymous, no access."""
     covered = 0
     with open("/proc/self/maps") as maps:
@@ -220,9 +246,9 @@ class HostDriver:
             )
         self.name = name
         self._granularity = granularity
-        self._total = budget_bytes or os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES  # Note [Host memory accounting]
-        self._held = 0
-        self._fill_byte = fill_byte
+        self.total = budget_bytes or os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES  # Note [Host memory accounting]
+        self.held = 0
+        self.fill_byte = fill_byte
         self._lock = threading.Lock()
         self._marks = threading.local()  # Note [A call never waits on its own thread]
         self._pid = os.getpid()
@@ -232,35 +258,44 @@ class HostDriver:
     def __repr__(self) -> str:
         return f"HostDriver(name={self.name!r}, granularity={self._granularity})"
 
+    # -- records: Note [Subclassing the host driver] ------------------------------------------------------------
+    @property
+    def reservations(self) -> dict[int, int]:
+        """The live reservations, ``va -> size``: the driver's own dict, changed only with the lock held."""
+        return self._reservations
+
+    @property
+    def mappings(self) -> dict[int, tuple[int, HostHandle]]:
+        """The live mappings, ``va -> (size, handle)``: the driver's own dict, changed only with the lock held."""
+        return self._mappings
+
     # -- protocol ---------------------------------------------------------------------------------------------
     def granularity(self) -> int:
-        self._check("granularity")
+        self.check_call("granularity")
         return self._granularity
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
+        self.check_call("reserve", size=size, alignment=alignment)
         check_alignment(alignment, self._granularity)
         alignment = max(alignment, PAGE_BYTES)
         made: list[int] = []
         try:  # the reservation is undone unless it is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._mark(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))  # fmt: skip
+            with busy(), self.mark(), self.locked(): made.extend(map(self.do_reserve, [size], [alignment]))  # fmt: skip
             return made[0]
         except BaseException:
             for va in made:
-                with busy(), self._mark(), self._locked(): self._free(va, size)  # fmt: skip
+                with busy(), self.mark(), self.locked(): self.do_free(va, size)  # fmt: skip
             raise
 
-    def _reserve(self, size: int, alignment: int) -> int:
-        span, flags = size + alignment, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    def do_reserve(self, size: int, alignment: int) -> int:
+        span, flags = size + alignment, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
         raws: list[int | None] = []
         head = tail = False
         try:  # the mmap's result is stored by C: Note [A result is stored by C]
-            raws.extend(map(_lib().mmap, [None], [span], [_PROT_NONE], [flags], [-1], [0]))
+            raws.extend(map(_lib().mmap, [None], [span], [PROT_NONE], [flags], [-1], [0]))
             raw = raws[0]
-            if raw in (None, _MAP_FAILED):
-                self._fail(
-                    "reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True
-                )
+            if raw in (None, MAP_FAILED):
+                self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
             va = -(-raw // alignment) * alignment
             # Trim the over-reservation so the kernel holds exactly [va, va+size); each trim is remembered in the
             # line that makes it, so the except clause gives back exactly what is left.
@@ -269,7 +304,7 @@ class HostDriver:
             self._reservations[va] = size
             return va
         except BaseException:
-            if raws and raws[0] not in (None, _MAP_FAILED):
+            if raws and raws[0] not in (None, MAP_FAILED):
                 raw = raws[0]
                 va = -(-raw // alignment) * alignment
                 self._reservations.pop(va, None)
@@ -278,48 +313,48 @@ class HostDriver:
             raise
 
     def free(self, va: int, size: int) -> None:
-        self._check("free", va=va, size=size)
-        with busy(), self._mark(), self._locked(): return self._free(va, size)  # fmt: skip
+        self.check_call("free", va=va, size=size)
+        with busy(), self.mark(), self.locked(): return self.do_free(va, size)  # fmt: skip
 
-    def _free(self, va: int, size: int) -> None:
+    def do_free(self, va: int, size: int) -> None:
         check_free(va, size, self._reservations.get(va) == size, self._mappings)
         try:  # the record goes first and the kernel's range last: Note [Every call is whole, even when interrupted]
             del self._reservations[va]
             if _lib().munmap(va, size) != 0:
-                self._fail("free", f"munmap({va:#x}, {size})")
+                self.fail("free", f"munmap({va:#x}, {size})")
         except BaseException:  # a failed free keeps its record (close() can try again), as long as the kernel does
-            if _kernel_reserves(va, size):
+            if kernel_reserves(va, size):
                 self._reservations[va] = size
             raise
 
     def create(self, size: int) -> HostHandle:
-        self._check("create", size=size)
+        self.check_call("create", size=size)
         counted, made = [0], []  # the bytes this call added to the held count, and the handle it made
         try:  # both are given back unless the handle is returned: Note [Every call is whole, even when interrupted]
-            with busy(), self._mark(), self._locked(): self._count(size, counted)  # fmt: skip
-            made.extend(map(self._create, [size]))  # Note [A result is stored by C]
+            with busy(), self.mark(), self.locked(): self.charge(size, counted)  # fmt: skip
+            made.extend(map(self.do_create, [size]))  # Note [A result is stored by C]
             return made[0]
         except BaseException:
             for handle in made:  # never returned: nobody maps it
                 fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # fmt: skip
-            with busy(), self._mark(), self._locked(): self._count(-counted[0], counted)  # fmt: skip
+            with busy(), self.mark(), self.locked(): self.charge(-counted[0], counted)  # fmt: skip
             raise
 
-    def _count(self, size: int, counted: list[int]) -> None:
+    def charge(self, size: int, counted: list[int]) -> None:
         """Add ``size`` (negative: take it back) to the held bytes and to ``counted`` in one step."""
-        if size > 0 and self._held + size > self._total:  # Note [Host memory accounting]
+        if size > 0 and self.held + size > self.total:  # Note [Host memory accounting]
             raise DriverOutOfMemory(
-                "create", f"{size} bytes asked, {self._total - self._held} of {self._total} bytes free", errno.ENOMEM
+                "create", f"{size} bytes asked, {self.total - self.held} of {self.total} bytes free", errno.ENOMEM
             )
-        self._held, counted[0] = self._held + size, counted[0] + size
+        self.held, counted[0] = self.held + size, counted[0] + size
 
-    def _create(self, size: int) -> HostHandle:
+    def do_create(self, size: int) -> HostHandle:
         fds: list[int] = []
         try:  # the fd is closed unless the handle is returned; memfd_create's result is stored by C (Notes)
-            fds.extend(map(os.memfd_create, [_MEMFD_NAME], [os.MFD_CLOEXEC]))
+            fds.extend(map(os.memfd_create, [MEMFD_NAME], [os.MFD_CLOEXEC]))
             os.ftruncate(fds[0], size)
-            if self._fill_byte is not None:  # Note [Fresh pages are not zero]
-                self._fill(fds[0], size, self._fill_byte)
+            if self.fill_byte is not None:  # Note [Fresh pages are not zero]
+                self.fill(fds[0], size, self.fill_byte)
             return HostHandle(fds[0], size)
         except BaseException as exc:
             for fd in fds:
@@ -332,26 +367,26 @@ class HostDriver:
             raise kind("create", f"ftruncate/fill of a {size}-byte memfd: {exc}", exc.errno) from exc
 
     def release(self, handle: HostHandle) -> None:
-        self._check("release")
-        with busy(), self._mark(), self._locked(): return self._release(handle)  # fmt: skip
+        self.check_call("release")
+        with busy(), self.mark(), self.locked(): return self.do_release(handle)  # fmt: skip
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released:
             raise DriverError("release", f"{handle!r} was already released")
         try:
             # Marked, forgotten and closed in one line with no call before the close: an exception lands before
             # all of it or after all of it, so the fd is never leaked and never closed twice.
             fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # fmt: skip
-            self._drop_if_unused(handle)
+            self.drop_if_unused(handle)
         except BaseException:
-            self._drop_if_unused(handle)  # once released, the count follows (a second time changes nothing)
+            self.drop_if_unused(handle)  # once released, the count follows (a second time changes nothing)
             raise
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._mark(), self._locked(): return self._map(va, size, handle, offset)  # fmt: skip
+        self.check_call("map", va=va, size=size, offset=offset)
+        with busy(), self.mark(), self.locked(): return self.do_map(va, size, handle, offset)  # fmt: skip
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         check_inside("map", va, size, self._reservations.items())
         # Note [MAP_FIXED replaces silently]
         check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
@@ -362,126 +397,126 @@ class HostDriver:
         live = (size, handle)
         try:  # recorded first, undone whole on any exception: Note [Every call is whole, even when interrupted]
             handle.maps, self._mappings[va] = handle.maps + 1, live
-            if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-                self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            if _lib().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+                self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
         except BaseException:
             if self._mappings.get(va) is live:  # whatever the kernel did there, the range is reserved again
-                _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+                _lib().mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
                 handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
             raise
 
     def unmap(self, va: int, size: int) -> None:
-        self._check("unmap", va=va, size=size)
-        with busy(), self._mark(), self._locked(): return self._unmap(va, size)  # fmt: skip
+        self.check_call("unmap", va=va, size=size)
+        with busy(), self.mark(), self.locked(): return self.do_unmap(va, size)  # fmt: skip
 
-    def _unmap(self, va: int, size: int) -> None:
+    def do_unmap(self, va: int, size: int) -> None:
         live = self._mappings.get(va)
         check_one_mapping(va, size, live and live[0])
-        flags, got = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, []
+        flags, got = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, []
         try:  # the kernel first, then the records: Notes [Every call is whole, ...], [A result is stored by C]
-            got.extend(map(_lib().mmap, [va], [size], [_PROT_NONE], [flags], [-1], [0]))
+            got.extend(map(_lib().mmap, [va], [size], [PROT_NONE], [flags], [-1], [0]))
             if got[0] != va:
-                self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
-            self._forget(va, live)
+                self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+            self.forget(va, live)
         except BaseException:
             if got == [va]:  # the kernel unmapped it: the records follow
-                self._recount(va, live)
+                self.recount(va, live)
             raise
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         """Drop the record ``live`` of the mapping at ``va``, and its handle's bytes once nothing holds them."""
         live[1].maps, _ = live[1].maps - 1, self._mappings.pop(va)
-        self._drop_if_unused(live[1])
+        self.drop_if_unused(live[1])
 
-    def _recount(self, va: int, live: tuple[int, HostHandle]) -> None:
-        """``_forget`` after an exception that may have cut it short: the record goes if it is still there, and the
+    def recount(self, va: int, live: tuple[int, HostHandle]) -> None:
+        """``forget`` after an exception that may have cut it short: the record goes if it is still there, and the
         handle's map count is counted again from the records."""
         handle = live[1]
         if self._mappings.get(va) is live:
             del self._mappings[va]
         handle.maps = sum(1 for _, h in self._mappings.values() if h is handle)
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
     def set_access(self, va: int, size: int) -> None:
-        self._check("set_access", va=va, size=size)
-        with busy(), self._mark(), self._locked(): return self._set_access(va, size)  # fmt: skip
+        self.check_call("set_access", va=va, size=size)
+        with busy(), self.mark(), self.locked(): return self.do_set_access(va, size)  # fmt: skip
 
-    def _set_access(self, va: int, size: int) -> None:
+    def do_set_access(self, va: int, size: int) -> None:
         # The check and mprotect under one lock: an unmap between them would leave anonymous memory read-write
         # there (the protocol's P-threads).
         mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
-        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+        if _lib().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            self.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
     def zero(self, va: int, size: int) -> None:
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         ctypes.memset(va, 0, size)
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va)
         buffer.keeper = keeper  # the storage holds `buffer`, which holds the keeper
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def accessible(self, va: int) -> bool:
-        self._check("accessible", va=va)
+        self.check_call("accessible", va=va)
         # Mapped means: the kernel maps one of our memfds here (not anonymous memory), readable and writable.
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(None, 5)
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 if lo <= va < hi:
-                    return fields[1].startswith("rw") and len(fields) == 6 and _MEMFD_NAME in fields[5]
+                    return fields[1].startswith("rw") and len(fields) == 6 and MEMFD_NAME in fields[5]
         return False
 
     def synchronize(self) -> None:
-        self._check("synchronize")
+        self.check_call("synchronize")
 
     def mem_info(self) -> tuple[int, int]:
         """``(total - held, total)``: see Note [Host memory accounting]."""
-        self._check("mem_info")
-        with busy(), self._mark(), self._locked(): return self._total - self._held, self._total  # fmt: skip
+        self.check_call("mem_info")
+        with busy(), self.mark(), self.locked(): return self.total - self.held, self.total  # fmt: skip
 
     # -- helpers -----------------------------------------------------------------------------------------------
-    def _locked(self) -> threading.Lock:
+    def locked(self) -> threading.Lock:
         """The driver's lock, a C-level context manager; every section holding it is also inside ``reaper.busy()``
-        and ``_mark()`` and is one line (Note [The driver lock and the garbage collector])."""
+        and ``mark()`` and is one line (Note [The driver lock and the garbage collector])."""
         return self._lock
 
-    def _mark(self) -> threading.RLock:
+    def mark(self) -> threading.RLock:
         """This thread's mark of being inside a call of this driver (``records.thread_mark``): Note [A call never
         waits on its own thread]."""
         return thread_mark(self._marks)
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         """Stop counting a handle's bytes once it is released and mapped nowhere, once (called with the lock held)."""
         if handle.released and handle.maps == 0 and handle.counted:
-            self._held, handle.counted = self._held - handle.size, False
+            self.held, handle.counted = self.held - handle.size, False
 
-    def _check(self, op: str, **values: int) -> None:
+    def check_call(self, op: str, **values: int) -> None:
         # First, before any lock: Notes [No use after fork], [A call never waits on its own thread].
         check_entry(op, self.name, self._pid, self._marks, op in _LOCKING, values)
         check_range(op, **values)  # Note [Sizes are checked before ctypes]
 
     @staticmethod
-    def _fill(fd: int, size: int, byte: int) -> None:
+    def fill(fd: int, size: int, byte: int) -> None:
         lib = _lib()
         addrs: list[int | None] = []
         unmapped: list[int] = []
         try:  # no ``finally`` (its body is a line an exception can land on before it runs); Note [A result is ...]
-            addrs.extend(map(lib.mmap, [None], [size], [_PROT_READ | _PROT_WRITE], [_MAP_SHARED], [fd], [0]))
-            if addrs[0] in (None, _MAP_FAILED):
+            addrs.extend(map(lib.mmap, [None], [size], [PROT_READ | PROT_WRITE], [MAP_SHARED], [fd], [0]))
+            if addrs[0] in (None, MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
             ctypes.memset(addrs[0], byte, size)
             unmapped.extend(map(lib.munmap, addrs, [size]))
         except BaseException:
-            if addrs and addrs[0] not in (None, _MAP_FAILED) and not unmapped:
+            if addrs and addrs[0] not in (None, MAP_FAILED) and not unmapped:
                 lib.munmap(addrs[0], size)
             raise
 
     @staticmethod
-    def _fail(op: str, detail: str, oom: bool = False) -> None:
+    def fail(op: str, detail: str, oom: bool = False) -> None:
         err = ctypes.get_errno()
         kind = DriverOutOfMemory if (oom or err == errno.ENOMEM) else DriverError
         raise kind(op, f"{detail}: {os.strerror(err)}", err)
