@@ -12,19 +12,19 @@ import os
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _MEMFD_NAME,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    MEMFD_NAME,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.errors import DriverError
 
@@ -56,9 +56,9 @@ class NonLockstep(_Broken):
     """
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        for r_va, r_size in self._reservations.items():
+        for r_va, r_size in self.reservations.items():
             if r_va <= va < r_va + r_size and va >= r_va + r_size // 2:
-                self._mappings[va] = (size, handle)
+                self.mappings[va] = (size, handle)
                 return
         super().map(va, size, handle, offset)
 
@@ -67,11 +67,11 @@ class DoubleMap(_Broken):
     """map() replaces whatever is mapped at the address, as raw MAP_FIXED does, instead of refusing."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        got = _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
+        got = libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset)
         assert got == va
-        for m_va in [m for m, (s, _) in self._mappings.items() if m < va + size and va < m + s]:
-            del self._mappings[m_va]
-        self._mappings[va] = (size, handle)
+        for m_va in [m for m, (s, _) in self.mappings.items() if m < va + size and va < m + s]:
+            del self.mappings[m_va]
+        self.mappings[va] = (size, handle)
 
 
 class NoRollback(_Broken):
@@ -79,9 +79,9 @@ class NoRollback(_Broken):
     reservation)."""
 
     def unmap(self, va: int, size: int) -> None:
-        if self._mappings.get(va, (None,))[0] != size:
+        if self.mappings.get(va, (None,))[0] != size:
             super().unmap(va, size)  # keeps the sub-range refusal
-        del self._mappings[va]
+        del self.mappings[va]
 
 
 class ZeroInLines(_Broken):
@@ -126,7 +126,7 @@ class MapPrivate(_Broken):
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
-        got = _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_FIXED, handle.fd, offset)
+        got = libc().mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_FIXED, handle.fd, offset)
         assert got == va
 
 
@@ -135,14 +135,14 @@ class MapGrantsAccess(_Broken):
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
-        _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+        libc().mprotect(va, size, PROT_READ | PROT_WRITE)
 
 
 class MapClampsToReservation(_Broken):
     """map() of a range running past its reservation's end maps the part that fits instead of refusing."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        for r_va, r_size in self._reservations.items():
+        for r_va, r_size in self.reservations.items():
             if r_va <= va < r_va + r_size:
                 size = min(size, r_va + r_size - va)
         super().map(va, size, handle, offset)
@@ -152,9 +152,9 @@ class MapRefusesAfterMapping(_Broken):
     """map() of a range running past its reservation's end maps the part inside first, then refuses."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        for r_va, r_size in self._reservations.items():
+        for r_va, r_size in self.reservations.items():
             if r_va <= va < r_va + r_size < va + size:
-                _lib().mmap(va, r_va + r_size - va, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
+                libc().mmap(va, r_va + r_size - va, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset)
         super().map(va, size, handle, offset)
 
 
@@ -163,14 +163,14 @@ class OverlapFromBelow(_Broken):
     replaces its first granules."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        if any(m <= va < m + s for m, (s, _) in self._mappings.items()):
+        if any(m <= va < m + s for m, (s, _) in self.mappings.items()):
             raise DriverError("map", f"{va:#x} lies in a live mapping")
-        saved, self._mappings = self._mappings, {}
+        saved = dict(self.mappings)
+        self.mappings.clear()
         try:
             super().map(va, size, handle, offset)
         finally:
-            saved.update(self._mappings)
-            self._mappings = saved
+            self.mappings.update(saved)
 
 
 class RecordsOnly(_Broken):
@@ -183,28 +183,28 @@ class RecordsOnly(_Broken):
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
-        _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+        libc().mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
 
     def set_access(self, va: int, size: int) -> None:
         super().set_access(va, size)
-        self._granted.update(range(va, va + size, self._granularity))
+        self._granted.update(range(va, va + size, self.granularity()))
 
     def unmap(self, va: int, size: int) -> None:
         super().unmap(va, size)
-        self._granted.difference_update(range(va, va + size, self._granularity))
+        self._granted.difference_update(range(va, va + size, self.granularity()))
 
     def accessible(self, va: int) -> bool:
-        return va // self._granularity * self._granularity in self._granted
+        return va // self.granularity() * self.granularity() in self._granted
 
 
 class UnmapAcceptsAPrefix(_Broken):
     """unmap() of the first part of a mapping unmaps that part and keeps the rest as a mapping."""
 
     def unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         if live is not None and size < live[0]:
-            self._mappings[va] = (size, live[1])
-            self._mappings[va + size] = (live[0] - size, live[1])
+            self.mappings[va] = (size, live[1])
+            self.mappings[va + size] = (live[0] - size, live[1])
             live[1].maps += 1
         super().unmap(va, size)
 
@@ -213,7 +213,7 @@ class UnmapRefusesAfterUnmapping(_Broken):
     """unmap() returns the range to reserved first, then refuses a range that is not exactly one mapping."""
 
     def unmap(self, va: int, size: int) -> None:
-        _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+        libc().mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
         super().unmap(va, size)
 
 
@@ -221,14 +221,14 @@ class SetAccessOnPartlyMapped(_Broken):
     """set_access() opens any range, mapped or not."""
 
     def set_access(self, va: int, size: int) -> None:
-        _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+        libc().mprotect(va, size, PROT_READ | PROT_WRITE)
 
 
 class SetAccessRefusesAfterOpening(_Broken):
     """set_access() opens the range first, then refuses one that is not fully mapped."""
 
     def set_access(self, va: int, size: int) -> None:
-        _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+        libc().mprotect(va, size, PROT_READ | PROT_WRITE)
         super().set_access(va, size)
 
 
@@ -236,10 +236,10 @@ class FreeWithMappings(_Broken):
     """free() of a reservation with live mappings frees it (and the mappings' address range) instead of refusing."""
 
     def free(self, va: int, size: int) -> None:
-        for m in [m for m in self._mappings if va <= m < va + size]:
-            _, handle = self._mappings.pop(m)
+        for m in [m for m in self.mappings if va <= m < va + size]:
+            _, handle = self.mappings.pop(m)
             handle.maps -= 1
-            self._drop_if_unused(handle)
+            self.drop_if_unused(handle)
         super().free(va, size)
 
 
@@ -247,9 +247,9 @@ class FreeOfASubrange(_Broken):
     """free() takes any range that starts at a reservation, releasing only that part."""
 
     def free(self, va: int, size: int) -> None:
-        if va in self._reservations and size < self._reservations[va]:
-            self._reservations[va + size] = self._reservations[va] - size
-            self._reservations[va] = size
+        if va in self.reservations and size < self.reservations[va]:
+            self.reservations[va + size] = self.reservations[va] - size
+            self.reservations[va] = size
         super().free(va, size)
 
 
@@ -257,21 +257,21 @@ class FreeKeepsTheRange(_Broken):
     """free() forgets the reservation but never returns the address range to the kernel."""
 
     def free(self, va: int, size: int) -> None:
-        self._check("free", va=va, size=size)
-        if self._reservations.get(va) != size or any(va <= m < va + size for m in self._mappings):
+        self.check_call("free", va=va, size=size)
+        if self.reservations.get(va) != size or any(va <= m < va + size for m in self.mappings):
             raise DriverError("free", f"[{va:#x}, +{size}) is not one empty reservation")
-        del self._reservations[va]
+        del self.reservations[va]
 
 
 class ReserveIgnoresAlignment(_Broken):
     """reserve() aligns to the granularity only, whatever alignment is asked."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        g = self._granularity
+        g = self.granularity()
         va = super().reserve(size + g, 2 * g)
-        _lib().munmap(va, g)
-        del self._reservations[va]
-        self._reservations[va + g] = size
+        libc().munmap(va, g)
+        del self.reservations[va]
+        self.reservations[va + g] = size
         return va + g
 
 
@@ -280,7 +280,7 @@ class ReserveAccessible(_Broken):
 
     def reserve(self, size: int, alignment: int) -> int:
         va = super().reserve(size, alignment)
-        _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+        libc().mprotect(va, size, PROT_READ | PROT_WRITE)
         return va
 
 
@@ -299,10 +299,10 @@ class UnmapKeepsMemory(_Broken):
     """unmap() does not drop the mapping's hold on the handle: its bytes never come back to mem_info()."""
 
     def unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         super().unmap(va, size)
         if live is not None:
-            self._held += live[1].size if live[1].released and live[1].maps == 0 else 0
+            self.held += live[1].size if live[1].released and live[1].maps == 0 else 0
 
 
 class ReleaseKeepsTheMemfd(_Broken):
@@ -317,19 +317,19 @@ class BudgetIgnored(_Broken):
     """create() never runs out: the budget is not enforced."""
 
     def create(self, size: int) -> HostHandle:
-        self._total += size
+        self.total += size
         try:
             return super().create(size)
         finally:
-            self._total -= size
+            self.total -= size
 
 
 class CreateLeaksWhenRefused(_Broken):
     """create() past the budget makes the memfd first and leaves it open when it refuses."""
 
     def create(self, size: int) -> HostHandle:
-        if self._held + size > self._total:
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        if self.held + size > self.total:
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
         return super().create(size)
 

@@ -26,21 +26,21 @@ from collections.abc import Callable
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _MEMFD_NAME,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    MEMFD_NAME,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     PAGE_BYTES,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_alignment, check_free, check_no_overlap
 from extensible_kv.errors import DriverError, DriverOutOfMemory
@@ -68,7 +68,7 @@ from tests.meta.broken_protocol import (
 _G = 2 * MIB
 """HostDriver's default granularity, the broken drivers' granularity."""
 
-_RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 """The flags of a new reservation (the host's ``reserve``), without ``MAP_FIXED``."""
 
 
@@ -85,7 +85,7 @@ def _perms_at(va: int) -> str:
 
 def _memfd_ranges() -> set[tuple[int, int]]:
     """The ranges the kernel maps from one of the host driver's memfds."""
-    return {(lo, hi) for lo, hi, _, path in kernel_ranges() if f"memfd:{_MEMFD_NAME}" in path}
+    return {(lo, hi) for lo, hi, _, path in kernel_ranges() if f"memfd:{MEMFD_NAME}" in path}
 
 
 def _reserved_ranges() -> set[tuple[int, int]]:
@@ -95,7 +95,7 @@ def _reserved_ranges() -> set[tuple[int, int]]:
 
 def _reservation_of(d: HostDriver, va: int) -> int | None:
     """The start of the reservation of ``d`` that holds the address ``va``, as its records say."""
-    return next((r for r, s in d._reservations.items() if r <= va < r + s), None)
+    return next((r for r, s in d.reservations.items() if r <= va < r + s), None)
 
 
 # -- identity and memory ---------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class GranularityIsThreadLocal(_Broken):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._context = threading.local()
-        self._context.granularity = self._granularity
+        self._context.granularity = self.granularity()
 
     def granularity(self) -> int:
         return getattr(self._context, "granularity", PAGE_BYTES)
@@ -134,8 +134,8 @@ class TotalLessPageTables(_Broken):
 
     def mem_info(self) -> tuple[int, int]:
         free, total = super().mem_info()
-        with busy(), self._locked(): reserved = sum(self._reservations.values())  # fmt: skip
-        tables = max(0, reserved - total) // self._granularity * PAGE_BYTES
+        with busy(), self.locked(): reserved = sum(self.reservations.values())  # fmt: skip
+        tables = max(0, reserved - total) // self.granularity() * PAGE_BYTES
         return free - tables, total - tables
 
 
@@ -159,12 +159,12 @@ class LargeMappingsArePrivate(_Broken):
 
     LARGE = 16
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        if size < self.LARGE * self._granularity:
-            super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        if size < self.LARGE * self.granularity():
+            super().do_map(va, size, handle, offset)
             return
         check_map(self, va, size, handle, offset)
-        mmap_handle(self, va, size, handle, offset, _MAP_PRIVATE)
+        mmap_handle(self, va, size, handle, offset, MAP_PRIVATE)
 
 
 def prove_large_mappings_are_private(make: Callable[[], HostDriver]) -> list[int]:
@@ -195,12 +195,12 @@ class FirstMapFixesTheHandlesLayout(_Broken):
         super().__init__(name)
         self._layout: weakref.WeakKeyDictionary[HostHandle, bool] = weakref.WeakKeyDictionary()
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         whole = offset == 0 and size == handle.size
         if self._layout.get(handle) and not whole:
             check_map(self, va, size, handle, offset)
             raise DriverError("map", f"offset {offset} + size {size}: {handle!r} was mapped whole; map all of it")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
         self._layout.setdefault(handle, whole)
 
 
@@ -224,23 +224,23 @@ class MapInChunksFromTheSameOffset(_Broken):
 
     CHUNK = 6
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        chunk = self.CHUNK * self._granularity
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        chunk = self.CHUNK * self.granularity()
         if size <= chunk:
-            super()._map(va, size, handle, offset)
+            super().do_map(va, size, handle, offset)
             return
         check_map(self, va, size, handle, offset)
         live = (size, handle)
         try:
-            handle.maps, self._mappings[va] = handle.maps + 1, live
+            handle.maps, self.mappings[va] = handle.maps + 1, live
             for at in range(va, va + size, chunk):
                 n = min(chunk, va + size - at)
-                if _lib().mmap(at, n, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != at:
-                    self._fail("map", f"mmap(MAP_FIXED, {at:#x}, {n}, fd={handle.fd}, offset={offset})")
+                if libc().mmap(at, n, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != at:
+                    self.fail("map", f"mmap(MAP_FIXED, {at:#x}, {n}, fd={handle.fd}, offset={offset})")
         except BaseException:
-            if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-                handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+            if self.mappings.get(va) is live:
+                libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+                handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
             raise
 
 
@@ -268,20 +268,20 @@ class OffsetMappingsAreReadable(_Broken):
     ``set_access`` grants it; ``accessible`` says ``False`` (it is not writable), but reading it does not fault.
     Mappings at offset 0 are made without access."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not offset:
-            super()._map(va, size, handle, offset)
+            super().do_map(va, size, handle, offset)
             return
         check_map(self, va, size, handle, offset)
         live = (size, handle)
         try:
-            handle.maps, self._mappings[va] = handle.maps + 1, live
-            if _lib().mmap(va, size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-                self._fail("map", f"mmap(PROT_READ, MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            handle.maps, self.mappings[va] = handle.maps + 1, live
+            if libc().mmap(va, size, PROT_READ, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+                self.fail("map", f"mmap(PROT_READ, MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
         except BaseException:
-            if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-                handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+            if self.mappings.get(va) is live:
+                libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+                handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
             raise
 
 
@@ -307,7 +307,7 @@ class LargeZeroRoundsItsEndUp(_Broken):
     to the next page, are zeroed too. Smaller zeroes, and large ones ending on a page, are exact."""
 
     def zero(self, va: int, size: int) -> None:
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         end = va + size
         if size >= MIB:
             end = -(-end // PAGE_BYTES) * PAGE_BYTES
@@ -351,7 +351,7 @@ class SynchronizeWaitsForAnEmptyQueue(_Broken):
         if not isinstance(size, int) or isinstance(size, bool) or size < self.LARGE:
             super().zero(va, size)
             return
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         self._queue.put((va, size))
         threading.Thread(target=self._launch, daemon=True).start()
 
@@ -359,8 +359,8 @@ class SynchronizeWaitsForAnEmptyQueue(_Broken):
         va, size = self._queue.get()
         try:
             time.sleep(self.LAUNCH_S)
-            g = self._granularity
-            with busy(), self._locked():  # never into memory unmapped meanwhile (that would crash the process)
+            g = self.granularity()
+            with busy(), self.locked():  # never into memory unmapped meanwhile (that would crash the process)
                 if all(HostDriver.accessible(self, a) for a in range(va - va % g, va + size, g)):
                     ctypes.memset(va, 0, size)
         finally:
@@ -404,21 +404,21 @@ class ReleasedMemfdRecycled(_Broken):
         super().__init__(name)
         self._parked: list[tuple[HostHandle, int]] = []
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released or handle.maps == 0:
-            super()._release(handle)
+            super().do_release(handle)
             return
         # parked, marked and forgotten in one line: an exception lands before all of it or after all of it
         self._parked[len(self._parked) :], handle.fd, handle.released = [(handle, handle.fd)], -1, True
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         if handle.released and handle.maps == 0:
             for i, (parked, fd) in enumerate(self._parked):
                 if parked is handle:
                     del self._parked[i]
                     os.close(fd)
                     break
-        super()._drop_if_unused(handle)
+        super().drop_if_unused(handle)
 
     def _unpark(self, size: int) -> int | None:
         for i, (parked, fd) in enumerate(self._parked):
@@ -427,12 +427,12 @@ class ReleasedMemfdRecycled(_Broken):
                 return fd
         return None
 
-    def _create(self, size: int) -> HostHandle:
-        with busy(), self._locked(): fd = self._unpark(size)  # fmt: skip
+    def do_create(self, size: int) -> HostHandle:
+        with busy(), self.locked(): fd = self._unpark(size)  # fmt: skip
         if fd is None:
-            return super()._create(size)
-        if self._fill_byte is not None:
-            self._fill(fd, size, self._fill_byte)
+            return super().do_create(size)
+        if self.fill_byte is not None:
+            self.fill(fd, size, self.fill_byte)
         return HostHandle(fd, size)
 
 
@@ -466,24 +466,24 @@ class ReleasedHandlesLastMappingLingers(_Broken):
         super().__init__(name)
         self._lingering: dict[int, int] = {}
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         if live[1].released and live[1].maps == 0:
             self._lingering[va] = live[0]
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if self._lingering:
             check_map(self, va, size, handle, offset)
             check_no_overlap(va, size, self._lingering.items())
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
     def create(self, size: int) -> HostHandle:
         handle = super().create(size)
-        with busy(), self._locked(): self._lingering.clear()  # fmt: skip
+        with busy(), self.locked(): self._lingering.clear()  # fmt: skip
         return handle
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         for m in [m for m in self._lingering if va <= m < va + size]:
             del self._lingering[m]
 
@@ -520,10 +520,10 @@ class MapLocksItsReservationOnly(_Broken):
         self._reservation_locks: dict[int, threading.Lock] = {}
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._locked(): lock = self._lock_of(va)  # fmt: skip
+        self.check_call("map", va=va, size=size, offset=offset)
+        with busy(), self.locked(): lock = self._lock_of(va)  # fmt: skip
         if lock is None:  # no reservation there: refused under the driver's lock
-            with busy(), self._locked(): return self._map(va, size, handle, offset)  # fmt: skip
+            with busy(), self.locked(): return self.do_map(va, size, handle, offset)  # fmt: skip
         with busy(), lock: return self._map_in_reservation(va, size, handle, offset)  # fmt: skip
 
     def _lock_of(self, va: int) -> threading.Lock | None:
@@ -535,17 +535,17 @@ class MapLocksItsReservationOnly(_Broken):
         live, maps = (size, handle), handle.maps
         time.sleep(self.WINDOW_S)  # the race window, widened (Note [A proof drives both drivers])
         try:  # recorded with the count read above, and undone whole on any exception
-            handle.maps, self._mappings[va] = maps + 1, live
-            if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-                self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            handle.maps, self.mappings[va] = maps + 1, live
+            if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+                self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
         except BaseException:
-            if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-                handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+            if self.mappings.get(va) is live:
+                libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+                handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
             raise
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         self._reservation_locks.pop(va, None)
 
 
@@ -577,12 +577,12 @@ class MapRecordsAfterTheKernel(_Broken):
     with no record of it: ``unmap`` there is refused (nothing is mapped, say the records) while the kernel shows the
     memfd. Exceptions on the other lines leave a whole state."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         check_map(self, va, size, handle, offset)
-        if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-            _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-            self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
-        handle.maps, self._mappings[va] = handle.maps + 1, (size, handle)
+        if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+            libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+            self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        handle.maps, self.mappings[va] = handle.maps + 1, (size, handle)
 
 
 def prove_map_records_after_the_kernel(make: Callable[[], HostDriver]) -> list[int]:
@@ -595,11 +595,11 @@ def prove_map_records_after_the_kernel(make: Callable[[], HostDriver]) -> list[i
         r = d.reserve(g, g)
         h = d.create(g)
         interrupted = interrupt_at_line(d, nth, d.map, r, g, h)
-        if outcome(d.unmap, r, g) != "done" and f"memfd:{_MEMFD_NAME}" in next(
+        if outcome(d.unmap, r, g) != "done" and f"memfd:{MEMFD_NAME}" in next(
             (path for lo, hi, _, path in kernel_ranges() if lo <= r < hi), ""
         ):
             bad.append(nth)
-            _lib().mmap(r, g, _PROT_NONE, RESERVED, -1, 0)  # back to reserved, as the records say
+            libc().mmap(r, g, PROT_NONE, RESERVED, -1, 0)  # back to reserved, as the records say
         tidy(d, [(r, g)], [h])
         if not interrupted:
             break
@@ -617,14 +617,14 @@ class FillWindowsLeakOnFailure(_Broken):
     WINDOW = 8 * _G
 
     @staticmethod
-    def _fill(fd: int, size: int, byte: int) -> None:
-        lib = _lib()
+    def fill(fd: int, size: int, byte: int) -> None:
+        lib = libc()
         window = FillWindowsLeakOnFailure.WINDOW
         made: list[tuple[int, int]] = []
         for start in range(0, size, window):
             n = min(window, size - start)
-            addr = lib.mmap(None, n, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, start)
-            if addr in (None, _MAP_FAILED):
+            addr = lib.mmap(None, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, start)
+            if addr in (None, MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap of a {n}-byte fill window at offset {start}")
             made.append((addr, n))
@@ -648,7 +648,7 @@ def prove_fill_windows_leak_on_failure(make: Callable[[], HostDriver]) -> list[o
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     extra = _memfd_ranges() - before
     for lo, hi in extra:
-        _lib().munmap(lo, hi - lo)
+        libc().munmap(lo, hi - lo)
     return [seen, len(extra), _held_granules(d)]
 
 
@@ -659,17 +659,17 @@ class ReserveRetriesWithoutThePadding(_Broken):
     holds for the granularity, not for larger alignments), and returns what it gets. A reservation whose padded
     ``mmap`` succeeds is aligned, and one that fails at the granularity's alignment is refused."""
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def do_reserve(self, size: int, alignment: int) -> int:
         try:
-            return super()._reserve(size, alignment)
+            return super().do_reserve(size, alignment)
         except DriverOutOfMemory:
-            if alignment <= self._granularity:
+            if alignment <= self.granularity():
                 raise
         raws: list[int | None] = []
-        raws.extend(map(_lib().mmap, [None], [size], [_PROT_NONE], [_RESERVE_FLAGS], [-1], [0]))
-        if raws[0] in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {size} bytes) without padding", oom=True)
-        self._reservations[raws[0]] = size
+        raws.extend(map(libc().mmap, [None], [size], [PROT_NONE], [_RESERVE_FLAGS], [-1], [0]))
+        if raws[0] in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {size} bytes) without padding", oom=True)
+        self.reservations[raws[0]] = size
         return raws[0]
 
 
@@ -705,9 +705,9 @@ class KeepersInATableOf100(_Broken):
         return serial
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va)
-        with busy(), self._locked(): serial = self._take_slot()  # fmt: skip
+        with busy(), self.locked(): serial = self._take_slot()  # fmt: skip
         slot = serial % self.SLOTS
         self._keepers[slot] = (serial, keeper)
         buffer.keeper = _KeeperSlot(self._keepers, slot, serial)
@@ -750,11 +750,11 @@ class UnmapPast300TakesTheMappingAtItsStart(_Broken):
 
     LARGE = 300
 
-    def _unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
-        if len(self._mappings) > self.LARGE and live is not None:
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
+        if len(self.mappings) > self.LARGE and live is not None:
             size = live[0]
-        super()._unmap(va, size)
+        super().do_unmap(va, size)
 
 
 def prove_unmap_past_300_takes_the_mapping_at_its_start(make: Callable[[], HostDriver]) -> list[str]:
@@ -787,28 +787,28 @@ class FreeChecksTheLast48Maps(_Broken):
         super().__init__(name)
         self._recent: deque[int] = deque(maxlen=self.RECENT)
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         self._recent.append(va)  # first: a mapping made is always in the ring until 48 later maps push it out
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
-    def _unmap(self, va: int, size: int) -> None:
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
         if va in self._recent:
             self._recent.remove(va)
 
-    def _free(self, va: int, size: int) -> None:
-        recent = [m for m in self._recent if m in self._mappings]  # entries of refused or undone maps are stale
-        check_free(va, size, self._reservations.get(va) == size, recent)
-        inside = [(m, live) for m, live in self._mappings.items() if va <= m < va + size]
+    def do_free(self, va: int, size: int) -> None:
+        recent = [m for m in self._recent if m in self.mappings]  # entries of refused or undone maps are stale
+        check_free(va, size, self.reservations.get(va) == size, recent)
+        inside = [(m, live) for m, live in self.mappings.items() if va <= m < va + size]
         if not inside:
-            super()._free(va, size)
+            super().do_free(va, size)
             return
-        del self._reservations[va]
-        if _lib().munmap(va, size) != 0:
-            self._reservations[va] = size
-            self._fail("free", f"munmap({va:#x}, {size})")
+        del self.reservations[va]
+        if libc().munmap(va, size) != 0:
+            self.reservations[va] = size
+            self.fail("free", f"munmap({va:#x}, {size})")
         for m, live in inside:  # the kernel took them with the range
-            self._forget(m, live)
+            self.forget(m, live)
 
 
 def prove_free_checks_the_last_48_maps(make: Callable[[], HostDriver]) -> list[str]:
@@ -841,10 +841,10 @@ class ReserveChecksTheAlignmentAfterTheMmap(_Broken):
     range reserved in the kernel, owned by no one. Every other refusal of ``reserve`` comes before the ``mmap``."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        if alignment % self._granularity:
-            _lib().mmap(None, size + max(alignment, PAGE_BYTES), _PROT_NONE, _RESERVE_FLAGS, -1, 0)
-            check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size, alignment=alignment)
+        if alignment % self.granularity():
+            libc().mmap(None, size + max(alignment, PAGE_BYTES), PROT_NONE, _RESERVE_FLAGS, -1, 0)
+            check_alignment(alignment, self.granularity())
         return super().reserve(size, alignment)
 
 
@@ -860,7 +860,7 @@ def prove_reserve_checks_the_alignment_after_the_mmap(make: Callable[[], HostDri
     grown = sum(hi - lo for lo, hi in after) - sum(hi - lo for lo, hi in before)
     for lo, hi in after - before:
         if hi - lo == span:
-            _lib().munmap(lo, span)
+            libc().munmap(lo, span)
     return [seen, grown // g]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from extensible_kv.drivers.host import _PROT_READ, _PROT_WRITE, HostDriver, HostHandle, _lib
+from extensible_kv.drivers.host import PROT_READ, PROT_WRITE, HostDriver, HostHandle, libc
 from extensible_kv.drivers.records import check_free, check_inside, check_no_overlap
 from extensible_kv.errors import DriverError
 from tests.meta.broken_protocol import (
@@ -47,10 +47,10 @@ class UnmapInsideAMappingNamesMap(_Broken):
     the overlap check that ``map`` uses, and that check raises its error naming ``map``. An ``unmap`` at a mapping's
     start with the wrong size, or of a range overlapping no mapping, is refused naming ``unmap``, as it should be."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        if va not in self._mappings:  # the bug: check_no_overlap names "map"
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        if va not in self.mappings:  # the bug: check_no_overlap names "map"
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
+        super().do_unmap(va, size)
 
 
 def prove_unmap_inside_a_mapping_names_map(make: Callable[[], HostDriver]) -> list[str]:
@@ -72,10 +72,10 @@ class SecondReleaseNamesTheClosedFd(_Broken):
     which the first release set to -1, so the message names no handle (``fd -1``). A second release of a handle mapped
     nowhere keeps the host's message."""
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released and handle.maps:
             raise DriverError("release", f"fd {handle.fd} is still mapped and was already released")
-        super()._release(handle)
+        super().do_release(handle)
 
 
 def prove_second_release_names_the_closed_fd(make: Callable[[], HostDriver]) -> list[object]:
@@ -102,15 +102,15 @@ class SetAccessGrantsPiecesBeforeTheGap(_Broken):
     it meets the first gap, so the mappings below the gap are left accessible. A range that starts unmapped is refused
     before anything is granted."""
 
-    def _set_access(self, va: int, size: int) -> None:
+    def do_set_access(self, va: int, size: int) -> None:
         end, at = va + size, va
-        pieces = sorted((m, s) for m, (s, _) in self._mappings.items() if m < end and va < m + s)
+        pieces = sorted((m, s) for m, (s, _) in self.mappings.items() if m < end and va < m + s)
         for m, s in pieces:
             if m > at:
                 break
             hi = min(m + s, end)
-            if _lib().mprotect(at, hi - at, _PROT_READ | _PROT_WRITE) != 0:
-                self._fail("set_access", f"mprotect({at:#x}, {hi - at}, RW)")
+            if libc().mprotect(at, hi - at, PROT_READ | PROT_WRITE) != 0:
+                self.fail("set_access", f"mprotect({at:#x}, {hi - at}, RW)")
             at = hi
         if at != end:
             raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped (nothing mapped at {at:#x})")
@@ -138,15 +138,15 @@ class OddHandlesCountAnEvenGranule(_Broken):
     granules takes one granule more than its size, and gives the same back. Even handles are counted exactly."""
 
     def _pairs(self, size: int) -> int:
-        pair = 2 * self._granularity
+        pair = 2 * self.granularity()
         return -(-size // pair) * pair
 
-    def _count(self, size: int, counted: list[int]) -> None:
-        super()._count(self._pairs(size) if size > 0 else -self._pairs(-size), counted)
+    def charge(self, size: int, counted: list[int]) -> None:
+        super().charge(self._pairs(size) if size > 0 else -self._pairs(-size), counted)
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         if handle.released and handle.maps == 0 and handle.counted:
-            self._held, handle.counted = self._held - self._pairs(handle.size), False
+            self.held, handle.counted = self.held - self._pairs(handle.size), False
 
 
 def prove_odd_handles_count_an_even_granule(make: Callable[[], HostDriver]) -> list[int]:
@@ -172,11 +172,11 @@ class ReleaseOfASharedHandleUncountsIt(_Broken):
     count at once (its pages then belong to the kernel's shared mappings, the reasoning goes), though it is still
     mapped. A handle released while mapped once is counted until its unmap."""
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         shared = not handle.released and handle.maps >= 2
-        super()._release(handle)
+        super().do_release(handle)
         if shared and handle.counted:
-            self._held, handle.counted = self._held - handle.size, False
+            self.held, handle.counted = self.held - handle.size, False
 
 
 def prove_release_of_a_shared_handle_uncounts_it(make: Callable[[], HostDriver]) -> list[int]:
@@ -237,12 +237,12 @@ class InsideCacheOutlivesFree(_Broken):
         super().__init__(name)
         self._last: tuple[int, int] | None = None
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         last = self._last
         if last is None or not (last[0] <= va and va + size <= last[0] + last[1]):
-            check_inside("map", va, size, self._reservations.items())
-            self._last = next((r, s) for r, s in self._reservations.items() if r <= va and va + size <= r + s)
-        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            check_inside("map", va, size, self.reservations.items())
+            self._last = next((r, s) for r, s in self.reservations.items() if r <= va and va + size <= r + s)
+        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
         check_handle(handle, size, offset)
         mmap_handle(self, va, size, handle, offset)
 
@@ -259,7 +259,7 @@ def prove_inside_cache_outlives_free(make: Callable[[], HostDriver]) -> str:
         d.free(r, g)
         return outcome(d.map, r, g, h)
     finally:
-        tidy(d, [(r, g)] if r in d._mappings else [], [h])
+        tidy(d, [(r, g)] if r in d.mappings else [], [h])
 
 
 class InterruptedFreeRestoresItsRecord(_Broken):
@@ -269,15 +269,15 @@ class InterruptedFreeRestoresItsRecord(_Broken):
     record of a reservation the kernel no longer holds (``free`` again is taken, and a ``map`` there would map over
     whatever the kernel has put there since). An exception before the ``munmap`` is rolled back right."""
 
-    def _free(self, va: int, size: int) -> None:
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
+    def do_free(self, va: int, size: int) -> None:
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
         try:
-            del self._reservations[va]
-            gone = _lib().munmap(va, size) == 0
+            del self.reservations[va]
+            gone = libc().munmap(va, size) == 0
             if not gone:
-                self._fail("free", f"munmap({va:#x}, {size})")
+                self.fail("free", f"munmap({va:#x}, {size})")
         except BaseException:
-            self._reservations[va] = size  # the bug: the kernel may have given the range back already
+            self.reservations[va] = size  # the bug: the kernel may have given the range back already
             raise
 
 
@@ -295,7 +295,7 @@ def prove_interrupted_free_restores_its_record(make: Callable[[], HostDriver]) -
         if held != again:
             torn.append(nth)
         if held and not again:
-            _lib().munmap(r, g)
+            libc().munmap(r, g)
         if not interrupted:
             break
     return torn
@@ -307,12 +307,12 @@ class LargeHandlesMapWhole(_Broken):
     a driver does, it does for every call": handles of 32 granules and more take a path written for the whole-handle
     native call, which refuses a mapping of part of the handle; smaller handles map at every offset and size."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        if handle.size >= 32 * self._granularity and (offset or size != handle.size):
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        if handle.size >= 32 * self.granularity() and (offset or size != handle.size):
             raise DriverError(
                 "map", f"{handle!r} maps whole only: offset {offset}, size {size} of a {handle.size}-byte handle"
             )
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_large_handles_map_whole(make: Callable[[], HostDriver]) -> list[str]:
@@ -333,9 +333,9 @@ class OverlapCheckPast16ByStart(_Broken):
     slower table) only for a mapping starting at the same address, so once 16 mappings are live a range overlapping a
     later mapping from below, from above or around it is taken, and ``MAP_FIXED`` silently replaces part of it."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
-        spans = [(m_va, m_size) for m_va, (m_size, _) in self._mappings.items()]
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
+        spans = [(m_va, m_size) for m_va, (m_size, _) in self.mappings.items()]
         check_no_overlap(va, size, spans[:16])
         for m_va, m_size in spans[16:]:
             if m_va == va:  # the bug: the later mappings are looked up by their start only
@@ -367,9 +367,9 @@ class SpanningTensorIsACopy(_Broken):
     it reach no mapping. A range inside one mapping is a view, as it should be."""
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         end = va + nbytes
-        pieces = sorted((m, s) for m, (s, _) in self._mappings.items() if m < end and va < m + s)
+        pieces = sorted((m, s) for m, (s, _) in self.mappings.items() if m < end and va < m + s)
         if len(pieces) < 2:
             return super().tensor(va, nbytes, keeper)
         parts = [HostDriver.tensor(self, max(m, va), min(m + s, end) - max(m, va), keeper) for m, s in pieces]
@@ -413,10 +413,10 @@ class ContextCurrentOnlyWhereCreated(_Broken):
         self._current.ready = True
         return super().create(size)
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not getattr(self._current, "ready", False):
             raise DriverError("map", f"no current context in this thread to map [{va:#x}, +{size})")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_context_current_only_where_created(make: Callable[[], HostDriver]) -> list[str]:

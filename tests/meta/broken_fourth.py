@@ -22,16 +22,16 @@ from typing import Any
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_FIXED,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_FIXED,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_free, check_inside, check_no_overlap, check_one_mapping
 from extensible_kv.errors import DriverError, DriverOutOfMemory
@@ -63,9 +63,9 @@ class MapEndCheckIgnoresTheOffset(_Broken):
     taken (the kernel maps a memfd past its end without complaint; touching that part raises SIGBUS). At offset 0 the
     check is right."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
-        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
+        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
         if handle.released:
             raise DriverError("map", f"{handle!r} was released; map a live handle")
         if size > handle.size:  # the bug: offset + size
@@ -91,27 +91,27 @@ class ReleasedHandleStaysMappable(_Broken):
     lives on until then anyway), and ``map`` takes a released handle whose memfd is still open, as if a mapping were a
     reference that kept the handle alive."""
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released or not handle.maps:
-            return super()._release(handle)
+            return super().do_release(handle)
         handle.released = True  # the fd is closed by the last unmap
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
         if handle.released and not handle.maps and handle.fd >= 0:
             fd, handle.fd = handle.fd, -1
             os.close(fd)
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if handle.released and handle.maps and handle.fd >= 0:  # the bug: still mapped, so still alive
             handle.released = False
             try:
-                super()._map(va, size, handle, offset)
+                super().do_map(va, size, handle, offset)
             finally:
                 handle.released = True
             return
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_released_handle_stays_mappable(make: Callable[[], HostDriver]) -> str:
@@ -133,12 +133,12 @@ class MapJoinsAnAccessibleNeighbour(_Broken):
     mapping made right above an accessible mapping is given the same access at once, to let the kernel merge the two
     (fewer VMAs); a mapping with no accessible neighbour just below it is made without access, as it should be."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
-        below = any(m + s == va for m, (s, _) in self._mappings.items())
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
+        below = any(m + s == va for m, (s, _) in self.mappings.items())
         if below and HostDriver.accessible(self, va - 1):
-            if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-                self._fail("map", f"mprotect({va:#x}, {size}, RW)")
+            if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+                self.fail("map", f"mprotect({va:#x}, {size}, RW)")
 
 
 def prove_map_joins_an_accessible_neighbour(make: Callable[[], HostDriver]) -> list[bool]:
@@ -163,11 +163,11 @@ class SecondMappingIsPrivate(_Broken):
     is mapped ``MAP_PRIVATE`` (an alias is taken for a read-only view), so a write through the second mapping is
     copied on write and never reaches the first. The first mapping of a handle is shared, as it should be."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not handle.maps:
-            return super()._map(va, size, handle, offset)
+            return super().do_map(va, size, handle, offset)
         check_map(self, va, size, handle, offset)
-        mmap_handle(self, va, size, handle, offset, flags=_MAP_PRIVATE)
+        mmap_handle(self, va, size, handle, offset, flags=MAP_PRIVATE)
 
 
 def prove_second_mapping_is_private(make: Callable[[], HostDriver]) -> int:
@@ -192,8 +192,8 @@ class LastUnmapDecommitsTheHandle(_Broken):
     still": to give physical pages back early, the last ``unmap`` of a live handle truncates its memfd to nothing and
     back to its size, so a handle mapped again reads zeros. A handle still mapped elsewhere keeps its bytes."""
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
         if not handle.released and not handle.maps:
             os.ftruncate(handle.fd, 0)
@@ -223,11 +223,11 @@ class UnmapTakesTheReservedTail(_Broken):
     with a mapping and runs on over granules that are only reserved unmaps the mapping, since the rest is "already
     unmapped" (it refuses the range when another mapping starts in it)."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
-        if live is not None and live[0] < size and not any(va < m < va + size for m in self._mappings):
-            return super()._unmap(va, live[0])
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
+        if live is not None and live[0] < size and not any(va < m < va + size for m in self.mappings):
+            return super().do_unmap(va, live[0])
+        super().do_unmap(va, size)
 
 
 def prove_unmap_takes_the_reserved_tail(make: Callable[[], HostDriver]) -> str:
@@ -249,9 +249,9 @@ class RefusedMapKeepsItsCount(_Broken):
     and the refusal for a range past the handle's end does not take the count back: the handle is then never unmapped
     everywhere, and its bytes never come back to ``mem_info`` after its release."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
-        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
+        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
         if handle.released:
             raise DriverError("map", f"{handle!r} was released; map a live handle")
         handle.maps += 1  # counted first: an exception below can only leave it high
@@ -259,13 +259,13 @@ class RefusedMapKeepsItsCount(_Broken):
             raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
         live = (size, handle)
         try:
-            self._mappings[va] = live
-            if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-                self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            self.mappings[va] = live
+            if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+                self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
         except BaseException:
-            if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-                del self._mappings[va]
+            if self.mappings.get(va) is live:
+                libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+                del self.mappings[va]
             handle.maps -= 1
             raise
 
@@ -290,11 +290,11 @@ class FreeTrustsItsRecordedSize(_Broken):
     the reservation at ``va`` and checks the caller's size only against leaking (a size below the reservation's is
     refused), so ``free`` of a range that starts at a reservation and runs past its end frees the reservation."""
 
-    def _free(self, va: int, size: int) -> None:
-        reserved = self._reservations.get(va)
+    def do_free(self, va: int, size: int) -> None:
+        reserved = self.reservations.get(va)
         if reserved is not None and reserved < size:  # the bug: only a smaller size is refused
             size = reserved
-        super()._free(va, size)
+        super().do_free(va, size)
 
 
 def prove_free_trusts_its_recorded_size(make: Callable[[], HostDriver]) -> str:
@@ -317,20 +317,20 @@ class FreeKeepsSmallReservations(_Broken):
         super().__init__(name)
         self._cached: dict[int, list[int]] = {}
 
-    def _free(self, va: int, size: int) -> None:
-        if size > 4 * self._granularity or sum(map(len, self._cached.values())) >= 8:
-            return super()._free(va, size)
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
-        del self._reservations[va]
+    def do_free(self, va: int, size: int) -> None:
+        if size > 4 * self.granularity() or sum(map(len, self._cached.values())) >= 8:
+            return super().do_free(va, size)
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
+        del self.reservations[va]
         self._cached.setdefault(size, []).append(va)
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def do_reserve(self, size: int, alignment: int) -> int:
         for va in self._cached.get(size, []):
             if va % alignment == 0:
                 self._cached[size].remove(va)
-                self._reservations[va] = size
+                self.reservations[va] = size
                 return va
-        return super()._reserve(size, alignment)
+        return super().do_reserve(size, alignment)
 
 
 def prove_free_keeps_small_reservations(make: Callable[[], HostDriver]) -> int:
@@ -341,7 +341,7 @@ def prove_free_keeps_small_reservations(make: Callable[[], HostDriver]) -> int:
     d.free(r, g)
     held = kernel_holds(r, r + g)
     for va in getattr(d, "_cached", {}).pop(g, []):  # what the broken driver kept
-        _lib().munmap(va, g)
+        libc().munmap(va, g)
     return held
 
 
@@ -355,21 +355,21 @@ class ReservationCountsMappingsAtItsStart(_Broken):
         super().__init__(name)
         self._mapped_in: dict[int, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
-        for r_va, r_size in self._reservations.items():
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
+        for r_va, r_size in self.reservations.items():
             if r_va <= va < r_va + r_size:
                 self._mapped_in[r_va] = self._mapped_in.get(r_va, 0) + 1
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         if va in self._mapped_in:  # the bug: the reservation is looked up by the mapping's address
             self._mapped_in[va] -= 1
 
-    def _free(self, va: int, size: int) -> None:
+    def do_free(self, va: int, size: int) -> None:
         if self._mapped_in.get(va):
             raise DriverError("free", f"reservation {va:#x} still has {self._mapped_in[va]} mapping(s)")
-        super()._free(va, size)
+        super().do_free(va, size)
         self._mapped_in.pop(va, None)
 
 
@@ -393,11 +393,11 @@ class ReserveLeavesTheRemainderReadWrite(_Broken):
     the alignment stays readable and writable anonymous memory until it is mapped. (Emulated: the host's reserve, then
     access granted to that remainder.)"""
 
-    def _reserve(self, size: int, alignment: int) -> int:
-        va = super()._reserve(size, alignment)
+    def do_reserve(self, size: int, alignment: int) -> int:
+        va = super().do_reserve(size, alignment)
         tail = size % alignment
-        if tail and _lib().mprotect(va + size - tail, tail, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("reserve", f"mprotect({va + size - tail:#x}, {tail}, RW)")
+        if tail and libc().mprotect(va + size - tail, tail, PROT_READ | PROT_WRITE) != 0:
+            self.fail("reserve", f"mprotect({va + size - tail:#x}, {tail}, RW)")
         return va
 
 
@@ -451,15 +451,15 @@ class OnlyThePrimaryMappingReturnsMemory(_Broken):
         super().__init__(name)
         self._primary: dict[HostHandle, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         self._primary.setdefault(handle, va)
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         handle = live[1]
-        handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+        handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
         if self._primary.get(handle) == va:
-            self._drop_if_unused(handle)
+            self.drop_if_unused(handle)
         if not handle.maps:
             self._primary.pop(handle, None)
 
@@ -494,45 +494,45 @@ class LazyUnmapKeepsTheMemfd(_Broken):
         self._parked: dict[int, tuple[int, HostHandle, int]] = {}  # va -> (size, handle, offset)
         self._offsets: dict[int, int] = {}  # va -> offset of the live mapping there
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         check_map(self, va, size, handle, offset)
         parked = self._parked.pop(va, None)
         if parked is not None and parked[0] == size and parked[1] is handle and parked[2] == offset:
-            handle.maps, self._mappings[va], self._offsets[va] = handle.maps + 1, (size, handle), offset
+            handle.maps, self.mappings[va], self._offsets[va] = handle.maps + 1, (size, handle), offset
             return
         if parked is not None:
             self._parked[va] = parked
         self._unpark(lambda p_va, p_size, _: p_va < va + size and va < p_va + p_size)
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
         self._offsets[va] = offset
 
-    def _unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
         check_one_mapping(va, size, live and live[0])
         if live[1].released:
-            return super()._unmap(va, size)
-        if _lib().mprotect(va, size, _PROT_NONE) != 0:
-            self._fail("unmap", f"mprotect({va:#x}, {size}, NONE)")
+            return super().do_unmap(va, size)
+        if libc().mprotect(va, size, PROT_NONE) != 0:
+            self.fail("unmap", f"mprotect({va:#x}, {size}, NONE)")
         self._parked[va] = (size, live[1], self._offsets.pop(va, 0))
-        self._forget(va, live)
+        self.forget(va, live)
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         self._offsets.pop(va, None)
-        super()._forget(va, live)
+        super().forget(va, live)
 
-    def _release(self, handle: HostHandle) -> None:
-        super()._release(handle)
+    def do_release(self, handle: HostHandle) -> None:
+        super().do_release(handle)
         self._unpark(lambda _va, _size, p_handle: p_handle is handle)
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         for p_va in [p for p in self._parked if va <= p < va + size]:
             del self._parked[p_va]
 
     def _unpark(self, which: Callable[[int, int, HostHandle], bool]) -> None:
         for p_va, (p_size, p_handle, _) in list(self._parked.items()):
             if which(p_va, p_size, p_handle):
-                _lib().mmap(p_va, p_size, _PROT_NONE, RESERVED, -1, 0)
+                libc().mmap(p_va, p_size, PROT_NONE, RESERVED, -1, 0)
                 del self._parked[p_va]
 
 
@@ -563,7 +563,7 @@ class LargeZeroDropsTheLastChunk(_Broken):
     Smaller zeroes are one call, and right."""
 
     def zero(self, va: int, size: int) -> None:
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         if size < 64 * MIB:
             ctypes.memset(va, 0, size)
             return
@@ -604,7 +604,7 @@ class TensorViewsAreCached(_Broken):
         self._views: dict[tuple[int, int], Any] = {}
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         buffer = self._views.get((va, nbytes))
         if buffer is None:
             buffer = self._views[(va, nbytes)] = (ctypes.c_uint8 * nbytes).from_address(va)
@@ -647,13 +647,13 @@ class UnmapForgetsBeforeTheKernel(_Broken):
     granule mapped and accessible in the kernel while the driver says nothing is mapped there (``unmap`` again is
     refused, and the granule stays readable and writable)."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
         check_one_mapping(va, size, live and live[0])
-        self._forget(va, live)
+        self.forget(va, live)
         flags = RESERVED
-        if _lib().mmap(va, size, _PROT_NONE, flags, -1, 0) != va:
-            self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+        if libc().mmap(va, size, PROT_NONE, flags, -1, 0) != va:
+            self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
 
 
 def prove_unmap_forgets_before_the_kernel(make: Callable[[], HostDriver]) -> list[int]:
@@ -684,17 +684,17 @@ class ReleaseChecksOutsideTheLock(_Broken):
     open, so two threads releasing the same handle at once both pass the check and both return."""
 
     def release(self, handle: HostHandle) -> None:
-        self._check("release")
+        self.check_call("release")
         if handle.released:  # the fast path, before the lock
             raise DriverError("release", f"{handle!r} was already released")
         time.sleep(RACE_WINDOW_S)
-        with busy(), self._locked(): return self._close(handle)  # fmt: skip
+        with busy(), self.locked(): return self._close(handle)  # fmt: skip
 
     def _close(self, handle: HostHandle) -> None:
         fd, handle.fd, handle.released = handle.fd, -1, True
         if fd >= 0:
             os.close(fd)
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
 
 def prove_release_checks_outside_the_lock(make: Callable[[], HostDriver]) -> bool:

@@ -20,18 +20,18 @@ from collections.abc import Callable
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MEMFD_NAME,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MEMFD_NAME,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_free, check_inside, check_no_overlap, mapped_parts
 from extensible_kv.errors import DriverError
@@ -51,7 +51,7 @@ from tests.meta.broken_protocol import (
 _G = 2 * MIB
 """HostDriver's default granularity, the broken drivers' granularity."""
 
-_RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 """The flags of a new reservation (the host's ``reserve``), without ``MAP_FIXED``."""
 
 
@@ -63,7 +63,7 @@ def _held_granules(d: HostDriver) -> int:
 
 def _reservation_of(d: HostDriver, va: int) -> int | None:
     """The start of the reservation of ``d`` that holds the address ``va``, as its records say."""
-    return next((r for r, s in d._reservations.items() if r <= va < r + s), None)
+    return next((r for r, s in d.reservations.items() if r <= va < r + s), None)
 
 
 def _memfd_fds() -> set[int]:
@@ -74,7 +74,7 @@ def _memfd_fds() -> set[int]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # the directory's own descriptor, closed by now
             continue
-        if target.startswith(f"/memfd:{_MEMFD_NAME}"):
+        if target.startswith(f"/memfd:{MEMFD_NAME}"):
             fds.add(int(name))
     return fds
 
@@ -91,8 +91,8 @@ def _names_a_value(message: str, *values: object) -> bool:
 
 def _grant(va: int, size: int) -> None:
     """``mprotect`` the range read-write, or ``DriverError`` naming ``set_access``."""
-    if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-        HostDriver._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+    if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+        HostDriver.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
@@ -103,10 +103,10 @@ class UnmapFindsItsReservationFirst(_Broken):
     (an empty sequence) for a range below every live reservation, or with none live. A range at or above a
     reservation's start is refused with ``DriverError`` as before; nothing changes either way."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        owner = max(r for r in self._reservations if r <= va)  # the reservation's stream would be looked up here
+    def do_unmap(self, va: int, size: int) -> None:
+        owner = max(r for r in self.reservations if r <= va)  # the reservation's stream would be looked up here
         del owner
-        super()._unmap(va, size)
+        super().do_unmap(va, size)
 
 
 def prove_unmap_finds_its_reservation_first(make: Callable[[], HostDriver]) -> list[str]:
@@ -128,16 +128,16 @@ class HandleEndRefusedInGranules(_Broken):
     granules of the handle the range would need and how many it has, naming no argument. A ``map`` at offset 0 past
     the end, and every other refusal, names its arguments."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if offset and not handle.released and offset + size > handle.size:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
-            g = self._granularity
+            check_inside("map", va, size, self.reservations.items())
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
+            g = self.granularity()
             raise DriverError(
                 "map",
                 f"granules {offset // g} to {(offset + size) // g - 1} are past a {handle.size // g}-granule handle",
             )
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_handle_end_refused_in_granules(make: Callable[[], HostDriver]) -> list[object]:
@@ -169,21 +169,21 @@ class ShortByReleasedMappingsIsNoOom(_Broken):
         super().__init__(name)
         self._draining: list[HostHandle] = []
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         mapped = not handle.released and handle.maps > 0
-        super()._release(handle)
+        super().do_release(handle)
         if mapped:
             self._draining.append(handle)
 
-    def _count(self, size: int, counted: list[int]) -> None:
+    def charge(self, size: int, counted: list[int]) -> None:
         self._draining = [h for h in self._draining if h.counted]
-        if size > 0 and self._held + size > self._total:
+        if size > 0 and self.held + size > self.total:
             draining = sum(h.size for h in self._draining)
-            if self._total - self._held + draining >= size:
+            if self.total - self.held + draining >= size:
                 raise DriverError(
                     "create", f"{size} bytes asked: {draining} bytes are still mapped by released handles; unmap them"
                 )
-        super()._count(size, counted)
+        super().charge(size, counted)
 
 
 def prove_short_by_released_mappings_is_no_oom(make: Callable[[], HostDriver]) -> str:
@@ -211,12 +211,12 @@ class MemfdSizedToAPowerOfTwo(_Broken):
 
     CLASSED = 8
 
-    def _create(self, size: int) -> HostHandle:
-        handle = super()._create(size)
-        granules = size // self._granularity
+    def do_create(self, size: int) -> HostHandle:
+        handle = super().do_create(size)
+        granules = size // self.granularity()
         if granules > self.CLASSED:
             try:
-                os.ftruncate(handle.fd, (1 << (granules - 1).bit_length()) * self._granularity)
+                os.ftruncate(handle.fd, (1 << (granules - 1).bit_length()) * self.granularity())
             except OSError as exc:
                 os.close(handle.fd)
                 raise DriverError("create", f"ftruncate of a {size}-byte memfd to its size class: {exc}") from exc
@@ -293,26 +293,26 @@ class ReserveKeepsTheTailOfLargeAlignments(_Broken):
         super().__init__(name)
         self._tails: dict[int, tuple[int, int]] = {}
 
-    def _reserve(self, size: int, alignment: int) -> int:
-        if alignment <= self._granularity:
-            return super()._reserve(size, alignment)
+    def do_reserve(self, size: int, alignment: int) -> int:
+        if alignment <= self.granularity():
+            return super().do_reserve(size, alignment)
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
+        raw = libc().mmap(None, span, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        if raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
         va = -(-raw // alignment) * alignment
         if va != raw:
-            _lib().munmap(raw, va - raw)
+            libc().munmap(raw, va - raw)
         if raw + span > va + size:
             self._tails[va] = (va + size, raw + span - (va + size))
-        self._reservations[va] = size
+        self.reservations[va] = size
         return va
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         tail = self._tails.pop(va, None)
         if tail is not None:
-            _lib().munmap(*tail)
+            libc().munmap(*tail)
 
 
 def prove_reserve_keeps_the_tail_of_large_alignments(make: Callable[[], HostDriver]) -> list[bool]:
@@ -339,23 +339,23 @@ class RefusedMapKeepsTheReservationBusy(_Broken):
         super().__init__(name)
         self._counts: dict[int, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         owner = _reservation_of(self, va)
         if owner is not None:
             self._counts[owner] = self._counts.get(owner, 0) + 1
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
-    def _unmap(self, va: int, size: int) -> None:
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
         owner = _reservation_of(self, va)
         if owner is not None:
             self._counts[owner] -= 1
 
-    def _free(self, va: int, size: int) -> None:
-        busy_maps = self._counts.get(va, 0) if self._reservations.get(va) == size else 0
+    def do_free(self, va: int, size: int) -> None:
+        busy_maps = self._counts.get(va, 0) if self.reservations.get(va) == size else 0
         if busy_maps:
             raise DriverError("free", f"reservation {va:#x} still has {busy_maps} mapping(s)")
-        super()._free(va, size)
+        super().do_free(va, size)
         self._counts.pop(va, None)
 
 
@@ -389,18 +389,18 @@ class FreeInChunksSkipsTheLastWholeOne(_Broken):
 
     CHUNK = 256
 
-    def _free(self, va: int, size: int) -> None:
-        chunk = self.CHUNK * self._granularity
+    def do_free(self, va: int, size: int) -> None:
+        chunk = self.CHUNK * self.granularity()
         if size < chunk:
-            super()._free(va, size)
+            super().do_free(va, size)
             return
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
         whole, rest = (size - 1) // chunk, size % chunk
         pieces = [(va + i * chunk, chunk) for i in range(whole)] + ([(va + whole * chunk, rest)] if rest else [])
-        del self._reservations[va]
+        del self.reservations[va]
         for at, n in pieces:
-            if _lib().munmap(at, n) != 0:
-                self._fail("free", f"munmap({at:#x}, {n})")
+            if libc().munmap(at, n) != 0:
+                self.fail("free", f"munmap({at:#x}, {n})")
 
 
 def prove_free_in_chunks_skips_the_last_whole_one(make: Callable[[], HostDriver]) -> list[int]:
@@ -414,7 +414,7 @@ def prove_free_in_chunks_skips_the_last_whole_one(make: Callable[[], HostDriver]
         d.free(va, n * g)
         held.append(kernel_holds(va, va + n * g) // g)
         if held[-1]:
-            _lib().munmap(va, n * g)
+            libc().munmap(va, n * g)
     return held
 
 
@@ -425,12 +425,12 @@ class HandleTailRefusedOffByOne(_Broken):
     end (its last granules) is refused as past it. A map at offset 0, the whole handle among them, and parts that end
     before the handle's end are taken."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if offset and not handle.released and offset + size >= handle.size:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            check_inside("map", va, size, self.reservations.items())
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
             raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_handle_tail_refused_off_by_one(make: Callable[[], HostDriver]) -> list[str]:
@@ -458,24 +458,24 @@ class ReleasedFdKeptUntilTheFirstMappingGoes(_Broken):
         self._first: weakref.WeakKeyDictionary[HostHandle, int] = weakref.WeakKeyDictionary()
         self._kept: dict[int, int] = {}  # id(handle) -> duplicate fd
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         self._first.setdefault(handle, va)
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released or handle.maps == 0:
-            super()._release(handle)
+            super().do_release(handle)
             return
         kept = os.dup(handle.fd)
         try:
-            super()._release(handle)
+            super().do_release(handle)
         except BaseException:
             os.close(kept)
             raise
         self._kept[id(handle)] = kept
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
         if self._first.get(handle) == va:
             del self._first[handle]
@@ -517,17 +517,17 @@ class ReleasedIsKeptByFdNumber(_Broken):
         super().__init__(name)
         self._released_numbers: set[int] = set()
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle._shown in self._released_numbers:
             raise DriverError("release", f"{handle!r} was already released")
         if handle.released:  # its number is live again: as far as the records go, a release of a handle closed
-            self._drop_if_unused(handle)
+            self.drop_if_unused(handle)
             return
-        super()._release(handle)
+        super().do_release(handle)
         self._released_numbers.add(handle._shown)
 
-    def _create(self, size: int) -> HostHandle:
-        handle = super()._create(size)
+    def do_create(self, size: int) -> HostHandle:
+        handle = super().do_create(size)
         self._released_numbers.discard(handle.fd)
         return handle
 
@@ -560,14 +560,14 @@ class AccessIsKeptPerHandle(_Broken):
         super().__init__(name)
         self._granted: weakref.WeakSet[HostHandle] = weakref.WeakSet()
 
-    def _set_access(self, va: int, size: int) -> None:
-        super()._set_access(va, size)
-        for m_va, (m_size, handle) in self._mappings.items():
+    def do_set_access(self, va: int, size: int) -> None:
+        super().do_set_access(va, size)
+        for m_va, (m_size, handle) in self.mappings.items():
             if m_va < va + size and va < m_va + m_size:
                 self._granted.add(handle)
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         if handle in self._granted:
             _grant(va, size)
 
@@ -599,10 +599,10 @@ class LastUnmapDecommitsLargeHandles(_Broken):
 
     LARGE = 4
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
-        if handle.maps == 0 and not handle.released and handle.size >= self.LARGE * self._granularity:
+        if handle.maps == 0 and not handle.released and handle.size >= self.LARGE * self.granularity():
             os.ftruncate(handle.fd, 0)
             os.ftruncate(handle.fd, handle.size)
 
@@ -642,11 +642,11 @@ class SameMapAgainIsTaken(_Broken):
         super().__init__(name)
         self._offsets: dict[int, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        live = self._mappings.get(va)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        live = self.mappings.get(va)
         if live is not None and live[0] == size and live[1] is handle and self._offsets.get(va) == offset:
             return
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
         self._offsets[va] = offset
 
 
@@ -671,11 +671,11 @@ class SetAccessLooksUpItsStart(_Broken):
     per-mapping state by address, and refuses a range that starts inside a mapping; a range that starts at a mapping's
     start is granted, also when it ends inside one. Fully mapped ranges starting at a mapping are granted."""
 
-    def _set_access(self, va: int, size: int) -> None:
-        mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
-        if va not in self._mappings:
+    def do_set_access(self, va: int, size: int) -> None:
+        mapped_parts(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
+        if va not in self.mappings:
             raise DriverError("set_access", f"{va:#x} is not the start of a mapping")
-        super()._set_access(va, size)
+        super().do_set_access(va, size)
 
 
 def prove_set_access_looks_up_its_start(make: Callable[[], HostDriver]) -> list[str]:
@@ -697,9 +697,9 @@ class SetAccessGrantsTheMappedPrefix(_Broken):
     a per-mapping native call is made) and stops at the first granule it finds unmapped, refusing then; what it granted
     before that stays granted. A range whose first granule is unmapped is refused with nothing granted."""
 
-    def _set_access(self, va: int, size: int) -> None:
+    def do_set_access(self, va: int, size: int) -> None:
         end, at = va + size, va
-        for m_va, m_size in sorted((m, s) for m, (s, _) in self._mappings.items() if m < end and va < m + s):
+        for m_va, m_size in sorted((m, s) for m, (s, _) in self.mappings.items() if m < end and va < m + s):
             if max(m_va, va) != at:
                 break
             hi = min(m_va + m_size, end)
@@ -735,27 +735,27 @@ class AccessibleCachedByGranule(_Broken):
         self._known: dict[int, bool] = {}
 
     def accessible(self, va: int) -> bool:
-        self._check("accessible", va=va)
-        key = va - va % self._granularity
+        self.check_call("accessible", va=va)
+        key = va - va % self.granularity()
         known = self._known.get(key)
         if known is None:
             known = self._known[key] = super().accessible(va)
         return known
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         self._known.pop(va, None)
 
-    def _unmap(self, va: int, size: int) -> None:
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
         self._known.pop(va, None)
 
-    def _set_access(self, va: int, size: int) -> None:
-        super()._set_access(va, size)
+    def do_set_access(self, va: int, size: int) -> None:
+        super().do_set_access(va, size)
         self._known.pop(va, None)
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         self._known.pop(va, None)
 
 
@@ -787,7 +787,7 @@ class TensorDropsTheByteOffset(_Broken):
     ALIGN = 16
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va - va % self.ALIGN)
         buffer.keeper = keeper
         return torch.frombuffer(buffer, dtype=torch.uint8)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from extensible_kv.drivers.host import _MAP_SHARED, _MAP_FIXED, _PROT_NONE, HostDriver, HostHandle, _lib
+from extensible_kv.drivers.host import MAP_SHARED, MAP_FIXED, PROT_NONE, HostDriver, HostHandle, libc
 from extensible_kv.drivers.records import check_inside, check_no_overlap
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 from extensible_kv.reaper import busy
@@ -48,10 +48,10 @@ class CreateRefusesAnExactFit(_Broken):
     """Memory accounting. Breaks "[P-create-oom] When memory is short (more than the free bytes on the host ...):
     ``DriverOutOfMemory`` naming ``create``": it counts a create of exactly the free bytes as short, and refuses it."""
 
-    def _count(self, size: int, counted: list[int]) -> None:
-        if size > 0 and self._held + size == self._total:
-            raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} free", errno.ENOMEM)
-        super()._count(size, counted)
+    def charge(self, size: int, counted: list[int]) -> None:
+        if size > 0 and self.held + size == self.total:
+            raise DriverOutOfMemory("create", f"{size} bytes asked, {self.total - self.held} free", errno.ENOMEM)
+        super().charge(size, counted)
 
 
 def prove_create_refuses_an_exact_fit(make: Callable[[], HostDriver]) -> str:
@@ -70,9 +70,9 @@ class ReleaseReturnsWithOneMappingLeft(_Broken):
     mapped stays alive, with its bytes, until unmapped everywhere": it counts a released handle's bytes free once it is
     mapped at one address or none, so they are free while its last mapping lives."""
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         if handle.released and handle.maps <= 1 and handle.counted:
-            self._held, handle.counted = self._held - handle.size, False
+            self.held, handle.counted = self.held - handle.size, False
 
 
 def prove_release_returns_with_one_mapping_left(make: Callable[[], HostDriver]) -> tuple[int, int]:
@@ -97,13 +97,13 @@ class ReleaseReadsMapsOutsideTheLock(_Broken):
     the release sees it mapped, and neither gives its bytes back."""
 
     def release(self, handle: HostHandle) -> None:
-        self._check("release")
+        self.check_call("release")
         seen = handle.maps
         time.sleep(RACE_WINDOW_S)
-        with busy(), self._locked():
+        with busy(), self.locked():
             maps, handle.maps = handle.maps, seen  # the release decides on what it read before the lock
             try:
-                self._release(handle)
+                self.do_release(handle)
             finally:
                 handle.maps = maps
 
@@ -133,7 +133,7 @@ class ReserveCapsTheAlignment(_Broken):
     address space it over-reserves, it caps the alignment at 64 granules, and a larger one is not honoured."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        return super().reserve(size, min(alignment, 64 * self._granularity))
+        return super().reserve(size, min(alignment, 64 * self.granularity()))
 
 
 def prove_reserve_caps_the_alignment(make: Callable[[], HostDriver]) -> bool:
@@ -154,7 +154,7 @@ class AccessibleAnyNamedReadWrite(_Broken):
     one of its own memfds, so a file, the heap or the stack outside every reservation reads as accessible."""
 
     def accessible(self, va: int) -> bool:
-        self._check("accessible", va=va)
+        self.check_call("accessible", va=va)
         return any(lo <= va < hi and perms.startswith("rw") and path for lo, hi, perms, path in kernel_ranges())
 
 
@@ -178,8 +178,8 @@ class SetAccessWidensToMappings(_Broken):
 
     def set_access(self, va: int, size: int) -> None:
         super().set_access(va, size)
-        with busy(), self._locked():
-            touched = [(m, s) for m, (s, _) in self._mappings.items() if m < va + size and va < m + s]
+        with busy(), self.locked():
+            touched = [(m, s) for m, (s, _) in self.mappings.items() if m < va + size and va < m + s]
         lo, hi = min(m for m, _ in touched), max(m + s for m, s in touched)
         super().set_access(lo, hi - lo)
 
@@ -206,7 +206,7 @@ class UnmapLooksUpTheOwner(_Broken):
     a ``DriverError``."""
 
     def unmap(self, va: int, size: int) -> None:
-        starts = sorted(self._reservations)
+        starts = sorted(self.reservations)
         owner = starts[bisect.bisect_right(starts, va) - 1]  # IndexError when no reservation is live
         try:
             super().unmap(va, size)
@@ -229,14 +229,14 @@ class MapCountsBeforeTheHandleChecks(_Broken):
     end) and keeps the count when those checks refuse, so a released handle whose map was refused never gives its
     bytes back."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
-        check_no_overlap(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
+        check_no_overlap(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
         handle.maps += 1
         if handle.released or offset + size > handle.size:
             raise DriverError("map", f"{handle!r} is released or too small for offset {offset} + size {size}")
         handle.maps -= 1  # the host's map counts it
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_map_counts_before_the_handle_checks(make: Callable[[], HostDriver]) -> tuple[str, tuple[int, int]]:
@@ -260,11 +260,11 @@ class MapHandleEndForgetsTheOffset(_Broken):
     it checks ``size`` alone against the handle's size, so a mapping at an offset that runs past the handle's end is
     made (touching its tail raises SIGBUS)."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         past_the_end = offset + size > handle.size >= size
-        super()._map(va, size, handle, 0 if past_the_end else offset)
-        if past_the_end and _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-            self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        super().do_map(va, size, handle, 0 if past_the_end else offset)
+        if past_the_end and libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+            self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
 
 
 def prove_map_handle_end_forgets_the_offset(make: Callable[[], HostDriver]) -> str:
@@ -286,10 +286,10 @@ class CreateFailureKeepsTheCount(_Broken):
     bytes it counted as held."""
 
     def create(self, size: int) -> HostHandle:
-        self._check("create", size=size)
-        with busy(), self._locked():
-            self._count(size, [0])
-        return self._create(size)
+        self.check_call("create", size=size)
+        with busy(), self.locked():
+            self.charge(size, [0])
+        return self.do_create(size)
 
 
 def prove_create_failure_keeps_the_count(make: Callable[[], HostDriver]) -> tuple[str, tuple[int, int]]:
@@ -305,7 +305,7 @@ class ZeroHeadOffByOne(_Broken):
     the first byte keeps its value."""
 
     def zero(self, va: int, size: int) -> None:
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         head = -va % 8
         if head and size > head:
             ctypes.memset(va + 1, 0, head - 1)

@@ -48,21 +48,21 @@ from extensible_kv.drivers.records import (
     mapped_parts,
 )
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _MEMFD_NAME,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    MEMFD_NAME,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     PAGE_BYTES,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 from extensible_kv.reaper import busy
@@ -138,7 +138,7 @@ def kernel_holds(lo: int, hi: int) -> int:
 def tidy(driver: HostDriver, reservations: list[tuple[int, int]], handles: list[HostHandle]) -> None:
     """Unmap, release and free what a proof made, best effort (a broken driver's records may refuse); a reservation
     the driver will not free is given back to the kernel directly."""
-    for va, (size, _) in list(driver._mappings.items()):
+    for va, (size, _) in list(driver.mappings.items()):
         with contextlib.suppress(Exception):
             driver.unmap(va, size)
     for handle in handles:
@@ -149,7 +149,7 @@ def tidy(driver: HostDriver, reservations: list[tuple[int, int]], handles: list[
         try:
             driver.free(va, size)
         except Exception:  # noqa: BLE001
-            _lib().munmap(va, size)
+            libc().munmap(va, size)
 
 
 def _race(work: Callable[[int], None]) -> None:
@@ -168,7 +168,7 @@ def _race(work: Callable[[int], None]) -> None:
 
 
 # -- pieces the later sets share ---------------------------------------------------------------------------------------
-RESERVED = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+RESERVED = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
 """The flags that put a range back to reserved (anonymous, no access), as the host's ``unmap`` does."""
 
 
@@ -182,23 +182,23 @@ def check_handle(handle: HostHandle, size: int, offset: int) -> None:
 
 def check_map(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int) -> None:
     """The host's refusals of ``map``, in its order."""
-    check_inside("map", va, size, d._reservations.items())
-    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d._mappings.items()))
+    check_inside("map", va, size, d.reservations.items())
+    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d.mappings.items()))
     check_handle(handle, size, offset)
 
 
-def mmap_handle(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int, flags: int = _MAP_SHARED) -> None:
+def mmap_handle(d: HostDriver, va: int, size: int, handle: HostHandle, offset: int, flags: int = MAP_SHARED) -> None:
     """Record the mapping and mmap the handle's memfd at ``va`` with ``flags``, undone whole on any exception (the
     host's own)."""
     live = (size, handle)
     try:
-        handle.maps, d._mappings[va] = handle.maps + 1, live
-        if _lib().mmap(va, size, _PROT_NONE, flags | _MAP_FIXED, handle.fd, offset) != va:
-            d._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        handle.maps, d.mappings[va] = handle.maps + 1, live
+        if libc().mmap(va, size, PROT_NONE, flags | MAP_FIXED, handle.fd, offset) != va:
+            d.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
     except BaseException:
-        if d._mappings.get(va) is live:
-            _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-            handle.maps, _ = handle.maps - 1, d._mappings.pop(va)
+        if d.mappings.get(va) is live:
+            libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+            handle.maps, _ = handle.maps - 1, d.mappings.pop(va)
         raise
 
 
@@ -254,9 +254,9 @@ class SetAccessFirstMappingOnly(_Broken):
     range made by several map calls it checks the whole range but grants only the mapping that starts at ``va``."""
 
     def set_access(self, va: int, size: int) -> None:
-        with busy(), self._locked():
-            mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
-            first = self._mappings.get(va)
+        with busy(), self.locked():
+            mapped_parts(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
+            first = self.mappings.get(va)
         super().set_access(va, min(size, first[0]) if first else size)
 
 
@@ -279,14 +279,14 @@ class SetAccessChecksTheEndsOnly(_Broken):
     only a range whose first or last granule is unmapped, and opens a gap between two mappings."""
 
     def set_access(self, va: int, size: int) -> None:
-        self._check("set_access", va=va, size=size)
-        g = self._granularity
-        with busy(), self._locked():
-            ends = [a for a in (va, va + size - g) if not any(m <= a < m + s for m, (s, _) in self._mappings.items())]
+        self.check_call("set_access", va=va, size=size)
+        g = self.granularity()
+        with busy(), self.locked():
+            ends = [a for a in (va, va + size - g) if not any(m <= a < m + s for m, (s, _) in self.mappings.items())]
         if ends:
             raise DriverError("set_access", f"[{va:#x}, +{size}) is not mapped at {ends[0]:#x}")
-        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+        if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            self.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
 
 def prove_set_access_checks_the_ends_only(make: Callable[[], HostDriver]) -> str:
@@ -308,9 +308,9 @@ class UnmapTakesATiledRange(_Broken):
 
     def unmap(self, va: int, size: int) -> None:
         tiles, at = [], va
-        while at < va + size and at in self._mappings:
-            tiles.append((at, self._mappings[at][0]))
-            at += self._mappings[at][0]
+        while at < va + size and at in self.mappings:
+            tiles.append((at, self.mappings[at][0]))
+            at += self.mappings[at][0]
         if len(tiles) > 1 and at == va + size:
             for t_va, t_size in tiles:
                 super().unmap(t_va, t_size)
@@ -340,9 +340,9 @@ class MappingTableOf32(_Broken):
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
-        with busy(), self._locked():
-            while len(self._mappings) > self.CAPACITY:
-                del self._mappings[next(iter(self._mappings))]
+        with busy(), self.locked():
+            while len(self.mappings) > self.CAPACITY:
+                del self.mappings[next(iter(self.mappings))]
 
 
 def prove_mapping_table_of_32(make: Callable[[], HostDriver]) -> str:
@@ -365,14 +365,14 @@ class CreateCountsOutsideTheLock(_Broken):
     the held bytes before making the memfd and writes them back after, so a concurrent create or release is lost."""
 
     def create(self, size: int) -> HostHandle:
-        self._check("create", size=size)
-        with busy(), self._locked():
-            if self._held + size > self._total:
-                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} free", errno.ENOMEM)
-        held = self._held
+        self.check_call("create", size=size)
+        with busy(), self.locked():
+            if self.held + size > self.total:
+                raise DriverOutOfMemory("create", f"{size} bytes asked, {self.total - self.held} free", errno.ENOMEM)
+        held = self.held
         time.sleep(RACE_WINDOW_S)
-        handle = self._create(size)
-        self._held = held + size
+        handle = self.do_create(size)
+        self.held = held + size
         return handle
 
 
@@ -397,19 +397,19 @@ class MapChecksThenMapsUnlocked(_Broken):
     two threads mapping the same range both succeed."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._locked():
-            if any(m < va + size and va < m + s for m, (s, _) in self._mappings.items()):
+        self.check_call("map", va=va, size=size, offset=offset)
+        with busy(), self.locked():
+            if any(m < va + size and va < m + s for m, (s, _) in self.mappings.items()):
                 raise DriverError("map", f"[{va:#x}, +{size}) overlaps a live mapping")
-            if not any(r <= va and va + size <= r + s for r, s in self._reservations.items()):
+            if not any(r <= va and va + size <= r + s for r, s in self.reservations.items()):
                 raise DriverError("map", f"[{va:#x}, +{size}) does not lie inside one reservation")
             if handle.released or offset + size > handle.size:
                 raise DriverError("map", f"{handle!r} is released or too small for offset {offset} + size {size}")
         time.sleep(RACE_WINDOW_S)
-        if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-            self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
-        with busy(), self._locked():
-            self._mappings[va] = (size, handle)
+        if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+            self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        with busy(), self.locked():
+            self.mappings[va] = (size, handle)
             handle.maps += 1
 
 
@@ -437,11 +437,12 @@ class ReserveRecordsUnlocked(_Broken):
     another thread is forgotten and its ``free`` is refused."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        records = dict(self._reservations)
+        records = dict(self.reservations)
         time.sleep(RACE_WINDOW_S)
         va = super().reserve(size, alignment)
         records[va] = size
-        self._reservations = records
+        self.reservations.clear()
+        self.reservations.update(records)
         return va
 
 
@@ -456,7 +457,7 @@ def prove_reserve_records_unlocked(make: Callable[[], HostDriver]) -> int:
         for va in made[0] + made[1]:
             if outcome(d.free, va, g) != "done":
                 refused += 1
-                _lib().munmap(va, g)
+                libc().munmap(va, g)
         if refused:
             break
     return refused
@@ -470,15 +471,15 @@ class CreateTakesAPowerOfTwo(_Broken):
 
     def create(self, size: int) -> HostHandle:
         extra = (1 << (size - 1).bit_length()) - size
-        with busy(), self._locked():
-            if self._held + size + extra > self._total:
-                raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} free", errno.ENOMEM)
-            self._held += extra
+        with busy(), self.locked():
+            if self.held + size + extra > self.total:
+                raise DriverOutOfMemory("create", f"{size} bytes asked, {self.total - self.held} free", errno.ENOMEM)
+            self.held += extra
         try:
             return super().create(size)
         except BaseException:
-            with busy(), self._locked():
-                self._held -= extra
+            with busy(), self.locked():
+                self.held -= extra
             raise
 
 
@@ -504,7 +505,7 @@ class MappedIsAFlag(_Broken):
         handle.maps = 1
 
     def unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         if live is not None and live[0] == size:
             live[1].maps = 1
         super().unmap(va, size)
@@ -557,16 +558,16 @@ class FreeKeepsTheAlignmentPadding(_Broken):
     ``[va, va+size)``, so every aligned reservation leaks up to ``alignment`` bytes of address space."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self.granularity())
         alignment = max(alignment, PAGE_BYTES)
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+        raw = libc().mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
         va = _align_up(raw, alignment)
-        with busy(), self._locked():
-            self._reservations[va] = size
+        with busy(), self.locked():
+            self.reservations[va] = size
         return va
 
 
@@ -586,19 +587,19 @@ class ReserveTrimsFromTheRawStart(_Broken):
     free for any other mapping to take."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self.granularity())
         alignment = max(alignment, PAGE_BYTES)
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
+        raw = libc().mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes)", oom=True)
         va = _align_up(raw, alignment)
         if va > raw:
-            _lib().munmap(raw, va - raw)
-        _lib().munmap(raw + size, span - size)
-        with busy(), self._locked():
-            self._reservations[va] = size
+            libc().munmap(raw, va - raw)
+        libc().munmap(raw + size, span - size)
+        with busy(), self.locked():
+            self.reservations[va] = size
         return va
 
 
@@ -628,12 +629,12 @@ class RemapRestoresAccess(_Broken):
 
     def set_access(self, va: int, size: int) -> None:
         super().set_access(va, size)
-        self._granted.update(h for m, (s, h) in self._mappings.items() if m < va + size and va < m + s)
+        self._granted.update(h for m, (s, h) in self.mappings.items() if m < va + size and va < m + s)
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
         if handle in self._granted and handle.maps == 1:
-            _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+            libc().mprotect(va, size, PROT_READ | PROT_WRITE)
 
 
 def prove_remap_restores_access(make: Callable[[], HostDriver]) -> bool:
@@ -657,10 +658,10 @@ class SecondMappingSharesAccess(_Broken):
     gets the access the handle already has at another address."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        others = [m for m, (_, h) in self._mappings.items() if h is handle]
+        others = [m for m, (_, h) in self.mappings.items() if h is handle]
         super().map(va, size, handle, offset)
         if any(self.accessible(m) for m in others):
-            _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE)
+            libc().mprotect(va, size, PROT_READ | PROT_WRITE)
 
 
 def prove_second_mapping_shares_access(make: Callable[[], HostDriver]) -> bool:
@@ -684,11 +685,11 @@ class MapFillsTheHandle(_Broken):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self._map_fill, self._fill_byte = self._fill_byte, None
+        self._map_fill, self.fill_byte = self.fill_byte, None
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
         super().map(va, size, handle, offset)
-        self._fill(handle.fd, handle.size, self._map_fill)
+        self.fill(handle.fd, handle.size, self._map_fill)
 
 
 def prove_map_fills_the_handle(make: Callable[[], HostDriver]) -> list[int]:
@@ -755,8 +756,8 @@ class NativeFailureNamesTheCall(_Broken):
     libc call that failed (``mmap``, ``munmap``, ``mprotect``) as the operation, not the protocol operation."""
 
     @staticmethod
-    def _fail(op: str, detail: str, oom: bool = False) -> None:
-        HostDriver._fail(detail.split("(")[0], detail, oom)
+    def fail(op: str, detail: str, oom: bool = False) -> None:
+        HostDriver.fail(detail.split("(")[0], detail, oom)
 
 
 def prove_reserve_failure_is_typed(make: Callable[[], HostDriver]) -> str:
@@ -770,12 +771,12 @@ class CreateFailsWithOSError(_Broken):
     ``create``: a failed ``memfd_create``, ``ftruncate`` or fill surfaces as the ``OSError`` Python raised (the held
     bytes are still given back)."""
 
-    def _create(self, size: int) -> HostHandle:
-        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+    def do_create(self, size: int) -> HostHandle:
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            if self._fill_byte is not None:
-                self._fill(fd, size, self._fill_byte)
+            if self.fill_byte is not None:
+                self.fill(fd, size, self.fill_byte)
         except BaseException:
             os.close(fd)
             raise
@@ -813,7 +814,7 @@ class RefusedMapLeavesItsTail(_Broken):
         try:
             super().map(va, size, handle, offset)
         except DriverError:
-            g = self._granularity
+            g = self.granularity()
             k = 0
             while (
                 (k + 1) * g <= size
@@ -823,14 +824,14 @@ class RefusedMapLeavesItsTail(_Broken):
             ):
                 k += 1
             for i in range(1, k):
-                _lib().mmap(va + i * g, g, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset + i * g)
-                self._mappings[va + i * g] = (g, handle)
+                libc().mmap(va + i * g, g, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset + i * g)
+                self.mappings[va + i * g] = (g, handle)
                 handle.maps += 1
             raise
 
     def _free_and_reserved(self, a: int) -> bool:
-        return any(r <= a < r + s for r, s in self._reservations.items()) and not any(
-            m <= a < m + s for m, (s, _) in self._mappings.items()
+        return any(r <= a < r + s for r, s in self.reservations.items()) and not any(
+            m <= a < m + s for m, (s, _) in self.mappings.items()
         )
 
 
@@ -868,7 +869,7 @@ class RefusedUnmapRevokesTheTail(_Broken):
     first without access."""
 
     def unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         if live is None or live[0] != size:
             _revoke_after_the_first_granule(self, va, size)
         super().unmap(va, size)
@@ -876,10 +877,10 @@ class RefusedUnmapRevokesTheTail(_Broken):
 
 def _revoke_after_the_first_granule(d: HostDriver, va: int, size: int) -> None:
     lo = va + d.granularity()
-    for m, (s, _) in list(d._mappings.items()):
+    for m, (s, _) in list(d.mappings.items()):
         start, end = max(m, lo), min(m + s, va + size)
         if start < end:
-            _lib().mprotect(start, end - start, _PROT_NONE)
+            libc().mprotect(start, end - start, PROT_NONE)
 
 
 def prove_refused_set_access_keeps_access(make: Callable[[], HostDriver]) -> list[bool]:
@@ -928,16 +929,16 @@ class ReleasePast128HandlesKeepsTheBytes(_Broken):
 
     def create(self, size: int) -> HostHandle:
         handle = super().create(size)
-        with busy(), self._locked():
+        with busy(), self.locked():
             self._alive.add(id(handle))
         return handle
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         if handle.released and handle.maps == 0 and handle.counted and len(self._alive) > self.TABLE:
             handle.counted = False  # the bug: its bytes stay in the held count
             self._alive.discard(id(handle))
             return
-        super()._drop_if_unused(handle)
+        super().drop_if_unused(handle)
         if not handle.counted:
             self._alive.discard(id(handle))
 
@@ -967,15 +968,15 @@ class FreePast256ReservationsKeepsTheRange(_Broken):
         super().__init__(name)
         self._batch: list[tuple[int, int]] = []
 
-    def _free(self, va: int, size: int) -> None:
-        if len(self._reservations) > self.BATCH_ABOVE:
-            check_free(va, size, self._reservations.get(va) == size, self._mappings)
-            del self._reservations[va]
+    def do_free(self, va: int, size: int) -> None:
+        if len(self.reservations) > self.BATCH_ABOVE:
+            check_free(va, size, self.reservations.get(va) == size, self.mappings)
+            del self.reservations[va]
             self._batch.append((va, size))
             return
-        super()._free(va, size)
+        super().do_free(va, size)
         while self._batch:
-            _lib().munmap(*self._batch.pop())
+            libc().munmap(*self._batch.pop())
 
 
 def prove_free_past_256_reservations_keeps_the_range(make: Callable[[], HostDriver]) -> int:
@@ -998,13 +999,13 @@ class UnmapPast512MappingsKeepsTheKernelMapping(_Broken):
 
     LAZY_ABOVE = 512
 
-    def _unmap(self, va: int, size: int) -> None:
-        if len(self._mappings) <= self.LAZY_ABOVE:
-            super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        if len(self.mappings) <= self.LAZY_ABOVE:
+            super().do_unmap(va, size)
             return
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         check_one_mapping(va, size, live and live[0])
-        self._forget(va, live)
+        self.forget(va, live)
 
 
 def prove_unmap_past_512_mappings_keeps_the_kernel_mapping(make: Callable[[], HostDriver]) -> bool:
@@ -1020,7 +1021,7 @@ def prove_unmap_past_512_mappings_keeps_the_kernel_mapping(make: Callable[[], Ho
         d.unmap(r + (n - 1) * g, g)
         return d.accessible(r + (n - 1) * g)
     finally:
-        _lib().mmap(r, n * g, _PROT_NONE, RESERVED, -1, 0)  # whatever the kernel kept is reserved again
+        libc().mmap(r, n * g, PROT_NONE, RESERVED, -1, 0)  # whatever the kernel kept is reserved again
         tidy(d, [(r, n * g)], [h])
 
 
@@ -1041,8 +1042,8 @@ class LastUnmapDropsTheBytes(_Broken):
     the kernel, reasoning that a handle mapped nowhere shows nothing to anyone; mapped again it reads zeros. A handle
     with another mapping alive keeps its bytes."""
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
         if handle.maps == 0 and not handle.released:
             _punch(handle.fd, handle.size)
@@ -1074,9 +1075,9 @@ class FtruncateUnchecked(_Broken):
     the size (a file size limit) the handle is made over an empty file: ``create`` succeeds, holding nothing it could
     map. A failed ``memfd_create`` is still a ``DriverError``."""
 
-    def _create(self, size: int) -> HostHandle:
+    def do_create(self, size: int) -> HostHandle:
         try:
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         except OSError as exc:
             raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
         libc = ctypes.CDLL(None, use_errno=True)
@@ -1099,7 +1100,7 @@ def prove_ftruncate_unchecked(make: Callable[[], HostDriver]) -> str:
 
 
 # -- refusals, counts, limits and pairs of the eighth set's kinds ----------------------------------------------------
-_ANON_RESERVE = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+_ANON_RESERVE = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 """The flags of a new reservation (the host's ``reserve``), without ``MAP_FIXED``."""
 
 
@@ -1131,10 +1132,10 @@ class MapRefusalLeaksAScratchRange(_Broken):
     refusal. A staging range the kernel will not give is done without."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        g = self._granularity
+        g = self.granularity()
         scratch: list[int | None] = []
         try:  # the staging range's address is stored by C (host.py, Note [A result is stored by C])
-            scratch.extend(map(_lib().mmap, [None], [g], [_PROT_NONE], [_ANON_RESERVE], [-1], [0]))
+            scratch.extend(map(libc().mmap, [None], [g], [PROT_NONE], [_ANON_RESERVE], [-1], [0]))
             super().map(va, size, handle, offset)
             self._drop_scratch(scratch)
         except DriverError:
@@ -1145,8 +1146,8 @@ class MapRefusalLeaksAScratchRange(_Broken):
 
     def _drop_scratch(self, scratch: list[int | None]) -> None:
         for raw in scratch:
-            if raw not in (None, _MAP_FAILED):
-                _lib().munmap(raw, self._granularity)
+            if raw not in (None, MAP_FAILED):
+                libc().munmap(raw, self.granularity())
 
 
 def prove_map_refusal_leaks_a_scratch_range(make: Callable[[], HostDriver]) -> list[object]:
@@ -1162,7 +1163,7 @@ def prove_map_refusal_leaks_a_scratch_range(make: Callable[[], HostDriver]) -> l
         seen = outcome(d.map, r, g, other)
         leaked = _ranges_minus(_reserved_ranges(), before)
         for lo, hi in leaked:
-            _lib().munmap(lo, hi - lo)
+            libc().munmap(lo, hi - lo)
         return [seen, sum(hi - lo for lo, hi in leaked) // g]
     finally:
         tidy(d, [(r, g)], [live, other])
@@ -1177,17 +1178,17 @@ class FreeAroundAReservationTakenPast100Reservations(_Broken):
 
     SEARCH_ABOVE = 100
 
-    def _free(self, va: int, size: int) -> None:
-        if len(self._reservations) > self.SEARCH_ABOVE and self._reservations.get(va) != size:
+    def do_free(self, va: int, size: int) -> None:
+        if len(self.reservations) > self.SEARCH_ABOVE and self.reservations.get(va) != size:
             covered = [
                 (r, s)
-                for r, s in self._reservations.items()
-                if va <= r and r + s <= va + size and not any(r <= m < r + s for m in self._mappings)
+                for r, s in self.reservations.items()
+                if va <= r and r + s <= va + size and not any(r <= m < r + s for m in self.mappings)
             ]
             if covered:
-                super()._free(*min(covered))  # the bug: the reservation the range covers goes
+                super().do_free(*min(covered))  # the bug: the reservation the range covers goes
                 return
-        super()._free(va, size)
+        super().do_free(va, size)
 
 
 def prove_free_around_a_reservation_taken_past_100_reservations(make: Callable[[], HostDriver]) -> str:
@@ -1198,7 +1199,7 @@ def prove_free_around_a_reservation_taken_past_100_reservations(make: Callable[[
     try:
         return outcome(d.free, vas[-1] - g, 2 * g)
     finally:
-        tidy(d, [(va, g) for va in vas if va in d._reservations], [])
+        tidy(d, [(va, g) for va in vas if va in d.reservations], [])
 
 
 class _Tally:
@@ -1227,7 +1228,7 @@ class KeeperHeldWeaklyPast600Tensors(_Broken):
         self._serials = itertools.count()
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va)
         buffer.keeper = keeper
         if len(self._alive) > self.WEAK_ABOVE:
@@ -1274,14 +1275,14 @@ class ReserveHalvesThePaddingUntilItFits(_Broken):
     got to the largest power of two it can: a range aligned to less than was asked. A reservation whose padded ``mmap``
     succeeds is aligned, and one that fails at the granularity's alignment is refused."""
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def do_reserve(self, size: int, alignment: int) -> int:
         try:
-            return super()._reserve(size, alignment)
+            return super().do_reserve(size, alignment)
         except DriverOutOfMemory:
-            if alignment <= self._granularity:
+            if alignment <= self.granularity():
                 raise
         pad = alignment // 2
-        while pad >= self._granularity:  # the bug: less padding than the alignment needs
+        while pad >= self.granularity():  # the bug: less padding than the alignment needs
             va = self._reserve_in(size, pad, alignment)
             if va is not None:
                 return va
@@ -1297,25 +1298,25 @@ class ReserveHalvesThePaddingUntilItFits(_Broken):
         at: list[int] = []
         head = tail = False
         try:  # the mmap's result is stored by C (host.py, Note [A result is stored by C])
-            raws.extend(map(_lib().mmap, [None], [span], [_PROT_NONE], [_ANON_RESERVE], [-1], [0]))
-            if raws[0] in (None, _MAP_FAILED):
+            raws.extend(map(libc().mmap, [None], [span], [PROT_NONE], [_ANON_RESERVE], [-1], [0]))
+            if raws[0] in (None, MAP_FAILED):
                 return None
             raw = raws[0]
             fit = next(a for a in (alignment >> k for k in itertools.count()) if -raw % a <= pad)
             at.append(raw + -raw % fit)
             va = at[0]
-            head = va == raw or _lib().munmap(raw, va - raw) == 0
-            tail = raw + span == va + size or _lib().munmap(va + size, raw + span - (va + size)) == 0
-            self._reservations[va] = size
+            head = va == raw or libc().munmap(raw, va - raw) == 0
+            tail = raw + span == va + size or libc().munmap(va + size, raw + span - (va + size)) == 0
+            self.reservations[va] = size
             return va
         except BaseException:
-            if raws and raws[0] not in (None, _MAP_FAILED):
+            if raws and raws[0] not in (None, MAP_FAILED):
                 raw = raws[0]
                 va = at[0] if at else raw
                 if at:
-                    self._reservations.pop(va, None)
+                    self.reservations.pop(va, None)
                 lo, hi = (va if head else raw), (va + size if tail else raw + span)
-                _lib().munmap(lo, hi - lo)
+                libc().munmap(lo, hi - lo)
             raise
 
 
@@ -1331,40 +1332,40 @@ class UnmapCountsDownOutsideTheLock(_Broken):
     WINDOW_S = 2e-3
 
     def unmap(self, va: int, size: int) -> None:
-        self._check("unmap", va=va, size=size)
+        self.check_call("unmap", va=va, size=size)
         taken: list[tuple[tuple[int, HostHandle], int]] = []
         try:  # the kernel and the record under the lock, the count after it; on any exception the records count it
-            with busy(), self._locked(): taken.extend(map(self._take, [va], [size]))  # fmt: skip
+            with busy(), self.locked(): taken.extend(map(self._take, [va], [size]))  # fmt: skip
             time.sleep(self.WINDOW_S)  # the race window, widened (Note [A proof drives both drivers])
             (_, handle), maps = taken[0]
             handle.maps = maps - 1  # the bug: written outside the lock, from the count read under it
-            with busy(), self._locked(): self._drop_if_unused(handle)  # fmt: skip
+            with busy(), self.locked(): self.drop_if_unused(handle)  # fmt: skip
         except BaseException:
             for (_, handle), _ in taken:  # the mapping is gone: its handle's count is counted again from the records
-                with busy(), self._locked(): self._count_maps(handle)  # fmt: skip
+                with busy(), self.locked(): self._count_maps(handle)  # fmt: skip
             raise
 
     def _take(self, va: int, size: int) -> tuple[tuple[int, HostHandle], int]:
         """Give ``[va, va+size)`` back to the reservation and forget its record (the host's ``_unmap`` up to the count);
         the mapping's record and its handle's count of mappings, as read."""
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         check_one_mapping(va, size, live and live[0])
         got: list[int | None] = []
         try:  # the kernel first, then the record (host.py, Notes [Every call is whole, ...], [A result is stored by C])
-            got.extend(map(_lib().mmap, [va], [size], [_PROT_NONE], [RESERVED], [-1], [0]))
+            got.extend(map(libc().mmap, [va], [size], [PROT_NONE], [RESERVED], [-1], [0]))
             if got[0] != va:
-                self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
-            return self._mappings.pop(va), live[1].maps
+                self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+            return self.mappings.pop(va), live[1].maps
         except BaseException:
             if got == [va]:  # the kernel unmapped it: the records follow
-                self._recount(va, live)
+                self.recount(va, live)
             raise
 
     def _count_maps(self, handle: HostHandle) -> None:
         """Count the mappings of ``handle`` from the records, and give its bytes back if it is released and mapped
         nowhere (called with the lock held)."""
-        handle.maps = sum(1 for _, h in self._mappings.values() if h is handle)
-        self._drop_if_unused(handle)
+        handle.maps = sum(1 for _, h in self.mappings.values() if h is handle)
+        self.drop_if_unused(handle)
 
 
 def prove_unmap_counts_down_outside_the_lock(make: Callable[[], HostDriver]) -> int:
@@ -1399,17 +1400,17 @@ class ReleaseCountsOutsideTheLock(_Broken):
     WINDOW_S = 2e-3
 
     def release(self, handle: HostHandle) -> None:
-        self._check("release")
+        self.check_call("release")
         if handle.released or handle.maps:
             return super().release(handle)
-        with busy(), self._locked(): held = self._close(handle)  # fmt: skip
+        with busy(), self.locked(): held = self._close(handle)  # fmt: skip
         time.sleep(self.WINDOW_S)  # the race window, widened (Note [A proof drives both drivers])
-        with busy(), self._locked(): self._held, handle.counted = held - handle.size, False  # fmt: skip
+        with busy(), self.locked(): self.held, handle.counted = held - handle.size, False  # fmt: skip
 
     def _close(self, handle: HostHandle) -> int:
         """Mark ``handle`` released and close its memfd in one line (as the host does); the bytes held, as read."""
         fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # noqa: E702  # fmt: skip
-        return self._held
+        return self.held
 
 
 def prove_release_counts_outside_the_lock(make: Callable[[], HostDriver]) -> int:
@@ -1435,11 +1436,11 @@ class LastUnmapPunchesLargeHandlesTails(_Broken):
 
     LARGE = 16
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
-        super()._forget(va, live)
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+        super().forget(va, live)
         handle = live[1]
-        if handle.maps == 0 and not handle.released and handle.size >= self.LARGE * self._granularity:
-            g = self._granularity
+        if handle.maps == 0 and not handle.released and handle.size >= self.LARGE * self.granularity():
+            g = self.granularity()
             punch_hole_keep_size = 0x02 | 0x01
             fallocate = ctypes.CDLL(None, use_errno=True).fallocate
             fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)

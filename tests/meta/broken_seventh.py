@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from extensible_kv.drivers.host import _MEMFD_NAME, _PROT_NONE, MIB, PAGE_BYTES, HostDriver, HostHandle, _lib
+from extensible_kv.drivers.host import MEMFD_NAME, PROT_NONE, MIB, PAGE_BYTES, HostDriver, HostHandle, libc
 from extensible_kv.drivers.records import check_alignment, check_free, check_inside, check_no_overlap
 from extensible_kv.errors import DriverError
 from extensible_kv.reaper import busy
@@ -66,7 +66,7 @@ def _memfds() -> set[int]:
     found = set()
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{_MEMFD_NAME}"):
+            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{MEMFD_NAME}"):
                 found.add(int(name))
     return found
 
@@ -74,14 +74,14 @@ def _memfds() -> set[int]:
 def _is_memfd(fd: int) -> bool:
     """Whether ``fd`` is open and names one of the host driver's memfds."""
     try:
-        return fd >= 0 and os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{_MEMFD_NAME}")
+        return fd >= 0 and os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{MEMFD_NAME}")
     except OSError:
         return False
 
 
 def _reservation_of(d: HostDriver, va: int) -> tuple[int, int] | None:
     """The reservation ``(start, size)`` of ``d`` that holds the address ``va``, as its records say."""
-    return next(((r, s) for r, s in d._reservations.items() if r <= va < r + s), None)
+    return next(((r, s) for r, s in d.reservations.items() if r <= va < r + s), None)
 
 
 # -- identity --------------------------------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ class GranularityFromTheFirstCreate(_Broken):
         self._props_built = False
 
     def granularity(self) -> int:
-        return self._granularity if self._props_built else PAGE_BYTES
+        return self.granularity() if self._props_built else PAGE_BYTES
 
     def create(self, size: int) -> HostHandle:
         handle = super().create(size)
@@ -134,27 +134,27 @@ class HugeReservationsAreSparse(_Broken):
     def reserve(self, size: int, alignment: int) -> int:
         if not isinstance(size, int) or isinstance(size, bool) or size < self.SPARSE_FROM:
             return super().reserve(size, alignment)
-        self._check("reserve", size=size, alignment=alignment)
+        self.check_call("reserve", size=size, alignment=alignment)
         va = super().reserve(self.WINDOW, alignment)
-        with busy(), self._locked():
-            self._reservations[va], self._windows[va] = size, self.WINDOW
+        with busy(), self.locked():
+            self.reservations[va], self._windows[va] = size, self.WINDOW
         return va
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         owner = _reservation_of(self, va)
         if owner is not None and owner[0] in self._windows and va + size > owner[0] + self._windows[owner[0]]:
             raise DriverError("map", f"[{va:#x}, +{size}) lies past the backed window of a sparse reservation")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
-    def _free(self, va: int, size: int) -> None:
+    def do_free(self, va: int, size: int) -> None:
         window = self._windows.get(va)
         if window is None:
-            super()._free(va, size)
+            super().do_free(va, size)
             return
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
-        del self._reservations[va], self._windows[va]
-        if _lib().munmap(va, window) != 0:
-            self._fail("free", f"munmap({va:#x}, {window})")
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
+        del self.reservations[va], self._windows[va]
+        if libc().munmap(va, window) != 0:
+            self.fail("free", f"munmap({va:#x}, {window})")
 
 
 def prove_huge_reservations_are_sparse(make: Callable[[], HostDriver]) -> str:
@@ -178,16 +178,16 @@ class AlignmentCheckedAsAMultipleOnly(_Broken):
     is handled right."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size)
-        check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size)
+        check_alignment(alignment, self.granularity())
         alignment = max(alignment, PAGE_BYTES)
         made: list[int] = []
         try:
-            with busy(), self._locked(): made.extend(map(self._reserve, [size], [alignment]))  # fmt: skip
+            with busy(), self.locked(): made.extend(map(self.do_reserve, [size], [alignment]))  # fmt: skip
             return made[0]
         except BaseException:
             for va in made:
-                with busy(), self._locked(): self._free(va, size)  # fmt: skip
+                with busy(), self.locked(): self.do_free(va, size)  # fmt: skip
             raise
 
 
@@ -210,14 +210,14 @@ class DoubleFreeIsANoOp(_Broken):
 
     def reserve(self, size: int, alignment: int) -> int:
         va = super().reserve(size, alignment)
-        with busy(), self._locked():
+        with busy(), self.locked():
             self._freed = {(a, s) for a, s in self._freed if not (a < va + size and va < a + s)}
         return va
 
-    def _free(self, va: int, size: int) -> None:
-        if (va, size) in self._freed and va not in self._reservations:
+    def do_free(self, va: int, size: int) -> None:
+        if (va, size) in self._freed and va not in self.reservations:
             return
-        super()._free(va, size)
+        super().do_free(va, size)
         self._freed.add((va, size))
 
 
@@ -242,22 +242,22 @@ class UnmapUncountsTheLastReservationMapped(_Broken):
         self._live: dict[int, int] = {}
         self._last: int | None = None
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         owner = _reservation_of(self, va)
         if owner is not None:
             self._live[owner[0]] = self._live.get(owner[0], 0) + 1
             self._last = owner[0]
 
-    def _unmap(self, va: int, size: int) -> None:
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
         if self._last is not None:
             self._live[self._last] -= 1
 
-    def _free(self, va: int, size: int) -> None:
+    def do_free(self, va: int, size: int) -> None:
         if self._live.get(va, 0) > 0:
             raise DriverError("free", f"reservation {va:#x} still has {self._live[va]} mapping(s)")
-        super()._free(va, size)
+        super().do_free(va, size)
         self._live.pop(va, None)
         if self._last == va:
             self._last = None
@@ -290,13 +290,13 @@ class OffsetViewEndIsInclusive(_Broken):
     ends exactly at the handle's end (its last granule) is refused as running past it. Views that end before the last
     granule, and mappings at offset 0, are taken."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        g = self._granularity
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        g = self.granularity()
         if offset and not handle.released and (offset + size) // g >= handle.size // g:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            check_inside("map", va, size, self.reservations.items())
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
             raise DriverError("map", f"offset {offset} + size {size} runs past the {handle.size}-byte handle")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_offset_view_end_is_inclusive(make: Callable[[], HostDriver]) -> list[str]:
@@ -319,16 +319,16 @@ class UnmapResetsTheHandlesSpan(_Broken):
     handle also replaces the mapping just above it in the kernel (it stops being mapped and accessible while the
     driver's records keep it). Mappings of whole handles are unmapped right."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
         if live is None or live[0] != size:
-            super()._unmap(va, size)
+            super().do_unmap(va, size)
             return
         owner = _reservation_of(self, va)
         span = min(live[1].size, owner[0] + owner[1] - va) if owner else size
-        if _lib().mmap(va, span, _PROT_NONE, RESERVED, -1, 0) != va:
-            self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {span})")
-        self._forget(va, live)
+        if libc().mmap(va, span, PROT_NONE, RESERVED, -1, 0) != va:
+            self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {span})")
+        self.forget(va, live)
 
 
 def prove_unmap_resets_the_handles_span(make: Callable[[], HostDriver]) -> list[bool]:
@@ -353,16 +353,16 @@ class UnmapTakesAMappingsTail(_Broken):
     ``unmap`` of a range that starts inside a mapping and ends exactly where the mapping ends puts that tail back to
     reserved and shortens the mapping's record. Parts at a mapping's start or in its middle are refused."""
 
-    def _unmap(self, va: int, size: int) -> None:
-        if va not in self._mappings:
-            tail = next(((m, h) for m, (s, h) in self._mappings.items() if m < va < m + s and va + size == m + s), None)
+    def do_unmap(self, va: int, size: int) -> None:
+        if va not in self.mappings:
+            tail = next(((m, h) for m, (s, h) in self.mappings.items() if m < va < m + s and va + size == m + s), None)
             if tail is not None:
                 m, h = tail
-                if _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0) != va:
-                    self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
-                self._mappings[m] = (va - m, h)
+                if libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0) != va:
+                    self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+                self.mappings[m] = (va - m, h)
                 return
-        super()._unmap(va, size)
+        super().do_unmap(va, size)
 
 
 def prove_unmap_takes_a_mappings_tail(make: Callable[[], HostDriver]) -> list[object]:
@@ -388,8 +388,8 @@ class AccessibleRoundsUp(_Broken):
     right."""
 
     def accessible(self, va: int) -> bool:
-        self._check("accessible", va=va)
-        g = self._granularity
+        self.check_call("accessible", va=va)
+        g = self.granularity()
         return super().accessible(-(-va // g) * g)
 
 
@@ -415,12 +415,12 @@ class ReleaseGivesBackUngrantedPages(_Broken):
     out of the memfd (``FALLOC_FL_PUNCH_HOLE``), reasoning that no one can read or write them any more; a mapping given
     access afterwards reads zeros. A handle released while one of its mappings has access keeps its bytes."""
 
-    def _release(self, handle: HostHandle) -> None:
-        mapped = [m for m, (_, h) in self._mappings.items() if h is handle]
+    def do_release(self, handle: HostHandle) -> None:
+        mapped = [m for m, (_, h) in self.mappings.items() if h is handle]
         if not handle.released and mapped and not any(HostDriver.accessible(self, m) for m in mapped):
             if _fallocate(handle.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, handle.size) != 0:
-                self._fail("release", f"fallocate(PUNCH_HOLE, fd={handle.fd}, {handle.size})")
-        super()._release(handle)
+                self.fail("release", f"fallocate(PUNCH_HOLE, fd={handle.fd}, {handle.size})")
+        super().do_release(handle)
 
 
 def prove_release_gives_back_ungranted_pages(make: Callable[[], HostDriver]) -> int:
@@ -456,18 +456,18 @@ class ReleasedKeyedByFdNumber(_Broken):
 
     def create(self, size: int) -> HostHandle:
         handle = super().create(size)
-        with busy(), self._locked():
+        with busy(), self.locked():
             self._released_fds.discard(handle.fd)
         return handle
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle._shown in self._released_fds:
             raise DriverError("release", f"{handle!r} was already released")
         fd, handle.fd, handle.released = handle.fd, -1, True
         if fd >= 0:
             os.close(fd)
         self._released_fds.add(handle._shown)
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
 
 def prove_released_keyed_by_fd_number(make: Callable[[], HostDriver]) -> list[str]:
@@ -502,38 +502,38 @@ class SecondMappingDuplicatesTheFirst(_Broken):
         super().__init__(name)
         self._offsets: dict[int, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         source = next(
             (
                 m + offset - self._offsets[m]
-                for m, (s, h) in self._mappings.items()
+                for m, (s, h) in self.mappings.items()
                 if h is handle and m in self._offsets and self._offsets[m] <= offset <= self._offsets[m] + s - size
             ),
             None,
         )
         if source is None:
-            super()._map(va, size, handle, offset)
+            super().do_map(va, size, handle, offset)
         else:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            check_inside("map", va, size, self.reservations.items())
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
             if offset + size > handle.size:
                 raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
             live = (size, handle)
             try:
-                handle.maps, self._mappings[va] = handle.maps + 1, live
+                handle.maps, self.mappings[va] = handle.maps + 1, live
                 if _mremap(source, 0, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, va) != va:
-                    self._fail("map", f"mremap({source:#x}, 0, {size}, FIXED, {va:#x})")
-                if _lib().mprotect(va, size, _PROT_NONE) != 0:  # the duplicate has the source's access
-                    self._fail("map", f"mprotect({va:#x}, {size}, NONE)")
+                    self.fail("map", f"mremap({source:#x}, 0, {size}, FIXED, {va:#x})")
+                if libc().mprotect(va, size, PROT_NONE) != 0:  # the duplicate has the source's access
+                    self.fail("map", f"mprotect({va:#x}, {size}, NONE)")
             except BaseException:
-                if self._mappings.get(va) is live:
-                    _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0)
-                    handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+                if self.mappings.get(va) is live:
+                    libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0)
+                    handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
                 raise
         self._offsets[va] = offset
 
-    def _unmap(self, va: int, size: int) -> None:
-        super()._unmap(va, size)
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
         self._offsets.pop(va, None)
 
 
@@ -561,16 +561,16 @@ class ShortByReleasedHandlesIsAPlainError(_Broken):
     released handles (whose bytes come back once they are unmapped), as a more helpful error; with no released handle
     still mapped, the refusal is ``DriverOutOfMemory``."""
 
-    def _count(self, size: int, counted: list[int]) -> None:
-        if size > 0 and self._held + size > self._total:
-            pending = {id(h): h.size for _, h in self._mappings.values() if h.released}
+    def charge(self, size: int, counted: list[int]) -> None:
+        if size > 0 and self.held + size > self.total:
+            pending = {id(h): h.size for _, h in self.mappings.values() if h.released}
             if pending:
                 raise DriverError(
                     "create",
-                    f"{size} bytes asked, {self._total - self._held} free; {sum(pending.values())} bytes are held by "
+                    f"{size} bytes asked, {self.total - self.held} free; {sum(pending.values())} bytes are held by "
                     "released handles still mapped: unmap them first",
                 )
-        super()._count(size, counted)
+        super().charge(size, counted)
 
 
 def prove_short_by_released_handles_is_a_plain_error(make: Callable[[], HostDriver]) -> list[str]:
@@ -597,12 +597,12 @@ class OutOfMemoryRollbackGivesBackTheAsk(_Broken):
     after counting (a native failure) is rolled back right."""
 
     def create(self, size: int) -> HostHandle:
-        self._check("create", size=size)
+        self.check_call("create", size=size)
         try:
-            with busy(), self._locked(): self._count(size, [0])  # fmt: skip
-            return self._create(size)
+            with busy(), self.locked(): self.charge(size, [0])  # fmt: skip
+            return self.do_create(size)
         except BaseException:
-            with busy(), self._locked(): self._held -= size  # fmt: skip
+            with busy(), self.locked(): self.held -= size  # fmt: skip
             raise
 
 
@@ -624,9 +624,9 @@ class TruncateFailureKeepsTheMemfd(_Broken):
     raises the right ``DriverError`` but does not close the memfd it just made, so a failed ``ftruncate`` (a file size
     limit) leaves the process holding a new memfd. A failed ``memfd_create`` or fill leaves nothing."""
 
-    def _create(self, size: int) -> HostHandle:
+    def do_create(self, size: int) -> HostHandle:
         try:
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         except OSError as exc:
             raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
         try:
@@ -634,8 +634,8 @@ class TruncateFailureKeepsTheMemfd(_Broken):
         except OSError as exc:
             raise DriverError("create", f"ftruncate of a {size}-byte memfd: {exc}", exc.errno) from exc
         try:
-            if self._fill_byte is not None:
-                self._fill(fd, size, self._fill_byte)
+            if self.fill_byte is not None:
+                self.fill(fd, size, self.fill_byte)
         except BaseException:
             os.close(fd)
             raise
@@ -671,19 +671,19 @@ class UnmapOfNothingFailsLater(_Broken):
         super().__init__(name)
         self._sticky: DriverError | None = None
 
-    def _check(self, op: str, **values: int) -> None:
+    def check_call(self, op: str, **values: int) -> None:
         sticky, self._sticky = self._sticky, None
         if sticky is not None:
             raise sticky
-        super()._check(op, **values)
+        super().check_call(op, **values)
 
     def synchronize(self) -> None:
-        self._check("synchronize")
+        self.check_call("synchronize")
 
     def unmap(self, va: int, size: int) -> None:
-        self._check("unmap", va=va, size=size)
-        with busy(), self._locked():
-            touched = any(m < va + size and va < m + s for m, (s, _) in self._mappings.items())
+        self.check_call("unmap", va=va, size=size)
+        with busy(), self.locked():
+            touched = any(m < va + size and va < m + s for m, (s, _) in self.mappings.items())
         if not touched:
             self._sticky = DriverError("unmap", f"[{va:#x}, +{size}) has nothing mapped")
             return
@@ -709,12 +709,12 @@ class ReleaseClosesBeforeItMarks(_Broken):
     not released but whose memfd is closed: releasing it again closes the number again, which fails with an
     ``OSError`` (or closes a file the process has opened since). Exceptions on the other lines leave a whole state."""
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released:
             raise DriverError("release", f"{handle!r} was already released")
         os.close(handle.fd)
         handle.fd, handle.released = -1, True
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
 
 def prove_release_closes_before_it_marks(make: Callable[[], HostDriver]) -> list[int]:
@@ -756,8 +756,8 @@ class SynchronizeWaitsForItsOwnThread(_Broken):
         if me == self._owner:
             super().zero(va, size)
             return
-        self._check("zero", va=va, size=size)
-        with busy(), self._locked():
+        self.check_call("zero", va=va, size=size)
+        with busy(), self.locked():
             stream = self._streams.setdefault(me, [])
             job = threading.Thread(target=self._launch, args=(stream[-1] if stream else None, va, size), daemon=True)
             stream.append(job)
@@ -767,13 +767,13 @@ class SynchronizeWaitsForItsOwnThread(_Broken):
         if before is not None:
             before.join()
         time.sleep(self.LAUNCH_S)
-        g = self._granularity
-        with busy(), self._locked():  # never into memory unmapped meanwhile (that would crash the process)
+        g = self.granularity()
+        with busy(), self.locked():  # never into memory unmapped meanwhile (that would crash the process)
             if all(HostDriver.accessible(self, a) for a in range(va - va % g, va + size, g)):
                 ctypes.memset(va, 0, size)
 
     def synchronize(self) -> None:
-        with busy(), self._locked():
+        with busy(), self.locked():
             jobs = list(self._streams.get(threading.get_ident(), []))
         for job in jobs:
             job.join()

@@ -23,20 +23,20 @@ from collections.abc import Callable
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _MEMFD_NAME,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    MEMFD_NAME,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     MIB,
     PAGE_BYTES,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_alignment, check_free, check_inside, check_no_overlap, mapped_parts
 from extensible_kv.errors import DriverError, DriverOutOfMemory
@@ -72,7 +72,7 @@ def _memfds() -> set[int]:
     found = set()
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{_MEMFD_NAME}"):
+            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{MEMFD_NAME}"):
                 found.add(int(name))
     return found
 
@@ -95,7 +95,7 @@ def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-_RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 
 
 # -- several mappings ------------------------------------------------------------------------------------------------
@@ -107,10 +107,10 @@ class ZeroSkipsTheMiddleMappings(_Broken):
     right."""
 
     def zero(self, va: int, size: int) -> None:
-        self._check("zero", va=va, size=size)
+        self.check_call("zero", va=va, size=size)
         end = va + size
-        with busy(), self._locked():
-            pieces = sorted((m, m + s) for m, (s, _) in self._mappings.items() if m < end and va < m + s)
+        with busy(), self.locked():
+            pieces = sorted((m, m + s) for m, (s, _) in self.mappings.items() if m < end and va < m + s)
         if len(pieces) < 2:
             super().zero(va, size)
             return
@@ -144,9 +144,9 @@ class OverlapChecksTheEnds(_Broken):
     taken and ``MAP_FIXED`` silently replaces the mapping inside. Overlaps from below, from above, inside and exactly
     are refused."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
-        for m_va, (m_size, _) in self._mappings.items():
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
+        for m_va, (m_size, _) in self.mappings.items():
             if m_va <= va < m_va + m_size or m_va < va + size <= m_va + m_size:
                 raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{m_va:#x}, +{m_size})")
         check_handle(handle, size, offset)
@@ -181,15 +181,15 @@ class AccessibleFromRecordsPast64(_Broken):
         super().__init__(name)
         self._granted: set[int] = set()
 
-    def _set_access(self, va: int, size: int) -> None:
-        super()._set_access(va, size)
-        self._granted.update(m for m, (s, _) in self._mappings.items() if m < va + size and va < m + s)
+    def do_set_access(self, va: int, size: int) -> None:
+        super().do_set_access(va, size)
+        self._granted.update(m for m, (s, _) in self.mappings.items() if m < va + size and va < m + s)
 
     def accessible(self, va: int) -> bool:
-        self._check("accessible", va=va)
-        with busy(), self._locked():
-            if len(self._mappings) > self.FROM_RECORDS:
-                return any(m <= va < m + s and m in self._granted for m, (s, _) in self._mappings.items())
+        self.check_call("accessible", va=va)
+        with busy(), self.locked():
+            if len(self.mappings) > self.FROM_RECORDS:
+                return any(m <= va < m + s and m in self._granted for m, (s, _) in self.mappings.items())
         return super().accessible(va)
 
 
@@ -222,15 +222,15 @@ class FreeUnmapsAfterTheLock(_Broken):
     kernel no longer holds."""
 
     def free(self, va: int, size: int) -> None:
-        self._check("free", va=va, size=size)
-        with busy(), self._locked():
-            check_free(va, size, self._reservations.get(va) == size, self._mappings)
+        self.check_call("free", va=va, size=size)
+        with busy(), self.locked():
+            check_free(va, size, self.reservations.get(va) == size, self.mappings)
         time.sleep(RACE_WINDOW_S)
-        with busy(), self._locked():
-            self._reservations.pop(va, None)
-            failed = _lib().munmap(va, size) != 0
+        with busy(), self.locked():
+            self.reservations.pop(va, None)
+            failed = libc().munmap(va, size) != 0
         if failed:
-            self._fail("free", f"munmap({va:#x}, {size})")
+            self.fail("free", f"munmap({va:#x}, {size})")
 
 
 def prove_free_unmaps_after_the_lock(make: Callable[[], HostDriver]) -> bool:
@@ -275,24 +275,24 @@ class ReserveKeepsItsRawAddressOnTheDriver(_Broken):
         self.lost: list[tuple[int, int]] = []
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self.granularity())
         alignment = max(alignment, PAGE_BYTES)
         span = size + alignment
-        self._raw = mine = _lib().mmap(None, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
-        if self._raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
+        self._raw = mine = libc().mmap(None, span, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        if self._raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
         time.sleep(RACE_WINDOW_S)
-        with busy(), self._locked():
+        with busy(), self.locked():
             raw = self._raw
             if mine != raw:  # lost to the other thread: kept for the proof to give back
                 self.lost.append((mine, span))
             va = _align_up(raw, alignment)
             if va > raw:
-                _lib().munmap(raw, va - raw)
+                libc().munmap(raw, va - raw)
             if raw + span > va + size:
-                _lib().munmap(va + size, raw + span - (va + size))
-            self._reservations[va] = size
+                libc().munmap(va + size, raw + span - (va + size))
+            self.reservations[va] = size
         return va
 
 
@@ -313,7 +313,7 @@ def prove_reserve_keeps_its_raw_address_on_the_driver(make: Callable[[], HostDri
         return False
     finally:
         for raw, span in getattr(d, "lost", []):  # the broken driver's lost over-reservations
-            _lib().munmap(raw, span)
+            libc().munmap(raw, span)
 
 
 # -- memory accounting -----------------------------------------------------------------------------------------------
@@ -330,19 +330,19 @@ class MemoryCountedByFd(_Broken):
 
     def create(self, size: int) -> HostHandle:
         handle = super().create(size)
-        with busy(), self._locked():
+        with busy(), self.locked():
             self._by_fd[handle.fd] = size
         return handle
 
-    def _drop_if_unused(self, handle: HostHandle) -> None:
+    def drop_if_unused(self, handle: HostHandle) -> None:
         counted = handle.counted
-        super()._drop_if_unused(handle)
+        super().drop_if_unused(handle)
         if counted and not handle.counted:
             self._by_fd.pop(handle._shown, None)
 
     def mem_info(self) -> tuple[int, int]:
-        with busy(), self._locked():
-            return self._total - sum(self._by_fd.values()), self._total
+        with busy(), self.locked():
+            return self.total - sum(self._by_fd.values()), self.total
 
 
 def prove_memory_counted_by_fd(make: Callable[[], HostDriver]) -> list[int]:
@@ -375,17 +375,17 @@ class CreateChecksAFreeHint(_Broken):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self._free_hint = self._total
+        self._free_hint = self.total
 
-    def _count(self, size: int, counted: list[int]) -> None:
+    def charge(self, size: int, counted: list[int]) -> None:
         if size > self._free_hint:
             raise DriverOutOfMemory("create", f"{size} bytes asked, {self._free_hint} free", errno.ENOMEM)
-        super()._count(size, counted)
+        super().charge(size, counted)
         self._free_hint -= size
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         counted = handle.counted
-        super()._release(handle)
+        super().do_release(handle)
         if counted and not handle.counted:
             self._free_hint += handle.size
 
@@ -422,15 +422,15 @@ class FreeInGibChunks(_Broken):
 
     CHUNK = GIB
 
-    def _free(self, va: int, size: int) -> None:
+    def do_free(self, va: int, size: int) -> None:
         if size <= self.CHUNK:
-            super()._free(va, size)
+            super().do_free(va, size)
             return
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
-        del self._reservations[va]
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
+        del self.reservations[va]
         for at in range(va, va + size - self.CHUNK, self.CHUNK):
-            if _lib().munmap(at, min(self.CHUNK, va + size - at)) != 0:
-                self._fail("free", f"munmap({at:#x}, {min(self.CHUNK, va + size - at)})")
+            if libc().munmap(at, min(self.CHUNK, va + size - at)) != 0:
+                self.fail("free", f"munmap({at:#x}, {min(self.CHUNK, va + size - at)})")
 
 
 def prove_free_in_gib_chunks(make: Callable[[], HostDriver]) -> int:
@@ -441,7 +441,7 @@ def prove_free_in_gib_chunks(make: Callable[[], HostDriver]) -> int:
     d.free(va, size)
     kept = _reserved_pieces(va, va + size)
     for lo, hi in kept:
-        _lib().munmap(lo, hi - lo)
+        libc().munmap(lo, hi - lo)
     return round(sum(hi - lo for lo, hi in kept) / GIB)
 
 
@@ -456,18 +456,18 @@ class TrimLengthIsAnInt(_Broken):
         super().__init__(name)
         self.spans: list[tuple[int, int]] = []
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def do_reserve(self, size: int, alignment: int) -> int:
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
+        raw = libc().mmap(None, span, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        if raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
         va = _align_up(raw, alignment)
         self.spans.append((raw, span))  # for the proof to give back what the trims left
         if va > raw:
-            _lib().munmap(raw, ctypes.c_int(va - raw).value)
+            libc().munmap(raw, ctypes.c_int(va - raw).value)
         if raw + span > va + size:
-            _lib().munmap(va + size, ctypes.c_int(raw + span - (va + size)).value)
-        self._reservations[va] = size
+            libc().munmap(va + size, ctypes.c_int(raw + span - (va + size)).value)
+        self.reservations[va] = size
         return va
 
 
@@ -481,7 +481,7 @@ def prove_trim_length_is_an_int(make: Callable[[], HostDriver]) -> int:
     d.free(va, g)
     for raw, span in getattr(d, "spans", []):  # what the broken trims left reserved
         for lo, hi in _reserved_pieces(raw, raw + span):
-            _lib().munmap(lo, hi - lo)
+            libc().munmap(lo, hi - lo)
     return round((taken - g) / GIB)
 
 
@@ -496,15 +496,15 @@ class SetAccessSkipsGrantedRanges(_Broken):
         super().__init__(name)
         self._granted: set[tuple[int, int]] = set()
 
-    def _set_access(self, va: int, size: int) -> None:
+    def do_set_access(self, va: int, size: int) -> None:
         if (va, size) in self._granted:
-            mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
+            mapped_parts(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
             return
-        super()._set_access(va, size)
+        super().do_set_access(va, size)
         self._granted.add((va, size))
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         self._granted = {(a, s) for a, s in self._granted if not va <= a < va + size}
 
 
@@ -533,9 +533,9 @@ class SecondMappingFromTheStart(_Broken):
     old size of 0 makes), which starts where the handle starts, so the offset asked is dropped. A handle's first
     mapping takes its offset."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not handle.maps:
-            super()._map(va, size, handle, offset)
+            super().do_map(va, size, handle, offset)
             return
         check_map(self, va, size, handle, offset)
         mmap_handle(self, va, size, handle, 0)
@@ -598,10 +598,10 @@ class FillFailureIsAMemoryError(_Broken):
     ``memfd_create`` or ``ftruncate`` still raises ``DriverError``."""
 
     @staticmethod
-    def _fill(fd: int, size: int, byte: int) -> None:
-        lib = _lib()
-        addr = lib.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
+    def fill(fd: int, size: int, byte: int) -> None:
+        lib = libc()
+        addr = lib.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if addr in (None, MAP_FAILED):
             raise MemoryError(f"cannot map {size} bytes to fill a new handle")
         try:
             ctypes.memset(addr, byte, size)
@@ -634,20 +634,20 @@ class RefusedMapSplitsTheReservation(_Broken):
     end, a released handle) leaves the reservation in pieces, so a later ``map`` across a piece's border is refused as
     not inside one reservation (and ``free`` of the whole reservation is refused)."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        whole = next(((r, s) for r, s in self._reservations.items() if r <= va and va + size <= r + s), None)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        whole = next(((r, s) for r, s in self.reservations.items() if r <= va and va + size <= r + s), None)
         made = []
         if whole is not None:
             r, s = whole
             for lo, hi in ((r, va), (va, va + size), (va + size, r + s)):
                 if lo < hi:
-                    self._reservations[lo] = hi - lo
+                    self.reservations[lo] = hi - lo
                     made.append(lo)
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
         if whole is not None:
             for lo in made:
-                del self._reservations[lo]
-            self._reservations[whole[0]] = whole[1]
+                del self.reservations[lo]
+            self.reservations[whole[0]] = whole[1]
 
 
 def prove_refused_map_splits_the_reservation(make: Callable[[], HostDriver]) -> list[str]:
@@ -670,14 +670,14 @@ class HandleEndRefusalInMib(_Broken):
     ``map`` that runs past the handle's end says where the mapping would end and how large the handle is, in MiB, which
     names none of the arguments. Every other refusal keeps the host's message."""
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         if not handle.released and offset + size > handle.size:
-            check_inside("map", va, size, self._reservations.items())
-            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self._mappings.items()))
+            check_inside("map", va, size, self.reservations.items())
+            check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
             raise DriverError(
                 "map", f"the mapping would end {(offset + size) / MIB:g} MiB into a {handle.size / MIB:g} MiB handle"
             )
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_handle_end_refusal_in_mib(make: Callable[[], HostDriver]) -> list[object]:
@@ -705,15 +705,15 @@ class InterruptedCreateKeepsTheMemfd(_Broken):
     ``DriverError``), but an exception of any other kind landing after the ``memfd_create`` (a ``KeyboardInterrupt``)
     passes the ``except OSError`` clause and leaves the memfd open (the held bytes are given back)."""
 
-    def _create(self, size: int) -> HostHandle:
+    def do_create(self, size: int) -> HostHandle:
         try:
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         except OSError as exc:
             raise DriverError("create", f"memfd_create for {size} bytes: {exc}", exc.errno) from exc
         try:
             os.ftruncate(fd, size)
-            if self._fill_byte is not None:
-                self._fill(fd, size, self._fill_byte)
+            if self.fill_byte is not None:
+                self.fill(fd, size, self.fill_byte)
         except OSError as exc:
             os.close(fd)
             kind = DriverOutOfMemory if exc.errno in (errno.ENOMEM, errno.ENOSPC) else DriverError
@@ -749,15 +749,15 @@ class UnmapLockLeftAcrossALine(_Broken):
     LOCK_WAIT_S = 10.0
 
     def unmap(self, va: int, size: int) -> None:
-        self._check("unmap", va=va, size=size)
-        taken = self._lock.acquire(timeout=self.LOCK_WAIT_S)
+        self.check_call("unmap", va=va, size=size)
+        taken = self.locked().acquire(timeout=self.LOCK_WAIT_S)
         if not taken:
             raise DriverError("unmap", f"[{va:#x}, +{size}): the driver's lock stayed busy for {self.LOCK_WAIT_S} s")
         try:
             with busy():
-                return self._unmap(va, size)
+                return self.do_unmap(va, size)
         finally:
-            self._lock.release()
+            self.locked().release()
 
 
 def _lock_left_held(d: HostDriver) -> bool:
@@ -769,7 +769,7 @@ def _lock_left_held(d: HostDriver) -> bool:
     if done.wait(0.5):
         worker.join()
         return False
-    d._lock.release()
+    d.locked().release()
     worker.join()
     return True
 
@@ -801,7 +801,7 @@ class TensorOfWholeWords(_Broken):
     of 8, are right."""
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         if nbytes < 64:
             return super().tensor(va, nbytes, keeper)
         buffer = (ctypes.c_uint64 * (nbytes // 8)).from_address(va)

@@ -21,19 +21,19 @@ from typing import Any
 import torch
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     PAGE_BYTES,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_inside, mapped_parts
 from extensible_kv.errors import DriverError
@@ -102,14 +102,14 @@ class GapRefusalNamesNothing(_Broken):
     ``set_access`` is refused for a gap between two mappings (the range's ends are mapped), its message says only that
     there is a gap, with no address or size."""
 
-    def _set_access(self, va: int, size: int) -> None:
-        touched = [(m, s) for m, (s, _) in self._mappings.items() if m < va + size and va < m + s]
+    def do_set_access(self, va: int, size: int) -> None:
+        touched = [(m, s) for m, (s, _) in self.mappings.items() if m < va + size and va < m + s]
         if touched and min(m for m, _ in touched) <= va and max(m + s for m, s in touched) >= va + size:
             try:
                 mapped_parts(va, size, touched)
             except DriverError:
                 raise DriverError("set_access", "the range has a gap between two of its mappings") from None
-        super()._set_access(va, size)
+        super().do_set_access(va, size)
 
 
 def prove_gap_refusal_names_nothing(make: Callable[[], HostDriver]) -> tuple[str, bool]:
@@ -132,10 +132,10 @@ class FreeOfAMappedReservationNamesUnmap(_Broken):
     called": ``free`` of a reservation that still has live mappings is refused with an error whose operation is
     ``unmap`` (its message tells the caller to unmap first); every other refusal of ``free`` names ``free``."""
 
-    def _free(self, va: int, size: int) -> None:
-        if self._reservations.get(va) == size and any(va <= m < va + size for m in self._mappings):
+    def do_free(self, va: int, size: int) -> None:
+        if self.reservations.get(va) == size and any(va <= m < va + size for m in self.mappings):
             raise DriverError("unmap", f"reservation {va:#x} (+{size}) still has live mappings: unmap them first")
-        super()._free(va, size)
+        super().do_free(va, size)
 
 
 def prove_free_of_a_mapped_reservation_names_unmap(make: Callable[[], HostDriver]) -> str:
@@ -157,12 +157,12 @@ class RefusedFreeForgetsTheReservation(_Broken):
     compares the sizes, and a ``free`` of the first part of a reservation is refused without putting the record back,
     so the reservation (which the kernel still holds) takes no mapping and can never be freed."""
 
-    def _free(self, va: int, size: int) -> None:
-        reserved = self._reservations.pop(va, None)
+    def do_free(self, va: int, size: int) -> None:
+        reserved = self.reservations.pop(va, None)
         if reserved != size:
             raise DriverError("free", f"[{va:#x}, +{size}) is not a reservation of this driver")
-        self._reservations[va] = reserved
-        super()._free(va, size)
+        self.reservations[va] = reserved
+        super().do_free(va, size)
 
 
 def prove_refused_free_forgets_the_reservation(make: Callable[[], HostDriver]) -> list[str]:
@@ -185,16 +185,16 @@ class LargeReserveTrustsTheKernelAlignment(_Broken):
     multiple of the granularity, not of the alignment: a 2-granule alignment is honoured about half the time."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        g = self._granularity
+        self.check_call("reserve", size=size, alignment=alignment)
+        g = self.granularity()
         if size >= 16 * g and alignment <= 2 * g and alignment % g == 0:
-            flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-            raw = _lib().mmap(None, size, _PROT_NONE, flags, -1, 0)
-            if raw not in (None, _MAP_FAILED):
+            flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+            raw = libc().mmap(None, size, PROT_NONE, flags, -1, 0)
+            if raw not in (None, MAP_FAILED):
                 if raw % g == 0:  # the bug: the granularity, not the alignment
-                    with busy(), self._locked(): self._reservations[raw] = size  # fmt: skip
+                    with busy(), self.locked(): self.reservations[raw] = size  # fmt: skip
                     return raw
-                _lib().munmap(raw, size)
+                libc().munmap(raw, size)
         return super().reserve(size, alignment)
 
 
@@ -219,25 +219,25 @@ class ReserveKeepsTheTailUntilFree(_Broken):
         super().__init__(name)
         self._tails: dict[int, int] = {}
 
-    def _reserve(self, size: int, alignment: int) -> int:
-        if alignment < 64 * self._granularity:
-            return super()._reserve(size, alignment)
+    def do_reserve(self, size: int, alignment: int) -> int:
+        if alignment < 64 * self.granularity():
+            return super().do_reserve(size, alignment)
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            self._fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
+        raw = libc().mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if raw in (None, MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
         va = -(-raw // alignment) * alignment
         if va > raw:
-            _lib().munmap(raw, va - raw)
+            libc().munmap(raw, va - raw)
         self._tails[va] = raw + span - (va + size)
-        self._reservations[va] = size
+        self.reservations[va] = size
         return va
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         tail = self._tails.pop(va, 0)
         if tail:
-            _lib().munmap(va + size, tail)
+            libc().munmap(va + size, tail)
 
 
 def prove_reserve_keeps_the_tail_until_free(make: Callable[[], HostDriver]) -> int:
@@ -260,15 +260,15 @@ class FreedAddressStaysRefused(_Broken):
         super().__init__(name)
         self._freed: list[tuple[int, int]] = []
 
-    def _free(self, va: int, size: int) -> None:
-        super()._free(va, size)
+    def do_free(self, va: int, size: int) -> None:
+        super().do_free(va, size)
         self._freed.append((va, size))
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
         for f_va, f_size in self._freed:
             if f_va < va + size and va < f_va + f_size:
                 raise DriverError("map", f"[{va:#x}, +{size}) lies in the freed reservation [{f_va:#x}, +{f_size})")
-        super()._map(va, size, handle, offset)
+        super().do_map(va, size, handle, offset)
 
 
 def prove_freed_address_stays_refused(make: Callable[[], HostDriver]) -> str:
@@ -293,8 +293,8 @@ class MemfdRoundsUpToAPowerOfTwo(_Broken):
     its memfds come in power-of-two sizes (a bucket allocator), so a handle of 3 granules is a memfd of 4 (its
     accounting still says ``size``)."""
 
-    def _create(self, size: int) -> HostHandle:
-        handle = super()._create(size)
+    def do_create(self, size: int) -> HostHandle:
+        handle = super().do_create(size)
         bucket = 1 << (size - 1).bit_length()
         if bucket != size:
             os.ftruncate(handle.fd, bucket)
@@ -316,8 +316,8 @@ class CreatePastTotalIsNotOutOfMemory(_Broken):
     ``create``": a size larger than the whole memory is refused as an invalid argument, a plain ``DriverError``."""
 
     def create(self, size: int) -> HostHandle:
-        if isinstance(size, int) and not isinstance(size, bool) and self._total < size < 1 << 63:
-            raise DriverError("create", f"size {size} exceeds the device's {self._total} bytes")
+        if isinstance(size, int) and not isinstance(size, bool) and self.total < size < 1 << 63:
+            raise DriverError("create", f"size {size} exceeds the device's {self.total} bytes")
         return super().create(size)
 
 
@@ -333,11 +333,11 @@ class ReleaseIsARefcount(_Broken):
     handle still mapped at two addresses is accepted (and drops a mapping's reference: its bytes come back at the next
     unmap while one mapping is left)."""
 
-    def _release(self, handle: HostHandle) -> None:
+    def do_release(self, handle: HostHandle) -> None:
         if handle.released and handle.maps >= 2:
             handle.maps -= 1
             return
-        super()._release(handle)
+        super().do_release(handle)
 
 
 def prove_release_is_a_refcount(make: Callable[[], HostDriver]) -> str:
@@ -365,17 +365,17 @@ class UnmapSubtractsTheHandleSize(_Broken):
         super().__init__(name)
         self._mapped_bytes: dict[HostHandle, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         self._mapped_bytes[handle] = self._mapped_bytes.get(handle, 0) + size
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         handle = live[1]
         left = max(0, self._mapped_bytes.get(handle, 0) - handle.size)  # the bug: handle.size, not live[0]
         self._mapped_bytes[handle] = left
-        del self._mappings[va]
+        del self.mappings[va]
         handle.maps = handle.maps - 1 if left else 0
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
 
 def prove_unmap_subtracts_the_handle_size(make: Callable[[], HostDriver]) -> tuple[int, int]:
@@ -405,12 +405,12 @@ class OverlapIndexDropsTheNeighbour(_Broken):
         super().__init__(name)
         self._starts: list[int] = []
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        check_inside("map", va, size, self._reservations.items())
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        check_inside("map", va, size, self.reservations.items())
         i = bisect.bisect_left(self._starts, va + size)
         if i:  # the last mapping starting below the range's end is the only one that can overlap it
             prev = self._starts[i - 1]
-            live_prev = self._mappings.get(prev)
+            live_prev = self.mappings.get(prev)
             if live_prev is not None and prev + live_prev[0] > va:
                 raise DriverError("map", f"[{va:#x}, +{size}) overlaps the live mapping [{prev:#x}, +{live_prev[0]})")
         if handle.released:
@@ -419,20 +419,20 @@ class OverlapIndexDropsTheNeighbour(_Broken):
             raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
         live = (size, handle)
         try:
-            handle.maps, self._mappings[va] = handle.maps + 1, live
-            if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-                self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+            handle.maps, self.mappings[va] = handle.maps + 1, live
+            if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+                self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
             bisect.insort(self._starts, va)
         except BaseException:
-            if self._mappings.get(va) is live:
-                _lib().mmap(va, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
-                handle.maps, _ = handle.maps - 1, self._mappings.pop(va)
+            if self.mappings.get(va) is live:
+                libc().mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+                handle.maps, _ = handle.maps - 1, self.mappings.pop(va)
             raise
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         if self._starts:
             del self._starts[min(bisect.bisect_right(self._starts, va), len(self._starts) - 1)]
-        super()._forget(va, live)
+        super().forget(va, live)
 
 
 def prove_overlap_index_drops_the_neighbour(make: Callable[[], HostDriver]) -> str:
@@ -460,19 +460,19 @@ class MergesContiguousMappings(_Broken):
         super().__init__(name)
         self._offsets: dict[int, int] = {}
 
-    def _map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
-        super()._map(va, size, handle, offset)
+    def do_map(self, va: int, size: int, handle: HostHandle, offset: int) -> None:
+        super().do_map(va, size, handle, offset)
         self._offsets[va] = offset
-        for prev, (p_size, p_handle) in list(self._mappings.items()):
+        for prev, (p_size, p_handle) in list(self.mappings.items()):
             if prev + p_size == va and p_handle is handle and self._offsets.get(prev, -1) + p_size == offset:
-                self._mappings[prev] = (p_size + size, handle)
-                del self._mappings[va], self._offsets[va]
+                self.mappings[prev] = (p_size + size, handle)
+                del self.mappings[va], self._offsets[va]
                 handle.maps -= 1
                 break
 
-    def _forget(self, va: int, live: tuple[int, HostHandle]) -> None:
+    def forget(self, va: int, live: tuple[int, HostHandle]) -> None:
         self._offsets.pop(va, None)
-        super()._forget(va, live)
+        super().forget(va, live)
 
 
 def prove_merges_contiguous_mappings(make: Callable[[], HostDriver]) -> str:
@@ -496,13 +496,13 @@ class SetAccessRefusesTheMiddleOfAMapping(_Broken):
     refused ... by one whose native call takes whole mappings only ...; either way, the same for every call": it grants
     a part of a mapping that starts or ends with it, but refuses one strictly inside it."""
 
-    def _set_access(self, va: int, size: int) -> None:
-        for m, (s, _) in self._mappings.items():
+    def do_set_access(self, va: int, size: int) -> None:
+        for m, (s, _) in self.mappings.items():
             if m < va and va + size < m + s:
                 raise DriverError(
                     "set_access", f"[{va:#x}, +{size}) lies strictly inside the mapping [{m:#x}, +{s}); grant an end"
                 )
-        super()._set_access(va, size)
+        super().do_set_access(va, size)
 
 
 def prove_set_access_refuses_the_middle_of_a_mapping(make: Callable[[], HostDriver]) -> list[str]:
@@ -524,12 +524,12 @@ class SetAccessForgetsToClip(_Broken):
     that starts inside a large mapping and runs past its end into unmapped granules counts as fully mapped, and the
     unmapped (anonymous, reserved) granules become readable and writable."""
 
-    def _set_access(self, va: int, size: int) -> None:
-        touched = [s for m, (s, _) in self._mappings.items() if m < va + size and va < m + s]
+    def do_set_access(self, va: int, size: int) -> None:
+        touched = [s for m, (s, _) in self.mappings.items() if m < va + size and va < m + s]
         if sum(touched) < size:
             raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({sum(touched)} bytes mapped)")
-        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+        if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            self.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
 
 def prove_set_access_forgets_to_clip(make: Callable[[], HostDriver]) -> str:
@@ -571,12 +571,12 @@ class SetAccessMprotectsUnlocked(_Broken):
     anonymous memory, which no serial order leaves (touching it does not fault, ``accessible`` says False)."""
 
     def set_access(self, va: int, size: int) -> None:
-        self._check("set_access", va=va, size=size)
-        parts = ((m, s) for m, (s, _) in self._mappings.items())
-        with busy(), self._locked(): mapped_parts(va, size, parts)  # fmt: skip
+        self.check_call("set_access", va=va, size=size)
+        parts = ((m, s) for m, (s, _) in self.mappings.items())
+        with busy(), self.locked(): mapped_parts(va, size, parts)  # fmt: skip
         time.sleep(RACE_WINDOW_S)
-        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+        if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            self.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
 
 def _anonymous_read_write(lo: int, hi: int) -> bool:
@@ -604,7 +604,7 @@ def prove_set_access_mprotects_unlocked(make: Callable[[], HostDriver]) -> bool:
         for _ in range(RACE_TRIES):
             d.map(r, g, h)
             _race(work)
-            if r in d._mappings:
+            if r in d.mappings:
                 d.unmap(r, g)
             if _anonymous_read_write(r, r + g):
                 return True
@@ -620,7 +620,7 @@ class TensorRoundsDownAnOddBase(_Broken):
     forgets to skip the rounding, so a tensor at an address that is not a multiple of 8 starts up to 7 bytes early."""
 
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
-        self._check("tensor", va=va, size=nbytes)
+        self.check_call("tensor", va=va, size=nbytes)
         base = va & ~7
         buffer = (ctypes.c_uint8 * (nbytes + va - base)).from_address(base)
         buffer.keeper = keeper

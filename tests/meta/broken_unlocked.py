@@ -17,18 +17,18 @@ import threading
 from collections.abc import Callable
 
 from extensible_kv.drivers.host import (
-    _MAP_ANONYMOUS,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _PROT_NONE,
-    _PROT_READ,
-    _PROT_WRITE,
+    MAP_ANONYMOUS,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
     PAGE_BYTES,
     HostDriver,
     HostHandle,
-    _lib,
+    libc,
 )
 from extensible_kv.drivers.records import check_alignment, check_free, check_one_mapping, mapped_parts
 from extensible_kv.errors import DriverError, DriverOutOfMemory
@@ -50,15 +50,15 @@ class UnmapUnlocked(_Unlocked):
     wiped by this ``unmap``'s kernel call."""
 
     def unmap(self, va: int, size: int) -> None:
-        self._check("unmap", va=va, size=size)
-        with busy(), self._locked(): self._forget_one(va, size)  # fmt: skip
-        if _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0) != va:
-            self._fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+        self.check_call("unmap", va=va, size=size)
+        with busy(), self.locked(): self._forget_one(va, size)  # fmt: skip
+        if libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0) != va:
+            self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
 
     def _forget_one(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
+        live = self.mappings.get(va)
         check_one_mapping(va, size, live and live[0])
-        self._forget(va, live)
+        self.forget(va, live)
 
 
 class MapUnlocked(_Unlocked):
@@ -67,14 +67,14 @@ class MapUnlocked(_Unlocked):
     ``map``'s kernel call then leaves a mapping the records do not have (or no access where they say access)."""
 
     def map(self, va: int, size: int, handle: HostHandle, offset: int = 0) -> None:
-        self._check("map", va=va, size=size, offset=offset)
-        with busy(), self._locked(): self._record_map(va, size, handle)  # fmt: skip
-        if _lib().mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset) != va:
-            self._fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
+        self.check_call("map", va=va, size=size, offset=offset)
+        with busy(), self.locked(): self._record_map(va, size, handle)  # fmt: skip
+        if libc().mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd, offset) != va:
+            self.fail("map", f"mmap(MAP_FIXED, {va:#x}, {size}, fd={handle.fd}, offset={offset})")
 
     def _record_map(self, va: int, size: int, handle: HostHandle) -> None:
         check_map(self, va, size, handle, 0)
-        handle.maps, self._mappings[va] = handle.maps + 1, (size, handle)
+        handle.maps, self.mappings[va] = handle.maps + 1, (size, handle)
 
 
 class SetAccessUnlocked(_Unlocked):
@@ -83,13 +83,13 @@ class SetAccessUnlocked(_Unlocked):
     anonymous memory readable and writable, where the protocol says nothing is accessible."""
 
     def set_access(self, va: int, size: int) -> None:
-        self._check("set_access", va=va, size=size)
-        with busy(), self._locked(): self._mapped(va, size)  # fmt: skip
-        if _lib().mprotect(va, size, _PROT_READ | _PROT_WRITE) != 0:
-            self._fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+        self.check_call("set_access", va=va, size=size)
+        with busy(), self.locked(): self._mapped(va, size)  # fmt: skip
+        if libc().mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            self.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
 
     def _mapped(self, va: int, size: int) -> None:
-        mapped_parts(va, size, ((m, s) for m, (s, _) in self._mappings.items()))
+        mapped_parts(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
 
 
 class ReleaseUnlocked(_Unlocked):
@@ -98,10 +98,10 @@ class ReleaseUnlocked(_Unlocked):
     no longer open (an ``OSError``, or worse, a descriptor another call opened meanwhile)."""
 
     def release(self, handle: HostHandle) -> None:
-        self._check("release")
-        with busy(), self._locked(): fd = self._unreleased_fd(handle)  # fmt: skip
+        self.check_call("release")
+        with busy(), self.locked(): fd = self._unreleased_fd(handle)  # fmt: skip
         os.close(fd)
-        with busy(), self._locked(): self._mark_released(handle)  # fmt: skip
+        with busy(), self.locked(): self._mark_released(handle)  # fmt: skip
 
     @staticmethod
     def _unreleased_fd(handle: HostHandle) -> int:
@@ -111,7 +111,7 @@ class ReleaseUnlocked(_Unlocked):
 
     def _mark_released(self, handle: HostHandle) -> None:
         handle.fd, handle.released = -1, True
-        self._drop_if_unused(handle)
+        self.drop_if_unused(handle)
 
 
 class FreeUnlocked(_Unlocked):
@@ -120,14 +120,14 @@ class FreeUnlocked(_Unlocked):
     another thread in between is taken and mapped where the kernel holds nothing."""
 
     def free(self, va: int, size: int) -> None:
-        self._check("free", va=va, size=size)
-        with busy(), self._locked(): self._free_allowed(va, size)  # fmt: skip
-        if _lib().munmap(va, size) != 0:
-            self._fail("free", f"munmap({va:#x}, {size})")
-        with busy(), self._locked(): self._reservations.pop(va, None)  # fmt: skip
+        self.check_call("free", va=va, size=size)
+        with busy(), self.locked(): self._free_allowed(va, size)  # fmt: skip
+        if libc().munmap(va, size) != 0:
+            self.fail("free", f"munmap({va:#x}, {size})")
+        with busy(), self.locked(): self.reservations.pop(va, None)  # fmt: skip
 
     def _free_allowed(self, va: int, size: int) -> None:
-        check_free(va, size, self._reservations.get(va) == size, self._mappings)
+        check_free(va, size, self.reservations.get(va) == size, self.mappings)
 
 
 class CreateUnlocked(_Unlocked):
@@ -135,18 +135,18 @@ class CreateUnlocked(_Unlocked):
     two threads creating at once, with room for one handle, both pass the check, and both are taken."""
 
     def create(self, size: int) -> HostHandle:
-        self._check("create", size=size)
-        with busy(), self._locked(): self._room_for(size)  # fmt: skip
-        handle = self._create(size)
-        with busy(), self._locked(): self._add(size)  # fmt: skip
+        self.check_call("create", size=size)
+        with busy(), self.locked(): self._room_for(size)  # fmt: skip
+        handle = self.do_create(size)
+        with busy(), self.locked(): self._add(size)  # fmt: skip
         return handle
 
     def _room_for(self, size: int) -> None:
-        if self._held + size > self._total:
-            raise DriverOutOfMemory("create", f"{size} bytes asked, {self._total - self._held} of {self._total} free")
+        if self.held + size > self.total:
+            raise DriverOutOfMemory("create", f"{size} bytes asked, {self.total - self.held} of {self.total} free")
 
     def _add(self, size: int) -> None:
-        self._held += size  # counted, past the budget too: mem_info's free bytes may go below zero
+        self.held += size  # counted, past the budget too: mem_info's free bytes may go below zero
 
 
 class ReserveUnlocked(_Unlocked):
@@ -155,20 +155,20 @@ class ReserveUnlocked(_Unlocked):
     the same hole by the kernel, and the two reservations overlap."""
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check("reserve", size=size, alignment=alignment)
-        check_alignment(alignment, self._granularity)
+        self.check_call("reserve", size=size, alignment=alignment)
+        check_alignment(alignment, self.granularity())
         alignment = max(alignment, PAGE_BYTES)
-        with busy(), self._locked(): va = self._hole(size, alignment)  # fmt: skip
-        if _lib().mmap(va, size, _PROT_NONE, RESERVED, -1, 0) != va:
-            self._fail("reserve", f"mmap(MAP_FIXED, {va:#x}, {size})", oom=True)
+        with busy(), self.locked(): va = self._hole(size, alignment)  # fmt: skip
+        if libc().mmap(va, size, PROT_NONE, RESERVED, -1, 0) != va:
+            self.fail("reserve", f"mmap(MAP_FIXED, {va:#x}, {size})", oom=True)
         return va
 
     def _hole(self, size: int, alignment: int) -> int:
         span = size + alignment
-        raw = _lib().mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        _lib().munmap(raw, span)
+        raw = libc().mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        libc().munmap(raw, span)
         va = -(-raw // alignment) * alignment
-        self._reservations[va] = size
+        self.reservations[va] = size
         return va
 
 
@@ -259,8 +259,8 @@ def prove_map_in_unmaps_gap(make: Callable[[], HostDriver]) -> str:
         for _ in range(TRIES):
             d.map(va, g, a, 0)
             _pair(lambda: d.unmap(va, g), lambda: _taken(lambda: d.map(va, g, b, 0)))
-            seen = _maps_at(va) if va in d._mappings else "memfd"
-            for m in list(d._mappings):
+            seen = _maps_at(va) if va in d.mappings else "memfd"
+            for m in list(d.mappings):
                 d.unmap(m, g)
             if seen != "memfd":
                 return seen
@@ -281,10 +281,10 @@ def prove_unmap_in_maps_gap(make: Callable[[], HostDriver]) -> str:
         for _ in range(TRIES):
             _pair(lambda: d.map(va, g, a, 0), lambda: _taken(lambda: d.unmap(va, g)))
             seen = _maps_at(va)
-            if va in d._mappings:
+            if va in d.mappings:
                 d.unmap(va, g)
             if seen != "reserved":
-                _lib().mmap(va, g, _PROT_NONE, RESERVED, -1, 0)
+                libc().mmap(va, g, PROT_NONE, RESERVED, -1, 0)
                 return seen
         return "reserved"
     finally:
@@ -304,7 +304,7 @@ def prove_unmap_in_set_access_gap(make: Callable[[], HostDriver]) -> str:
             _pair(lambda: d.unmap(va, g), lambda: not _taken(lambda: d.set_access(va, g)))
             seen = _maps_at(va)
             if seen != "reserved":
-                _lib().mmap(va, g, _PROT_NONE, RESERVED, -1, 0)
+                libc().mmap(va, g, PROT_NONE, RESERVED, -1, 0)
                 return seen
         return "reserved"
     finally:
@@ -360,19 +360,19 @@ def prove_create_twice_with_room_for_one(make: Callable[[], HostDriver]) -> list
     what they did."""
     d = make()
     g = d.granularity()
-    d._held = d._total - g  # the budget full but for one granule (a proof's shortcut: no filler handle)
+    d.held = d.total - g  # the budget full but for one granule (a proof's shortcut: no filler handle)
     try:
         for _ in range(TRIES):
             made: list[HostHandle] = []
             seen = _both(lambda i: made.append(d.create(g)))
             for h in made:
                 d.release(h)
-            d._held = d._total - g
+            d.held = d.total - g
             if seen != ["DriverOutOfMemory", "done"]:
                 return seen
         return ["DriverOutOfMemory", "done"]
     finally:
-        d._held = 0
+        d.held = 0
 
 
 def prove_reserve_beside_reserve(make: Callable[[], HostDriver]) -> str:
@@ -389,7 +389,7 @@ def prove_reserve_beside_reserve(make: Callable[[], HostDriver]) -> str:
             try:
                 d.free(va, 4 * g)
             except DriverError:
-                _lib().munmap(va, 4 * g)
+                libc().munmap(va, 4 * g)
         if overlap:
             return "overlapping"
     return "disjoint"

@@ -1,15 +1,16 @@
 """The package as users install it, one fresh venv per profile, run from another folder:
 
-- the runtime (``pip install extensible-kv``): torch and numpy only; pytest is not importable, the command line lists
-  its commands without a warning, ``check-driver`` says in one line which extra it needs, install hints name the
-  index, not a checkout;
+- the runtime (``pip install extensible-kv``): torch and numpy only, and no module of the lab (report, measurement
+  schema, parity) or of integration/; pytest is not importable, the command line lists its commands without a
+  warning, ``check-driver`` says in one line which extra it needs and ``report`` how to install the lab, install
+  hints name the index, not a checkout;
 - the suite (``pip install 'extensible-kv[conformance]'``): ``extensible-kv check-driver`` passes the rules on
   ``host-4k`` and fails a broken driver, ``pytest -p extensible_kv_conformance.plugin --pyargs
   extensible_kv_conformance`` runs them, no pytest run of another project loads any plugin of this package
   (``--trace-config``), and a checkout's ``pytest conformance`` runs with nothing but the suite's requirements.
 
 The venvs get no network: the wheel is installed with ``--no-deps --no-index``, and its requirements for the profile
-(torch and numpy, plus pytest, hypothesis, pytest-xdist and pydantic for the suite, and theirs) are the ones this
+(torch and numpy, plus pytest, hypothesis and pytest-xdist for the suite, and theirs) are the ones this
 interpreter already has, linked into a folder the venv puts on its path (torch's CPU build stays the one here);
 ``pip check`` then proves that they satisfy what the wheel declares.
 """
@@ -39,7 +40,8 @@ RULES = (
 SUMMARY = "extensible-kv conformance summary"
 TIMEOUT_S = 600
 RUNTIME = {"torch", "numpy"}
-SUITE = {"pytest", "hypothesis", "pytest-xdist", "pydantic"}
+SUITE = {"pytest", "hypothesis", "pytest-xdist"}
+LAB = ("report", "measurement", "parity", "integration", "extensible_kv_lab")  # in no path of the runtime wheel
 
 
 def _run(cmd: list, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -180,7 +182,7 @@ def test_the_wheel_is_the_runtime_with_the_suite_as_an_extra_and_no_pytest_plugi
         p.relative_to(reference).as_posix()
         for p in (reference / "extensible_kv").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
-    }  # modules and package data (the report's templates)
+    }  # modules and package data
     want |= {
         f"extensible_kv_conformance/{p.relative_to(ROOT / 'conformance').as_posix()}"
         for p in [*(ROOT / "conformance").glob("*.py"), *(ROOT / "conformance" / "plugin").glob("*.py")]
@@ -196,6 +198,7 @@ def test_the_wheel_is_the_runtime_with_the_suite_as_an_extra_and_no_pytest_plugi
     requires = _requires(wheel)
     got = {
         "missing": sorted(want - names),
+        "modules of the lab or integration": sorted(n for n in names if any(word in n for word in LAB)),
         "tests of the project": tests,
         "pytest11 entry point": "pytest11" in entry_points,
         "console script": "extensible-kv = extensible_kv.__main__:main" in entry_points,
@@ -205,6 +208,7 @@ def test_the_wheel_is_the_runtime_with_the_suite_as_an_extra_and_no_pytest_plugi
     }
     want_got = {
         "missing": [],
+        "modules of the lab or integration": [],
         "tests of the project": [],
         "pytest11 entry point": False,
         "console script": True,
@@ -222,6 +226,7 @@ def test_the_runtime_alone_has_no_pytest_and_its_commands_say_what_they_need(run
     usage = _run([bin_ / "extensible-kv", "--help"], cwd=elsewhere)
     drivers = _run([bin_ / "extensible-kv", "drivers"], cwd=elsewhere)
     check = _run([bin_ / "extensible-kv", "check-driver", "host"], cwd=elsewhere)
+    report = _run([bin_ / "extensible-kv", "report", "."], cwd=elsewhere)
     got = {
         "import pytest fails": pytest_import.returncode != 0 and "No module named 'pytest'" in pytest_import.stderr,
         "no command: exit, commands listed, stderr": (
@@ -240,6 +245,11 @@ def test_the_runtime_alone_has_no_pytest_and_its_commands_say_what_they_need(run
             len(check.stderr.splitlines()),
             "pip install 'extensible-kv[conformance]'" in check.stderr,
         ),
+        "report: exit, stderr lines, how to install the lab": (
+            report.returncode,
+            len(report.stderr.splitlines()),
+            "pip install ./lab from a checkout" in report.stderr,
+        ),
     }
     want = {
         "import pytest fails": True,
@@ -247,6 +257,7 @@ def test_the_runtime_alone_has_no_pytest_and_its_commands_say_what_they_need(run
         "--help names": "usage: extensible-kv",
         "drivers: exit, host available, hint from the index": (0, True, True),
         "check-driver: exit, stderr lines, names the extra": (2, 1, True),
+        "report: exit, stderr lines, how to install the lab": (2, 1, True),
     }
     assert got == want, (
         f"the runtime profile: expected {want}, got {got}\n{_output(listing)}\n{_output(drivers)}\n{_output(check)}"
