@@ -9,6 +9,7 @@ benchmarked function run once, as a smoke test, unless ``--benchmark-enable`` is
     python3 -m extensible_kv bench-summary reports/out/bench-cuda.json
 
 ``bench/conftest.py`` picks the driver (``--bench-driver``, default: the best available one) and the sizes
-(``--bench-scale``); ``extensible_kv.report.benchmarks`` turns the JSON into the target ratios. Nothing here asserts a
-time: the benchmarks assert that what they committed is really usable, the summary compares numbers to targets.
+(``--bench-scale``); ``extensible_kv_lab.report.benchmarks`` turns the JSON into the target ratios. Nothing here
+asserts a time: the benchmarks assert that what they committed is really usable, the summary compares numbers to
+targets.
 """

@@ -15,7 +15,7 @@ Options:
   H200 runs saw 15 ms vs 95-190 ms for the same KV growth), so "fresh" rounds wait and ``after_release`` rounds do not.
 
 Sizes are always multiples of ``driver.granularity()``. Every benchmark records what it measured in
-``benchmark.extra_info`` under a stable ``key`` that ``extensible_kv.report.benchmarks`` reads; at the end of a run
+``benchmark.extra_info`` under a stable ``key`` that ``extensible_kv_lab.report.benchmarks`` reads; at the end of a run
 with benchmarks
 enabled the summary table is printed.
 """
@@ -276,14 +276,14 @@ def keeper(bench_env: BenchEnv):
 # -- end of run: where it ran, and the summary table ----------------------------------------------------------------
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
     """The GPU, its driver and the torch/CUDA versions go into the JSON's ``machine_info.environment``, and into
-    ``environment.json`` beside ``--benchmark-json`` (``extensible_kv.measurements.Environment``)."""
-    from extensible_kv.measurements import Environment, write  # noqa: PLC0415
+    ``environment.json`` beside ``--benchmark-json`` (``extensible_kv.record.environment``)."""
+    from extensible_kv import record  # noqa: PLC0415
 
-    env = Environment.collect()
-    machine_info["environment"] = env.model_dump(mode="json")
+    env = record.environment()
+    machine_info["environment"] = env
     out = config.getoption("benchmark_json", default=None)
     if out:
-        write(Path(str(out)).resolve().parent / "environment.json", env)
+        record.write(Path(str(out)).resolve().parent / "environment.json", env)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -291,9 +291,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     benchmarks = getattr(session, "benchmarks", None) if session is not None else None
     if not benchmarks:
         return
-    from extensible_kv.report.benchmarks import summarize_data  # noqa: PLC0415
-    from extensible_kv.report.rendering import bench_tables  # noqa: PLC0415
-
+    try:
+        from extensible_kv_lab.report.benchmarks import summarize_data  # noqa: PLC0415
+        from extensible_kv_lab.report.rendering import bench_tables  # noqa: PLC0415
+    except ModuleNotFoundError as exc:  # the lab (pip install ./lab) draws the table; the JSON is written without it
+        terminalreporter.write_line(f"extensible-kv benchmark summary: not shown ({exc.name} is not installed)")
+        return
     try:
         data = {"benchmarks": [b.as_dict(include_data=False) for b in benchmarks if not b.has_error]}
         summary = summarize_data(data)

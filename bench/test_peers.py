@@ -8,8 +8,8 @@
   (after one warmup round, with the same empty_cache + settle between rounds) and prints them as JSON. The pytest-
   benchmark timing of this test is the whole subprocess (interpreter start, torch import, CUDA init) and means
   nothing; the real figures are ``extra_info['subprocess_times_s']`` and ``extra_info['subprocess_median_s']``,
-  which is what ``extensible_kv.report.benchmarks`` uses. The subprocess also reports whether torch's memory snapshot
-  marks the
+  which is what ``extensible_kv_lab.report.benchmarks`` uses. The subprocess also reports whether torch's memory
+  snapshot marks the
   big segment expandable; ``False`` fails the test (the environment variable was not honoured).
 
 The summary reports our 32 GiB commit time (``commit/extensible``) as a ratio to each (goal: <= 1). Both are GPU-only.

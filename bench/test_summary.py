@@ -1,4 +1,4 @@
-"""Tests of ``extensible_kv.report.benchmarks`` (and the ``bench-summary`` command) on a small hand-made
+"""Tests of ``extensible_kv_lab.report.benchmarks`` (and the ``bench-summary`` command) on a small hand-made
 pytest-benchmark JSON (no benchmark runs here).
 
 The fixture's times are powers of two, so every ratio the summary computes has an exact expected value; each
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from extensible_kv.report import benchmarks as S
-from extensible_kv.report.rendering import bench_tables
+from extensible_kv_lab.report import benchmarks as S
+from extensible_kv_lab.report.rendering import bench_tables
 
 GIB = 1 << 30
 B = 32 * GIB  # 2**35

@@ -9,8 +9,8 @@ benchmarks that differ only in ``zero_new``, each from a fresh reservation, in t
 - ``memset``:      ``driver.zero`` over an already-committed 32 GiB range of a tensor (raw cuMemsetD8Async);
 - ``torch_zero_``: ``torch.Tensor.zero_`` over a 32 GiB tensor from torch's allocator (cudaMalloc on GPUs).
 
-Implied zero time = median(grow_zero) - median(grow_nozero); ``extensible_kv.report.benchmarks`` reports bytes / that
-time as the
+Implied zero time = median(grow_zero) - median(grow_nozero); ``extensible_kv_lab.report.benchmarks`` reports bytes /
+that time as the
 zero bandwidth and its ratio to ``memset`` (target >= 0.8), plus the conservative end-to-end figure bytes /
 median(grow_zero), which needs no subtraction. Why a difference and not a hook: timing the tensor's own call keeps
 the measurement honest (any extra memset per granule or per segment would show up), and with commit ~2-7 ms against

@@ -6,7 +6,7 @@
 #   ci/gpu_matrix.sh OUTDIR STAGE [pytest args...]
 #
 # STAGE: conformance | memcheck | bench | layouts | integration | matrix. EXTENSIBLE_KV_DRIVER picks the driver (default cuda; hip on
-# ROCm). Logs, JSON (extensible_kv.measurements), environment.json and a junit XML per stage land in OUTDIR, which
+# ROCm). Logs, JSON (extensible_kv_lab.measurements), environment.json and a junit XML per stage land in OUTDIR, which
 # `python3 -m extensible_kv report OUTDIR` renders; the integration stage also packs its per-case JSON and logs into
 # OUTDIR/integration.tgz (unpack it into OUTDIR/integration/ for the report).
 set -uo pipefail
@@ -14,7 +14,7 @@ out=${1:?OUTDIR}; stage=${2:?STAGE}; shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$root"
-export PYTHONPATH="$root/reference:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root/reference:$root/lab:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m extensible_kv environment "$out" > /dev/null || echo "environment.json not written" >&2
 export EXTENSIBLE_KV_REQUIRE_GPU=1
 if [ -n "${EXTENSIBLE_KV_COMPILE_CACHE:-}" ]; then  # compile caches that travel between calls (README, integration)

@@ -17,7 +17,7 @@ if [ ! -d /tmp/site/vllm ]; then
   mkdir -p /tmp/site && cat /tmp/stage/p* "$last" | xz -d | tar -x -C /tmp/site || exit 3
 fi
 echo "unpacked in $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=/tmp/site:$PWD/reference:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/reference:$PWD/lab:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
 R=/tmp/run-${RUN_TAG:?set RUN_TAG}; mkdir -p "$R"
 python3 -m extensible_kv environment "$R" > /dev/null 2>&1 || echo "environment.json not written"

@@ -1,6 +1,6 @@
 """The per-rule results of ``ci/vllm_native_check.sh run``: each step's junit XML as ``rules-<step>.json`` (one entry
 per rule), the same results as a conformance summary (``conformance-vllm.json``, ``conformance-vllm-tensor.json``,
-the ``ConformanceSummary`` format of ``extensible_kv.measurements`` that ``extensible-kv report`` reads), and the
+the ``ConformanceSummary`` format of ``extensible_kv_lab.measurements`` that ``extensible-kv report`` reads), and the
 table the script prints last. Plain ``json`` and ``xml``: the GPU image has no pydantic; the report validates on read.
 
     python3 ci/vllm_native_rules.py OUT RC_DRIVER RC_TENSOR    # after both steps: every file above, then the table

@@ -23,7 +23,7 @@ if [ -d /tmp/stage/mm ] && [ ! -d /tmp/site/torchvision ]; then  # the multimoda
   for w in /tmp/stage/mm/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 fi
 echo "vllm unpacked in $(( $(date +%s) - t0 )) s"
-export PYTHONPATH="/tmp/site:$root/reference:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export PYTHONPATH="/tmp/site:$root/reference:$root/lab:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
 run=${RUN:-/tmp/worst-batch-run}
 mkdir -p "$run/worst-batch"

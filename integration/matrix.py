@@ -38,8 +38,8 @@ from integration.parity import (
     throughput_benchmark,
     throughput_pair,
 )
-from extensible_kv.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
-from extensible_kv.report.serving import start_state  # noqa: E402
+from extensible_kv_lab.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
+from extensible_kv_lab.report.serving import start_state  # noqa: E402
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)

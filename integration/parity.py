@@ -58,10 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "reference") not in sys.path:  # a checkout without the package installed (the GPU machine)
-    sys.path.append(str(ROOT / "reference"))
-from extensible_kv.measurements import MeasuredPeak, start_comparable  # noqa: E402 - after the path
-from extensible_kv.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal  # noqa: E402
+for _part in ("reference", "lab"):  # a checkout without the runtime and the lab installed (the GPU machine)
+    if str(ROOT / _part) not in sys.path:
+        sys.path.append(str(ROOT / _part))
+from extensible_kv_lab.measurements import MeasuredPeak, start_comparable  # noqa: E402 - after the path
+from extensible_kv_lab.parity import NONDETERMINISTIC, classify, classify_with_fallback, refusal  # noqa: E402
 
 MIB = 1 << 20
 BUDGET_TOLERANCE = 16 * MIB  # allocations made after the final commit (sampler warmup, small workspaces)
@@ -354,7 +355,7 @@ def run_subprocess(
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT / "reference"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+            p for p in (str(ROOT / "reference"), str(ROOT / "lab"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
         ),
         PYTHONUNBUFFERED="1",
     )

@@ -12,7 +12,7 @@ to the worker directly. Weights come from the dummy loader and are then re-initi
 
 Run it as a module from the repository root (it imports ``integration.parity`` and the installed ``extensible_kv``).
 ``run()`` is the phases below in order, each its own function returning its figures (a model of
-``extensible_kv.measurements`` where the case file has one, else a dict); ``case_file`` assembles them. What the
+``extensible_kv_lab.measurements`` where the case file has one, else a dict); ``case_file`` assembles them. What the
 model runners record (CUDA graph memory, vLLM's profiles, the encoder cache) goes into one ``RunnerRecord`` per
 case, made by ``run()``. After the engine is built (``built_engine``):
 
@@ -93,9 +93,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-# integration.parity first: on a checkout without the package installed it puts reference/ on the path
+# integration.parity first: on a checkout without the packages installed it puts reference/ and lab/ on the path
 from integration.parity import peak_figures, speculative_figures, tokens_per_s
-from extensible_kv.measurements import (
+from extensible_kv_lab.measurements import (
     CaseMemory,
     EncoderCacheFigures,
     Environment,

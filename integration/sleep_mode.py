@@ -602,9 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     table = render_table(summary)
     (out / "table.md").write_text(table)
     try:
-        from extensible_kv.measurements import Environment, write
+        from extensible_kv import record
 
-        write(out / "environment.json", Environment.collect())
+        record.write(out / "environment.json", record.environment())
     except Exception as exc:  # noqa: BLE001 - the environment is context, not a result
         print(f"environment.json not written: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(table)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from extensible_kv.measurements import IntegrationCase, SpeculativeFigures
-from extensible_kv.parity import REFUSED, classify_with_fallback
+from extensible_kv_lab.measurements import IntegrationCase, SpeculativeFigures
+from extensible_kv_lab.parity import REFUSED, classify_with_fallback
 from integration import matrix, parity, run_case
 from integration.parity import MIB, Case
 

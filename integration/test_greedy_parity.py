@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from extensible_kv.parity import first_difference, refusal
+from extensible_kv_lab.parity import first_difference, refusal
 from integration.parity import check_memory_budget, run_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from integration import matrix, parity, run_case
-from extensible_kv.measurements import IntegrationCase
-from extensible_kv.parity import (
+from extensible_kv_lab.measurements import IntegrationCase
+from extensible_kv_lab.parity import (
     DIFFERS,
     EXTENSIBLE_REFUSED,
     FAILED,

@@ -377,7 +377,7 @@ def test_a_server_that_exits_or_never_answers_fails_in_start(tmp_path):
 
 def test_the_summary_fits_the_reports_schema(tmp_path):
     pytest.importorskip("pydantic")
-    from extensible_kv.measurements import ScriptSummary, read
+    from extensible_kv_lab.measurements import ScriptSummary, read
 
     _run(tmp_path, FakeLauncher())
     summary = read(tmp_path / "out" / "summary.json", ScriptSummary)

@@ -191,23 +191,23 @@ class Summary:
         """``--summary-json`` and the ``environment.json`` beside it (checked writable at the start); a write that
         fails all the same (a full disk) is one line, and the run's status says so."""
         from extensible_kv.boundaries import BoundaryError  # noqa: PLC0415
-        from extensible_kv.measurements import ConformanceSummary, Environment, write  # noqa: PLC0415
+        from extensible_kv import record  # noqa: PLC0415 - plain JSON; the lab's ConformanceSummary reads it
 
         try:
             summary, environment = summary_outputs(path)
-            write(
+            record.write(
                 summary,
-                ConformanceSummary(
-                    exitstatus=int(exitstatus),
-                    torch=torch.__version__,
-                    drivers=rows,
-                    tests=[
+                {
+                    "exitstatus": int(exitstatus),
+                    "torch": torch.__version__,
+                    "drivers": rows,
+                    "tests": [
                         {"driver": s, "test": n, "outcome": o, "reason": self.reasons.get((s, n))}
                         for (s, n), o in sorted(outcomes.items())
                     ],
-                ),
+                },
             )
-            write(environment, Environment.collect())
+            record.write(environment, record.environment())
         except (OSError, BoundaryError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             terminalreporter.write_line(f"error: --summary-json {path}: cannot be written ({reason})", red=True)

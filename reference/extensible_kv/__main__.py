@@ -2,8 +2,9 @@
 environment | report | bench-summary``; without a command it lists them.
 
 The runtime needs torch and numpy only: what a command needs beyond them (the conformance suite and pytest for
-``check-driver``, pydantic for the measurement files, the renderers for ``report``) is looked for when that command
-runs, and its absence is one line naming the extra that installs it.
+``check-driver``, the lab, ``extensible_kv_lab``, for ``report`` and ``bench-summary``) is looked for when that
+command runs, and its absence is one line saying how to install it. ``environment`` and ``validate-backend --json``
+write plain JSON (``record``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from .errors import ExtensibleKVError
 
 SCRIPT = "extensible-kv"  # the console script (pyproject.toml)
 SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra brings and the rules import
-SUMMARY_NEEDS = ("pydantic",)  # what the conformance extra brings for --summary-json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,8 +91,7 @@ def _check_driver(args: argparse.Namespace) -> int:
     """Hand over to the suite's own command (``python -m <suite>``) in this process: the runtime never imports the
     suite, and the suite's command, not this one, owns the children it starts and the signals it is sent."""
     name = suite()
-    summary = any(a == "--summary-json" or a.startswith("--summary-json=") for a in args.pytest_args)
-    missing = [m for m in SUITE_NEEDS + (SUMMARY_NEEDS if summary else ()) if _find(m) is None]
+    missing = [m for m in SUITE_NEEDS if _find(m) is None]
     if name is None or missing:
         what = (
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
@@ -114,15 +113,25 @@ def _check_driver(args: argparse.Namespace) -> int:
     return 2  # not reached: execv replaced this process
 
 
-REPORT_NEEDS = ("pydantic", "matplotlib", "jinja2", "markdown_it", "mdit_py_plugins")  # the report extra's modules
+LAB = "extensible_kv_lab"  # the lab's package (lab/ in a checkout), which ``report`` and ``bench-summary`` need
+LAB_NEEDS = (LAB, "pydantic", "matplotlib", "jinja2", "markdown_it", "mdit_py_plugins")  # it and what it requires
 
 
-def _needs_extra(exc: ModuleNotFoundError, command: str) -> int:
-    """One line for a command whose extra is not installed."""
-    print(
-        f"error: {command} needs {exc.name}, which is not installed: {drivers.install_command('report')}",
-        file=sys.stderr,
-    )
+def lab_install_command() -> str:
+    """How to install the lab: it is not on an index, only in a checkout (``lab/``, beside the runtime's
+    ``pyproject.toml``)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "lab" / "pyproject.toml").is_file():
+        where = "./lab" if Path(os.getcwd()).resolve() == root else str(root / "lab")
+        return f"pip install -e {where}"
+    return "pip install ./lab from a checkout of extensible-kv"
+
+
+def _needs_lab(exc: ModuleNotFoundError, command: str) -> int:
+    """One line for a command of the lab when the lab, or a package it requires, is not installed."""
+    name = (exc.name or "").split(".")[0]
+    what = "the lab (extensible-kv-lab)" if name == LAB else name
+    print(f"error: {command} needs {what}, which is not installed: {lab_install_command()}", file=sys.stderr)
     return 2
 
 
@@ -133,8 +142,6 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if not isinstance(dtype, torch.dtype):
         print(f"error: --dtype {args.dtype!r} is not a torch dtype", file=sys.stderr)
         return 2
-    if args.json and _find("pydantic") is None:
-        return _needs_extra(ModuleNotFoundError(name="pydantic"), "validate-backend --json")
     if args.json:  # before any work (Note [An output is a regular file or a new path, checked first])
         outputs.output_file(args.json, option="--json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]
@@ -152,14 +159,13 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if args.json:
         from dataclasses import asdict  # noqa: PLC0415
 
-        from .measurements import BackendResult, BackendValidation, write  # noqa: PLC0415
+        from . import record  # noqa: PLC0415
 
         results = [
-            BackendResult(**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()}, ok=r.ok)
-            for r in reports
+            {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()}, "ok": r.ok} for r in reports
         ]
         try:
-            write(args.json, BackendValidation(results=results))
+            record.write(args.json, {"results": results})
         except OSError as exc:
             print(f"error: cannot write {boundaries.shown(args.json)}: {exc.strerror or exc}", file=sys.stderr)
             return 2
@@ -177,12 +183,12 @@ def _validate_backend(args: argparse.Namespace) -> int:
 
 
 def _environment(args: argparse.Namespace) -> int:
-    from .measurements import Environment, write  # noqa: PLC0415
+    from . import record  # noqa: PLC0415
 
     outputs.output_folder(args.out_dir, option="OUT_DIR", files=["environment.json"])
     path = os.path.join(args.out_dir, "environment.json")
     try:
-        print(write(path, Environment.collect()).as_posix())
+        print(record.write(path, record.environment()).as_posix())
     except OSError as exc:
         print(f"error: cannot write {boundaries.shown(path)}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -190,16 +196,16 @@ def _environment(args: argparse.Namespace) -> int:
 
 
 def _register_report(sub: argparse._SubParsersAction) -> None:
-    """``report`` and ``bench-summary``; without the report extra, each answers with the line that says so."""
+    """``report`` and ``bench-summary``, the lab's; without the lab, each answers with the line that says so."""
     try:
-        from .report import register  # noqa: PLC0415 - pydantic loads here, matplotlib only when it draws
+        from extensible_kv_lab.report import register  # noqa: PLC0415 - pydantic loads here, matplotlib when it draws
     except ModuleNotFoundError as exc:
-        if exc.name not in REPORT_NEEDS:
+        if (exc.name or "").split(".")[0] not in LAB_NEEDS:
             raise
         for name in ("report", "bench-summary"):
-            stub = sub.add_parser(name, help=f"(needs the report extra: {drivers.install_command('report')})")
+            stub = sub.add_parser(name, help=f"(needs the lab: {lab_install_command()})")
             stub.add_argument("args", nargs=argparse.REMAINDER)
-            stub.set_defaults(run=lambda args, exc=exc, name=name: _needs_extra(exc, name))
+            stub.set_defaults(run=lambda args, exc=exc, name=name: _needs_lab(exc, name))
         return
     register(sub)
 
@@ -274,13 +280,13 @@ def _main(argv: list[str]) -> int:
         "--json",
         metavar="PATH",
         default=None,
-        help="also write the results as JSON (extensible_kv.measurements.BackendValidation) to PATH",
+        help="also write the results as JSON (the lab's measurements.BackendValidation) to PATH",
     )
     vb.set_defaults(run=_validate_backend)
     env = sub.add_parser(
         "environment",
         help="write OUT_DIR/environment.json: torch, CUDA/HIP, GPU, driver, python, "
-        "platform (extensible_kv.measurements.Environment)",
+        "platform (the lab's measurements.Environment)",
     )
     env.add_argument("out_dir", metavar="OUT_DIR")
     env.set_defaults(run=_environment)
@@ -302,9 +308,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return args.run(args)
     except ModuleNotFoundError as exc:
-        if exc.name not in REPORT_NEEDS:
+        if (exc.name or "").split(".")[0] not in LAB_NEEDS:
             return _failed(args, exc)
-        return _needs_extra(exc, args.command)
+        return _needs_lab(exc, args.command)
     except ExtensibleKVError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Measurement files are written whole or not at all (``extensible_kv.measurements.write``), and read back only with
+"""Measurement files are written whole or not at all (``extensible_kv_lab.measurements.write``), and read back only with
 numbers that hardware can hold."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from extensible_kv.boundaries import outputs
-from extensible_kv.measurements import BadFile, CaseSpec, IntegrationCase, read, write
+from extensible_kv_lab.measurements import BadFile, CaseSpec, IntegrationCase, read, write
 
 
 class _HalfThenInterrupt(io.FileIO):
@@ -54,7 +54,7 @@ def test_a_write_replaces_the_file_whole(tmp_path):
     )
 
 
-# -- numbers a device can hold (Note [Numbers a device can hold] in extensible_kv.measurements) ----------------------
+# -- numbers a device can hold (Note [Numbers a device can hold] in extensible_kv_lab.measurements) ----------------
 CASE = (
     Path(__file__).resolve().parent
     / "report_fixtures"

@@ -1,7 +1,7 @@
 """The memory-accounting report renders fixture runs (report_fixtures/) and every number in it equals the input.
 
-The fixtures are small hand-written files in the formats of ``extensible_kv.measurements``: ``full`` has every input,
-``partial`` lacks the benchmarks, the backend validation and the extensible partner of its one legacy case.
+The fixtures are small hand-written files in the formats of ``extensible_kv_lab.measurements``: ``full`` has every
+input, ``partial`` lacks the benchmarks, the backend validation and the extensible partner of its one legacy case.
 Expected values are computed here from the fixture JSON, never copied from the report. The writers (the conformance
 and bench conftests, ``validate-backend --json``, ``environment``) are run here too, and their files read back
 through the schema and rendered.
@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from extensible_kv import report
-from extensible_kv.measurements import BackendValidation, BenchmarkFile, ConformanceSummary, Environment, read
-from extensible_kv.report import accounting, benchmarks, document, numbers, rendering
-from extensible_kv.report.run import load_run
+from extensible_kv_lab import report
+from extensible_kv_lab.measurements import BackendValidation, BenchmarkFile, ConformanceSummary, Environment, read
+from extensible_kv_lab.report import accounting, benchmarks, document, numbers, rendering
+from extensible_kv_lab.report.run import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "report_fixtures"
@@ -666,7 +666,7 @@ def _overlaps(boxes: list) -> list:
 
 def test_kv_blocks_plot_is_readable(tmp_path):
     pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
-    from extensible_kv.report import figures
+    from extensible_kv_lab.report import figures
 
     run = load_run(ROOT / "reports" / "runs" / "h200-matrix-current-2026-12-03")
     pairs = accounting.block_pairs(accounting.account(run.cases))
@@ -694,6 +694,9 @@ def test_kv_blocks_plot_is_readable(tmp_path):
 
 
 # -- the package's shape -------------------------------------------------------------------------------------------
+LAB_MODULES = ("report", "measurements", "parity")  # the lab's modules (lab/extensible_kv_lab)
+
+
 def _imports(path: Path, package: str) -> set[str]:
     """Modules of ``package`` that ``path`` imports, anywhere in it (lazy imports too)."""
     found = set()
@@ -707,7 +710,7 @@ def _imports(path: Path, package: str) -> set[str]:
 
 def test_the_report_modules_import_no_circle():
     root = Path(report.__file__).parent
-    graph = {p.stem: _imports(p, "extensible_kv.report") for p in root.glob("*.py") if p.stem != "__init__"}
+    graph = {p.stem: _imports(p, "extensible_kv_lab.report") for p in root.glob("*.py") if p.stem != "__init__"}
     for start in graph:
         seen, todo = set(), [start]
         while todo:
@@ -718,28 +721,39 @@ def test_the_report_modules_import_no_circle():
                     todo.append(nxt)
 
 
-def test_the_reference_core_imports_nothing_from_report():
-    core = ROOT / "reference" / "extensible_kv"
-    files = [core / n for n in ("tensor.py", "granules.py", "layout.py", "kv_cache.py")]
-    files += sorted((core / "drivers").rglob("*.py")) + sorted((core / "vllm").rglob("*.py"))
+def test_the_runtime_and_the_suite_import_nothing_of_the_lab_but_the_commands_that_need_it():
+    """The runtime wheel ships neither the lab nor a module of its own that imports it: only the command line's
+    ``report`` and ``bench-summary`` load it, where they are registered."""
+    files = sorted((ROOT / "reference" / "extensible_kv").rglob("*.py")) + sorted((ROOT / "conformance").rglob("*.py"))
+    found = {}
     for path in files:
-        names = [n.module or "" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
-        names += [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names]
-        bad = [
-            n
-            for n in names
-            if n == "report"
-            or "report." in n
-            or n.endswith(".report")
-            or n == "measurements"
-            or n.endswith(".measurements")
-        ]
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: expected nothing from report or measurements"
+        tree = ast.parse(path.read_text())
+        names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        bad = [n for n in names if n.split(".")[0] == "extensible_kv_lab" or n.split(".")[-1] in LAB_MODULES]
+        if bad:
+            found[path.relative_to(ROOT).as_posix()] = bad
+    assert found == {"reference/extensible_kv/__main__.py": ["extensible_kv_lab.report"]}, found
+    left = sorted(p.name for p in (ROOT / "reference" / "extensible_kv").iterdir() if p.stem in LAB_MODULES)
+    assert not left, f"reference/extensible_kv holds {left}: expected the lab's modules in lab/ only"
+
+
+@pytest.mark.parametrize("command", ["report", "bench-summary"])
+def test_without_the_lab_report_and_bench_summary_say_how_to_install_it_in_one_line(monkeypatch, capsys, command):
+    from extensible_kv.__main__ import main  # noqa: PLC0415
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "extensible_kv_lab"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "extensible_kv_lab", None)  # import extensible_kv_lab: ModuleNotFoundError
+    code = main([command, "reports/runs"])
+    err = capsys.readouterr().err
+    got = (code, len(err.splitlines()), "needs the lab (extensible-kv-lab)" in err, "pip install -e" in err)
+    assert got == (2, 1, True, True), f"{command} without the lab: expected (exit 2, one line, the lab, how), got {err}"
 
 
 def test_the_templates_ship_as_package_data():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    globs = config.get("extensible_kv.report", [])
+    config = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = config.get("extensible_kv_lab.report", [])
     templates = Path(report.__file__).parent / "templates"
     names = sorted(p.relative_to(templates.parent).as_posix() for p in templates.iterdir())
     assert names and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in names), (
@@ -828,8 +842,8 @@ def test_the_encoder_cache_and_the_speculative_step_are_their_own_lines_measured
 
 
 def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_variants():
-    from extensible_kv.measurements import IntegrationCase
-    from extensible_kv.report.run import Case
+    from extensible_kv_lab.measurements import IntegrationCase
+    from extensible_kv_lab.report.run import Case
 
     def key(**settings):
         spec = {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": "legacy", **settings}
@@ -855,9 +869,9 @@ def test_a_cases_key_names_the_settings_it_changes_so_repeats_are_told_from_vari
 def test_runs_of_one_case_pair_across_file_versions_and_never_across_kv_dtypes():
     # A legacy file written before the case recorded ``multimodal`` is the same case as an extensible file that says
     # False; an fp8 run is another case: no token comparison with it, no bytes per block from it.
-    from extensible_kv.measurements import IntegrationCase
-    from extensible_kv.report.run import Case
-    from extensible_kv.report.verdict import parity_rows
+    from extensible_kv_lab.measurements import IntegrationCase
+    from extensible_kv_lab.report.run import Case
+    from extensible_kv_lab.report.verdict import parity_rows
 
     def case(path, mode, bytes_per_block=None, **settings):
         spec = {"model": "m", "runner": "v1", "backend": "FLASH_ATTN", "mode": mode, **settings}
@@ -1251,7 +1265,7 @@ def _texts(ax, renderer) -> list:
 
 def test_memory_plots_keep_fixed_block_runs_apart_with_no_overlapping_labels_and_one_style_per_series():
     pytest.importorskip("matplotlib", reason="the figures need the 'report' extra (matplotlib)")
-    from extensible_kv.report import figures
+    from extensible_kv_lab.report import figures
 
     groups = accounting.groups(
         accounting.account(load_run(ROOT / "reports" / "runs" / "h200-matrix-current-2026-12-03").cases)

@@ -13,7 +13,7 @@ import operator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..boundaries.files import Folder
+from extensible_kv.boundaries.files import Folder
 from ..measurements import BadFile, BenchmarkFile, read
 from .numbers import div, sub
 

@@ -1,4 +1,4 @@
-"""Memory-accounting reports of the measurement files a run wrote (read through ``extensible_kv.measurements``).
+"""Memory-accounting reports of the measurement files a run wrote (read through ``extensible_kv_lab.measurements``).
 
     python -m extensible_kv report reports/runs/<run-name> [--out DIR] [--name NAME]
     python -m extensible_kv report reports/out --name latest     # the run CI or a GPU job just made
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..boundaries import BoundaryError, named, outputs
+from extensible_kv.boundaries import BoundaryError, named, outputs
 from .run import load_run, run_name
 
 __all__ = ["RENDERED", "register", "run_command"]

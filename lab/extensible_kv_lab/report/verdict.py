@@ -2,7 +2,7 @@
 checks against thresholds stated once, here. A check without data is unknown and says what was not measured (``line``).
 
 The tokens check reads the greedy parity of each non-legacy run (``parity_rows``): the legacy runs of the same case
-(its determinism control) against it, through ``extensible_kv.parity``, with the batch-invariant pair where one ran.
+(its determinism control) against it, through ``extensible_kv_lab.parity``, with the batch-invariant pair where one ran.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from mdit_py_plugins.anchors import anchors_plugin
 
-from ..boundaries import BoundaryError, files, outputs
+from extensible_kv.boundaries import BoundaryError, files, outputs
 from .numbers import NOT_MEASURED, number
 
 
@@ -83,7 +83,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-LOADER = jinja2.PackageLoader("extensible_kv.report", "templates")
+LOADER = jinja2.PackageLoader("extensible_kv_lab.report", "templates")
 TEMPLATES = jinja2.Environment(
     loader=LOADER, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, finalize=_cell, autoescape=False
 )

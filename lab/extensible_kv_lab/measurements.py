@@ -10,6 +10,9 @@
 - ``environment.json``: ``Environment``, by ``python -m extensible_kv environment OUT`` and beside the files of the
   conformance, bench and integration runs.
 
+The runtime writes its three (the conformance summary, ``validate-backend --json``, ``environment.json``) as plain
+JSON (``extensible_kv.record``), without this package; the lab's scripts write theirs through these models.
+
 Writers build a model and ``write`` it; readers ``read`` a file into its model, and every problem (unreadable, empty,
 not JSON, a field of the wrong type) is one ``BadFile`` naming the file and the field path. Types are strict (``"80"``
 is not a number), NaN and infinity are refused, every number is bounded (Note [Numbers a device can hold]), and
@@ -19,17 +22,13 @@ fields a model does not name are kept as they are.
 from __future__ import annotations
 
 import json
-import platform
-import shutil
-import subprocess
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .boundaries import files, outputs
+from extensible_kv import record
+from extensible_kv.boundaries import files, outputs
 
 # Note [Numbers a device can hold]
 # Every number of a file is bounded by what hardware can hold, so a corrupt or hostile file is refused here, naming
@@ -214,49 +213,8 @@ class Environment(Record):
 
     @classmethod
     def collect(cls) -> Environment:
-        """This machine, now: torch's versions and first GPU, the NVIDIA driver (``nvidia-smi``'s CSV query, where
-        there is one) and the installed versions of the packages of the extras."""
-        import torch  # noqa: PLC0415
-
-        gpu = memory = None
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            gpu, memory = props.name, int(props.total_memory)
-        packages = {}
-        for name in ("cuda-bindings", "hip-python", "vllm", "pytest-benchmark"):
-            try:
-                packages[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                pass
-        return cls(
-            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            gpu=gpu,
-            gpu_memory=memory,
-            gpu_driver=_nvidia_driver(),
-            torch=torch.__version__,
-            cuda=torch.version.cuda,
-            hip=getattr(torch.version, "hip", None),
-            python=platform.python_version(),
-            platform=platform.platform(),
-            packages=packages,
-        )
-
-
-def _nvidia_driver() -> str | None:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
+        """This machine, now (``extensible_kv.record.environment``)."""
+        return cls.model_validate(record.environment())
 
 
 # -- bench-<driver>.json (pytest-benchmark) ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv.measurements``.
+"""A run folder (``reports/runs/<run>/`` or ``reports/out/``) read through ``extensible_kv_lab.measurements``.
 
 Every file is optional (``INPUTS``, ``{sleep,connectors}/summary.json``, ``environment.json``); ``Run.missing`` names
 the inputs a run lacks.
@@ -12,8 +12,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..boundaries import BoundaryError, named, shown, text
-from ..boundaries.files import Folder
+from extensible_kv.boundaries import BoundaryError, named, shown, text
+from extensible_kv.boundaries.files import Folder
 from ..measurements import (
     BackendValidation,
     ConformanceSummary,
