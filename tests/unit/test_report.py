@@ -587,8 +587,23 @@ def test_the_writers_files_load_through_the_schema_and_render(tmp_path):
     assert rendered["bench"][0]["summary"]["scaling"]["rows"][0]["handles"] == 1
 
 
+def test_the_runs_index_names_every_committed_run_and_every_run_it_names_is_there():
+    index = json.loads((ROOT / "reports" / "runs" / "current.json").read_text())
+    folders = {p.name for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir()}
+    current = {f["run"] for f in index["families"]}
+    removed = {r["run"] for r in index["removed"]}
+    got = (sorted(folders - current), sorted(current - folders), sorted(removed & folders))
+    assert got == ([], [], []), f"(runs current for no family, current runs missing, removed runs still here): {got}"
+    logs = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "reports" / "runs").rglob("*")
+        if p.is_file() and p.suffix not in (".json", ".jsonl", ".md")
+    )
+    assert not logs, f"expected only READMEs, tables and measurement files in reports/runs, got {logs}"
+
+
 def test_committed_runs_load_and_render(tmp_path):
-    for folder in sorted((ROOT / "reports" / "runs").iterdir()):
+    for folder in sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir()):
         run = load_run(folder)
         assert run.measured and run.environment["gpu"][0], f"{folder.name}: expected measurements and a GPU name"
         doc = document.run_document(run, rendering.Figures(None, "not drawn in this test"))
