@@ -7,9 +7,11 @@ importable, e.g. with PYTHONPATH=reference): installs are skipped there, everyth
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -26,34 +28,132 @@ TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
 PYTEST_NO_TESTS = 5
 
 # Note [torch's CPU build on a machine without a GPU]
-#     On Linux PyPI's torch is a CUDA build of several GB, also on a machine without a GPU. There the sessions that
-#     install the project (all but layouts and integration, whose vLLM pins its own torch) first install torch from
-#     PyTorch's CPU index, about a tenth of that, unless the machine already says where pip finds packages: a
-#     constraint file (as .ci/run pins the CPU wheel its CI machine keeps on disk: that machine reaches PyPI only),
-#     an index or find-links of its own (PIP_CONSTRAINT, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS,
-#     PIP_NO_INDEX). EXTENSIBLE_KV_TORCH_INDEX names another index for torch; set empty, it turns the step off.
+#     On Linux PyPI's torch is a CUDA build of several GB (2.14.1+cu130 with cuda-bindings: 5.5 GB a venv), also on
+#     a machine without a GPU, and pip takes it whenever it is the newest torch that pip's sources offer, whatever
+#     else they hold (a local CPU wheel of an older release included). So there the sessions that install the
+#     project (not layouts, integration and matrix: vLLM pins its own torch) put torch's CPU build in first, from the
+#     first of: (1) EXTENSIBLE_KV_TORCH_INDEX=URL, that index alone (set empty: torch is left to pip, knowingly);
+#     (2) a constraint file pip reads that pins torch to a `+cpu` release: pip can take nothing else, so torch is
+#     left to it (.ci/run: ci/cpu-constraints.txt, whose wheel lies in that machine's find-links); (3) a `+cpu`
+#     torch wheel for this Python in a local folder of pip's find-links: that file; (4) PyTorch's CPU index, pip's
+#     own sources set aside (its constraint files kept), once it answers. Where none applies (offline, or a machine
+#     that reaches PyPI only) the session stops before installing anything with one line that says what to set.
+#     The log names the torch build installed; a CUDA build on a machine without a GPU stops the session.
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_INDEX_ENV = "EXTENSIBLE_KV_TORCH_INDEX"
-PIP_SOURCES = ("PIP_CONSTRAINT", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")
+PIP_SOURCE_OPTIONS = ("index-url", "extra-index-url", "find-links", "no-index", "constraint")
+"""pip's options that say where packages come from (set aside for the CPU index); the others (cert, proxy, ...)
+are kept."""
+PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 
 
-def torch_source(environ: Mapping[str, str], gpu: bool) -> tuple[str | None, str]:
-    """The index the sessions install torch from before the project (None: torch is left to pip's own
-    configuration), and why, in words for the session's log: Note [torch's CPU build on a machine without a GPU]."""
+@dataclass(frozen=True)
+class TorchStep:
+    """Where a session takes torch from before the project (Note [torch's CPU build on a machine without a GPU]):
+    ``install`` is the `pip install` arguments of the step (empty: torch is left to pip), ``isolated`` whether pip's
+    own sources are set aside for it, ``refusal`` the one line a session stops with instead."""
+
+    install: tuple[str, ...]
+    why: str
+    isolated: bool = False
+    refusal: str | None = None
+
+
+def pip_options(config_list: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """pip's settings as pip applies them: ``pip config list`` lines (``install.`` over ``global.``, a later file
+    over an earlier one), then the PIP_* variables over both."""
+    found: dict[str, tuple[int, str]] = {}
+    for line in config_list.splitlines():
+        where, _, rest = line.partition(".")
+        name, eq, value = rest.partition("=")
+        rank = {"global": 1, "install": 2, ":env:": 3}.get(where)
+        if eq and rank and rank >= found.get(name, (0, ""))[0]:
+            found[name] = (rank, value.strip().strip("'\""))
+    options = {name: value for name, (_, value) in found.items()}
+    for key, value in environ.items():
+        if key.startswith("PIP_") and value and key != "PIP_CONFIG_FILE":
+            options[key[4:].lower().replace("_", "-")] = value
+    return options
+
+
+def _cpu_pin(constraints: str) -> str | None:
+    """The ``torch==X+cpu`` line of the constraint files ``constraints`` (pip's whitespace-separated list)."""
+    for name in constraints.split():
+        try:
+            lines = Path(name).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            pin = line.split("#")[0].replace(" ", "")
+            if pin.lower().startswith("torch==") and pin.endswith("+cpu"):
+                return f"{pin} in {name}"
+    return None
+
+
+def _cpu_wheel(find_links: str, python_tag: str = PYTHON_TAG) -> str | None:
+    """The newest `+cpu` torch wheel for ``python_tag`` and this machine in a local folder of ``find_links``."""
+    from packaging.version import Version  # noqa: PLC0415 - nox's own dependency
+
+    wheels = []
+    for link in find_links.split():
+        folder = Path(link.removeprefix("file://"))
+        if folder.is_dir():
+            wheels += folder.glob(f"torch-*+cpu-{python_tag}-*{platform.machine()}*.whl")
+    return str(max(wheels, key=lambda w: Version(w.name.split("-")[1]))) if wheels else None
+
+
+def _answers(url: str) -> str | None:
+    """None where ``url`` answers, else why not (in a few words)."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{url}/torch/", method="HEAD"), timeout=20).close()
+    except OSError as exc:
+        return str(getattr(exc, "reason", exc))
+    return None
+
+
+def torch_step(
+    environ: Mapping[str, str],
+    gpu: bool,
+    options: Mapping[str, str] | None = None,
+    answers: Callable[[str], str | None] = _answers,
+) -> TorchStep:
+    """The step that puts torch in before the project, for pip's settings ``options`` (``pip_options``; default:
+    the PIP_* variables of ``environ``): Note [torch's CPU build on a machine without a GPU]."""
+    options = pip_options("", environ) if options is None else options
     if TORCH_INDEX_ENV in environ:
         named = environ[TORCH_INDEX_ENV]
-        return (named, f"{TORCH_INDEX_ENV} names it") if named else (None, f"{TORCH_INDEX_ENV} is set empty")
+        if not named:
+            return TorchStep((), f"{TORCH_INDEX_ENV} is set empty: torch is left to pip")
+        return TorchStep(
+            ("--index-url", named, *_constraint_args(options), "torch"), f"{TORCH_INDEX_ENV} names it", True
+        )
     if gpu:
-        return None, "this machine has a GPU: pip's own torch, a build with its CUDA libraries"
-    sources = [name for name in PIP_SOURCES if environ.get(name)]
-    if sources:
-        return None, f"this machine names its own pip sources ({', '.join(sources)})"
-    return CPU_TORCH_INDEX, f"no GPU here: torch's CPU build ({TORCH_INDEX_ENV}= to leave torch to pip)"
+        return TorchStep((), "this machine has a GPU: pip's own torch, a build with its CUDA libraries")
+    pin = _cpu_pin(options.get("constraint", ""))
+    if pin:
+        return TorchStep((), f"no GPU here; pip can take only torch's CPU build ({pin})")
+    wheel = _cpu_wheel(options.get("find-links", ""))
+    if wheel:
+        return TorchStep((wheel,), "no GPU here: the CPU build in pip's find-links")
+    reason = answers(CPU_TORCH_INDEX)
+    if reason is None:
+        why = f"no GPU here: torch's CPU build from {CPU_TORCH_INDEX}, pip's own sources set aside"
+        return TorchStep(("--index-url", CPU_TORCH_INDEX, *_constraint_args(options), "torch"), why, True)
+    return TorchStep(
+        (),
+        "",
+        refusal=f"no GPU here and no way to torch's CPU build: {CPU_TORCH_INDEX} does not answer ({reason}), no "
+        f"constraint pins torch==X+cpu, no +cpu torch wheel for {PYTHON_TAG} in pip's find-links; set "
+        f"{TORCH_INDEX_ENV}=URL (an index with CPU builds), or put a torch +cpu wheel in PIP_FIND_LINKS, or "
+        f"{TORCH_INDEX_ENV}= to let pip take its own torch (a CUDA build of several GB)",
+    )
 
 
-def torch_index(environ: Mapping[str, str], gpu: bool) -> str | None:
-    """The index of ``torch_source``."""
-    return torch_source(environ, gpu)[0]
+def _constraint_args(options: Mapping[str, str]) -> list[str]:
+    """``-c FILE`` for each constraint file pip reads: a step that sets pip's sources aside keeps its pins."""
+    return [arg for name in options.get("constraint", "").split() for arg in ("-c", name)]
 
 
 def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
@@ -62,15 +162,32 @@ def _install(session: nox.Session, *args: str, own_torch: bool = True) -> None:
     log says where torch came from, why, and which build was installed."""
     if session.venv_backend == "none":
         return
-    index, why = torch_source(os.environ, GPU_MACHINE) if own_torch else (None, "the packages pin their own torch")
-    session.log(f"torch from {index or 'pip'}: {why}")
-    if index:
-        session.install("--index-url", index, "torch")
+    step, listed = TorchStep((), "the packages pin their own torch"), ""
+    if own_torch:
+        if session.venv_backend != "uv":  # uv reads no pip configuration
+            listed = str(session.run_install("python", "-m", "pip", "config", "list", silent=True, log=False) or "")
+        step = torch_step(os.environ, GPU_MACHINE, pip_options(listed, os.environ))
+        if step.refusal:
+            session.error(step.refusal)
+    session.log(f"torch: {step.why}")
+    if step.install:
+        env: dict[str, str | None] = {}
+        if step.isolated:  # no configuration file, no PIP_* variable naming a source; the rest (cert, proxy) kept
+            env = {_pip_variable(k): v for k, v in pip_options(listed, {}).items() if k not in PIP_SOURCE_OPTIONS}
+            env.update({_pip_variable(k): None for k in PIP_SOURCE_OPTIONS}, PIP_CONFIG_FILE=os.devnull)
+        session.install(*step.install, env=env)
     session.install(*args)
-    build = session.run(
+    build = session.run_install(  # run_install: also with --install-only
         "python", "-c", "import torch; print(torch.__version__, 'CUDA', torch.version.cuda)", silent=True, log=False
     )
     session.log(f"torch installed: {str(build).strip()}")
+    if own_torch and not GPU_MACHINE and TORCH_INDEX_ENV not in os.environ and "CUDA None" not in str(build):
+        session.error(f"no GPU here, yet pip installed torch {str(build).strip()} ({step.why})")
+
+
+def _pip_variable(option: str) -> str:
+    """The PIP_* variable of pip's option ``option``."""
+    return "PIP_" + option.upper().replace("-", "_")
 
 
 def _extras(*names: str) -> str:
@@ -147,9 +264,12 @@ def conformance(session: nox.Session) -> None:
     driver = args.pop(0) if args and not args[0].startswith("-") else None
     _install(session, "-e", f".{_extras('conformance', _gpu_extra(driver))}", *TEST_DEPS)
     if driver is None:
-        driver = _run_python(
+        best = _run_python(
             session, "-c", "from extensible_kv.drivers import best_available as b; print(b())", silent=True
-        ).strip()
+        )
+        if best is None:  # --install-only: nothing runs
+            return
+        driver = best.strip()
     Path("reports/out").mkdir(parents=True, exist_ok=True)
     _pytest(
         session,
@@ -239,7 +359,8 @@ def mutation(session: nox.Session) -> None:
     _run_python(session, "ci/mutation.py", *session.posargs)
 
 
-@nox.session(tags=["cuda", "rocm"])
+# pip without a GPU: Note [torch's CPU build on a machine without a GPU] reads pip's configuration.
+@nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
     """Commit-path benchmarks on the best available driver; JSON in reports/out/, the summary table at the end."""
     _install(session, "-e", f".{_extras('conformance', _gpu_extra(None))}", *TEST_DEPS)
