@@ -430,6 +430,9 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
         def _initialize_kv_caches(self, vllm_config):
             return None
 
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            return None
+
     class GPUModelRunner:
         def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes):
             return None

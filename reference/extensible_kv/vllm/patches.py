@@ -20,6 +20,8 @@ Worker side (runs in each worker process):
 Engine side: ``EngineCore._initialize_kv_caches`` runs vLLM's own sizing, allocation, warmup and capture, then asks
 every worker how many blocks fit, takes the minimum, has every worker commit it, and hands that count to the
 scheduler (built right after). ``initialize_kv_cache`` is never run again, so captured graphs stay valid.
+``EngineCore.collective_rpc`` answers the resize names (``resize.ENGINE_METHODS``) on the engine core: the
+scheduler's pool and every worker move to the new block count, under the same addresses (``resize``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DriverUnavailable
-from . import agreement, connector, sleep, worker_kv
+from . import agreement, connector, resize, sleep, worker_kv
 from .probes import _on_instance, limits_of, profile_run_reserved_peak, worst_batch_runs
 from .sizing import served_step_bound
 from .worst_batch import derive
@@ -308,6 +310,7 @@ WORKER_RPCS: dict[str, Callable[..., Any]] = {
     "extensible_kv_measure": extensible_kv_measure,
     "extensible_kv_commit": extensible_kv_commit,
     "extensible_kv_report": extensible_kv_report,
+    **resize.WORKER_RPCS,  # resizing a running engine (resize.py)
 }
 """The RPCs every worker gets, by the name vLLM's ``collective_rpc`` looks up (Note [An engine keeps its RPCs])."""
 
@@ -367,6 +370,8 @@ PATCHES = (
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_measure", lambda _: extensible_kv_measure),
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_commit", lambda _: extensible_kv_commit),
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_report", lambda _: extensible_kv_report),
+    _Patch("vllm.v1.engine.core", "EngineCore", "collective_rpc", resize.engine_collective_rpc),
+    *(_Patch("vllm.v1.worker.gpu_worker", "Worker", name, lambda _, f=f: f) for name, f in resize.WORKER_RPCS.items()),
     _Patch(
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",

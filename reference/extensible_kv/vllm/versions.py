@@ -60,6 +60,7 @@ TABLE_LINE = "0.26.0 patched; 0.27-0.33 patched where the patch points match; 0.
 
 PATCH_POINTS: dict[tuple[str, str | None, str], tuple[str, ...]] = {
     ("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches"): ("self", "vllm_config"),
+    ("vllm.v1.engine.core", "EngineCore", "collective_rpc"): ("self", "method", "timeout", "args", "kwargs"),
     ("vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory"): ("self",),
     ("vllm.v1.worker.gpu_worker", None, "warmup_kernels"): (
         "model_runner",
@@ -102,6 +103,9 @@ CALLED_NAMES: dict[tuple[str, str | None, str], tuple[str, ...] | None] = {
         "kv_cache_config",
     ),
     ("vllm.v1.engine.core", None, "get_kv_cache_capacity"): None,
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request"): ("request", "timestamp"),
+    ("vllm.v1.core.block_pool", "BlockPool", "_maybe_evict_cached_block"): ("block",),
+    ("vllm.v1.core.kv_cache_utils", None, "get_max_concurrency_for_kv_cache_config"): None,
 }
 """Names the wrappers call on vLLM's objects -> the keyword parameters they pass (None: only that it exists; a
 tuple: each must be a parameter)."""

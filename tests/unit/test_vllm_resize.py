@@ -1,0 +1,502 @@
+"""Resizing a running engine's KV cache (``extensible_kv.vllm.resize``): the arithmetic and the ranks' agreement
+everywhere; the scheduler's side against vLLM 0.26.0's real ``KVCacheManager``, ``BlockPool`` and ``Request`` and the
+real ``Scheduler`` methods it calls (where vLLM is installed: the ``layouts`` venv; elsewhere those tests skip, and
+with ``EXTENSIBLE_KV_REQUIRE_VLLM=1`` a missing vLLM fails instead)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from extensible_kv.errors import InvalidSizeError, ReleasedError
+from extensible_kv.vllm import resize
+from extensible_kv.vllm.resize import (
+    ResizeArgumentError,
+    ResizeFailed,
+    ResizeInProgress,
+    ResizeRefused,
+    ResizeWhileAsleep,
+)
+from extensible_kv.vllm.worker_kv import WorkerKV
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None or os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1"
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm==0.26.0 (the nox layouts venv)")
+
+BLOCK, PAGE, MAX_LEN = 16, 4096, 256
+
+
+# -- stand-ins -------------------------------------------------------------------------------------------------------
+class StandInBuffers:
+    """KV buffers that shrink and grow by count (the shape of ``ExtensibleKVCacheBuffers.shrink_blocks`` and
+    ``ensure_blocks``); ``fail`` makes the next move raise, ``released`` refuses as sleep mode does."""
+
+    def __init__(self, num_blocks: int, max_num_blocks: int, page: int = PAGE) -> None:
+        self.num_blocks, self.max_num_blocks, self.page = num_blocks, max_num_blocks, page
+        self.fail: str | None = None
+        self.released = False
+
+    def _check(self, n: int) -> None:
+        if self.released:
+            raise ReleasedError(f"move to {n} blocks on released buffers ({self.num_blocks} on record)")
+        if self.fail:
+            message, self.fail = self.fail, None
+            raise RuntimeError(message)
+
+    def ensure_blocks(self, n: int) -> int:
+        self._check(n)
+        if n > self.max_num_blocks:
+            raise InvalidSizeError(f"num_blocks={n} exceeds max_num_blocks={self.max_num_blocks}")
+        self.num_blocks = max(self.num_blocks, n)
+        return self.num_blocks
+
+    def shrink_blocks(self, n: int) -> int:
+        self._check(n)
+        released = (self.num_blocks - n) * self.page
+        self.num_blocks = n
+        return released
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            committed_bytes=self.num_blocks * self.page,
+            granularity=2 << 20,
+            max_num_blocks=self.max_num_blocks,
+            num_blocks=self.num_blocks,
+            buffers=[SimpleNamespace(page_size_bytes=self.page, num_segments=1)],
+        )
+
+
+class StandInWorker:
+    def __init__(self, rank: int, num_blocks: int, reserved: int) -> None:
+        self.rank = rank
+        self._extensible_kv_state = WorkerKV(driver=None, buffers=StandInBuffers(num_blocks, reserved))
+        self.model_runner = SimpleNamespace(kv_cache_config=SimpleNamespace(num_blocks=num_blocks))
+        self.cache_config = SimpleNamespace(num_gpu_blocks=num_blocks)
+
+    @property
+    def buffers(self) -> StandInBuffers:
+        return self._extensible_kv_state.buffers
+
+
+class StandInExecutor:
+    """``collective_rpc`` by name over the workers, as vLLM's executors resolve a worker RPC."""
+
+    def __init__(self, workers: list[StandInWorker]) -> None:
+        self.workers = workers
+        self.is_sleeping = False
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [resize.WORKER_RPCS[method](w, *args) for w in self.workers]
+
+
+def _workers(n: int, reserved: int, ranks: int = 2) -> StandInExecutor:
+    return StandInExecutor([StandInWorker(r, n, reserved) for r in range(ranks)])
+
+
+# -- pure arithmetic -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (0, "must be positive, got 0"),
+        (-3, "must be positive, got -3"),
+        (501, "num_blocks=501 exceeds the reservation of 500 blocks"),
+        (5, "num_blocks=5 is below the floor of 18 blocks"),
+    ],
+)
+def test_a_count_out_of_range_is_refused_naming_the_values(value, match):
+    with pytest.raises(ResizeRefused, match=match) as info:
+        resize.check_count(value, current=100, reserved=500, floor=18)
+    assert isinstance(info.value, ValueError) and "100 blocks" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, "12x", None, [3]])
+def test_a_count_that_is_not_an_integer_is_refused_naming_its_type(value):
+    with pytest.raises(ResizeArgumentError, match=type(value).__name__):
+        resize.check_count(value, current=100, reserved=500, floor=18)
+
+
+def test_a_count_sent_as_a_decimal_string_is_read_as_collective_rpc_sends_it():
+    assert resize.check_count(" 120 ", current=100, reserved=500, floor=18) == 120
+
+
+def test_a_budget_holds_the_floor_of_its_bytes_less_the_rounding_over_the_bytes_per_block():
+    assert resize.blocks_for_budget(10 * PAGE + 100, PAGE, 0) == 10
+    assert resize.blocks_for_budget(10 * PAGE + 100, PAGE, 200) == 9
+    assert resize.blocks_for_budget(PAGE // 2, PAGE, 0) == 0
+    with pytest.raises(ResizeRefused, match="budget_bytes must be positive, got -1"):
+        resize.blocks_for_budget(-1, PAGE, 0)
+
+
+def test_the_floor_is_one_request_of_max_model_len_plus_the_null_block():
+    assert resize.floor_blocks(MAX_LEN / BLOCK) == MAX_LEN // BLOCK + 1
+    assert resize.floor_blocks(16.2) == 18
+
+
+def test_a_typed_error_survives_a_utility_call_that_carries_only_its_message():
+    sent = ResizeWhileAsleep("resize to 40 blocks refused: the engine is asleep at 100 blocks")
+    back = resize.typed(RuntimeError(f"Call to collective_rpc method failed: {sent}"))
+    assert type(back) is ResizeWhileAsleep and "asleep at 100 blocks" in str(back)
+    other = RuntimeError("something else")
+    assert resize.typed(other) is other
+
+
+# -- the workers' agreement ------------------------------------------------------------------------------------------
+def test_every_rank_moves_to_the_count_and_reports_it():
+    executor = _workers(100, 500)
+    replies = resize.move_workers(executor.collective_rpc, 100, 40)
+    assert [r["num_blocks"] for r in replies] == [40, 40]
+    assert [w.buffers.num_blocks for w in executor.workers] == [40, 40]
+    assert [w.model_runner.kv_cache_config.num_blocks for w in executor.workers] == [40, 40]
+    assert replies[0]["bytes"] == -60 * PAGE
+
+
+@pytest.mark.parametrize("old, new", [(100, 40), (40, 80)])
+def test_a_failing_rank_moves_every_rank_back_to_the_old_count(old, new):
+    executor = _workers(old, 500)
+    executor.workers[1].buffers.fail = "rank 1: out of device memory"
+    with pytest.raises(ResizeFailed, match=f"rank 1: rank 1: out of device memory.*every rank is back at {old}"):
+        resize.move_workers(executor.collective_rpc, old, new)
+    assert [w.buffers.num_blocks for w in executor.workers] == [old, old]
+
+
+def test_a_worker_rpc_answers_a_refusal_instead_of_raising():
+    worker = StandInWorker(0, 100, 500)
+    worker.buffers.released = True
+    reply = resize.extensible_kv_set_blocks(worker, 40)
+    assert reply["ok"] is False and reply["num_blocks"] == 100 and "released buffers" in reply["error"]
+
+
+def test_buffers_that_cannot_shrink_are_named():
+    worker = StandInWorker(0, 100, 500)
+    del StandInBuffers.shrink_blocks  # restored below
+    try:
+        reply = resize.extensible_kv_set_blocks(worker, 40)
+    finally:
+        StandInBuffers.shrink_blocks = _shrink
+    assert reply["ok"] is False and "StandInBuffers has no shrink_blocks" in reply["error"]
+
+
+_shrink = StandInBuffers.shrink_blocks
+
+
+# -- the scheduler's side, on vLLM's real classes -------------------------------------------------------------------
+def _vllm():
+    if os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1":
+        import vllm  # noqa: F401 - a missing vllm must fail here
+    return pytest.importorskip("vllm")
+
+
+class Engine:
+    """A scheduler built from vLLM's own ``KVCacheManager``, request queue, ``Request`` and ``Scheduler`` methods
+    (preemption, block frees), an engine core around it, and stand-in workers."""
+
+    def __init__(self, num_blocks: int = 100, reserved: int = 500, caching: bool = True, ranks: int = 2) -> None:
+        _vllm()
+        import torch
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.interface import PauseState
+        from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=["l0"])],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        manager = KVCacheManager(
+            config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=caching
+        )
+
+        class SchedulerStandIn:
+            _preempt_request = Scheduler._preempt_request
+            _free_request_blocks = Scheduler._free_request_blocks
+            _drain_deferred_frees = Scheduler._drain_deferred_frees
+            set_pause_state = Scheduler.set_pause_state
+            pause_state = Scheduler.pause_state
+
+        s = SchedulerStandIn()
+        s.kv_cache_manager, s.running, s.waiting = manager, [], create_request_queue(SchedulingPolicy.FCFS)
+        s.encoder_cache_manager = SimpleNamespace(free=lambda request: None)
+        s._inflight_prefills, s.log_stats, s.reset_preempted_req_ids = set(), False, set()
+        s.defer_block_free, s.deferred_frees, s.processed_step_seq, s.sched_step_seq = False, [], 0, 0
+        s.prev_step_scheduled_req_ids, s._pause_state, s.connector = set(), PauseState.UNPAUSED, None
+        self.scheduler = s
+        self.PauseState = PauseState
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=MAX_LEN),
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+            cache_config=SimpleNamespace(
+                num_gpu_blocks=num_blocks, kv_cache_size_tokens=num_blocks * BLOCK, kv_cache_max_concurrency=1.0
+            ),
+        )
+        self.model_executor = _workers(num_blocks, reserved, ranks)
+        self._extensible_kv_reports = {"reserved_blocks": reserved}
+        self._make = lambda rid, tokens: Request(
+            rid, tokens, SamplingParams(max_tokens=8), None, block_hasher=get_request_block_hasher(BLOCK, sha256)
+        )
+
+    @property
+    def pool(self):
+        return self.scheduler.kv_cache_manager.block_pool
+
+    def run(self, rid: str, num_tokens: int, first_token: int = 0):
+        """A running request holding the blocks of ``num_tokens`` prompt tokens (cached as vLLM caches them)."""
+        from vllm.v1.request import RequestStatus
+
+        request = self._make(rid, list(range(first_token, first_token + num_tokens)))
+        got = self.scheduler.kv_cache_manager.allocate_slots(request, num_tokens)
+        assert got is not None, f"no room for {rid}"
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_tokens
+        self.scheduler.running.append(request)
+        return request
+
+    def finish(self, request) -> None:
+        self.scheduler.running.remove(request)
+        self.scheduler.kv_cache_manager.free(request)
+
+    def ids(self, request) -> list[int]:
+        return [b for ids in self.scheduler.kv_cache_manager.get_block_ids(request.request_id) for b in ids]
+
+    def cached_ids(self) -> set[int]:
+        return {b.block_id for b in self.pool.blocks if b.block_hash is not None}
+
+    def snapshot(self) -> tuple:
+        pool = self.pool
+        return (
+            pool.num_gpu_blocks,
+            len(pool.blocks),
+            pool.get_num_free_blocks(),
+            len(pool.cached_block_hash_to_block),
+            [w.buffers.num_blocks for w in self.model_executor.workers],
+            [r.request_id for r in self.scheduler.running],
+            self.vllm_config.cache_config.num_gpu_blocks,
+        )
+
+
+def _fill(engine: Engine) -> list:
+    """Requests until the pool is dry: every block they get."""
+    got = []
+    i = 0
+    while engine.pool.get_num_free_blocks() >= 1:
+        got += engine.ids(engine.run(f"fill{i}", BLOCK, first_token=10_000 * (i + 1)))
+        i += 1
+    return got
+
+
+@needs_vllm
+def test_after_a_shrink_no_block_at_or_above_the_count_is_allocatable_or_cached():
+    engine = Engine(num_blocks=100)
+    for i in range(6):  # 6 x 16 blocks, cached, then freed: eviction candidates up to block 96
+        engine.finish(engine.run(f"old{i}", 16 * BLOCK, first_token=1000 * i))
+    assert max(engine.cached_ids()) >= 40
+    resize.engine_resize(engine, 40)
+    assert not {b for b in engine.cached_ids() if b >= 40}, "a block above the count is still in the prefix cache"
+    assert all(b.block_id < 40 for b in engine.pool.free_block_queue.get_all_free_blocks())
+    assert engine.pool.get_num_free_blocks() == 39 and engine.pool.num_gpu_blocks == 40
+    assert max(_fill(engine)) < 40, "a block above the count was handed out"
+    assert engine.vllm_config.cache_config.num_gpu_blocks == 40
+    assert engine.scheduler.kv_cache_manager.kv_cache_config.num_blocks == 40
+
+
+@needs_vllm
+def test_the_prefix_cache_keeps_no_entry_for_a_block_taken_out():
+    engine = Engine(num_blocks=100)
+    for i in range(6):
+        engine.finish(engine.run(f"old{i}", 16 * BLOCK, first_token=1000 * i))
+    resize.engine_resize(engine, 40)
+    mapped = set()
+    for entry in engine.pool.cached_block_hash_to_block._cache.values():
+        mapped |= set(entry) if isinstance(entry, dict) else {entry.block_id}
+    assert not {b for b in mapped if b >= 40}, f"hash map entries for blocks {sorted(b for b in mapped if b >= 40)}"
+
+
+@needs_vllm
+def test_requests_holding_blocks_above_the_count_are_preempted_and_the_others_keep_running():
+    from vllm.v1.request import RequestStatus
+
+    engine = Engine(num_blocks=100)
+    low = engine.run("low", 8 * BLOCK)  # blocks 1..8
+    engine.run("pad", 40 * BLOCK, first_token=5000)  # blocks 9..48
+    high = engine.run("high", 8 * BLOCK, first_token=9000)  # blocks 49..56
+    engine.finish(engine.scheduler.running[1])
+    result = resize.engine_resize(engine, 30)
+    assert result["preempted"] == ["high"] and high.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in engine.scheduler.running] == ["low"] and low.status == RequestStatus.RUNNING
+    assert engine.scheduler.waiting.peek_request() is high and high.num_computed_tokens == 0
+    assert engine.pool.get_num_free_blocks() == 30 - 1 - len(engine.ids(low))
+    assert "high" in engine.scheduler.reset_preempted_req_ids
+
+
+@needs_vllm
+def test_growing_makes_the_blocks_allocatable_again_with_the_free_count_right():
+    engine = Engine(num_blocks=100)
+    resize.engine_resize(engine, 40)
+    running = engine.run("r", 8 * BLOCK)
+    result = resize.engine_resize(engine, 120)
+    assert result["from"] == 40 and result["to"] == 120
+    assert engine.pool.num_gpu_blocks == 120 and len(engine.pool.blocks) == 120
+    assert engine.pool.get_num_free_blocks() == 120 - 1 - len(engine.ids(running))
+    assert [w.buffers.num_blocks for w in engine.model_executor.workers] == [120, 120]
+    got = _fill(engine)
+    assert max(got) == 119 and set(range(40, 120)) <= set(got)
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (501, ResizeRefused, "exceeds the reservation of 500"),
+        (0, ResizeRefused, "must be positive, got 0"),
+        (-1, ResizeRefused, "must be positive, got -1"),
+        (10, ResizeRefused, "below the floor of 17"),
+        (2.5, ResizeArgumentError, "float"),
+    ],
+)
+def test_bad_input_is_refused_and_nothing_changes(value, error, match):
+    engine = Engine(num_blocks=100)
+    engine.run("r", 8 * BLOCK, first_token=7000)
+    before = engine.snapshot()
+    with pytest.raises(error, match=match):
+        resize.engine_resize(engine, value)
+    assert engine.snapshot() == before
+
+
+@needs_vllm
+def test_a_resize_while_asleep_or_paused_is_refused_and_nothing_changes():
+    engine = Engine(num_blocks=100)
+    engine.model_executor.is_sleeping = True
+    before = engine.snapshot()
+    with pytest.raises(ResizeWhileAsleep, match="asleep at 100 blocks"):
+        resize.engine_resize(engine, 40)
+    engine.model_executor.is_sleeping = False
+    engine.scheduler.set_pause_state(engine.PauseState.PAUSED_NEW)
+    with pytest.raises(ResizeWhileAsleep, match="paused at 100 blocks"):
+        resize.engine_resize(engine, 40)
+    assert engine.snapshot() == before
+
+
+@needs_vllm
+def test_a_failing_rank_leaves_the_pool_and_every_rank_at_the_old_count():
+    engine = Engine(num_blocks=100)
+    for i in range(6):
+        engine.finish(engine.run(f"old{i}", 16 * BLOCK, first_token=1000 * i))
+    engine.model_executor.workers[1].buffers.fail = "rank 1 cannot release"
+    with pytest.raises(ResizeFailed, match="rank 1 cannot release"):
+        resize.engine_resize(engine, 40)
+    assert engine.pool.num_gpu_blocks == 100 and engine.pool.get_num_free_blocks() == 99
+    assert [w.buffers.num_blocks for w in engine.model_executor.workers] == [100, 100]
+    assert max(_fill(engine)) == 99
+
+
+@needs_vllm
+def test_a_failing_rank_on_growth_leaves_the_pool_at_the_old_count():
+    engine = Engine(num_blocks=100)
+    engine.model_executor.workers[0].buffers.fail = "rank 0 out of memory"
+    with pytest.raises(ResizeFailed, match="rank 0 out of memory"):
+        resize.engine_resize(engine, 200)
+    assert engine.pool.num_gpu_blocks == 100 and len(engine.pool.blocks) == 100
+    assert [w.buffers.num_blocks for w in engine.model_executor.workers] == [100, 100]
+
+
+@needs_vllm
+def test_a_budget_in_bytes_resizes_to_the_blocks_it_holds():
+    engine = Engine(num_blocks=100)
+    reply = resize.engine_call(engine, resize.RESIZE_BYTES, (str(50 * PAGE + (2 << 20)),), None)
+    assert reply[0]["to"] == 50 and engine.pool.num_gpu_blocks == 50
+    reply = resize.engine_call(engine, resize.RESIZE_BYTES, (10**15,), None)
+    assert reply[0]["to"] == 500, "a budget above the reservation is clamped to it"
+
+
+@needs_vllm
+def test_the_kv_state_names_counts_and_load():
+    engine = Engine(num_blocks=100)
+    engine.run("r", 8 * BLOCK)
+    (state,) = resize.engine_call(engine, resize.KV_STATE, (), None)
+    assert state["num_blocks"] == 100 and state["reserved_blocks"] == 500 and state["floor_blocks"] == 17
+    assert state["running"] == 1 and state["free_blocks"] == 91 and state["bytes_per_block"] == PAGE
+
+
+class BusyEngine(Engine):
+    """An engine-core process (``EngineCoreProc``) with a step in flight: idle callbacks and an input queue."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._idle_state_callbacks: list = []
+        self.input_queue: queue.Queue = queue.Queue()
+        self.busy = True
+
+    def has_work(self) -> bool:
+        return self.busy
+
+    def go_idle(self) -> None:
+        self.busy = False
+        while self._idle_state_callbacks:
+            self._idle_state_callbacks.pop()(self)
+
+
+@needs_vllm
+def test_a_busy_engine_pauses_resizes_when_idle_and_resumes():
+    engine = BusyEngine(num_blocks=100)
+    engine.run("r", 8 * BLOCK, first_token=3000)
+    future = resize.engine_resize(engine, 40)
+    assert isinstance(future, Future) and not future.done()
+    assert engine.scheduler.pause_state == engine.PauseState.PAUSED_ALL
+    assert engine.pool.num_gpu_blocks == 100, "resized with a step in flight"
+    engine.go_idle()
+    assert future.result()["to"] == 40 and engine.pool.num_gpu_blocks == 40
+    assert engine.scheduler.pause_state == engine.PauseState.UNPAUSED
+    assert engine.input_queue.qsize() >= 1, "the busy loop was not woken to resume"
+
+
+@needs_vllm
+def test_a_resize_racing_another_is_refused_naming_both():
+    engine = BusyEngine(num_blocks=100)
+    future = resize.engine_resize(engine, 40)
+    with pytest.raises(ResizeInProgress, match="resize to 60 blocks refused: a resize to 40 blocks is in progress"):
+        resize.engine_resize(engine, 60)
+    engine.go_idle()
+    assert future.result()["to"] == 40
+    engine.busy = True
+    assert isinstance(resize.engine_resize(engine, 60), Future), "the refusal outlived the resize it named"
+
+
+@needs_vllm
+def test_a_failed_resize_in_a_busy_engine_resumes_it_at_the_old_size():
+    engine = BusyEngine(num_blocks=100)
+    engine.model_executor.workers[1].buffers.fail = "rank 1 cannot release"
+    future = resize.engine_resize(engine, 40)
+    engine.go_idle()
+    with pytest.raises(ResizeFailed):
+        future.result()
+    assert engine.pool.num_gpu_blocks == 100 and engine.scheduler.pause_state == engine.PauseState.UNPAUSED
+
+
+@needs_vllm
+def test_the_offline_helpers_go_through_collective_rpc_and_raise_typed():
+    engine = Engine(num_blocks=100)
+    rpc = resize.engine_collective_rpc(lambda self, method, timeout, args, kwargs: ["worker"])
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(collective_rpc=lambda m, args=(): rpc(engine, m, None, args)))
+    assert resize.resize_kv_cache(llm, 40)["to"] == 40
+    assert resize.kv_state(llm)["num_blocks"] == 40
+    assert rpc(engine, "other", None, (), None) == ["worker"]
+
+    def remote(method, args=()):  # a multiprocess client: only the message crosses
+        try:
+            return rpc(engine, method, None, args, None)
+        except Exception as exc:
+            raise RuntimeError(f"Call to collective_rpc method failed: {exc}") from None
+
+    with pytest.raises(ResizeRefused, match="exceeds the reservation of 500"):
+        resize.resize_kv_cache(SimpleNamespace(llm_engine=SimpleNamespace(collective_rpc=remote)), 900)
