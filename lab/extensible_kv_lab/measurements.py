@@ -8,7 +8,8 @@
 - ``serving-<case>.json``: ``ServingSpeed``, by ``python -m integration.matrix`` (``integration.parity
   .throughput_benchmark``);
 - ``environment.json``: ``Environment``, by ``python -m extensible_kv environment OUT`` and beside the files of the
-  conformance, bench and integration runs.
+  conformance, bench and integration runs;
+- ``reports/runs/current.json``: ``RunsIndex``, by hand: which committed run is current for each case family.
 
 The runtime writes its three (the conformance summary, ``validate-backend --json``, ``environment.json``) as plain
 JSON (``extensible_kv.record``), without this package; the lab's scripts write theirs through these models.
@@ -414,6 +415,26 @@ class ScriptSummary(Record):
     cases: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
+
+
+class CurrentRun(Record):
+    family: str
+    run: str
+    what: str | None = None
+
+
+class RemovedRun(Record):
+    run: str
+    last_commit: str
+    superseded_by: str | None = None
+    showed: str | None = None
+
+
+class RunsIndex(Record):
+    """``reports/runs/current.json``: the current run of each case family, and the runs removed as superseded."""
+
+    families: list[CurrentRun]
+    removed: list[RemovedRun] = []
 
 
 BadFile = files.BadInputFile  # a measurement file that cannot be read or is not in its format: names the file

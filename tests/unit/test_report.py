@@ -1213,12 +1213,80 @@ def verdict_run(
     return run
 
 
+MARKS = {"pass": "\u2713 pass", "fail": "\u2717 fail", "unknown": "? unknown"}  # as the report writes them
+
+
 def verdict_lines(md: str) -> tuple[str, dict[str, str]]:
-    """The run's verdict (the line under the title) and each case's (the Verdict section's table)."""
+    """The run's verdict (the line under the title, after its mark) and each case's (the Verdict section's table)."""
     lines = md.splitlines()
     assert lines[0].startswith("# ") and lines[1] == "" and lines[2].startswith("**"), lines[:3]
     cases = {r["case"]: r["verdict"] for t in md_tables(section(md, "Verdict")) for r in t if "case" in r}
-    return md_text(lines[2].strip("*")), cases
+    return md_text(lines[2].strip("*")).partition(" overall: ")[2], cases
+
+
+def opening(md: str) -> tuple[str, list[dict[str, str]], list[str]]:
+    """What a report opens with: the overall line, the family table's rows, and any other line before the table ends."""
+    head = md.split("\n## ", 1)[0].splitlines()
+    assert head[0].startswith("# ") and head[1] == "", head[:2]
+    tables = md_tables("\n".join(head))
+    last = max((i for i, line in enumerate(head) if line.startswith("|")), default=2)
+    rest = [line for line in head[3:last] if line and not line.startswith("|")]  # before the marks end
+    return md_text(head[2].strip("*")), tables[0] if tables else [], rest
+
+
+FAMILY_CASES = [
+    ({}, {"conformance": "pass", "tiny-llama": "pass", "serving speed": "pass"}, "pass"),
+    ({"tokens_differ": True}, {"conformance": "pass", "tiny-llama": "fail", "serving speed": "pass"}, "fail"),
+    ({"over_budget": 17 * MIB}, {"conformance": "pass", "tiny-llama": "fail", "serving speed": "pass"}, "fail"),
+    ({"decode": 0.98}, {"conformance": "pass", "tiny-llama": "pass", "serving speed": "fail"}, "fail"),
+    ({"failed_rule": True}, {"conformance": "fail", "tiny-llama": "pass", "serving speed": "pass"}, "fail"),
+    ({"serving": False}, {"conformance": "pass", "tiny-llama": "pass", "serving speed": "unknown"}, "unknown"),
+    ({"legacy_runs": 1}, {"conformance": "pass", "tiny-llama": "unknown", "serving speed": "pass"}, "unknown"),
+]
+
+
+@pytest.mark.parametrize(
+    "broken,families,overall",
+    FAMILY_CASES,
+    ids=["passing", "tokens-differ", "over-budget-17MiB", "decode-0.98", "failed-rule", "no-serving", "one-legacy"],
+)
+def test_the_report_opens_with_a_mark_per_case_family_and_overall_before_any_prose(tmp_path, broken, families, overall):
+    md, summary, page = render(verdict_run(tmp_path, **broken), tmp_path / "out")
+    line, rows, prose = opening(md)
+    got = {
+        "overall": line.split(" overall: ")[0],
+        "families": {r["case family"]: r["mark"] for r in rows},
+        "prose before the first section": prose,
+        "summary.json": (summary["verdict"]["mark"], {f["family"]: f["mark"] for f in summary["verdict"]["families"]}),
+    }
+    marks = {k: MARKS[v] for k, v in families.items()}
+    want = {
+        "overall": MARKS[overall],
+        "families": marks,
+        "prose before the first section": [],
+        "summary.json": (MARKS[overall], marks),
+    }
+    assert got == want, f"the opening of a run with {broken or 'every check at its threshold'}: got {got}"
+    before = page.split("<h2", 1)[0]  # the HTML page: the same marks, in a table, before its first section
+    shown = [unescape(m) for m in re.findall(r"<td>([^<]*)</td>", before)]
+    assert [MARKS[overall]] + list(marks.values()) == [
+        m for m in [line.split(" overall: ")[0], *shown] if m in MARKS.values()
+    ], f"report.html: expected the overall mark and each family's before the first section, got {shown}"
+
+
+def test_a_committed_run_says_which_run_is_current_for_each_case_family(tmp_path):
+    index = json.loads((ROOT / "reports" / "runs" / "current.json").read_text())
+    name = "h100-2026-12-05"
+    md, summary, _ = render(ROOT / "reports" / "runs" / name, tmp_path / "out")
+    rows = md_tables(section(md, "Current runs"))[0]
+    got = [(r["case family"], r["current run"]) for r in rows]
+    assert got == [(f["family"], f["run"]) for f in index["families"]], got
+    mine = [f["family"] for f in index["families"] if f["run"] == name]
+    assert summary["current_for"] == mine and [r["case family"] for r in rows if r["this run"] == "yes"] == mine
+    _, _, prose = opening(md)
+    assert prose == [] and f"current for: {mine[0]}" in md.split("\n## ", 1)[0].replace("\\", ""), md[:600]
+    md, summary, _ = render(FULL, tmp_path / "fixture")  # a folder that no index names
+    assert summary["current_for"] is None and "Current runs" not in md
 
 
 @pytest.mark.parametrize(
@@ -1270,7 +1338,8 @@ def test_the_report_starts_with_a_verdict_per_run_and_per_case(tmp_path, broken,
         cases["c-extensible.json"],
     ), f"summary.json verdict: got {summary['verdict']}"
     first = re.search(r"</h1>\s*<p><strong>(.*?)</strong></p>", page, re.DOTALL)
-    assert first and unescape(first.group(1)) == got_run, "report.html: expected the verdict under the title"
+    shown = first and unescape(first.group(1)).partition(" overall: ")[2]
+    assert shown == got_run, "report.html: expected the verdict under the title"
 
 
 # -- the plots are readable at the scales that matter --------------------------------------------------------------

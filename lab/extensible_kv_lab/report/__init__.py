@@ -56,7 +56,7 @@ def run_command(args: argparse.Namespace) -> int:
     note = f" ({len(undrawn)} figure(s) not drawn: {undrawn[0].missing})" if undrawn else ""
     pngs = len(doc.figures.drawn) - len(undrawn)
     print(f"report written to {out.as_posix()}/: report.md, report.html, summary.json, {pngs} PNG{note}")
-    print(f"{run.name}: {doc.summary['verdict']['run']}")
+    print(f"{run.name}: {doc.summary['verdict']['mark']}: {doc.summary['verdict']['run']}")
     return 0
 
 

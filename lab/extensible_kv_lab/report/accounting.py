@@ -179,9 +179,18 @@ def block_pairs(breakdowns: list[MemoryBreakdown]) -> list[BlockPair]:
     return [BlockPair(by_case[id(b.legacy_partner)], b) for b in breakdowns if b.legacy_partner is not None]
 
 
-def groups(breakdowns: list[MemoryBreakdown]) -> dict[tuple[str, str, str], list[MemoryBreakdown]]:
-    """Breakdowns by (model, runner, backend), legacy first, then by path."""
-    out: dict[tuple[str, str, str], list[MemoryBreakdown]] = {}
+RUNS_PER_FIGURE = 4  # the runs one memory figure shows: at its fixed width, each run's labels stay legible
+
+
+def groups(breakdowns: list[MemoryBreakdown]) -> dict[tuple[str, ...], list[MemoryBreakdown]]:
+    """Breakdowns by (model, runner, backend), legacy first, then by path; a group of more than ``RUNS_PER_FIGURE``
+    runs in parts of at most that many (its key ends with "part 1 of 3")."""
+    found: dict[tuple[str, ...], list[MemoryBreakdown]] = {}
     for b in sorted(breakdowns, key=lambda b: (b.case.group, b.case.mode != "legacy", b.case.path)):
-        out.setdefault(b.case.group, []).append(b)
+        found.setdefault(b.case.group, []).append(b)
+    out = {}
+    for group, runs in found.items():
+        parts = [runs[i : i + RUNS_PER_FIGURE] for i in range(0, len(runs), RUNS_PER_FIGURE)]
+        for n, part in enumerate(parts, 1):
+            out[(*group, f"part {n} of {len(parts)}") if len(parts) > 1 else group] = part
     return out

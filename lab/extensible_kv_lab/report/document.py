@@ -57,7 +57,16 @@ def summary(context: dict) -> dict:
     return {
         "run": run.name,
         "run_folder": run.path.as_posix(),
-        "verdict": {"run": verdict.line(checks), "cases": {k: verdict.line(v) for k, v in subjects.items()}},
+        "verdict": {
+            "mark": verdict.mark(checks),
+            "run": verdict.line(checks),
+            "families": [
+                {"family": name, "mark": verdict.mark(found), "detail": verdict.gist(found)}
+                for name, found in context["families"]
+            ],
+            "cases": {k: verdict.line(v) for k, v in subjects.items()},
+        },
+        "current_for": run.current_for,
         "environment": {k: {"value": v, "source": s} for k, (v, s) in run.environment.items()},
         "not_measured": list(run.missing),
         "conformance": [
@@ -131,6 +140,7 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
         "segments": segments_text,
         "serving": serving,
         "verdict": judged,
+        "families": verdict.families(*judged, rows, serving),
         "v": verdict,
     }
     md = markdown("report.md.j2", context, figures)

@@ -1,5 +1,7 @@
 """The report's plots (matplotlib, Agg canvas, no pyplot state), as PNG bytes through ``png``. Every axis names its
-unit; sizes are binary (GiB, MiB)."""
+unit; sizes are binary (GiB, MiB). Every figure is ``WIDTH`` inches wide at ``DPI`` (900 pixels), so its text is
+``SMALL`` points at any page width: report.html shows each at its own size (a narrower page scrolls it, never shrinks
+it), and a group of many runs is drawn in parts (``accounting.RUNS_PER_FIGURE``), never as one wider figure."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from . import accounting as acc
 from .accounting import BlockPair, MemoryBreakdown
 from .numbers import GIB, MIB, number
 
-DPI, SMALL = 110, 7.5
+WIDTH, DPI, SMALL = 9.0, 100, 8.0
 # The segments' colours in acc.SEGMENT_ORDER; then the modes', the activation peak's and those beyond the budget
 COLORS = dict(zip(acc.SEGMENT_ORDER, "#9e9e9e #1f77b4 #9467bd #8c564b #c49c94 #bcbd22 #2ca02c #98df8a #f2f2f2".split()))
 COLORS |= {"legacy": "#7f7f7f", "extensible": "#2ca02c", "peak": "#ff7f0e", "over": "#d62728", "under": "#17becf"}
@@ -115,10 +117,10 @@ def memory_stack_figure(title: str, breakdowns: list[MemoryBreakdown]) -> Figure
     gpu_memory_utilization's budget (MiB), after warmup and with that peak: the runs the extensible path sized, and
     apart from them, on their own scale, the runs at a fixed block count (tens of GiB unused)."""
     sized, fixed = [b for b in breakdowns if not b.case.fixed_blocks], [b for b in breakdowns if b.case.fixed_blocks]
-    headings = ("beyond gpu_memory_utilization (> 0: over)", "runs at a fixed block count (throughput runs)")
+    headings = ("beyond gpu_memory_utilization\n(> 0: over)", "runs at a fixed block\ncount (throughput runs)")
     panels = [(runs, heading) for runs, heading in zip((sized, fixed), headings) if runs]
     ratios = [1.15 * _width(breakdowns)] + [_width(runs) for runs, _ in panels]
-    fig = _new(max(12.0, 2.5 + 0.6 * sum(ratios)), 6.2)
+    fig = _new(WIDTH, 6.2)
     whole, *budgets = fig.subplots(1, 1 + len(panels), gridspec_kw={"width_ratios": ratios})
     present, peaks = {}, {}
     tallest, upright = max([b.total or 0 for b in breakdowns] + [1]) / GIB, 90 if len(breakdowns) > 3 else 0
@@ -171,7 +173,7 @@ def memory_stack_figure(title: str, breakdowns: list[MemoryBreakdown]) -> Figure
 def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
     """Left: the blocks of each pair on a log axis (runs of 55k and of 16M blocks side by side), each count beside
     its bar. Right: the difference in MiB, its text on the other side of zero. The legend sits below both."""
-    fig = _new(12, 1.8 + 0.8 * max(len(pairs), 1))
+    fig = _new(WIDTH, 1.8 + 0.8 * max(len(pairs), 1))
     left, right = fig.subplots(1, 2, sharey=True)
     h = 0.38
     counts = [b.blocks for p in pairs for b in (p.legacy, p.other) if b.blocks] or [1]
@@ -189,7 +191,7 @@ def kv_blocks_figure(pairs: list[BlockPair]) -> Figure:
             right.barh(y, db / MIB, height=h * 1.6, color=COLORS["over" if db < 0 else "extensible"])
         _text(right, 0, y, f" {text} ", ha="left" if db is None or db < 0 else "right")
         folder = f" ({p.legacy.case.folder})" if p.legacy.case.folder else ""
-        labels.append("\n".join(textwrap.wrap(p.other.case.label, 48)) + "\nvs legacy" + folder)
+        labels.append("\n".join(textwrap.wrap(p.other.case.label, 36)) + "\nvs legacy" + folder)
     left.set_yticks([len(pairs) - 1 - i for i in range(len(pairs))], labels, fontsize=SMALL)
     left.set_xscale("log")
     left.set_xlim(min(counts) / 3, max(counts) * 40)  # room for the counts beside the longest bars

@@ -19,6 +19,7 @@ from ..measurements import (
     ConformanceSummary,
     Environment,
     IntegrationCase,
+    RunsIndex,
     ScriptSummary,
     ServingSpeed,
     read,
@@ -52,6 +53,7 @@ INPUTS = (
 )
 
 
+INDEX = "current.json"  # beside the run folders: which run is current for each case family (RunsIndex)
 NAME_CHARS = 200  # the longest run name: a heading and a folder name
 
 
@@ -133,6 +135,13 @@ class Run:
     serving: list[Source]
     environment: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)  # item -> (value, its file)
     features: dict[str, list[dict]] = field(default_factory=dict)  # "sleep mode: pairs" -> rows of a summary.json
+    index: RunsIndex | None = None  # the current.json beside the run folder (reports/runs/), where there is one
+
+    @property
+    def current_for(self) -> list[str] | None:
+        """The case families the index names this run folder current for; ``None`` without an index."""
+        folder = self.path.resolve().name
+        return None if self.index is None else [f.family for f in self.index.families if f.run == folder]
 
     @property
     def missing(self) -> list[str]:
@@ -182,6 +191,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     )
     envs = [*files("environment.json"), *(p for p in files("integration/*.json") if p.name == "environment.json")]
     run.environment = environment(run, [(p.relative_to(folder).as_posix(), load(p, Environment)) for p in envs])
+    if (index := folder.resolve().parent / INDEX).is_file():
+        run.index = read(index, RunsIndex)
     scripts = {f"{n}/summary.json": t for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
     scripts["worst-batch-summary.json"] = "worst batch"  # integration/worst_batch_run.py
     for rel, title in scripts.items():

@@ -51,6 +51,41 @@ class Check:
     detail: str
 
 
+MARKS = {True: "\u2713 pass", False: "\u2717 fail", None: "? unknown"}  # text: alike in Markdown, HTML, a terminal
+
+
+def state(checks: tuple[Check, ...]) -> bool | None:
+    """False where a check failed, else None where one is unknown (or there is none), else True."""
+    oks = [c.ok for c in checks]
+    return False if False in oks else None if None in oks or not oks else True
+
+
+def mark(checks: tuple[Check, ...]) -> str:
+    return MARKS[state(checks)]
+
+
+def gist(checks: tuple[Check, ...]) -> str:
+    """A family's checks in one cell: the first that decides its state (and how many more), or how many pass."""
+    if len(checks) == 1 or state(checks):
+        return checks[0].detail if len(checks) == 1 else f"{len(checks)} of {len(checks)} checks pass"
+    hits = [c.detail for c in checks if c.ok is state(checks)]
+    return hits[0] + (f" and {len(hits) - 1} more" if len(hits) > 1 else "")
+
+
+def families(
+    checks: tuple[Check, ...], subjects: dict[str, tuple[Check, ...]], parity: list[ParityRow], serving: list[dict]
+) -> list[tuple[str, tuple[Check, ...]]]:
+    """The run's case families and their checks: conformance, the vLLM cases of each model, serving speed. A family
+    without data has the run's check that says so."""
+    kind = {k: tuple(c for c in checks if c.kind == k) for k in ("rules", "tokens", "decode")}
+    models: dict[str, list[Check]] = {}
+    for row in parity:
+        models.setdefault(row.case.spec.model, []).extend(subjects[row.case.path])
+    cases = [(model, tuple(found)) for model, found in sorted(models.items())] or [("vLLM cases", kind["tokens"])]
+    decode = tuple(c for row in serving for c in subjects[row["source"]]) or kind["decode"]
+    return [("conformance", kind["rules"]), *cases, ("serving speed", decode)]
+
+
 def line(checks: tuple[Check, ...]) -> str:
     """The verdict of ``checks``: "no" and the checks that failed, else "unknown" and those without data, else yes."""
     for word, ok in (("no", False), ("unknown", None)):
