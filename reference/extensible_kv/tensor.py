@@ -715,6 +715,7 @@ class ExtensibleTensor(Unshareable):
         max_granules = max(cap // g, 1) if cap else None
         parts = []
         if splits:
+            self._op = "synchronize"
             driver.synchronize()
         for _, _, kept in splits:
             for lo, hi in kept:
@@ -745,7 +746,10 @@ class ExtensibleTensor(Unshareable):
             driver.tensor(va, size, None).copy_(saved)
         for va, size, handle, _ in parts:
             self._op = "release"
-            memory.release(handle)  # the mapping keeps the memory alive
+            try:
+                memory.release(handle)  # the mapping keeps the memory alive
+            except _REFUSED:  # mapped and in place: the step is done; the handle stays on record for close()
+                pass
 
     def _shrink_abort(self) -> list[str]:
         """Settle the intent and release every handle on record not yet released (a prepared handle, mapped or
