@@ -205,3 +205,11 @@ def test_the_log_line_the_readme_quotes_is_the_one_the_patch_logs_and_its_loggin
         f"{config.group(1)}: expected it to print the extensible_kv.vllm INFO line, got exit {run.returncode}, "
         f"{run.stdout!r} {run.stderr[-500:]!r}"
     )
+
+
+def test_ci_runs_the_test_command_of_the_readme():
+    commands = [" ".join(w) for _, w in _commands() if w[:3] == ["python3", "-m", "nox"] and "tests" in w]
+    script = (ROOT / ".ci" / "run").read_text()
+    assert commands and all(f"python3 -m pip install 'nox[uv]' && {c}" in script for c in commands), (
+        f".ci/run: expected it to run the README's test command {commands}"
+    )
