@@ -359,6 +359,15 @@ def mutation(session: nox.Session) -> None:
     _run_python(session, "ci/mutation.py", *session.posargs)
 
 
+@nox.session(venv_backend="virtualenv", tags=["broken-sweep"])
+def broken_sweep(session: nox.Session) -> None:
+    """Every rule on every broken driver of tests/meta/broken, each driver in a fresh child up to its first failed
+    rule; fails naming each driver no rule caught. Not part of `tests` (which runs each driver's own rules): it takes
+    minutes a driver. `-- --jobs N`: children at once; `-- tests.meta.broken.map:DoubleMap`: only that driver."""
+    _install(session, "-e", ".[conformance]", *TEST_DEPS)
+    _run_python(session, "-m", "tests.meta.broken.catch", "--all", *session.posargs)
+
+
 # pip without a GPU: Note [torch's CPU build on a machine without a GPU] reads pip's configuration.
 @nox.session(venv_backend="uv|virtualenv" if GPU_MACHINE else "virtualenv", tags=["cuda", "rocm"])
 def bench(session: nox.Session) -> None:
