@@ -11,7 +11,7 @@
 # caller-guaranteed profile leaves out, its reason), tensor-rules.log and rules-tensor.json (the tensor rules on
 # vLLM's ExtensibleTensor over the vllm driver, --tensor vllm), probe.txt (vLLM's version and the driver's probe),
 # findings.json and findings.log (ci/vllm_native_repro.py: each code-read finding reproduced or not, with vLLM's API
-# only), environment.json where pydantic is present, and the junit XML of both; it prints a short table last. The exit
+# only), environment.json (plain JSON: extensible_kv.record), and the junit XML of both; it prints a short table last. The exit
 # status is 0 when both steps ran to their summary (rules may have failed: the table says which), else 1.
 # ci/vllm_native_rules.py writes the per-rule files and conformance-vllm.json / conformance-vllm-tensor.json (the
 # conformance summary `extensible-kv report` reads) from the junit XML.
