@@ -199,45 +199,45 @@ def test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zeroes_the
     g, old, new = t.granularity, t.bytes_per_segment, _small(t)
     base = t.base_address
     t.shrink_per_segment_(new)
+    expect_equal(  # growth zeroes from the new size up: a kept granule unmapped would fault there
+        driver,
+        f"accessible granules after a shrink {old} -> {new}",
+        expected_granules(t),
+        granule_states(driver, base, t.max_num_bytes),
+    )
     before = driver.outstanding().mappings
     t.resize_per_segment_(old)
-    added = sorted((va - base) // g for va in driver.outstanding().mappings if va not in before)
-    runs = granules.new_granule_runs(t.segment_bytes, t.num_segments, new, old, g)
-    mapped = sorted(
-        (va - base) // g + k
-        for va, size in driver.outstanding().mappings.items()
-        if va not in before
-        for k in range(size // g)
-    )
-    expect_equal(
+    expect_equal(  # first: the bytes below are read only where the driver says they are mapped
         driver,
-        f"granules growth maps after shrink {old} -> {new} (first granules of its mappings: {added})",
-        [
-            k
-            for lo, hi in granules.released_granule_runs(t.segment_bytes, t.num_segments, old, new, g)
-            for k in range(lo, hi)
-        ],
-        mapped,
-        runs=runs,
-    )
-    expect_equal(
-        driver,
-        "accessible granules after growing back",
+        f"accessible granules after growing back from a shrink {old} -> {new}",
         expected_granules(t),
         granule_states(driver, base, t.max_num_bytes),
     )
     for i in range(t.num_segments):
         view = t.segment_view(i)
         expect_bytes(
+            driver, f"segment {i} bytes growth mapped after a shrink", view[new:], torch.zeros_like(view[new:])
+        )
+        expect_bytes(
             driver,
             f"segment {i} kept bytes after growing back",
             view[:new],
             shared_pattern(old, i + 1, driver.device)[:new],
         )
-        expect_bytes(
-            driver, f"segment {i} bytes growth mapped after a shrink", view[new:], torch.zeros_like(view[new:])
-        )
         del view
+    mapped = sorted(
+        (va - base) // g + k
+        for va, size in driver.outstanding().mappings.items()
+        if va not in before
+        for k in range(size // g)
+    )
+    released = granules.released_granule_runs(t.segment_bytes, t.num_segments, old, new, g)
+    expect_equal(
+        driver,
+        f"granules growth maps after a shrink {old} -> {new} (the released runs {released})",
+        [k for lo, hi in released for k in range(lo, hi)],
+        mapped,
+    )
     t.close()
 
 

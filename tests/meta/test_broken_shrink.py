@@ -1,0 +1,77 @@
+"""The shrink rules (``conformance/test_shrink.py``) catch broken shrinks: each sabotage of
+``tests/meta/sabotage_shrink.py`` must fail the rules it breaks, each run in a fresh process (a broken shrink may
+leave a view over unmapped memory); the intact tensor passes the same rules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from .sabotage_shrink import SABOTAGE
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "conformance" / "test_shrink.py"
+MEMORY = "test_a_shrink_returns_the_memory_of_the_released_granules"
+KEPT = "test_a_shrink_keeps_every_address_and_the_bytes_below_the_new_size"
+REGROW = "test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zeroes_them"
+REFUSED = "test_a_view_or_a_pin_reaching_past_the_new_size_refuses_the_shrink_and_changes_nothing"
+FAILURE = "test_a_driver_failure_in_a_shrink_is_typed_and_leaves_the_old_size_or_failed"
+KV_FAILURE = "test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back"
+
+CAUGHT_BY = {
+    "forgets_to_release": {MEMORY, KEPT, REGROW},
+    "one_granule_too_many": {MEMORY, KEPT, REGROW},
+    "lazy_unzeroed_regrow": {MEMORY, REGROW},
+    "unzeroed_regrow": {REGROW},
+    "unguarded": {REFUSED},
+    "no_abort": {FAILURE},
+    "kv_no_regrow": {KV_FAILURE},
+}
+"""Each sabotage, and the rules that must fail on it."""
+
+
+def _run(tmp_path: Path, sabotage: str | None, rules: set[str]) -> tuple[int, set[str], str]:
+    report = tmp_path / "junit.xml"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("EXTENSIBLE_KV_SHRINK_SABOTAGE", None)
+    cmd = [sys.executable, "-m", "pytest", str(RULES), "--driver", "host", "-q", "-p", "no:cacheprovider"]
+    cmd += [f"--junitxml={report}", "-k", " or ".join(sorted(rules))]
+    if sabotage:
+        env["EXTENSIBLE_KV_SHRINK_SABOTAGE"] = sabotage
+        cmd += ["-p", "tests.meta.sabotage_shrink"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    failed = set()
+    if report.exists():
+        for case in ET.parse(report).iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.add(case.get("name").split("[")[0])
+    return proc.returncode, failed, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_every_sabotage_names_the_rules_that_catch_it():
+    assert set(CAUGHT_BY) == set(SABOTAGE), (
+        f"expected a CAUGHT_BY entry per sabotage {sorted(SABOTAGE)}, got {sorted(CAUGHT_BY)}"
+    )
+
+
+@pytest.mark.parametrize("sabotage", sorted(CAUGHT_BY))
+def test_the_shrink_rules_fail_a_broken_shrink(tmp_path, sabotage):
+    rc, failed, tail = _run(tmp_path, sabotage, CAUGHT_BY[sabotage])
+    missing = CAUGHT_BY[sabotage] - failed
+    assert rc == 1 and not missing, (
+        f"shrink sabotage {sabotage} on host: expected exit 1 with at least {sorted(CAUGHT_BY[sabotage])} failed; "
+        f"got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )
+
+
+def test_the_shrink_rules_pass_the_intact_tensor(tmp_path):
+    rules = set().union(*CAUGHT_BY.values())
+    rc, failed, tail = _run(tmp_path, None, rules)
+    assert rc == 0 and not failed, (
+        f"intact tensor on host: expected exit 0, no failures; got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )
