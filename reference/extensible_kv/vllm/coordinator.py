@@ -1,0 +1,275 @@
+"""A coordinator for engines that share one GPU: it moves KV memory from idle engines to busy ones within one
+memory limit for the card, through each engine's resize (``resize``). A policy, not a scheduler: it reads each
+engine's load every ``interval`` seconds and asks for block counts; the engines schedule their own requests.
+
+Two ``vllm serve`` processes on one card (README, "Several engines on one GPU")::
+
+    python -m extensible_kv.vllm.coordinator --limit-gib 40 \\
+        --engine a=http://127.0.0.1:8000 --engine b=http://127.0.0.1:8001
+
+``plan`` is the whole policy, a pure function of the engines' loads (``EngineLoad``) and how long each has been
+idle; ``Coordinator.poll`` reads, plans and applies through callables, so it runs against fakes as well as against
+``ServeEngine`` (the dev-mode ``/collective_rpc`` route, standard library only).
+
+Note [Never over the limit, never flapping]
+    Rule: every plan keeps ``sum(blocks_i x bytes_per_block_i) <= limit`` and ``floor_i <= blocks_i <=
+    reserved_i``; shrinks are applied before growths, and a growth only where the sizes the engines really have
+    then leave room, so the limit holds between the calls too. A busy engine asks for ``used / target_usage``
+    blocks (``used`` in blocks, which does not move when the pool does), its whole reservation while requests
+    wait, and never less than it asked for at the poll before while it stays busy; an engine shrinks to its floor
+    only after ``idle_polls`` polls in a row with nothing running or waiting; a change smaller than ``min_step`` of
+    the engine's size is not made (unless the limit needs it).
+    Why: usage as a fraction falls when the pool grows, so a policy on fractions would shrink what it just grew;
+    blocks in use do not. Whether requests wait depends on the size the limit gave: an engine shrunk below its
+    load starts queueing, asks for more, gets it, stops queueing, asks for less, and is shrunk again; held asks
+    end that loop (hypothesis found it: 2 -> 3 -> 2 blocks). The idle count and the dead band keep a burst's gap or
+    a rounding from resizing.
+    Figure: two engines, one busy at 600 used blocks of 800, one idle at 1,400, limit 2,200 blocks: the idle one
+    keeps its size for 3 polls, then goes to its floor; the busy one goes to 751 (600 / 0.8 + 1); later polls
+    change nothing (``tests/unit/test_coordinator.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ExtensibleKVError, InvalidSizeError
+from .resize import KV_STATE, RESIZE, typed
+
+logger = logging.getLogger("extensible_kv.vllm")
+
+
+class CoordinatorError(ExtensibleKVError, ValueError):
+    """The coordinator's configuration cannot hold: a limit below the engines' floors, a bad engine spec."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the coordinator reads from one engine (``resize.EngineResize.state``)."""
+
+    name: str
+    num_blocks: int
+    floor_blocks: int
+    reserved_blocks: int
+    bytes_per_block: int
+    used_blocks: int
+    running: int = 0
+    waiting: int = 0
+
+    @classmethod
+    def from_state(cls, name: str, state: Mapping) -> EngineLoad:
+        used = int(state["num_blocks"]) - 1 - int(state["free_blocks"])
+        return cls(
+            name=name,
+            num_blocks=int(state["num_blocks"]),
+            floor_blocks=int(state["floor_blocks"]),
+            reserved_blocks=int(state["reserved_blocks"]),
+            bytes_per_block=int(state["bytes_per_block"]),
+            used_blocks=max(0, used),
+            running=int(state.get("running", 0)),
+            waiting=int(state.get("waiting", 0)),
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+@dataclass(frozen=True)
+class Policy:
+    limit_bytes: int
+    target_usage: float = 0.8  # a busy engine asks for used / target_usage blocks
+    idle_polls: int = 3  # polls in a row with nothing running or waiting before an engine shrinks to its floor
+    min_step: float = 0.05  # changes smaller than this fraction of the engine's size are not made
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes <= 0:
+            raise CoordinatorError(f"limit_bytes must be positive, got {self.limit_bytes}")
+        if not 0 < self.target_usage <= 1:
+            raise CoordinatorError(f"target_usage must be in (0, 1], got {self.target_usage}")
+        if self.idle_polls < 1 or not 0 <= self.min_step < 1:
+            raise CoordinatorError(f"idle_polls must be >= 1 and min_step in [0, 1), got {self}")
+
+
+def desired(load: EngineLoad, policy: Policy, idle_for: int, held: int = 0) -> int:
+    """The blocks one engine asks for, before the limit; ``held``: what it asked for at the poll before (Note
+    [Never over the limit, never flapping])."""
+    if load.idle:
+        want = load.floor_blocks if idle_for >= policy.idle_polls else load.num_blocks
+    else:
+        want = load.reserved_blocks if load.waiting else math.ceil(load.used_blocks / policy.target_usage) + 1
+        want = max(want, held)
+    return min(max(want, load.floor_blocks), load.reserved_blocks)
+
+
+def allocate(loads: Sequence[EngineLoad], wants: Mapping[str, int], limit_bytes: int) -> dict[str, int]:
+    """Every engine's floor, then what it wants above it; scaled down together where the limit cannot hold it all."""
+    floors = sum(e.floor_blocks * e.bytes_per_block for e in loads)
+    if floors > limit_bytes:
+        raise CoordinatorError(
+            f"the engines' floors take {floors} bytes, above the limit of {limit_bytes} bytes: "
+            + ", ".join(f"{e.name} {e.floor_blocks} x {e.bytes_per_block}" for e in loads)
+        )
+    extra = {e.name: (wants[e.name] - e.floor_blocks) * e.bytes_per_block for e in loads}
+    room, asked = limit_bytes - floors, sum(extra.values())
+    if asked <= room:
+        return dict(wants)
+    return {e.name: e.floor_blocks + extra[e.name] * room // asked // e.bytes_per_block for e in loads}
+
+
+def plan(
+    loads: Sequence[EngineLoad],
+    policy: Policy,
+    idle_for: Mapping[str, int],
+    held: Mapping[str, int] | None = None,
+    wants: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """The block count for every engine: within the limit, at or above each floor, a dead band around each size.
+    ``held``: each engine's ask at the poll before; ``wants``, if given, receives this poll's asks."""
+    asks = {e.name: desired(e, policy, idle_for.get(e.name, 0), (held or {}).get(e.name, 0)) for e in loads}
+    if wants is not None:
+        wants.update(asks)
+    wants = asks
+    share = allocate(loads, wants, policy.limit_bytes)
+    out = {}
+    for e in loads:
+        target = share[e.name]
+        if abs(target - e.num_blocks) < policy.min_step * e.num_blocks:
+            target = e.num_blocks
+        out[e.name] = target
+    if _bytes(loads, out) > policy.limit_bytes:  # an engine kept above its share by the dead band gives it back
+        out = {e.name: share[e.name] if out[e.name] > share[e.name] else out[e.name] for e in loads}
+    return out
+
+
+def _bytes(loads: Sequence[EngineLoad], blocks: Mapping[str, int]) -> int:
+    return sum(blocks[e.name] * e.bytes_per_block for e in loads)
+
+
+@dataclass
+class EngineHandle:
+    """How the coordinator reaches one engine: ``state()`` (``resize.kv_state``'s dict) and ``resize(n)``."""
+
+    name: str
+    state: Callable[[], Mapping]
+    resize: Callable[[int], Mapping]
+
+
+@dataclass
+class Coordinator:
+    engines: Sequence[EngineHandle]
+    policy: Policy
+    idle_for: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    log: list[dict] = field(default_factory=list)
+
+    def poll(self) -> dict:
+        """Read every engine, plan, apply: shrinks first, then growths that the engines' real sizes leave room for.
+        A refused or failed resize is recorded and that engine keeps its size."""
+        loads = [EngineLoad.from_state(h.name, h.state()) for h in self.engines]
+        for e in loads:
+            self.idle_for[e.name] = self.idle_for.get(e.name, 0) + 1 if e.idle else 0
+        asks: dict[str, int] = {}
+        targets = plan(loads, self.policy, self.idle_for, self.held, asks)
+        self.held = {e.name: asks[e.name] for e in loads if not e.idle}
+        sizes = {e.name: e.num_blocks for e in loads}
+        handles = {h.name: h for h in self.engines}
+        record: dict = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": targets, "errors": {}}
+        order = sorted(loads, key=lambda e: targets[e.name] - e.num_blocks)  # shrinks first
+        for e in order:
+            n = targets[e.name]
+            if n == sizes[e.name]:
+                continue
+            if n > sizes[e.name] and _bytes(loads, {**sizes, e.name: n}) > self.policy.limit_bytes:
+                record["errors"][e.name] = f"growth to {n} deferred: a shrink before it did not happen"
+                continue
+            try:
+                handles[e.name].resize(n)
+            except Exception as exc:  # the engine keeps its size; the next poll tries again
+                record["errors"][e.name] = f"{type(exc).__name__}: {exc}"
+                continue
+            sizes[e.name] = n
+        record["sizes"] = sizes
+        self.log.append(record)
+        return record
+
+    def run(self, interval: float, polls: int | None = None) -> None:
+        done = 0
+        while polls is None or done < polls:
+            record = self.poll()
+            logger.info("coordinator: sizes %s errors %s", record["sizes"], record["errors"])
+            done += 1
+            time.sleep(interval)
+
+
+# -- vllm serve over HTTP --------------------------------------------------------------------------------------------
+class ServeEngine:
+    """A ``vllm serve`` process started with the plugin and ``VLLM_SERVER_DEV_MODE=1``, through its dev-mode
+    ``POST /collective_rpc`` route (standard library only)."""
+
+    def __init__(self, name: str, url: str, timeout: float = 120.0) -> None:
+        self.name, self.url, self.timeout = name, url.rstrip("/"), timeout
+
+    def _rpc(self, method: str, *args: object) -> Mapping:
+        body = json.dumps({"method": method, "args": [str(a) for a in args]}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                return json.loads(reply.read())["results"][0]
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            raise typed(RuntimeError(f"{self.name} ({self.url}): HTTP {exc.code}: {detail}")) from exc
+
+    def state(self) -> Mapping:
+        return self._rpc(KV_STATE)
+
+    def resize(self, num_blocks: int) -> Mapping:
+        return self._rpc(RESIZE, num_blocks)
+
+    def handle(self) -> EngineHandle:
+        return EngineHandle(self.name, self.state, self.resize)
+
+
+def parse_engine(spec: str) -> ServeEngine:
+    """``name=http://host:port`` -> a ServeEngine."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise CoordinatorError(f"an engine is name=http://host:port, got {spec!r}")
+    return ServeEngine(name, url)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m extensible_kv.vllm.coordinator", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--engine", action="append", required=True, help="name=http://host:port (two or more)")
+    parser.add_argument("--limit-gib", type=float, required=True, help="KV memory for all engines on the card, GiB")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    parser.add_argument("--target-usage", type=float, default=0.8)
+    parser.add_argument("--idle-polls", type=int, default=3)
+    parser.add_argument("--polls", type=int, default=None, help="stop after this many polls (default: never)")
+    args = parser.parse_args(argv)
+    engines = [parse_engine(s) for s in args.engine]
+    if len({e.name for e in engines}) != len(engines):
+        raise CoordinatorError(f"engine names must differ: {[e.name for e in engines]}")
+    limit = int(args.limit_gib * 2**30)
+    if limit <= 0:
+        raise InvalidSizeError(f"--limit-gib must be positive, got {args.limit_gib}")
+    policy = Policy(limit, target_usage=args.target_usage, idle_polls=args.idle_polls)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    Coordinator([e.handle() for e in engines], policy).run(args.interval, args.polls)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

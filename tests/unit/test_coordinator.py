@@ -1,0 +1,220 @@
+"""The coordinator's policy (``extensible_kv.vllm.coordinator``): never over the card's limit, never below a floor,
+steady load converges and does not flap; refused resizes leave the engine as it was; the HTTP adapter speaks the
+dev-mode ``/collective_rpc`` route."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extensible_kv.vllm.coordinator import (
+    Coordinator,
+    CoordinatorError,
+    EngineHandle,
+    EngineLoad,
+    Policy,
+    ServeEngine,
+    allocate,
+    parse_engine,
+    plan,
+)
+from extensible_kv.vllm.resize import ResizeInProgress
+
+BPB = 1 << 20
+
+
+class FakeEngine:
+    """An engine with a steady load: ``demand`` blocks of requests (what fits runs, the rest waits)."""
+
+    def __init__(self, name, num_blocks, floor, reserved, demand, running=0, waiting=0, bpb=BPB, refuse=False):
+        self.name, self.num_blocks, self.floor, self.reserved = name, num_blocks, floor, reserved
+        self.demand, self.running, self.waiting, self.bpb, self.refuse = demand, running, waiting, bpb, refuse
+        self.sizes = [num_blocks]
+
+    def state(self):
+        used = min(self.demand, self.num_blocks - 1)
+        short = self.demand > self.num_blocks - 1
+        return {
+            "num_blocks": self.num_blocks,
+            "floor_blocks": self.floor,
+            "reserved_blocks": self.reserved,
+            "bytes_per_block": self.bpb,
+            "free_blocks": self.num_blocks - 1 - used,
+            "running": self.running if self.demand else 0,
+            "waiting": self.waiting + (1 if short else 0),
+        }
+
+    def resize(self, n):
+        if self.refuse:
+            raise ResizeInProgress(f"resize to {n} blocks refused: a resize is in progress")
+        assert self.floor <= n <= self.reserved, (self.name, n)
+        self.num_blocks = n
+        self.sizes.append(n)
+        return {"from": self.sizes[-2], "to": n}
+
+    def handle(self):
+        return EngineHandle(self.name, self.state, self.resize)
+
+
+def _coordinator(engines, limit_blocks, **policy):
+    return Coordinator([e.handle() for e in engines], Policy(limit_blocks * BPB, **policy))
+
+
+engine_strategy = st.builds(
+    lambda floor, extra, start, demand, running, waiting: dict(
+        floor=floor, reserved=floor + extra, start=floor + min(start, extra), demand=demand, running=running,
+        waiting=waiting,
+    ),
+    st.integers(2, 40),
+    st.integers(0, 2000),
+    st.integers(0, 2000),
+    st.integers(0, 2500),
+    st.integers(0, 8),
+    st.integers(0, 3),
+)  # fmt: skip
+
+
+def _engines(specs):
+    return [
+        FakeEngine(f"e{i}", s["start"], s["floor"], s["reserved"], s["demand"], s["running"] or 1, s["waiting"])
+        for i, s in enumerate(specs)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(engine_strategy, min_size=2, max_size=4), st.integers(0, 3000), st.data())
+def test_a_plan_is_never_over_the_limit_nor_below_a_floor_nor_above_a_reservation(specs, slack, data):
+    loads = [
+        EngineLoad(
+            f"e{i}",
+            s["start"],
+            s["floor"],
+            s["reserved"],
+            BPB,
+            min(s["demand"], s["start"] - 1),
+            s["running"],
+            s["waiting"],
+        )
+        for i, s in enumerate(specs)
+    ]
+    limit = sum(e.floor_blocks for e in loads) + slack
+    idle_for = {e.name: data.draw(st.integers(0, 5)) for e in loads}
+    out = plan(loads, Policy(limit * BPB), idle_for)
+    assert sum(out.values()) <= limit
+    for e in loads:
+        assert e.floor_blocks <= out[e.name] <= e.reserved_blocks, (e, out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(engine_strategy, min_size=2, max_size=4), st.integers(0, 3000))
+def test_steady_load_converges_and_never_flaps(specs, slack):
+    engines = _engines(specs)
+    limit = sum(e.floor for e in engines) + slack
+    # engines start inside the limit, as engines sized by the coordinator do
+    while sum(e.num_blocks for e in engines) > limit:
+        big = max(engines, key=lambda e: e.num_blocks - e.floor)
+        big.num_blocks = big.sizes[0] = max(big.floor, big.num_blocks - (sum(e.num_blocks for e in engines) - limit))
+    coordinator = _coordinator(engines, limit)
+    for _ in range(40):
+        coordinator.poll()
+        assert sum(e.num_blocks for e in engines) <= limit, "over the limit between polls"
+    settled = [e.num_blocks for e in engines]
+    for _ in range(5):
+        coordinator.poll()
+    assert [e.num_blocks for e in engines] == settled, "still resizing after 40 polls of a steady load"
+    for e in engines:  # no flapping: at most one change of direction per engine
+        steps = [b - a for a, b in zip(e.sizes, e.sizes[1:]) if b != a]
+        turns = sum(1 for x, y in zip(steps, steps[1:]) if (x > 0) != (y > 0))
+        assert turns <= 1, (e.name, e.sizes)
+
+
+def test_an_idle_engine_shrinks_to_its_floor_and_a_busy_one_grows_within_the_limit():
+    busy = FakeEngine("busy", 800, 17, 4000, demand=600, running=8)
+    idle = FakeEngine("idle", 1400, 17, 4000, demand=0)
+    coordinator = _coordinator([busy, idle], 2200)
+    coordinator.poll()
+    assert idle.num_blocks == 1400, "an engine idle for one poll was shrunk"
+    for _ in range(3):
+        coordinator.poll()
+    assert idle.num_blocks == 17 and busy.num_blocks == 751
+    assert sum(e.num_blocks for e in (busy, idle)) <= 2200
+    before = (busy.sizes[:], idle.sizes[:])
+    for _ in range(10):
+        coordinator.poll()
+    assert (busy.sizes, idle.sizes) == before, "a steady load kept resizing"
+
+
+def test_a_shrink_pays_for_a_growth_in_the_same_poll():
+    busy = FakeEngine("busy", 100, 17, 4000, demand=600, running=8, waiting=4)
+    idle = FakeEngine("idle", 1800, 17, 4000, demand=0)
+    record = _coordinator([busy, idle], 2000, idle_polls=1).poll()
+    assert (idle.num_blocks, busy.num_blocks) == (17, 1983) and not record["errors"], record
+
+
+def test_a_refused_resize_keeps_the_engine_and_defers_the_growth_it_would_have_paid_for():
+    busy = FakeEngine("busy", 100, 17, 4000, demand=600, running=8, waiting=4)
+    stuck = FakeEngine("stuck", 1800, 17, 4000, demand=0, refuse=True)
+    coordinator = _coordinator([busy, stuck], 2000, idle_polls=1)
+    record = coordinator.poll()
+    assert "ResizeInProgress" in record["errors"]["stuck"] and "deferred" in record["errors"]["busy"]
+    assert stuck.num_blocks == 1800 and busy.num_blocks + stuck.num_blocks <= 2000
+
+
+def test_a_limit_below_the_floors_is_refused_naming_them():
+    loads = [EngineLoad("a", 20, 17, 100, BPB, 0), EngineLoad("b", 20, 17, 100, BPB, 0)]
+    with pytest.raises(CoordinatorError, match=r"floors take 35651584 bytes.*a 17 x 1048576"):
+        allocate(loads, {"a": 17, "b": 17}, 30 * BPB)
+
+
+@pytest.mark.parametrize("kwargs", [{"limit_bytes": 0}, {"limit_bytes": 1, "target_usage": 0}])
+def test_a_bad_policy_is_refused(kwargs):
+    with pytest.raises(CoordinatorError):
+        Policy(**kwargs)
+
+
+@pytest.mark.parametrize("spec", ["a", "a=localhost:8000", "=http://x"])
+def test_a_bad_engine_spec_is_refused(spec):
+    with pytest.raises(CoordinatorError, match="name=http://host:port"):
+        parse_engine(spec)
+
+
+def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body))
+            if body["args"] == ["7"]:
+                self.send_response(500)
+                self.end_headers()
+                self.wfile.write(b'{"error": "Call to collective_rpc method failed: [ResizeRefused] below the floor"}')
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"results": [{"to": int(body["args"][0]) if body["args"] else 0}]}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        engine = ServeEngine("a", f"http://127.0.0.1:{server.server_port}")
+        assert engine.resize(40) == {"to": 40}
+        assert seen[-1] == ("/collective_rpc", {"method": "extensible_kv_resize", "args": ["40"]})
+        engine.state()
+        assert seen[-1][1] == {"method": "extensible_kv_kv_state", "args": []}
+        from extensible_kv.vllm.resize import ResizeRefused
+
+        with pytest.raises(ResizeRefused, match="below the floor"):
+            engine.resize(7)
+    finally:
+        server.shutdown()
+        server.server_close()
