@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Resizing a running engine's KV cache (integration/resize_run.py) in one device call: unpack the staged vLLM 0.26.0
+# bundle if this machine has none yet, run the cases that fit the time box (resumable: RUN keeps finished cases
+# while the machine stays up), copy every JSON and log to $OUT, print the table last.
+#
+#   ci/resize_matrix.sh [--budget-seconds S] [--only CASE ...]
+#
+# The bundle and its staging are ci/worst_batch_matrix.sh's (.device-stage/p*, /tmp/stage/). Cases: qwen3-v1,
+# qwen3-v2, llama8b-v1, llama8b-v2 (one GPU), qwen3-v1-tp2 (two GPUs; skipped on one).
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+t0=$(date +%s)
+if [ ! -d /tmp/site/vllm ]; then
+  last=$(ls .device-stage/p* 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$last" ] || { echo "no .device-stage/p* carried and no /tmp/site: stage and carry the last part"; exit 3; }
+  ls /tmp/stage/p* > /dev/null 2>&1 || { echo "no /tmp/stage/p*: copy the earlier parts first"; exit 3; }
+  mkdir -p /tmp/site && cat $(ls /tmp/stage/p* | sort -V) "$last" | xz -d | tar -x -C /tmp/site || exit 3
+fi
+echo "vllm unpacked in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH="/tmp/site:$root/reference:$root/lab:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
+run=${RUN:-/tmp/resize-run}
+mkdir -p "$run/resize"
+python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
+python3 -m integration.resize_run "$run" "$@" 2>&1 | tee -a "$run/matrix.log" | tail -n 40
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/resize"
+  cp "$run"/resize/*.json "$run"/resize/*.log "$OUT/resize/" 2>/dev/null
+  cp "$run"/resize-summary.json "$run"/resize-table.md "$run"/matrix.log "$run"/environment.json "$OUT/" 2>/dev/null
+fi

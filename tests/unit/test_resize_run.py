@@ -1,0 +1,106 @@
+"""The CPU parts of the resize measurement (``integration/resize_run.py``): the shrink's count, the pass's size,
+the token comparison, the checks and the table, and the pass driver against a fake engine."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from integration import resize_run as rr
+
+
+def test_the_shrink_goes_to_a_tenth_of_the_blocks_never_below_the_floor():
+    assert rr.shrink_target(35_000, 257) == 3_500
+    assert rr.shrink_target(2_000, 257) == 257
+
+
+def test_one_pass_holds_about_eight_percent_of_the_blocks():
+    count = rr.request_count(35_000, 16, 1024 + 64)
+    assert count == 42 and 0.08 <= count * 68 / 35_000 < 0.085
+    assert rr.request_count(100, 16, 1088) == 8 and rr.request_count(10**7, 16, 1088) == 512
+
+
+def test_tokens_compare_names_the_first_request_and_position_that_differ():
+    ref = {"0": [1, 2, 3], "1": [4, 5, 6]}
+    assert rr.compare(ref, {"0": [1, 2, 3], "1": [4, 5, 6]})["identical"] is True
+    got = rr.compare(ref, {"0": [1, 2, 3], "1": [4, 9, 6]})
+    assert got["identical"] is False and got["first"] == {"request": "1", "at": 1, "reference": [5, 6], "other": [9, 6]}
+    assert rr.compare(ref, {"0": [1, 2, 3]})["missing"] == ["1"]
+
+
+def _result(worker_seconds=0.02, identical=True, failed=()):
+    compare = {"identical": identical}
+    return {
+        "case": {"name": "qwen3-v1"},
+        "passes": {
+            "never": {"failed": []},
+            "resized": {"failed": list(failed), "compare": compare},
+            "after": {"failed": [], "compare": compare},
+        },
+        "resizes": [
+            {"from": 35_000, "to": 3_500, "client_seconds": 0.2, "worker_seconds": worker_seconds, "preempted": ["3"]},
+            {"from": 3_500, "to": 35_000, "client_seconds": 0.1, "worker_seconds": worker_seconds, "preempted": []},
+        ],
+        "alloc": {"ok": True, "bytes": 50 << 30},
+        "memory": {"before_shrink": 70 << 30, "after_shrink": 15 << 30},
+    }
+
+
+@pytest.mark.parametrize(
+    "result, failing",
+    [
+        (_result(), set()),
+        (_result(worker_seconds=0.25), {"rank_resize_under_limit"}),
+        (_result(identical=False), {"tokens_identical_resized", "tokens_identical_after"}),
+        (_result(failed=["4"]), {"no_failed_request"}),
+    ],
+)
+def test_each_check_fails_only_on_its_own_figure(result, failing):
+    checks = rr.checks(result)
+    assert {k for k, v in checks.items() if v is False} == failing, checks
+
+
+def test_the_table_has_a_row_per_case_and_an_error_row_for_a_case_that_failed(tmp_path):
+    (tmp_path / "resize").mkdir()
+    (tmp_path / "resize" / "qwen3-v1.json").write_text(json.dumps(_result()))
+    (tmp_path / "resize" / "qwen3-v2.json").write_text(json.dumps({"case": {"name": "qwen3-v2"}, "error": "Boom"}))
+    summary = rr.summarize(tmp_path)
+    lines = summary["table"].splitlines()
+    assert "| qwen3-v1 | 35000 -> 3500 -> 35000 | 200.0 (20.0) | 100.0 (20.0) | 1 | 56320 | 51200 |" in lines[2]
+    assert lines[3].startswith("| qwen3-v2 | error: Boom")
+    assert (tmp_path / "resize-table.md").read_text().startswith("| case |")
+
+
+class FakeEngine:
+    """``LLMEngine``'s add_request / step / has_unfinished_requests: each request ends after ``length`` steps."""
+
+    def __init__(self, length=3):
+        self.length, self.live = length, {}
+
+    def add_request(self, rid, prompt, params):
+        self.live[rid] = [0, list(prompt["prompt_token_ids"][:2])]
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        outs = []
+        for rid, entry in list(self.live.items()):
+            entry[0] += 1
+            if entry[0] == self.length:
+                del self.live[rid]
+                out = SimpleNamespace(token_ids=entry[1], finish_reason="length")
+                outs.append(SimpleNamespace(request_id=rid, finished=True, outputs=[out]))
+        return outs
+
+
+def test_a_pass_runs_its_actions_between_steps_and_the_late_ones_after_it():
+    pytest.importorskip("vllm")
+    seen = []
+    llm = SimpleNamespace(llm_engine=FakeEngine(length=3))
+    tokens, failed, steps = rr.drive(
+        llm, [[5, 6, 7], [8, 9, 10]], 4, "p", {1: lambda: seen.append(1), 40: lambda: seen.append(40)}
+    )
+    assert tokens == {"0": [5, 6], "1": [8, 9]} and failed == [] and steps == 3 and seen == [1, 40]
