@@ -500,3 +500,64 @@ def test_the_offline_helpers_go_through_collective_rpc_and_raise_typed():
 
     with pytest.raises(ResizeRefused, match="exceeds the reservation of 500"):
         resize.resize_kv_cache(SimpleNamespace(llm_engine=SimpleNamespace(collective_rpc=remote)), 900)
+
+
+# -- the real KV buffers on the host driver --------------------------------------------------------------------------
+def _real_worker(num_blocks: int = 100, reserved: int = 500) -> StandInWorker:
+    from extensible_kv.drivers.host import HostDriver
+    from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+    worker = StandInWorker(0, num_blocks, reserved)
+    buffers = ExtensibleKVCacheBuffers(
+        [KVBuffer("kv0", PAGE, num_segments=1), KVBuffer("kv1", 2 * PAGE, num_segments=2)],
+        reserved,
+        driver=HostDriver(granularity=4096),
+    )
+    buffers.ensure_blocks(num_blocks)
+    worker._extensible_kv_state = WorkerKV(driver=None, buffers=buffers)
+    return worker
+
+
+def test_real_buffers_shrink_and_grow_under_the_same_addresses_keeping_the_blocks_below():
+    worker = _real_worker()
+    buffers = worker.buffers
+    try:
+        raw = buffers.raw("kv0")
+        base = raw.data_ptr()
+        raw[: 40 * PAGE].fill_(7)
+        reply = resize.extensible_kv_set_blocks(worker, 40)
+        assert reply["ok"] and reply["num_blocks"] == 40 and reply["bytes"] == -60 * 3 * PAGE
+        assert buffers.stats().committed_bytes == 40 * 3 * PAGE
+        reply = resize.extensible_kv_set_blocks(worker, 300)
+        assert reply["ok"] and reply["bytes"] == 260 * 3 * PAGE and buffers.num_blocks == 300
+        assert buffers.raw("kv0").data_ptr() == base and bool(buffers.raw("kv0")[: 40 * PAGE].eq(7).all())
+        assert resize.extensible_kv_block_bytes(worker) == {
+            "bytes_per_block": 3 * PAGE,
+            "rounding_bytes": 3 * 4096,
+            "max_num_blocks": 500,
+            "num_blocks": 300,
+        }
+    finally:
+        del raw
+        buffers.close()
+
+
+def test_real_buffers_pinned_by_a_connector_refuse_the_shrink_and_keep_their_size():
+    worker = _real_worker()
+    try:
+        worker.buffers.pin("KV connector X")
+        reply = resize.extensible_kv_set_blocks(worker, 40)
+        assert reply["ok"] is False and reply["num_blocks"] == 100 and "KV connector X" in reply["error"]
+        assert worker.buffers.num_blocks == 100
+    finally:
+        worker.buffers.close()
+
+
+def test_real_buffers_released_for_sleep_refuse_the_resize():
+    worker = _real_worker()
+    try:
+        worker.buffers.release_physical()
+        reply = resize.extensible_kv_set_blocks(worker, 40)
+        assert reply["ok"] is False and "released" in reply["error"] and worker.buffers.num_blocks == 100
+    finally:
+        worker.buffers.close()
