@@ -60,6 +60,7 @@ PAGE = 8192  # one KV block
 KV_BLOCKS = 24
 SIZE_KINDS = ("shrink", "past", "misaligned", "zero", "negative", "2**70", "float", "str", "bool")
 BLOCK_KINDS = ("-1", "past", "2**70", "float", "str", "bool")
+SHRINK_KINDS = ("grow", "misaligned", "negative", "2**70", "float", "str", "bool")
 
 
 class Hang(AssertionError):
@@ -138,6 +139,19 @@ class TensorModel:
         bad = nbytes <= 0 or nbytes < self.per_segment or nbytes > self.segment_bytes or nbytes % self.alignment
         return InvalidSizeError if bad else None
 
+    def shrink_refusal(self, nbytes: object, reaches: list[int]) -> type[Exception] | None:
+        """The documented order: the type, the state, the value, then a pin or a live segment view (its bytes per
+        segment in ``reaches``) past ``nbytes``."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            return InvalidSizeError
+        if self.state_error():
+            return self.state_error()
+        if nbytes < 0 or nbytes > self.per_segment or nbytes % self.alignment:
+            return InvalidSizeError
+        if (self.pinned and nbytes < self.per_segment) or any(r > nbytes for r in reaches):
+            return BusyError
+        return None
+
     def fresh(self) -> int:
         self.serial += 1
         return self.serial
@@ -148,6 +162,12 @@ class TensorModel:
                 self.data[i] = torch.cat([d, torch.zeros(new - d.numel(), dtype=torch.uint8)])
             self.per_segment = new
             self.lineage.append(self.fresh())
+
+    def shrunk(self, new: int) -> None:
+        """Bytes below ``new`` kept; a shrink starts a new lineage (Note [A shrink is a new lineage])."""
+        if new < self.per_segment:
+            self.data = [d[:new].clone() for d in self.data]
+            self.per_segment, self.lineage = new, [self.fresh()]
 
     def released(self) -> None:
         self.state, self.lineage = "released", [self.fresh()]
@@ -427,6 +447,45 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.refused("a", f"resize_per_segment_({value!r})", error, lambda: t.resize_per_segment_(value))
         self.check(f"grow a invalid {kind} {value!r}")
 
+    # -- tensor a: shrink ------------------------------------------------------------------------------------------
+    def reaches(self, name: str) -> list[int]:
+        """The bytes per segment of every segment view of ``name`` the machine holds (full views reach nothing)."""
+        return [h.nbytes for h in self.held if h.owner == name and h.segment is not None]
+
+    @rule(units=st.integers(0, 12))
+    def shrink(self, units):
+        """A smaller size (zero and the current one, a no-op, included): refused unless open, while a held segment
+        view reaches past it; the bytes below it kept."""
+        m, t = self.model["a"], self.real["a"]
+        new = min(units * m.alignment, m.per_segment)
+        new -= new % m.alignment
+        error = m.shrink_refusal(new, self.reaches("a"))
+        if error:
+            self.refused("a", f"shrink_per_segment_({new})", error, lambda: t.shrink_per_segment_(new))
+        else:
+            self.guarded(lambda: t.shrink_per_segment_(new))
+            m.shrunk(new)
+        self.check(f"shrink a to {new}")
+
+    @rule(kind=st.sampled_from(SHRINK_KINDS))
+    def shrink_invalid(self, kind):
+        """Larger than committed, misaligned, negative, 2**70, a float, a string, a bool."""
+        m, t = self.model["a"], self.real["a"]
+        value = {
+            "grow": m.per_segment + m.alignment,
+            "misaligned": m.per_segment - m.alignment // 2,
+            "negative": -m.alignment,
+            "2**70": 2**70,
+            "float": float(m.alignment),
+            "str": str(m.alignment),
+            "bool": True,
+        }[kind]
+        error = m.shrink_refusal(value, self.reaches("a"))
+        if error is None:
+            return
+        self.refused("a", f"shrink_per_segment_({value!r})", error, lambda: t.shrink_per_segment_(value))
+        self.check(f"shrink a invalid {kind} {value!r}")
+
     # -- tensor a: views and data ------------------------------------------------------------------------------------
     @rule(segment=st.integers(-1, 3), full=st.booleans())
     def take_view(self, segment, full):
@@ -569,7 +628,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check("reopen a")
 
     # -- interrupts --------------------------------------------------------------------------------------------------
-    @rule(op=st.sampled_from(["grow", "release", "recommit", "close", "rollback"]), n=st.integers(1, 60),
+    @rule(op=st.sampled_from(["grow", "shrink", "release", "recommit", "close", "rollback"]), n=st.integers(1, 60),
           units=st.integers(1, 12), pick=st.integers(0, 50))  # fmt: skip
     def interrupt(self, op, n, units, pick):
         """An ``Interrupt`` at the ``n``-th line of an operation of ``a`` that the model says may run: it ends
@@ -581,6 +640,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             if m.state != "open" or new <= m.per_segment:
                 return
             call = lambda: t.resize_per_segment_(new)  # noqa: E731
+        elif op == "shrink":
+            new = min(units * m.alignment, m.per_segment)
+            new -= new % m.alignment
+            if m.state != "open" or new >= m.per_segment or m.shrink_refusal(new, self.reaches("a")):
+                return
+            call = lambda: t.shrink_per_segment_(new)  # noqa: E731
         elif op == "release" and m.state == "open":
             call = t.release_physical
         elif op == "recommit" and m.state == "released":
@@ -599,6 +664,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         got = (t.state, t.bytes_per_segment)
         done = {
             "grow": ("open", new) if op == "grow" else None,
+            "shrink": ("open", new) if op == "shrink" else None,
             "release": ("released", m.per_segment),
             "recommit": ("open", m.per_segment),
             "close": ("closed", 0),
@@ -610,8 +676,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if got not in allowed:
             self.fail(f"{op} of a interrupted at line {n} (fired: {fired})", f"one of {sorted(allowed)}", got)
         if got == done and got != old:
-            {"grow": lambda: m.grown(new), "release": m.released, "recommit": m.recommitted, "close": m.closed,
-             "rollback": lambda: m.rolled_back(mark)}[op]()  # fmt: skip
+            {"grow": lambda: m.grown(new), "shrink": lambda: m.shrunk(new), "release": m.released,
+             "recommit": m.recommitted, "close": m.closed, "rollback": lambda: m.rolled_back(mark)}[op]()  # fmt: skip
         elif got == ("failed", 0) and old != got:
             m.failed()
         if m.state == "failed":
@@ -637,6 +703,39 @@ class LifecycleMachine(RuleBasedStateMachine):
             expect_equal(self.driver, f"WorkerKV.ensure_blocks({blocks})", self.kv_blocks, got)
             m.grown(self.kv_blocks * m.alignment)
         self.check(f"ensure {blocks} KV blocks")
+
+    @rule(blocks=st.integers(0, KV_BLOCKS))
+    def shrink_blocks(self, blocks):
+        """``shrink_blocks`` to a count at or below the committed one: every buffer's granules above it given back
+        (the bytes returned are the model's backed granules before minus after), the blocks below kept; refused
+        unless open, above the count, and below the count a connector registered."""
+        b, m = self.worker.buffers, self.model["kv"]
+        blocks = min(blocks, self.kv_blocks)
+        if self.kv_state != "open":
+            error = {"released": ReleasedError, "closed": ClosedError, "failed": FailedStateError}[self.kv_state]
+            self.refused("kv", f"shrink_blocks({blocks})", error, lambda: b.shrink_blocks(blocks))
+        elif self.registered and blocks < self.kv_blocks:
+            self.refused("kv", f"shrink_blocks({blocks}) after a connector registered", BusyError,
+                         lambda: b.shrink_blocks(blocks))  # fmt: skip
+        else:
+            before = len(m.mapped_granules())
+            got = self.guarded(lambda: b.shrink_blocks(blocks))
+            self.kv_blocks = blocks
+            m.shrunk(blocks * m.alignment)
+            expect_equal(self.driver, f"bytes shrink_blocks({blocks}) gave back", (before - len(m.mapped_granules()))
+                         * self.g, got)  # fmt: skip
+            expect_equal(self.driver, f"num_blocks after shrink_blocks({blocks})", blocks, b.num_blocks)
+        self.check(f"shrink to {blocks} KV blocks")
+
+    @rule(kind=st.sampled_from(["-1", "past", "float", "bool"]))
+    def shrink_blocks_invalid(self, kind):
+        """Negative, above the committed count, not an int: ``InvalidSizeError``, nothing changed."""
+        b = self.worker.buffers
+        value = {"-1": -1, "past": self.kv_blocks + 1, "float": 1.0, "bool": True}[kind]
+        if self.kv_state != "open":
+            return
+        self.refused("kv", f"shrink_blocks({value!r})", InvalidSizeError, lambda: b.shrink_blocks(value))
+        self.check(f"shrink to an invalid count of KV blocks ({kind})")
 
     @rule(kind=st.sampled_from(BLOCK_KINDS))
     def ensure_blocks_invalid(self, kind):
@@ -701,12 +800,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.registered = True
         self.check("register the KV connector")
 
-    @rule(op=st.sampled_from(["ensure", "release", "recommit"]), n=st.integers(1, 80), blocks=st.integers(1, KV_BLOCKS))
+    @rule(op=st.sampled_from(["ensure", "shrink", "release", "recommit"]), n=st.integers(1, 80),
+          blocks=st.integers(0, KV_BLOCKS))  # fmt: skip
     def interrupt_kv(self, op, n, blocks):
         """An ``Interrupt`` at the ``n``-th line of a KV step: whole, not at all, or failed."""
         m, b = self.model["kv"], self.worker.buffers
         if op == "ensure" and self.kv_state == "open" and blocks > self.kv_blocks and not self.registered:
             call, done = (lambda: b.ensure_blocks(blocks)), ("open", blocks * m.alignment)
+        elif op == "shrink" and self.kv_state == "open" and blocks < self.kv_blocks and not self.registered:
+            call, done = (lambda: b.shrink_blocks(blocks)), ("open", blocks * m.alignment)
         elif op == "release" and self.kv_state == "open" and not self.registered:
             call, done = b.release_physical, ("released", m.per_segment)
         elif op == "recommit" and self.kv_state == "released":
@@ -720,9 +822,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         if got not in allowed:
             self.fail(f"KV {op} interrupted at line {n}", f"one of {sorted(allowed)}", got)
         if got == done and got != old:
-            if op == "ensure":
+            if op in ("ensure", "shrink"):
                 self.kv_blocks = blocks
-                m.grown(done[1])
+                m.grown(done[1]) if op == "ensure" else m.shrunk(done[1])
             else:
                 self.kv_state = done[0]
                 m.released() if op == "release" else m.recommitted()
