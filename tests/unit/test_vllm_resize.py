@@ -561,3 +561,41 @@ def test_real_buffers_released_for_sleep_refuse_the_resize():
         assert reply["ok"] is False and "released" in reply["error"] and worker.buffers.num_blocks == 100
     finally:
         worker.buffers.close()
+
+
+@needs_vllm
+def test_an_in_process_engine_core_resizes_at_once_between_steps():
+    engine = Engine(num_blocks=100)
+    engine._idle_state_callbacks = []  # EngineCore's own, though only EngineCoreProc has has_work()
+    engine.batch_queue = None
+    assert resize.engine_resize(engine, 40)["to"] == 40 and engine.pool.num_gpu_blocks == 40
+
+
+@needs_vllm
+def test_a_sleep_that_went_idle_first_fails_the_pending_resize_and_keeps_its_pause():
+    engine = BusyEngine(num_blocks=100)
+    future = resize.engine_resize(engine, 40)
+    engine.scheduler.set_pause_state(engine.PauseState.PAUSED_NEW)  # sleep(level=1): pause, then the executor sleeps
+    engine.model_executor.is_sleeping = True
+    engine.go_idle()
+    with pytest.raises(ResizeWhileAsleep, match="asleep at 100 blocks"):
+        future.result()
+    assert engine.pool.num_gpu_blocks == 100 and engine.scheduler.pause_state == engine.PauseState.PAUSED_NEW
+    assert [w.buffers.num_blocks for w in engine.model_executor.workers] == [100, 100]
+
+
+@needs_vllm
+def test_an_engine_keeps_its_resizing_rpc_on_the_instance_after_the_patches_are_removed():
+    engine = Engine(num_blocks=100)
+
+    class Core:
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            return [f"workers: {method}"]
+
+    core = Core()
+    core.__dict__.update(vars(engine))
+    resize.bind_engine(core)
+    resize.bind_engine(core)  # idempotent
+    assert core.collective_rpc(resize.RESIZE, args=(40,))[0]["to"] == 40
+    assert core.collective_rpc("other") == ["workers: other"]
+    assert "extensible_kv_original" not in vars(Core.collective_rpc)

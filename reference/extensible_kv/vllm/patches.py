@@ -348,6 +348,7 @@ def _initialize_kv_caches(original: Callable) -> Callable:
             "final_blocks": final,
             "workers": reports,
         }
+        resize.bind_engine(self)  # resizing answers on this engine after the patches are removed
         logger.info("extensible KV cache: %d blocks reserved, %d committed (per-worker fit %s)", reserved, final, fits)
         return config
 

@@ -411,10 +411,10 @@ class EngineResize:
             }
         return self._bytes
 
-    def check_awake(self, n: object) -> None:
+    def check_awake(self, n: object, paused_ok: bool = False) -> None:
         core = self.core
         asleep = bool(getattr(core.model_executor, "is_sleeping", False))
-        paused = _paused(core.scheduler)
+        paused = not paused_ok and _paused(core.scheduler)
         if asleep or paused:
             raise ResizeWhileAsleep(
                 f"resize to {n} blocks refused: the engine is {'asleep' if asleep else 'paused'} at {self.current} "
@@ -512,7 +512,8 @@ def engine_resize(core: Any, num_blocks: object) -> dict | Future:
         n = check_count(num_blocks, current=state.current, reserved=state.reserved, floor=state.floor)
         state.check_awake(n)
         callbacks = getattr(core, "_idle_state_callbacks", None)
-        if callbacks is None or not core.has_work():  # in-process, or an engine-core process with nothing to do
+        has_work = getattr(core, "has_work", None)  # EngineCoreProc's; an in-process EngineCore has none
+        if callbacks is None or has_work is None or not has_work():  # in-process, or a process with nothing to do
             if not _idle(core):
                 raise ResizeInProgress(
                     f"resize to {n} blocks refused: a step is in flight in this in-process engine; call again "
@@ -535,13 +536,15 @@ def engine_resize(core: Any, num_blocks: object) -> dict | Future:
 
     def when_idle(engine: Any) -> None:
         try:
+            state.check_awake(n, paused_ok=True)  # a sleep that went idle first released the pages meanwhile
             result = state.apply(n)
         except BaseException as exc:
             future.set_exception(exc)
         else:
             future.set_result(result)
         finally:
-            scheduler.set_pause_state(previous)
+            if scheduler.pause_state == PauseState.PAUSED_ALL:  # ours; a sleep's pause since then stays
+                scheduler.set_pause_state(previous)
             state.pending = None
             _wake(engine)
 
@@ -599,7 +602,19 @@ def engine_collective_rpc(original: Callable) -> Callable:
             return engine_call(self, method, args, kwargs)
         return original(self, method, timeout, args, kwargs)
 
+    collective_rpc.extensible_kv_original = original
     return collective_rpc
+
+
+def bind_engine(core: Any) -> None:
+    """Give this engine core the resizing ``collective_rpc`` on the instance, so an engine built inside
+    ``extensible_kv_cache()`` keeps it after the patches are removed (Note [An engine keeps its RPCs] in
+    ``patches``); idempotent."""
+    import types
+
+    method = type(core).collective_rpc
+    original = getattr(method, "extensible_kv_original", method)
+    core.collective_rpc = types.MethodType(engine_collective_rpc(original), core)
 
 
 # -- clients ---------------------------------------------------------------------------------------------------------
