@@ -5,8 +5,9 @@
 #
 #   ci/resize_matrix.sh [--budget-seconds S] [--only CASE ...]
 #
-# The bundle and its staging are ci/worst_batch_matrix.sh's (.device-stage/p*, /tmp/stage/). Cases: qwen3-v1,
-# qwen3-v2, llama8b-v1, llama8b-v2 (one GPU), qwen3-v1-tp2 (two GPUs; skipped on one).
+# The bundle and its staging are ci/worst_batch_matrix.sh's (.device-stage/p*, /tmp/stage/). Cases, in order:
+# qwen3-v1-bi, qwen3-v1, qwen3-v2-bi, qwen3-v2, llama8b-v1, llama8b-v2 (one GPU; -bi: batch-invariant mode, where
+# tokens must be identical), qwen3-v1-tp2 (two GPUs; skipped on one). About 4 to 5 minutes a case.
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

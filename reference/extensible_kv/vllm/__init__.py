@@ -16,6 +16,9 @@ Across processes (``vllm serve``, multiprocess engines, TP workers): the ``vllm.
 Sleep mode (``enable_sleep_mode=True``) stays on the extensible path: ``sleep(level=1|2)`` releases the KV pages,
 ``wake_up()`` and ``wake_up(tags=["kv_cache"])`` recommit them, zeroed, at the same addresses (``sleep``).
 
+A running engine resizes its KV cache under the same addresses (``resize``: ``resize_kv_cache(llm, n)``, or the
+dev-mode ``/collective_rpc`` route of ``vllm serve``); ``coordinator`` moves KV memory between engines on one GPU.
+
 KV connectors (``kv_transfer_config``) are registered after the final commit, with views of exactly the committed
 blocks at stable addresses (``connector``, Note [The contract for connector authors]).
 
