@@ -16,6 +16,11 @@ from .sabotage_shrink import SABOTAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "conformance" / "test_shrink.py"
+LIFECYCLE = ROOT / "conformance" / "test_lifecycle_model.py"
+LIFECYCLE_RULE = "test_the_lifecycle_matches_the_model"
+LIFECYCLE_EXAMPLES = "60"
+"""Examples of the lifecycle machine per sabotage run (derandomized: each run draws the same sequences); at 60 each
+sabotage of ``LIFECYCLE_CATCHES`` fails within seconds on host-4k."""
 MEMORY = "test_a_shrink_returns_the_memory_of_the_released_granules"
 KEPT = "test_a_shrink_keeps_every_address_and_the_bytes_below_the_new_size"
 REGROW = "test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zeroes_them"
@@ -33,13 +38,20 @@ CAUGHT_BY = {
     "kv_no_regrow": {KV_FAILURE},
 }
 """Each sabotage, and the rules that must fail on it."""
+LIFECYCLE_CATCHES = ("forgets_to_release", "one_granule_too_many", "lazy_unzeroed_regrow", "unzeroed_regrow")
+"""The sabotages the lifecycle model must catch too (its random sequences do not reach a failing driver call inside
+a shrink, nor a write through a view a broken guard left over unmapped memory, which would fault the process)."""
 
 
-def _run(tmp_path: Path, sabotage: str | None, rules: set[str]) -> tuple[int, set[str], str]:
+def _run(
+    tmp_path: Path, sabotage: str | None, rules: set[str], path: Path = RULES, driver: str = "host"
+) -> tuple[int, set[str], str]:
     report = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("EXTENSIBLE_KV_SHRINK_SABOTAGE", None)
-    cmd = [sys.executable, "-m", "pytest", str(RULES), "--driver", "host", "-q", "-p", "no:cacheprovider"]
+    env["EXTENSIBLE_KV_LIFECYCLE_EXAMPLES"] = LIFECYCLE_EXAMPLES
+    cmd = [sys.executable, "-m", "pytest", str(path), "--driver", driver, "-q", "-p", "no:cacheprovider"]
+    cmd += ["--hypothesis-profile=extensible-kv-meta"]
     cmd += [f"--junitxml={report}", "-k", " or ".join(sorted(rules))]
     if sabotage:
         env["EXTENSIBLE_KV_SHRINK_SABOTAGE"] = sabotage
@@ -74,4 +86,20 @@ def test_the_shrink_rules_pass_the_intact_tensor(tmp_path):
     rc, failed, tail = _run(tmp_path, None, rules)
     assert rc == 0 and not failed, (
         f"intact tensor on host: expected exit 0, no failures; got exit {rc}, failed {sorted(failed)}\n{tail}"
+    )
+
+
+@pytest.mark.parametrize("sabotage", LIFECYCLE_CATCHES)
+def test_the_lifecycle_model_fails_a_broken_shrink(tmp_path, sabotage):
+    rc, failed, tail = _run(tmp_path, sabotage, {LIFECYCLE_RULE}, LIFECYCLE, "host-4k")
+    assert rc == 1 and LIFECYCLE_RULE in failed, (
+        f"shrink sabotage {sabotage} on host-4k: expected {LIFECYCLE_RULE} to fail (exit 1); got exit {rc}, failed "
+        f"{sorted(failed)}\n{tail}"
+    )
+
+
+def test_the_lifecycle_model_passes_the_intact_tensor(tmp_path):
+    rc, failed, tail = _run(tmp_path, None, {LIFECYCLE_RULE}, LIFECYCLE, "host-4k")
+    assert rc == 0 and not failed, (
+        f"intact tensor on host-4k: expected exit 0, no failures; got exit {rc}, {failed}\n{tail}"
     )
