@@ -218,3 +218,19 @@ def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_offline_engine_is_reached_through_its_collective_rpc():
+    from extensible_kv.vllm.coordinator import llm_handle
+
+    calls = []
+
+    def collective_rpc(method, args=()):
+        calls.append((method, args))
+        return [{"num_blocks": 40}]
+
+    handle = llm_handle(
+        "a", type("LLM", (), {"llm_engine": type("E", (), {"collective_rpc": staticmethod(collective_rpc)})})
+    )
+    assert handle.state() == {"num_blocks": 40} and handle.resize(40) == {"num_blocks": 40}
+    assert calls == [("extensible_kv_kv_state", ()), ("extensible_kv_resize", (40,))]

@@ -210,6 +210,13 @@ class Coordinator:
             time.sleep(interval)
 
 
+def llm_handle(name: str, llm: object) -> EngineHandle:
+    """An in-process engine (an offline ``LLM`` or ``LLMEngine``) as the coordinator reaches it."""
+    from .resize import kv_state, resize_kv_cache
+
+    return EngineHandle(name, lambda: kv_state(llm), lambda n: resize_kv_cache(llm, n))
+
+
 # -- vllm serve over HTTP --------------------------------------------------------------------------------------------
 class ServeEngine:
     """A ``vllm serve`` process started with the plugin and ``VLLM_SERVER_DEV_MODE=1``, through its dev-mode

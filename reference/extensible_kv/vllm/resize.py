@@ -22,10 +22,12 @@ Note [Shrinking preempts the requests that hold the top blocks]
     free queue and the pool's count, and only then are their pages released on every rank. Growth maps the pages
     on every rank first and adds blocks ``[old, n)`` to the free queue after all ranks succeeded.
     Why: waiting for requests to finish has no bound (a long decode holds its blocks for minutes), and a shrink that
-    an idle engine needs now must not depend on a busy one's requests; preemption is vLLM's own recovery path
-    (tokens are identical after recompute with greedy sampling) and costs one prefill per preempted request.
-    Figure: shrinking a pool of 1,000 blocks to 100 with 8 running requests of 12 blocks each from the top of the
-    pool preempts those 8 and evicts the cached free blocks above 100 (``tests/unit/test_vllm_resize.py``).
+    another engine needs now must not depend on this one's requests; preemption is vLLM's own recovery path (greedy
+    tokens are the same where a row's result does not depend on its batch: vLLM's batch-invariant mode) and costs
+    one prefill per preempted request. An in-process engine resizes at once between steps.
+    Figure: a pool of 100 blocks shrunk to 30, requests on blocks 1-8 and 49-56: the second is preempted, the first
+    runs on, 30 - 1 - 8 blocks are free; cached free blocks up to 96 leave the prefix-cache map when shrunk to 40
+    (``tests/unit/test_vllm_resize.py``).
 
 Note [Every rank at one count, or none moved]
     Rule: the engine asks every worker to move to ``n`` (``extensible_kv_set_blocks``); each answers with its count
