@@ -13,7 +13,9 @@ import argparse
 import importlib.util
 import os
 import sys
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -28,7 +30,7 @@ SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra br
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are answered with one line on stderr (the error, without the usage)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -65,7 +67,7 @@ def _drivers(_: argparse.Namespace) -> int:
     return 0
 
 
-def _find(name: str):
+def _find(name: str) -> ModuleSpec | None:
     """``importlib.util.find_spec(name)`` for a top-level name, which runs no code of it; ``None`` if absent."""
     try:
         return importlib.util.find_spec(name)

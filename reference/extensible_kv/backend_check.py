@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -115,7 +117,7 @@ def resolve_backend(spec: str) -> type:
 
 
 @contextmanager
-def kv_cache_layout(layout: str | None):
+def kv_cache_layout(layout: str | None) -> Iterator[None]:
     """Set vLLM's KV cache layout (NHD/HND) for the block where vllm is importable (backends outside vLLM do
     not read it); restore it after."""
     try:
@@ -282,7 +284,7 @@ def _exercise(
     )
 
 
-def validate_many(specs: list[str], layouts: list[str | None], **kwargs) -> list[BackendReport]:
+def validate_many(specs: list[str], layouts: list[str | None], **kwargs: Any) -> list[BackendReport]:
     """Validate each backend spec under each layout; a spec that does not load is a failed report."""
     reports = []
     for spec in specs:
