@@ -117,7 +117,7 @@ def torch_step(
     environ: Mapping[str, str],
     gpu: bool,
     options: Mapping[str, str] | None = None,
-    answers: Callable[[str], str | None] = _answers,
+    answers: Callable[[str], str | None] | None = None,
 ) -> TorchStep:
     """The step that puts torch in before the project, for pip's settings ``options`` (``pip_options``; default:
     the PIP_* variables of ``environ``): Note [torch's CPU build on a machine without a GPU]."""
@@ -137,7 +137,7 @@ def torch_step(
     wheel = _cpu_wheel(options.get("find-links", ""))
     if wheel:
         return TorchStep((wheel,), "no GPU here: the CPU build in pip's find-links")
-    reason = answers(CPU_TORCH_INDEX)
+    reason = (answers or _answers)(CPU_TORCH_INDEX)
     if reason is None:
         why = f"no GPU here: torch's CPU build from {CPU_TORCH_INDEX}, pip's own sources set aside"
         return TorchStep(("--index-url", CPU_TORCH_INDEX, *_constraint_args(options), "torch"), why, True)

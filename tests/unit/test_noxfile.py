@@ -5,6 +5,7 @@ one-line refusal before anything is installed; with a GPU, pip's own torch."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -172,3 +173,67 @@ def test_pip_s_settings_are_read_as_pip_applies_them():
 def test_the_sessions_say_why_they_take_torch_from_where_they_do(environ, gpu, words):
     step = _noxfile().torch_step(environ, gpu, answers=lambda url: None)
     assert words in step.why, f"torch_step({environ}, gpu={gpu}): expected a reason naming {words!r}, got {step.why!r}"
+
+
+class _Session:
+    """What ``_install`` uses of a nox session: the installs it makes (arguments, extra environment), its log, and
+    ``pip config list`` and the torch build it asks about."""
+
+    venv_backend = "virtualenv"
+
+    def __init__(self, config_list: str, build: str) -> None:
+        self.config_list, self.build = config_list, build
+        self.installs: list[tuple[tuple[str, ...], dict]] = []
+
+    def run_install(self, *args: str, **kwargs) -> str:
+        return self.config_list if "config" in args else self.build
+
+    def install(self, *args: str, env: dict | None = None) -> None:
+        self.installs.append((args, dict(env or {})))
+
+    def log(self, message: str) -> None:
+        pass
+
+    def error(self, message: str) -> None:
+        raise RuntimeError(message)
+
+
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """A machine without a GPU whose pip configuration names an empty find-links folder, a cert and a constraint
+    file, with no PIP_* variable of its own; PyTorch's CPU index answers unless told otherwise."""
+    noxfile = _noxfile()
+    for key in [k for k in os.environ if k.startswith(("PIP_", "EXTENSIBLE_KV_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(noxfile, "GPU_MACHINE", False)
+    monkeypatch.setattr(noxfile, "_answers", lambda url: None)
+    (tmp_path / "c.txt").write_text("torch<=2.14.1\n")
+    listed = f"global.find-links='{tmp_path}'\nglobal.cert='/etc/ssl/c.crt'\nglobal.constraint='{tmp_path / 'c.txt'}'\n"
+    return noxfile, listed, tmp_path
+
+
+def test_the_cpu_index_step_sets_pip_s_sources_aside_and_keeps_the_rest(machine):
+    noxfile, listed, tmp_path = machine
+    session = _Session(listed, "2.13.0+cpu CUDA None")
+    noxfile._install(session, "-e", ".")
+    (torch_args, env), (project_args, project_env) = session.installs
+    expected = ("--index-url", CPU, "-c", str(tmp_path / "c.txt"), "torch")
+    assert torch_args == expected and project_args == ("-e", ".") and not project_env, session.installs
+    assert env["PIP_CONFIG_FILE"] == os.devnull and env["PIP_CERT"] == "/etc/ssl/c.crt", env
+    assert all(env[f"PIP_{n}"] is None for n in ("FIND_LINKS", "EXTRA_INDEX_URL", "INDEX_URL", "CONSTRAINT")), env
+
+
+def test_a_session_refuses_before_installing_anything_where_no_cpu_build_can_come(machine, monkeypatch):
+    noxfile, listed, _ = machine
+    monkeypatch.setattr(noxfile, "_answers", lambda url: "[Errno -2] Name or service not known")
+    session = _Session(listed, "2.13.0+cpu CUDA None")
+    with pytest.raises(RuntimeError, match="no way to torch's CPU build"):
+        noxfile._install(session, "-e", ".")
+    assert session.installs == [], f"expected no install before the refusal, got {session.installs}"
+
+
+def test_a_cuda_torch_on_a_machine_without_gpu_stops_the_session(machine):
+    noxfile, listed, _ = machine
+    session = _Session(listed, "2.14.1+cu130 CUDA 13.0")
+    with pytest.raises(RuntimeError, match="yet pip installed torch 2.14.1"):
+        noxfile._install(session, "-e", ".")
