@@ -685,8 +685,8 @@ class ExtensibleTensor(Unshareable):
             with busy(): parts = self._shrink_prepare(splits)  # one line: see reaper  # fmt: skip
             self._state, self._failure, self._per_segment, self._lineage = "failed", failure, new, [next(_SERIALS)]
             with busy(): self._shrink_apply(drops, splits, parts)  # one line: see reaper  # fmt: skip
+            self._state = "open"  # done: an exception from here on (the sweep's) leaves it done
             sweep()  # what a collection inside the step left to the reaper: Note [Finalizers never wait ...]
-            self._state = "open"
             return self
         except BaseException as exc:
             if self._state == "open" and self._per_segment == new:  # the step was done: it stays done
