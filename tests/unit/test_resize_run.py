@@ -4,6 +4,8 @@ the token comparison, the checks and the table, and the pass driver against a fa
 from __future__ import annotations
 
 import json
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -104,3 +106,54 @@ def test_a_pass_runs_its_actions_between_steps_and_the_late_ones_after_it():
         llm, [[5, 6, 7], [8, 9, 10]], 4, "p", {1: lambda: seen.append(1), 40: lambda: seen.append(40)}
     )
     assert tokens == {"0": [5, 6], "1": [8, 9]} and failed == [] and steps == 3 and seen == [1, 40]
+
+
+class FakeLLM:
+    """The offline ``LLM`` as ``one`` uses it, over ``FakeEngine``, answering the resize names as an engine core at
+    ``blocks`` would: records every call."""
+
+    def __init__(self, **kwargs):
+        self.blocks, self.calls = 1000, []
+        self.llm_engine = FakeEngine(length=60)
+        self.llm_engine.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+        self.llm_engine.collective_rpc = self.collective_rpc  # LLMEngine's, where resize_kv_cache calls it
+
+    def apply_model(self, fn):
+        self.calls.append("apply_model")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method, args))
+        if method == "extensible_kv_kv_state":
+            return [{"num_blocks": self.blocks, "floor_blocks": 257, "free_blocks": self.blocks - 1}]
+        if method == "extensible_kv_resize":
+            old, self.blocks = self.blocks, args[0]
+            return [{"from": old, "to": args[0], "seconds": 0.01, "worker_seconds": 0.005, "preempted": []}]
+        return [{"events": []}]
+
+
+def test_a_case_shrinks_lends_and_grows_back_in_its_second_pass(monkeypatch, tmp_path):
+    vllm = pytest.importorskip("vllm")
+    from integration import run_case
+
+    made = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: made.append(FakeLLM(**kw)) or made[-1])
+    monkeypatch.setattr(run_case, "_env", lambda args: None)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(rr, "used_now", lambda: (500 + made[0].blocks) << 20)  # 1 MiB a block
+    lent = []
+    monkeypatch.setattr(rr, "run_alloc", lambda n: lent.append(n) or {"ok": True, "bytes": n})
+    path = list(sys.path)
+    try:
+        result = rr.one(rr.case_named("qwen3-v1"), tmp_path / "out.json")
+    finally:
+        sys.path[:] = path
+    llm = made[0]
+    resizes = [c for c in llm.calls if c[0] == "extensible_kv_resize"]
+    assert resizes == [("extensible_kv_resize", (257,)), ("extensible_kv_resize", (1000,))]
+    assert [r["label"] for r in result["resizes"]] == ["shrink", "grow"] and lent == [int(((1000 - 257) << 20) * 0.9)]
+    assert llm.calls.count("reset_prefix_cache") == 3 and result["requests"]["count"] == 8
+    assert result["passes"]["resized"]["compare"]["identical"] and result["checks"]["rank_resize_under_limit"]
+    assert set(result["memory"]) >= {"before_shrink", "after_shrink", "after_alloc", "before_grow", "after_grow"}
