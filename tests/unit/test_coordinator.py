@@ -234,3 +234,42 @@ def test_an_offline_engine_is_reached_through_its_collective_rpc():
     )
     assert handle.state() == {"num_blocks": 40} and handle.resize(40) == {"num_blocks": 40}
     assert calls == [("extensible_kv_kv_state", ()), ("extensible_kv_resize", (40,))]
+
+
+def test_the_command_line_polls_two_served_engines_and_resizes_the_idle_one():
+    engines = {"/a": {"num_blocks": 900, "running": 0}, "/b": {"num_blocks": 100, "running": 4}}
+    resized = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            engine = engines[self.path.removesuffix("/collective_rpc")]
+            if body["method"] == "extensible_kv_resize":
+                engine["num_blocks"] = int(body["args"][0])
+                resized.append((self.path, engine["num_blocks"]))
+                reply = {"to": engine["num_blocks"]}
+            else:
+                n = engine["num_blocks"]
+                used = 90 if engine["running"] else 0
+                reply = dict(num_blocks=n, floor_blocks=17, reserved_blocks=4000, bytes_per_block=BPB,
+                             free_blocks=n - 1 - used, running=engine["running"], waiting=0)  # fmt: skip
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"results": [reply]}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        from extensible_kv.vllm.coordinator import main
+
+        argv = ["--engine", f"a={url}/a", "--engine", f"b={url}/b", "--limit-gib", str(1100 * BPB / 2**30)]
+        assert main([*argv, "--interval", "0", "--polls", "3", "--idle-polls", "2"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ("/a/collective_rpc", 17) in resized and engines["/a"]["num_blocks"] == 17
+    assert engines["/b"]["num_blocks"] == 114  # 90 used / 0.8 + 1
