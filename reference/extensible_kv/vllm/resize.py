@@ -614,7 +614,9 @@ def bind_engine(core: Any) -> None:
     ``patches``); idempotent."""
     import types
 
-    method = type(core).collective_rpc
+    method = getattr(type(core), "collective_rpc", None)
+    if method is None:  # not an EngineCore: nothing to answer through
+        return
     original = getattr(method, "extensible_kv_original", method)
     core.collective_rpc = types.MethodType(engine_collective_rpc(original), core)
 
