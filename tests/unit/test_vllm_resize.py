@@ -599,3 +599,48 @@ def test_an_engine_keeps_its_resizing_rpc_on_the_instance_after_the_patches_are_
     assert core.collective_rpc(resize.RESIZE, args=(40,))[0]["to"] == 40
     assert core.collective_rpc("other") == ["workers: other"]
     assert "extensible_kv_original" not in vars(Core.collective_rpc)
+
+
+class ServedEngine(BusyEngine):
+    """A busy engine-core process with vLLM's own ``collective_rpc`` to wrap (its executor's)."""
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
+
+
+def _utility(engine, args: tuple) -> list:
+    """One utility call as ``EngineCoreProc._handle_client_request`` makes it: vLLM's argument conversion and
+    ``_invoke_utility_method`` (which waits on a Future result); returns what it enqueued."""
+    from vllm.v1.engine import UtilityOutput
+    from vllm.v1.engine.core import EngineCoreProc
+
+    method = engine.collective_rpc
+    converted = EngineCoreProc._convert_msgspec_args(method, args)
+    sent: list = []
+    EngineCoreProc._invoke_utility_method(
+        "collective_rpc", lambda: method(*converted), UtilityOutput(call_id=1), sent.append
+    )
+    return sent
+
+
+@needs_vllm
+def test_vllms_utility_machinery_waits_for_the_resize_and_returns_its_reply():
+    engine = ServedEngine(num_blocks=100)
+    resize.bind_engine(engine)
+    sent = _utility(engine, (resize.RESIZE, None, ["40"], {}))  # /collective_rpc sends strings
+    assert sent == [], "answered before the engine went idle"
+    engine.go_idle()
+    (output,) = sent
+    assert output.failure_message is None and output.result.result[0]["to"] == 40
+    passed_on = _utility(engine, (resize.WORKER_BLOCK_BYTES, None, (), None))[0].result.result  # to the workers
+    assert [r["bytes_per_block"] for r in passed_on] == [PAGE, PAGE]
+
+
+@needs_vllm
+def test_a_refusal_crosses_vllms_utility_machinery_typed():
+    engine = ServedEngine(num_blocks=100)
+    resize.bind_engine(engine)
+    (output,) = _utility(engine, (resize.RESIZE, None, ["900"], {}))
+    assert output.result is None and "[ResizeRefused]" in output.failure_message
+    error = resize.typed(Exception(output.failure_message))
+    assert type(error) is ResizeRefused and "exceeds the reservation of 500" in str(error)
