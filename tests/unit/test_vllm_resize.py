@@ -644,3 +644,32 @@ def test_a_refusal_crosses_vllms_utility_machinery_typed():
     assert output.result is None and "[ResizeRefused]" in output.failure_message
     error = resize.typed(Exception(output.failure_message))
     assert type(error) is ResizeRefused and "exceeds the reservation of 500" in str(error)
+
+
+@needs_vllm
+def test_vllms_busy_loop_resizes_when_idle_and_steps_again_without_new_input():
+    import threading
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    engine = ServedEngine(num_blocks=100)
+    engine.run("r", 8 * BLOCK, first_token=3000)
+    paused = engine.PauseState.PAUSED_ALL
+    # EngineCoreProc.has_work: a running request is work unless the scheduler is paused with "keep"
+    engine.has_work = lambda: bool(engine.scheduler.running) and engine.scheduler.pause_state != paused
+    engine.is_running = lambda: True
+    engine.process_input_queue_block = True
+    engine.aborts_queue = queue.Queue()
+    engine._handle_client_request = EngineCoreProc._handle_client_request.__get__(engine)
+    engine._notify_idle_state_callbacks = EngineCoreProc._notify_idle_state_callbacks.__get__(engine)
+    engine.busy_loop_input = EngineCoreProc._process_input_queue.__get__(engine)
+    engine.busy = True
+    future = resize.engine_resize(engine, 40)  # handled between steps: the engine is busy, so it pauses
+    while not engine.input_queue.empty():
+        engine.input_queue.get_nowait()  # the first wake-up is for the loop that is already awake
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (engine.busy_loop_input(), done.set()), daemon=True)
+    thread.start()
+    assert done.wait(10), "the busy loop stayed blocked on its input queue after the resize"
+    assert future.result()["to"] == 40 and engine.pool.num_gpu_blocks == 40
+    assert engine.has_work(), "the engine did not resume its running request"
