@@ -287,6 +287,8 @@ def set_blocks(state: worker_kv.WorkerKV, num_blocks: int) -> dict:
     """Move ``state``'s buffers to ``num_blocks`` (shrink: ``shrink_blocks``; growth: ``ensure_blocks``); the
     device synchronized before and after. Returns the new count, the seconds and the bytes moved."""
     buffers = state.buffers
+    if buffers is None:
+        raise ResizeUnsupported("set_blocks before the KV buffers were allocated")
     before = buffers.num_blocks
     _synchronize()
     start = time.perf_counter()
@@ -309,7 +311,7 @@ def set_blocks(state: worker_kv.WorkerKV, num_blocks: int) -> dict:
     return {"num_blocks": buffers.num_blocks, "seconds": seconds, "bytes": moved}
 
 
-def extensible_kv_set_blocks(self, num_blocks: int) -> dict:
+def extensible_kv_set_blocks(self: Any, num_blocks: int) -> dict:
     """RPC: move this worker's KV buffers to ``num_blocks``; never raises (Note [Every rank at one count, or none
     moved]): ``ok`` says whether it got there, ``num_blocks`` where it is, ``error`` why not."""
     rank = getattr(self, "rank", None)
@@ -320,7 +322,7 @@ def extensible_kv_set_blocks(self, num_blocks: int) -> dict:
     try:
         moved = set_blocks(state, int(num_blocks))
     except Exception as exc:
-        return {"ok": False, "rank": rank, "num_blocks": state.buffers.num_blocks, "error": f"{exc}"}
+        return {"ok": False, "rank": rank, "num_blocks": getattr(state.buffers, "num_blocks", None), "error": f"{exc}"}
     runner = getattr(self, "model_runner", None)
     if runner is not None and getattr(runner, "kv_cache_config", None) is not None:
         runner.kv_cache_config.num_blocks = moved["num_blocks"]
@@ -329,9 +331,12 @@ def extensible_kv_set_blocks(self, num_blocks: int) -> dict:
     return {"ok": moved["num_blocks"] == num_blocks, "rank": rank, **moved, "error": None}
 
 
-def extensible_kv_block_bytes(self) -> dict:
+def extensible_kv_block_bytes(self: Any) -> dict:
     """RPC: this worker's bytes per block over every buffer, the granule rounding bound, and its reservation."""
-    stats = _buffers_of(self).buffers.stats()
+    buffers = _buffers_of(self).buffers
+    if buffers is None:  # _buffers_of refuses this already; said again for the type checker
+        raise ResizeUnsupported("this worker has no extensible KV buffers")
+    stats = buffers.stats()
     return {
         "bytes_per_block": sum(b.page_size_bytes for b in stats.buffers),
         "rounding_bytes": sum(b.num_segments * stats.granularity for b in stats.buffers),
@@ -604,7 +609,7 @@ def engine_collective_rpc(original: Callable) -> Callable:
             return engine_call(self, method, args, kwargs)
         return original(self, method, timeout, args, kwargs)
 
-    collective_rpc.extensible_kv_original = original
+    collective_rpc.__dict__["extensible_kv_original"] = original  # what bind_engine unwraps
     return collective_rpc
 
 
