@@ -559,3 +559,58 @@ def test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back(driver):
         del view
     kv.close()
     expect_equal(driver, "outstanding after close()", ({}, 0, {}), tuple(vars(driver.outstanding()).values()))
+
+
+def test_a_kv_shrink_interrupted_at_any_line_leaves_the_old_count_or_failed(driver):
+    watched = (*WATCHED, str(PACKAGE / "kv_cache.py"))
+    outcomes: dict[str, int] = {}
+    n, total = 0, None
+    while total is None or n < min(total, MAX_LINES):
+        kv = _kv(driver)
+        kv.ensure_blocks(6)
+        kv.tensor("kv").segment_view(1)[:64].fill_(5)
+        trap = LineTrap(lambda name: name in watched, n)
+        gc.disable()  # the line events are the step's own: no collection (and its callbacks) inside it
+        try:
+            with trap:
+                kv.shrink_blocks(1)
+        except Interrupt:
+            pass
+        finally:
+            gc.enable()
+        if total is None:
+            total = trap.lines  # n == 0: the uninterrupted step, counted
+        where = f"shrink_blocks(1) from 6 interrupted at line event {n} of {total} ({trap.fired})"
+        got = (kv.state, kv.num_blocks)
+        expect(got in {("open", 6), ("open", 1), ("failed", 0)}, driver, where, "open at 6 or 1 blocks, or failed", got)
+        outcomes[str(got)] = outcomes.get(str(got), 0) + 1
+        if kv.state == "open":
+            for b in kv.buffers:
+                t = kv.tensor(b.name)
+                expect_equal(
+                    driver,
+                    f"buffer {b.name} bytes per segment after {where} (at {kv.num_blocks} blocks)",
+                    kv.num_blocks * b.page_size_bytes // t.num_segments,
+                    t.bytes_per_segment,
+                )
+                expect_equal(
+                    driver,
+                    f"buffer {b.name} accessible granules after {where}",
+                    expected_granules(t),
+                    granule_states(driver, t.base_address, t.max_num_bytes),
+                )
+            view = kv.tensor("kv").segment_view(1)
+            expect_bytes(driver, f"kept bytes after {where}", view[:64].cpu(), torch.full((64,), 5, dtype=torch.uint8))
+            del view
+        kv.close()
+        held = driver.outstanding()
+        expect_equal(driver, f"outstanding after close() following {where}", ({}, 0, {}),
+                     (held.reservations, held.handles, held.mappings))  # fmt: skip
+        n += 1
+    expect(
+        outcomes.get(str(("open", 6)), 0) > 0,
+        driver,
+        f"outcomes of shrink_blocks interrupted at each of {total} line events",
+        "some interrupts keeping the old count",
+        outcomes,
+    )

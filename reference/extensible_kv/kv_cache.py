@@ -313,17 +313,17 @@ class ExtensibleKVCacheBuffers(Unshareable):
         if num_blocks == old:
             return 0
         before = sum(t.stats().backed_bytes for t in self._tensors.values())
-        done = []
         try:
             for b in self._buffers:
                 t = self._tensors[b.name]
                 t.shrink_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments))
-                done.append((b, t))
             self._num_blocks = num_blocks
         except BaseException:
             self._num_blocks = old
-            for b, t in reversed(done):  # the failed buffer kept its old size or is failed itself
-                self._regrow(b, t, old)
+            for b in reversed(self._buffers):  # by size, not by the loop: an interrupt may land after one's return
+                t = self._tensors[b.name]
+                if t.state == "open" and t.bytes_per_segment < old * (b.page_size_bytes // t.num_segments):
+                    self._regrow(b, t, old)
             raise
         return before - sum(t.stats().backed_bytes for t in self._tensors.values())
 

@@ -27,6 +27,8 @@ REGROW = "test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zero
 REFUSED = "test_a_view_or_a_pin_reaching_past_the_new_size_refuses_the_shrink_and_changes_nothing"
 FAILURE = "test_a_driver_failure_in_a_shrink_is_typed_and_leaves_the_old_size_or_failed"
 KV_FAILURE = "test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back"
+INTERRUPTED = "test_a_shrink_interrupted_at_any_line_leaves_the_old_size_or_failed"
+KV_INTERRUPTED = "test_a_kv_shrink_interrupted_at_any_line_leaves_the_old_count_or_failed"
 
 CAUGHT_BY = {
     "forgets_to_release": {MEMORY, KEPT, REGROW},
@@ -34,8 +36,8 @@ CAUGHT_BY = {
     "lazy_unzeroed_regrow": {MEMORY, REGROW},
     "unzeroed_regrow": {REGROW},
     "unguarded": {REFUSED},
-    "no_abort": {FAILURE},
-    "kv_no_regrow": {KV_FAILURE},
+    "no_abort": {FAILURE, INTERRUPTED},
+    "kv_no_regrow": {KV_FAILURE, KV_INTERRUPTED},
 }
 """Each sabotage, and the rules that must fail on it."""
 LIFECYCLE_CATCHES = ("forgets_to_release", "one_granule_too_many", "lazy_unzeroed_regrow", "unzeroed_regrow")
@@ -44,7 +46,7 @@ a shrink, nor a write through a view a broken guard left over unmapped memory, w
 
 
 def _run(
-    tmp_path: Path, sabotage: str | None, rules: set[str], path: Path = RULES, driver: str = "host"
+    tmp_path: Path, sabotage: str | None, rules: set[str], path: Path = RULES, driver: str = "host-4k"
 ) -> tuple[int, set[str], str]:
     report = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -76,7 +78,7 @@ def test_the_shrink_rules_fail_a_broken_shrink(tmp_path, sabotage):
     rc, failed, tail = _run(tmp_path, sabotage, CAUGHT_BY[sabotage])
     missing = CAUGHT_BY[sabotage] - failed
     assert rc == 1 and not missing, (
-        f"shrink sabotage {sabotage} on host: expected exit 1 with at least {sorted(CAUGHT_BY[sabotage])} failed; "
+        f"shrink sabotage {sabotage} on host-4k: expected exit 1 with at least {sorted(CAUGHT_BY[sabotage])} failed; "
         f"got exit {rc}, failed {sorted(failed)}\n{tail}"
     )
 
@@ -85,13 +87,13 @@ def test_the_shrink_rules_pass_the_intact_tensor(tmp_path):
     rules = set().union(*CAUGHT_BY.values())
     rc, failed, tail = _run(tmp_path, None, rules)
     assert rc == 0 and not failed, (
-        f"intact tensor on host: expected exit 0, no failures; got exit {rc}, failed {sorted(failed)}\n{tail}"
+        f"intact tensor on host-4k: expected exit 0, no failures; got exit {rc}, failed {sorted(failed)}\n{tail}"
     )
 
 
 @pytest.mark.parametrize("sabotage", LIFECYCLE_CATCHES)
 def test_the_lifecycle_model_fails_a_broken_shrink(tmp_path, sabotage):
-    rc, failed, tail = _run(tmp_path, sabotage, {LIFECYCLE_RULE}, LIFECYCLE, "host-4k")
+    rc, failed, tail = _run(tmp_path, sabotage, {LIFECYCLE_RULE}, LIFECYCLE)
     assert rc == 1 and LIFECYCLE_RULE in failed, (
         f"shrink sabotage {sabotage} on host-4k: expected {LIFECYCLE_RULE} to fail (exit 1); got exit {rc}, failed "
         f"{sorted(failed)}\n{tail}"
@@ -99,7 +101,7 @@ def test_the_lifecycle_model_fails_a_broken_shrink(tmp_path, sabotage):
 
 
 def test_the_lifecycle_model_passes_the_intact_tensor(tmp_path):
-    rc, failed, tail = _run(tmp_path, None, {LIFECYCLE_RULE}, LIFECYCLE, "host-4k")
+    rc, failed, tail = _run(tmp_path, None, {LIFECYCLE_RULE}, LIFECYCLE)
     assert rc == 0 and not failed, (
         f"intact tensor on host-4k: expected exit 0, no failures; got exit {rc}, {failed}\n{tail}"
     )
