@@ -673,3 +673,15 @@ def test_vllms_busy_loop_resizes_when_idle_and_steps_again_without_new_input():
     assert done.wait(10), "the busy loop stayed blocked on its input queue after the resize"
     assert future.result()["to"] == 40 and engine.pool.num_gpu_blocks == 40
     assert engine.has_work(), "the engine did not resume its running request"
+
+
+@needs_vllm
+def test_a_shrink_and_a_growth_back_give_back_the_watermark_and_capacity_figures():
+    engine = Engine(num_blocks=100)
+    manager, cache = engine.scheduler.kv_cache_manager, engine.vllm_config.cache_config
+    manager.watermark_blocks = 3  # vLLM's int(0.03 x 100)
+    before = (manager.watermark_blocks, cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency)
+    resize.engine_resize(engine, 20)
+    assert (manager.watermark_blocks, cache.kv_cache_size_tokens) == (0, 320)
+    resize.engine_resize(engine, 100)
+    assert (manager.watermark_blocks, cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency) == before

@@ -203,21 +203,31 @@ def preempt(scheduler: Any, requests: list[Any]) -> list[str]:
 
 
 def _set_count(scheduler: Any, vllm_config: Any, old: int, new: int) -> None:
-    """Tell every count of the scheduler's side (pool, config, watermark, capacity figures) that it is ``new``."""
+    """Tell every count of the scheduler's side (pool, config, watermark, capacity figures) that it is ``new``. The
+    figures that scale with the count are taken per block once, at the first resize, so a shrink and a growth back
+    give the figures vLLM computed (no rounding carried from one resize to the next)."""
     from .connector import tell_committed_count
 
     manager = scheduler.kv_cache_manager
     config = manager.kv_cache_config
     if config.num_blocks == old:
         tell_committed_count(config, new)
-    if hasattr(manager, "watermark_blocks"):
-        manager.watermark_blocks = manager.watermark_blocks * new // old
     cache_config = vllm_config.cache_config
+    per_block = getattr(manager, "_extensible_kv_per_block", None)
+    if per_block is None:
+        per_block = {
+            "watermark": getattr(manager, "watermark_blocks", 0) / old,
+            "tokens": (getattr(cache_config, "kv_cache_size_tokens", None) or 0) / old,
+            "concurrency": (getattr(cache_config, "kv_cache_max_concurrency", None) or 0) / old,
+        }
+        manager._extensible_kv_per_block = per_block
+    if hasattr(manager, "watermark_blocks"):
+        manager.watermark_blocks = int(per_block["watermark"] * new)  # vLLM's int(watermark x num_blocks)
     cache_config.num_gpu_blocks = new
-    if getattr(cache_config, "kv_cache_size_tokens", None):
-        cache_config.kv_cache_size_tokens = cache_config.kv_cache_size_tokens * new // old
-        if getattr(cache_config, "kv_cache_max_concurrency", None):
-            cache_config.kv_cache_max_concurrency = cache_config.kv_cache_max_concurrency * new / old
+    if per_block["tokens"]:
+        cache_config.kv_cache_size_tokens = int(per_block["tokens"] * new)
+    if per_block["concurrency"]:
+        cache_config.kv_cache_max_concurrency = per_block["concurrency"] * new
 
 
 def take_out(scheduler: Any, vllm_config: Any, num_blocks: int) -> dict:
