@@ -283,10 +283,17 @@ def conformance(session: nox.Session) -> None:
 @nox.session(venv_backend="uv|virtualenv", tags=["cpu", "cuda", "rocm"])
 def layouts(session: nox.Session) -> None:
     """Segment derivation and the views a KV connector is handed, against vLLM 0.26.0's real attention backends,
-    reshape code and connectors (CPU is enough)."""
+    reshape code and connectors, and a running engine's resize against its real block pool and scheduler (CPU is
+    enough)."""
     _install(session, "-e", ".[vllm]", *TEST_DEPS, own_torch=False)
     session.env["EXTENSIBLE_KV_REQUIRE_VLLM"] = "1"
-    _pytest(session, "integration/test_backend_layouts.py", "integration/test_connector_views.py", *session.posargs)
+    _pytest(
+        session,
+        "integration/test_backend_layouts.py",
+        "integration/test_connector_views.py",
+        "tests/unit/test_vllm_resize.py",
+        *session.posargs,
+    )
 
 
 VLLM_RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
@@ -416,7 +423,7 @@ def report(session: nox.Session) -> None:
     clean.
 
     `nox -s report -- ARGS` passes ARGS to every run's report."""
-    _install(session, "-e", ".[report]", *TEST_DEPS)
+    _install(session, "-e", ".[report]", "-e", "./lab", *TEST_DEPS)
     runs = sorted(p for p in (ROOT / "reports" / "runs").iterdir() if p.is_dir())
     latest = ROOT / "reports" / "out"
     measured = (
