@@ -13,12 +13,13 @@ A growth step is all-or-nothing: if a driver call fails, or any exception lands 
 the step mapped is unmapped and released, the tensor keeps its previous size and stays usable, and ``CommitError``
 names the operation and the sizes (other exceptions, KeyboardInterrupt included, are re-raised as they are).
 
-States (``state``): ``open``; ``failed`` when a ``close()`` or a growth step's rollback did not finish (a driver call
-failed in it, or an exception interrupted it): the tensor then refuses views and growth with ``FailedStateError``,
-counts no byte as committed, and ``close()`` retried returns everything it still holds; ``released`` after
-``release_physical()`` (sleep mode: every page unmapped and released, the reservation and the committed size kept;
-views and growth refused with ``ReleasedError`` until ``recommit_physical()`` maps zeroed pages back under the same
-addresses, all-or-nothing: a recommit that fails or is interrupted leaves it released); ``closed``.
+States (``state``): ``open``; ``failed`` when a ``close()``, a growth step's rollback or a shrink past its first unmap
+did not finish (a driver call failed in it, or an exception interrupted it): the tensor then refuses views, growth and
+shrink with ``FailedStateError``, counts no byte as committed, and ``close()`` retried returns everything it still
+holds; ``released`` after ``release_physical()`` (sleep mode: every page unmapped and released, the reservation and
+the committed size kept; views and growth refused with ``ReleasedError`` until ``recommit_physical()`` maps zeroed
+pages back under the same addresses, all-or-nothing: a recommit that fails or is interrupted leaves it released);
+``closed``.
 
 Lifetimes: every tensor this object hands out (``segment_view``, ``full_view``) keeps it alive, so views may
 outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or,
