@@ -45,6 +45,17 @@ class LLM:
         CALLS.append({"call": "LLM.generate", "prompts": len(prompts)})
         return [RequestOutput(p, [CompletionOutput(" (stand-in output)")]) for p in prompts]
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> list:
+        """The engine core's answers to the resize names of ``extensible_kv.vllm.resize`` (an engine of 1,000 blocks
+        out of 4,000 reserved, 64 KiB each), recorded; any other name is refused as vLLM's workers would."""
+        CALLS.append({"call": "LLM.collective_rpc", "method": method, "args": [str(a) for a in args]})
+        if method == "extensible_kv_kv_state":
+            return [{"num_blocks": 1000, "reserved_blocks": 4000, "floor_blocks": 33, "bytes_per_block": 65536}]
+        if method in ("extensible_kv_resize", "extensible_kv_resize_bytes"):
+            blocks = int(args[0]) if method == "extensible_kv_resize" else min(4000, int(args[0]) // 65536)
+            return [{"old_blocks": 1000, "num_blocks": blocks}]
+        raise AttributeError(f"stand-in LLM: no collective_rpc method {method!r}")
+
 
 def _write_calls() -> None:
     path = os.environ.get("EXTENSIBLE_KV_STANDIN_VLLM_CALLS")
