@@ -447,7 +447,15 @@ def test_kv_shrink_blocks_gives_back_every_buffers_blocks_and_keeps_the_rest(dri
         (kv.num_blocks, stats.num_blocks, released),
     )
     expect(released > 0, driver, "bytes shrink_blocks(5) from 20 gave back", "more than 0", released)
-    expect_equal(driver, "mem_info free bytes gained by shrink_blocks", released, free_bytes(driver) - free0)
+    slack = driver.granularity() * sum(kv.tensor(b.name).num_segments for b in kv.buffers)
+    gained = free_bytes(driver) - free0
+    expect(
+        abs(gained - released) <= slack,
+        driver,
+        "mem_info free bytes gained by shrink_blocks(5) from 20",
+        f"{released} (the bytes it returned), within one granule per segment ({slack})",
+        gained,
+    )
     for b in kv.buffers:
         t = kv.tensor(b.name)
         expect_equal(
