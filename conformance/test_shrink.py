@@ -23,6 +23,7 @@ from extensible_kv.errors import (
     CommitError,
     DriverError,
     FailedStateError,
+    InvalidArgumentError,
     InvalidSizeError,
     ReleasedError,
     ShrinkError,
@@ -242,6 +243,29 @@ def test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zeroes_the
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
+def test_a_checkpoint_taken_before_a_shrink_is_refused_and_one_after_rolls_back(driver):
+    t = _filled(driver)
+    old, new = t.bytes_per_segment, _small(t)
+    before = t.checkpoint()
+    t.shrink_per_segment_(new)
+    mappings, data = driver.outstanding().mappings, _data(t)
+    with pytest.raises(InvalidArgumentError) as info:
+        t.rollback_to(before)
+    expect(
+        "lineage" in str(info.value),
+        driver,
+        f"rollback_to a checkpoint at {old} taken before a shrink to {new}",
+        "InvalidArgumentError naming the lineage",
+        str(info.value),
+    )
+    _expect_unchanged(driver, t, "a refused rollback_to across a shrink", new, mappings, data)
+    after = t.checkpoint()
+    t.resize_per_segment_(old)
+    expect_equal(driver, "rollback_to a checkpoint taken after the shrink: left undone", [], t.rollback_to(after))
+    _expect_unchanged(driver, t, "rollback_to a checkpoint taken after the shrink", new, mappings, data)
+    t.close()
+
+
 def test_a_view_or_a_pin_reaching_past_the_new_size_refuses_the_shrink_and_changes_nothing(driver):
     t = _filled(driver)
     old, new = t.bytes_per_segment, _small(t)

@@ -69,6 +69,14 @@ def _unzeroed_grow(self, old, new, zero_new):
     return out
 
 
+def _keeps_lineage(self, old, new):
+    """The shrink is one more step of the lineage, so a checkpoint taken before it can still be rolled back to."""
+    lineage = self._lineage
+    out = _ORIGINAL_SHRINK(self, old, new)
+    self._lineage = [*lineage, next(tensor._SERIALS)]
+    return out
+
+
 def _unguarded(self, nbytes):
     """The shrink skips the views and pins that reach past the new size."""
     self._check_open("shrink_per_segment_")
@@ -92,6 +100,7 @@ SABOTAGE = {
     "one_granule_too_many": [(_Tensor, "_shrink_plan", _one_granule_too_many)],
     "lazy_unzeroed_regrow": [(_Tensor, "_shrink", _lazy_shrink), (_Tensor, "_grow", _lazy_grow)],
     "unzeroed_regrow": [(_Tensor, "_shrink", _marking_shrink), (_Tensor, "_grow", _unzeroed_grow)],
+    "keeps_lineage": [(_Tensor, "_shrink", _keeps_lineage)],
     "unguarded": [(_Tensor, "_shrink_checked", _unguarded)],
     "no_abort": [(_Tensor, "_shrink_abort", _no_abort)],
     "kv_no_regrow": [(kv_cache.ExtensibleKVCacheBuffers, "_regrow", _no_regrow)],

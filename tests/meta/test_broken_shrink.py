@@ -27,6 +27,7 @@ REGROW = "test_growth_after_a_shrink_maps_exactly_the_released_granules_and_zero
 REFUSED = "test_a_view_or_a_pin_reaching_past_the_new_size_refuses_the_shrink_and_changes_nothing"
 FAILURE = "test_a_driver_failure_in_a_shrink_is_typed_and_leaves_the_old_size_or_failed"
 KV_FAILURE = "test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back"
+LINEAGE = "test_a_checkpoint_taken_before_a_shrink_is_refused_and_one_after_rolls_back"
 INTERRUPTED = "test_a_shrink_interrupted_at_any_line_leaves_the_old_size_or_failed"
 KV_INTERRUPTED = "test_a_kv_shrink_interrupted_at_any_line_leaves_the_old_count_or_failed"
 
@@ -35,6 +36,7 @@ CAUGHT_BY = {
     "one_granule_too_many": {MEMORY, KEPT, REGROW},
     "lazy_unzeroed_regrow": {MEMORY, REGROW},
     "unzeroed_regrow": {REGROW},
+    "keeps_lineage": {LINEAGE},
     "unguarded": {REFUSED},
     "no_abort": {FAILURE, INTERRUPTED},
     "kv_no_regrow": {KV_FAILURE, KV_INTERRUPTED},
