@@ -105,7 +105,10 @@ Note [A shrink unmaps whole mappings]
         one mapping [g0 g1 g2 g3], keep 1.5 granules -> new handle [g0 g1] (bytes copied), g2 g3 returned
 
     Refused before anything changes while a segment view or a ``pin`` reaches past the new size (as a rollback is:
-    Note [A rollback never strands a view]); a pin reaches the size committed when it was taken.
+    Note [A rollback never strands a view]); a pin reaches the size committed when it was taken. The copy is a
+    snapshot: a kernel or thread writing kept bytes of a split mapping during the shrink may lose the write, so
+    shrink between steps, as growth is done; the copy takes the kept bytes of split mappings (at most a mapping per
+    segment run) from torch's allocator on the device for the step.
 
 Note [A shrink is a new lineage]
     A shrink unmaps mappings a checkpoint counted and maps new ones, as a release and a recommit do, so it starts a
