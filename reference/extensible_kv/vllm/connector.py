@@ -148,7 +148,7 @@ class Session:
     """One worker's connector between ``defer`` and ``register``."""
 
     state: worker_kv.WorkerKV
-    connector: object
+    connector: Any  # a vLLM KV connector (untyped here)
     name: str
     own: dict[str, object]  # the connector instance's own attributes DEFERRED replaced (_MISSING: none)
     calls: dict[str, tuple] = field(default_factory=dict)  # method -> the arguments of its last recorded call
@@ -281,7 +281,9 @@ def _narrower(state: worker_kv.WorkerKV) -> Callable[[torch.Tensor, str], torch.
     """Narrow any tensor over one of ``state``'s buffers to the committed blocks; the same tensor object gives the
     same narrowed object (layers sharing a KV cache tensor keep sharing it)."""
     by_base = _buffers_by_base(state)
-    reserved, n = state.buffers.max_num_blocks, state.buffers.num_blocks
+    buffers = state.buffers
+    assert buffers is not None  # _buffers_by_base refused a state without buffers
+    reserved, n = buffers.max_num_blocks, buffers.num_blocks
     done: dict[int, torch.Tensor] = {}
 
     def narrow(view: torch.Tensor, what: str) -> torch.Tensor:
@@ -326,7 +328,9 @@ def _flat(value: object) -> Iterable[torch.Tensor]:
 def extents(state: worker_kv.WorkerKV, handed: object) -> tuple[list[dict], int, int]:
     """Per tensor handed over: shape, strides, dtype, its buffer, the bytes of its storage and the bytes its own
     elements span; the distinct storages' bytes together, and the committed bytes of the buffers they are in."""
-    bases = {state.buffers.tensor(b.name).base_address: b.name for b in state.buffers.buffers}
+    buffers = state.buffers
+    assert buffers is not None, "no extensible KV buffers: nothing was handed over from them"
+    bases = {buffers.tensor(b.name).base_address: b.name for b in buffers.buffers}
     rows, storages, seen = [], {}, set()
     for t in _flat(handed):
         if id(t) in seen:
@@ -347,7 +351,7 @@ def extents(state: worker_kv.WorkerKV, handed: object) -> tuple[list[dict], int,
             }
         )
         storages[storage.data_ptr()] = storage.nbytes()
-    committed = sum(state.buffers.tensor(bases[p]).stats().committed_bytes for p in storages if p in bases)
+    committed = sum(buffers.tensor(bases[p]).stats().committed_bytes for p in storages if p in bases)
     return rows, sum(storages.values()), committed
 
 
@@ -372,6 +376,7 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
     if current.registration is not None:
         return current.registration
     n = state.buffers.num_blocks if state.buffers is not None else 0
+    handed: torch.Tensor | dict[str, Any]
     if "register_cross_layers_kv_cache" in current.calls:
         tensor, backend = _arguments(current.calls["register_cross_layers_kv_cache"], ("kv_cache", "attn_backend"))
         kind, handed = "cross_layers", _narrower(state)(tensor, "the cross-layer KV cache")
@@ -401,6 +406,7 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
             f"KV connector {current.name} refused the KV caches of this model "
             f"({kind}, {n} blocks): {type(exc).__name__}: {exc}"
         ) from exc
+    assert state.buffers is not None  # the narrowing above refused a state without buffers
     state.buffers.pin(f"KV connector {current.name}")  # every release and growth path refuses from now on
     current.registration = Registration(current.name, kind, n, committed, storage_bytes, rows)
     logger.info(

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..drivers import Driver
 from ..errors import DriverUnavailable
 from . import agreement, connector, resize, sleep, worker_kv
 from .probes import _on_instance, limits_of, profile_run_reserved_peak, worst_batch_runs
@@ -92,7 +93,7 @@ def _worker_kv() -> worker_kv.WorkerKV:
     return state
 
 
-def _platform_driver() -> object:
+def _platform_driver() -> Driver:
     """The driver for this worker's device: hip on ROCm, cuda otherwise, on torch's current device (the driver
     probes that device itself when it is built)."""
     import torch
@@ -132,7 +133,7 @@ def _v1_initialize_kv_cache_tensors(original: Callable) -> Callable:
 def _v1_allocate_kv_cache_tensors(original: Callable) -> Callable:
     def _allocate_kv_cache_tensors(self, kv_cache_config):
         with sleep.nothing_in_pool("the extensible KV allocation"):  # Note [Nothing of ours in vLLM's pool]
-            return worker_kv.active().allocate(kv_cache_config)
+            return worker_kv.active().allocate(kv_cache_config)  # type: ignore[union-attr]  # started by the init patch
 
     return _allocate_kv_cache_tensors
 
@@ -184,7 +185,7 @@ def _v2_init_kv_cache(original: Callable) -> Callable:
 def _v2_allocate_kv_cache(original: Callable) -> Callable:
     def _allocate_kv_cache(kv_cache_config, shared_kv_cache_layers, device):
         with sleep.nothing_in_pool("the extensible KV allocation"):  # Note [Nothing of ours in vLLM's pool]
-            raw = worker_kv.active().allocate(kv_cache_config)
+            raw = worker_kv.active().allocate(kv_cache_config)  # type: ignore[union-attr]  # started by the init patch
         return {name: t for name, t in raw.items() if name not in shared_kv_cache_layers}
 
     return _allocate_kv_cache
@@ -254,7 +255,7 @@ def _state_of(worker: object) -> worker_kv.WorkerKV | None:
     return pinned if pinned is not None else worker_kv.active()
 
 
-def extensible_kv_measure(self) -> int:
+def extensible_kv_measure(self: Any) -> int:
     """RPC: measure memory after warmup; return the blocks every rank can commit (the minimum over ranks).
 
     The ranks agree among themselves as well as through the engine's minimum over the replies: with the external
@@ -283,7 +284,7 @@ def extensible_kv_measure(self) -> int:
     return agreement.agree_min(fits, group) if group is not None else fits
 
 
-def extensible_kv_commit(self, num_blocks: int) -> dict:
+def extensible_kv_commit(self: Any, num_blocks: int) -> dict:
     """RPC: commit ``num_blocks`` under the same base pointers; tell the runner its new size."""
     state = _state_of(self)
     if state is None or state.buffers is None:
@@ -296,7 +297,7 @@ def extensible_kv_commit(self, num_blocks: int) -> dict:
     return extensible_kv_report(self)
 
 
-def extensible_kv_report(self) -> dict:
+def extensible_kv_report(self: Any) -> dict:
     """RPC: what this worker reserved, committed and measured (plain data, for reports)."""
     state = _state_of(self)
     report = state.report() if state is not None else {}
@@ -361,7 +362,12 @@ class _Patch:
     module: str
     owner: str | None  # a class in the module, or None for a module-level function
     attr: str
-    make: Callable[[Callable | None], Callable]
+    make: Callable[[Any], Callable]  # given the original attribute (None for an RPC this patch set adds)
+
+
+def _as_is(function: Callable) -> Callable[[Any], Callable]:
+    """The ``make`` of a patch that sets ``function`` itself (an RPC this patch set adds: no original to wrap)."""
+    return lambda _: function
 
 
 PATCHES = (
@@ -372,7 +378,7 @@ PATCHES = (
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_commit", lambda _: extensible_kv_commit),
     _Patch("vllm.v1.worker.gpu_worker", "Worker", "extensible_kv_report", lambda _: extensible_kv_report),
     _Patch("vllm.v1.engine.core", "EngineCore", "collective_rpc", resize.engine_collective_rpc),
-    *(_Patch("vllm.v1.worker.gpu_worker", "Worker", name, lambda _, f=f: f) for name, f in resize.WORKER_RPCS.items()),
+    *(_Patch("vllm.v1.worker.gpu_worker", "Worker", name, _as_is(f)) for name, f in resize.WORKER_RPCS.items()),
     _Patch(
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",

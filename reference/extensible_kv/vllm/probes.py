@@ -7,8 +7,8 @@ probe names the member it uses, and ``patches`` is the only caller.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, cast
 
 from . import worker_kv
 from .worker_kv import ExtensibleKVUnsupported
@@ -17,7 +17,15 @@ from .worst_batch import Batch, Dummy, Limits, Plan
 _MISSING = object()  # an attribute the instance did not have
 
 
-def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[], object]:
+class ProfiledRun(Protocol):
+    """A run wrapped by ``profile_run_reserved_peak``: called as the run, its ``figures`` filled by each call."""
+
+    figures: dict[str, int]
+
+    def __call__(self) -> object: ...
+
+
+def profile_run_reserved_peak(profile_run: Callable[[], object]) -> ProfiledRun:
     """``profile_run`` that also records what torch's caching allocator *reserved* for the activation peak.
 
     vLLM profiles the peak in allocated bytes (``allocated_bytes.all.peak``); the device sees reserved bytes, which
@@ -28,7 +36,7 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
     back and measured] in ``sizing``."""
     figures: dict[str, int] = {}
 
-    def run():
+    def run() -> object:
         import torch
 
         torch.cuda.synchronize()
@@ -46,8 +54,9 @@ def profile_run_reserved_peak(profile_run: Callable[[], object]) -> Callable[[],
         )
         return result
 
-    run.figures = figures
-    return run
+    profiled = cast(ProfiledRun, run)
+    profiled.figures = figures
+    return profiled
 
 
 def encoder_cache_budget(model_runner: Any) -> dict | None:
@@ -123,7 +132,7 @@ def _on_instance(obj: object, name: str, value: object) -> Iterator[None]:
             setattr(obj, name, own)
 
 
-def _served_query_length(model_runner: Any, query_len: int):
+def _served_query_length(model_runner: Any, query_len: int) -> AbstractContextManager[None]:
     """Within the block, V1's attention metadata is built with ``max_query_len`` at most ``query_len`` (this runner
     instance only). Note [A served batch's query length] in ``sizing``."""
     build = model_runner._build_attention_metadata
@@ -280,7 +289,7 @@ def _v2_context(model_runner: Any, seq_len: int) -> Iterator[None]:
 
     original = v2.InputBatch
 
-    class WithContext(original):
+    class WithContext(original):  # type: ignore[valid-type, misc]  # vLLM's class, untyped here
         @classmethod
         def make_dummy(cls, num_reqs, num_tokens, input_buffers):
             batch = original.make_dummy.__func__(cls, num_reqs, num_tokens, input_buffers)
@@ -343,6 +352,7 @@ def run_batch(model_runner: Any, batch: Batch) -> None:
     """One worst batch: its dummy forward (with the encoder cache held full where it says so), then the sampler
     over its rows (at the widest speculative step)."""
     held = encoder_cache_held(model_runner) if batch.encoder_items_held else []
+    assert batch.dummy is not None, f"batch {batch.name} has no dummy run (plan.runnable leaves it out)"
     hidden, sampled = run_dummy(model_runner, batch.dummy)
     if batch.sampled_rows and _samples(model_runner):
         _sampler_run(model_runner, sampled)
@@ -368,6 +378,7 @@ def worst_batch_runs(model_runner: Any, plan: Plan, reset: Callable[[], None] = 
     rows = []
     top_reserved = top_allocated = 0
     for batch in plan.runnable(kind):
+        assert batch.dummy is not None  # plan.runnable gives only batches with a dummy run
         reset()
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
@@ -376,7 +387,7 @@ def worst_batch_runs(model_runner: Any, plan: Plan, reset: Callable[[], None] = 
         with torch.inference_mode():
             run_batch(model_runner, batch)
         torch.cuda.synchronize()
-        row = {
+        row: dict[str, Any] = {
             "name": batch.name,
             "targets": list(batch.targets),
             "seconds": round(time.perf_counter() - start, 4),

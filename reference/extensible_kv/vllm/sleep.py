@@ -45,9 +45,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from ..errors import InvalidArgumentError, InvalidSizeError
 from . import worker_kv
@@ -77,7 +77,7 @@ def wakes_kv(tags: object) -> bool:
     if tags is None:
         return True
     try:
-        names = None if isinstance(tags, (str, bytes)) else list(tags)
+        names = None if isinstance(tags, (str, bytes)) else list(cast(Iterable[object], tags))
     except TypeError:  # not iterable
         names = None
     if names is None or not all(isinstance(t, str) for t in names):
@@ -195,7 +195,7 @@ def _keep_kv_views(runner: Any, original: Callable[[], None]) -> Callable[[], No
             else:
                 runner.kv_caches = own
 
-    post_kv_cache_wake_up.extensible_kv = True
+    post_kv_cache_wake_up.extensible_kv = True  # type: ignore[attr-defined]  # a marker on the function, read by bind
     return post_kv_cache_wake_up
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from ..drivers import Driver
 from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
@@ -34,16 +36,14 @@ class ExtensibleKVUnsupported(ExtensibleKVError, RuntimeError):
     """This vLLM configuration cannot use the extensible KV cache; the message says why."""
 
 
-def _views(value: object) -> list[tuple[torch.Tensor, int]]:
+def _views(value: torch.Tensor | Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """(view, block dim) pairs of one layer's KV cache value: a tensor (attention) or a list (Mamba states)."""
     if isinstance(value, torch.Tensor):
         return [(value, block_dim(value.shape, "attention view"))]
     return [(v, 0) for v in value]
 
 
-def derive_segments(
-    kv_cache_config: object, reshape: Callable[[dict[str, torch.Tensor]], dict[str, object]]
-) -> list[int]:
+def derive_segments(kv_cache_config: Any, reshape: Callable[[dict[str, torch.Tensor]], dict[str, Any]]) -> list[int]:
     """Segments of each ``KVCacheTensor``, from vLLM's own reshape applied to ``meta`` tensors."""
     num_blocks = kv_cache_config.num_blocks
     raw: dict[str, torch.Tensor] = {}
@@ -78,7 +78,7 @@ def derive_segments(
 class WorkerKV:
     """A worker's extensible KV cache and what it measured (see the module docstring)."""
 
-    driver: object
+    driver: Driver | str | None
     segments: list[int] = field(default_factory=list)
     buffers: ExtensibleKVCacheBuffers | None = None
     layer_buffer: dict[str, str] = field(default_factory=dict)
@@ -86,7 +86,7 @@ class WorkerKV:
     commit_seconds: float | None = None
     events: list[dict] = field(default_factory=list)
 
-    def allocate(self, kv_cache_config: object) -> dict[str, torch.Tensor]:
+    def allocate(self, kv_cache_config: Any) -> dict[str, torch.Tensor]:
         """Raw int8 tensors per layer, at the full reserved size, with block 0 committed."""
         if not self.segments:
             raise ExtensibleKVError("allocate before prepare: the segments were not derived")
@@ -114,9 +114,7 @@ class WorkerKV:
             self.events.append({"event": "ensure_blocks", "reason": reason, "from": before, "to": got})
         return got
 
-    def measure(
-        self, worker: object, again: Mapping[str, int], served: Mapping[str, int], margin: int = 0
-    ) -> MemoryState:
+    def measure(self, worker: Any, again: Mapping[str, int], served: Mapping[str, int], margin: int = 0) -> MemoryState:
         """Measure memory after warmup on ``worker`` (a vLLM GPU worker) and size the final commit. ``again`` and
         ``served``: the figures (``probes.profile_run_reserved_peak``: ``peak_reserved`` and ``retained``; for
         ``served`` also ``peak_allocated`` and ``cache_after``) of vLLM's profile run, run again just before, and of
@@ -195,7 +193,7 @@ def torch_reusable_now() -> int:
     return reusable_cache(torch.cuda.memory_snapshot(), torch.cuda.current_device())
 
 
-def start(driver: object) -> WorkerKV:
+def start(driver: Driver | str | None) -> WorkerKV:
     global _ACTIVE
     _ACTIVE = WorkerKV(driver)
     return _ACTIVE

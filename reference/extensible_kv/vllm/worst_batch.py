@@ -41,6 +41,7 @@ of more new tokens per request than that (Note [A prefill is a prefill to the ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MLA_WORKSPACE_CAP = 64 * 1024  # vLLM 0.26.0's cap on MLA's context workspace, in tokens
 
@@ -201,7 +202,7 @@ def _dummy_seqs(d: Dummy) -> tuple[tuple[int, int], ...]:
     return tuple((d.seq_len - n, n) for n in new)
 
 
-def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **kwargs) -> Batch:
+def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **kwargs: Any) -> Batch:
     seqs = _dummy_seqs(dummy)
     for ctx, new in seqs:
         if ctx < 0 or new < 1 or ctx + new > limits.max_model_len:
