@@ -16,6 +16,7 @@ from .errors import (
     InvalidSizeError,
     ProtocolViolation,
     ReleasedError,
+    ShrinkError,
 )
 from .tensor import ExtensibleTensor, TensorStats
 
@@ -39,6 +40,7 @@ __all__ = [
     "Ledger",
     "ProtocolViolation",
     "ReleasedError",
+    "ShrinkError",
     "TensorStats",
     "best_available",
     "get_driver",
