@@ -132,6 +132,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import NoReturn, cast
 from dataclasses import dataclass
 
 import torch
@@ -177,8 +178,9 @@ def refuse_reentry(op: str, owner: object, kind: str, lock: threading.RLock, dri
     """Refuse ``op`` on ``owner`` (a ``kind``) with ``BusyError`` when this thread holds ``lock`` (an operation of
     ``owner`` is running in it) or, for an operation that calls the driver (``driver``), is inside a driver call:
     Note [Operations never wait on themselves]. Nothing has changed when it refuses."""
-    if lock._is_owned() or (driver and inside_section()):
-        inside = f"an operation of this {kind}" if lock._is_owned() else "a driver call"
+    owned = lock._is_owned()  # type: ignore[attr-defined]  # RLock's own test, as threading.Condition uses it
+    if owned or (driver and inside_section()):
+        inside = f"an operation of this {kind}" if owned else "a driver call"
         raise BusyError(
             f"{op} on {owner!r} ran inside {inside} in this thread (from a finalizer or a signal handler): "
             f"refused, nothing changed"
@@ -189,19 +191,19 @@ class Unshareable:
     """Base of the objects that own virtual memory: copy, deepcopy and pickle raise ``TypeError``, since a copy
     would be a second owner that frees the memory under the first one's views."""
 
-    def _refuse(self) -> None:
+    def _refuse(self) -> NoReturn:
         raise TypeError(
             f"{type(self).__name__} owns virtual memory and cannot be copied or pickled: a second owner "
             f"would free it under the first one's views; share the object, or copy a view's bytes"
         )
 
-    def __copy__(self) -> None:
+    def __copy__(self) -> NoReturn:
         self._refuse()
 
-    def __deepcopy__(self, memo: dict) -> None:
+    def __deepcopy__(self, memo: dict) -> NoReturn:
         self._refuse()
 
-    def __reduce_ex__(self, protocol: object) -> None:
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
         self._refuse()
 
 
@@ -242,6 +244,11 @@ class _Memory(Owned):
     @property
     def base(self) -> int | None:
         return self.reservation[0] if self.reservation else None
+
+    @property
+    def start(self) -> int:
+        """``base`` where the caller holds the reservation (every growth, shrink and view step), as an int."""
+        return cast(int, self.base)
 
     # -- effects: the intent, the driver call, the record ----------------------------------------------------------
     def reserve(self, alignment: int) -> None:
@@ -292,8 +299,9 @@ class _Memory(Owned):
 
     def settle(self) -> None:
         """Make the records say what the driver holds for the intent's target (Note [Intent, effect, record])."""
-        if self.uncertain():
-            kind, target = self.intent[0], self.intent[1:]
+        intent = self.intent
+        if intent is not None and self.uncertain():
+            kind, target = intent[0], intent[1:]
             if kind == "release":
                 _undo(self.driver.release, target[0])
                 _remove(self.handles, target[0])
@@ -441,7 +449,7 @@ class ExtensibleTensor(Unshareable):
         self._finalizer = weakref.finalize(self, sweep)
         self._finalizer.atexit = False  # Note [Nothing is unmapped at interpreter exit]
         with busy(): self._memory.reserve(g)  # one line: Note [Locked sections are one line] in ``reaper``  # fmt: skip
-        self._base = self._memory.base
+        self._base = self._memory.start
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -606,7 +614,7 @@ class ExtensibleTensor(Unshareable):
         max_granules = max(cap // g, 1) if cap else None
         for lo, hi in runs:
             for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
-                va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
+                va, size = memory.start + c_lo * g, (c_hi - c_lo) * g
                 self._op = "create"
                 handle = memory.create(size)
                 self._op = "map"
@@ -614,11 +622,11 @@ class ExtensibleTensor(Unshareable):
                 self._op = "release"
                 memory.release(handle)  # the mapping keeps the memory alive
             self._op = "set_access"
-            driver.set_access(memory.base + lo * g, (hi - lo) * g)
+            driver.set_access(memory.start + lo * g, (hi - lo) * g)
         if zero_new:
             self._op = "zero"
             for lo, hi in granules.new_ranges(self._segment_bytes, self._num_segments, old, new):
-                driver.zero(memory.base + lo, hi - lo)
+                driver.zero(memory.start + lo, hi - lo)
 
     # -- shrink ------------------------------------------------------------------------------------------------
     def shrink_per_segment_(self, nbytes: int) -> ExtensibleTensor:
@@ -665,7 +673,7 @@ class ExtensibleTensor(Unshareable):
     def _shrink_plan(self, new: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]]]:
         """The mappings a shrink to ``new`` unmaps whole (``(va, size)``) and those it splits (``(va, size, kept
         granule runs)``): Note [A shrink unmaps whole mappings]."""
-        g, base = self._granularity, self._memory.base
+        g, base = self._granularity, self._memory.start
         kept = granules.backed_granules(self._segment_bytes, self._num_segments, new, g)
         drops, splits = [], []
         for va, size in self._memory.mappings:
@@ -724,7 +732,7 @@ class ExtensibleTensor(Unshareable):
         for _, _, kept in splits:
             for lo, hi in kept:
                 for c_lo, c_hi in granules.chunks(lo, hi, max_granules):
-                    va, size = memory.base + c_lo * g, (c_hi - c_lo) * g
+                    va, size = memory.start + c_lo * g, (c_hi - c_lo) * g
                     self._op = "create"
                     handle = memory.create(size)
                     self._op = "copy"
@@ -963,7 +971,7 @@ class ExtensibleTensor(Unshareable):
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self._driver.device)
         keeper = _ViewKeeper(self, reach)
-        with busy(): raw = self._driver.tensor(self._memory.base + offset, nbytes, keeper)  # one line  # fmt: skip
+        with busy(): raw = self._driver.tensor(self._memory.start + offset, nbytes, keeper)  # one line  # fmt: skip
         self._views.add(keeper)
         return raw.view(dtype)
 
