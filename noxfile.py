@@ -92,7 +92,7 @@ def _cpu_pin(constraints: str) -> str | None:
 
 def _cpu_wheel(find_links: str, python_tag: str = PYTHON_TAG) -> str | None:
     """The newest `+cpu` torch wheel for ``python_tag`` and this machine in a local folder of ``find_links``."""
-    from packaging.version import Version  # noqa: PLC0415 - nox's own dependency
+    from packaging.version import Version  # nox's own dependency
 
     wheels = []
     for link in find_links.split():
@@ -104,7 +104,7 @@ def _cpu_wheel(find_links: str, python_tag: str = PYTHON_TAG) -> str | None:
 
 def _answers(url: str) -> str | None:
     """None where ``url`` answers, else why not (in a few words)."""
-    import urllib.request  # noqa: PLC0415
+    import urllib.request
 
     try:
         urllib.request.urlopen(urllib.request.Request(f"{url}/torch/", method="HEAD"), timeout=20).close()
@@ -306,7 +306,7 @@ def vllm_versions(session: nox.Session) -> None:
     """Each vLLM release's patch points, read from its wheel's source (no import, no GPU), against the version gate;
     then the tensor rules on vLLM 0.34's own ExtensibleTensor over the host driver (`--tensor vllm`). Wheels are
     downloaded once into .nox/vllm-wheels/ (`pip download --no-deps`) and only their .py files unpacked."""
-    import zipfile  # noqa: PLC0415
+    import zipfile
 
     _install(session, "-e", ".[conformance]", *TEST_DEPS)
     wheels = ROOT / ".nox" / "vllm-wheels"
@@ -325,7 +325,7 @@ def vllm_versions(session: nox.Session) -> None:
             wheel.extractall(target, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
     session.env["EXTENSIBLE_KV_VLLM_SOURCES"] = str(sources)
     _pytest(session, "tests/unit/test_vllm_versions.py", "tests/unit/test_vllm_driver.py", *session.posargs)
-    from conformance.tensors import TENSOR_RULE_FILES  # noqa: PLC0415
+    from conformance.tensors import TENSOR_RULE_FILES
 
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sources / "0.34.0"), before]))  # _run_python reads it

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv import ExtensibleTensor, Ledger
-from extensible_kv.drivers.ledger import OPERATIONS
 from extensible_kv import granules as _granules
+from extensible_kv.drivers.ledger import OPERATIONS
 from extensible_kv.errors import BusyError
 
 

@@ -33,10 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conformance import load_plugin
 from extensible_kv import drivers
 from extensible_kv.errors import DriverLoadError, DriverUnavailable
-
-from conformance import load_plugin
 
 from ._vmm import close_quietly
 
@@ -92,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # others, so the exemption goes into both the ini filters and the filters active now.
     config.addinivalue_line("filterwarnings", f"default:{_NOTHING_SAVED}:{_BENCH_WARNING}")
     try:
-        from pytest_benchmark.logger import PytestBenchmarkWarning  # noqa: PLC0415
+        from pytest_benchmark.logger import PytestBenchmarkWarning
     except ImportError:
         pass
     else:
@@ -277,7 +276,7 @@ def keeper(bench_env: BenchEnv):
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
     """The GPU, its driver and the torch/CUDA versions go into the JSON's ``machine_info.environment``, and into
     ``environment.json`` beside ``--benchmark-json`` (``extensible_kv.record.environment``)."""
-    from extensible_kv import record  # noqa: PLC0415
+    from extensible_kv import record
 
     env = record.environment()
     machine_info["environment"] = env
@@ -292,8 +291,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if not benchmarks:
         return
     try:
-        from extensible_kv_lab.report.benchmarks import summarize_data  # noqa: PLC0415
-        from extensible_kv_lab.report.rendering import bench_tables  # noqa: PLC0415
+        from extensible_kv_lab.report.benchmarks import summarize_data
+        from extensible_kv_lab.report.rendering import bench_tables
     except ModuleNotFoundError as exc:  # the lab (pip install ./lab) draws the table; the JSON is written without it
         terminalreporter.write_line(f"extensible-kv benchmark summary: not shown ({exc.name} is not installed)")
         return

@@ -192,7 +192,7 @@ def test_empty_run_gives_no_figures():
 
 
 def test_bench_summary_command_prints_the_table_and_json(fixture_path, capsys):
-    from extensible_kv.__main__ import main  # noqa: PLC0415
+    from extensible_kv.__main__ import main
 
     assert main(["bench-summary", str(fixture_path)]) == 0
     out = capsys.readouterr().out
@@ -203,7 +203,7 @@ def test_bench_summary_command_prints_the_table_and_json(fixture_path, capsys):
 
 @pytest.mark.parametrize("content", [None, "{not json"], ids=["missing", "not-json"])
 def test_bench_summary_command_names_an_unreadable_file(tmp_path, capsys, content):
-    from extensible_kv.__main__ import main  # noqa: PLC0415
+    from extensible_kv.__main__ import main
 
     path = tmp_path / "bench.json"
     if content is not None:

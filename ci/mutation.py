@@ -26,8 +26,8 @@ import argparse
 import json
 import os
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -126,7 +126,7 @@ def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -
 def _forget_survivors() -> None:
     """Drop the verdict of every mutant whose tests did not fail or fault (survivors and timeouts), so the next run
     tests it again."""
-    from mutmut.stats import status_by_exit_code  # noqa: PLC0415 - the verdict names mutmut gives exit codes
+    from mutmut.stats import status_by_exit_code  # the verdict names mutmut gives exit codes
 
     for meta in (WORK / "mutants").rglob("*.meta"):
         data = json.loads(meta.read_text())

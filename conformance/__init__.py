@@ -46,7 +46,7 @@ def load_plugin(pluginmanager) -> None:
     """Register the suite's pytest plugin (``plugin/``) under ``PLUGIN``, unless a copy is registered already or it is
     blocked (``-p no:extensible_kv_conformance``): its hooks run once."""
     if not _registered(pluginmanager) and not pluginmanager.is_blocked(PLUGIN):
-        from . import plugin  # noqa: PLC0415 - pytest is imported only where the rules run
+        from . import plugin  # pytest is imported only where the rules run
 
         pluginmanager.register(plugin, PLUGIN)
 
@@ -54,7 +54,7 @@ def load_plugin(pluginmanager) -> None:
 def _spec_of(driver: str | Callable[[], object]) -> str:
     if isinstance(driver, str):
         return driver
-    from extensible_kv.errors import DriverLoadError  # noqa: PLC0415
+    from extensible_kv.errors import DriverLoadError
 
     module, name = getattr(driver, "__module__", None), getattr(driver, "__qualname__", "")
     if not callable(driver) or not module or module == "__main__" or "<" in name or "." in name:
@@ -78,8 +78,8 @@ def check_driver(driver: str | Callable[[], object], pytest_args: Sequence[str] 
     is then pytest's. The driver is named explicitly, so if it cannot run here the rules fail rather than skip. On
     Ctrl-C or SIGTERM the children are ended as a group before this returns (``process_group``).
     """
-    from . import preflight, process_group  # noqa: PLC0415
-    from .limits import OptionError, run_options  # noqa: PLC0415
+    from . import preflight, process_group
+    from .limits import OptionError, run_options
 
     spec = _spec_of(driver)
     args = list(pytest_args)
@@ -126,7 +126,7 @@ def check_driver(driver: str | Callable[[], object], pytest_args: Sequence[str] 
 
 def _not_built(spec: str, found, summary_json: str | None) -> int:
     """One line for a spec that names no driver (2); one line and the summary for a driver not built (1)."""
-    from . import table  # noqa: PLC0415
+    from . import table
 
     if found.status == "bad-spec":
         print(f"error: {found.message}", file=sys.stderr)
@@ -136,7 +136,7 @@ def _not_built(spec: str, found, summary_json: str | None) -> int:
     row = table.row(spec, failed=table.ALL, unavailable=reason)
     print("\n".join([table.section(), *table.lines([row])]), flush=True)
     if summary_json:
-        from extensible_kv import record  # noqa: PLC0415
+        from extensible_kv import record
 
         record.write(summary_json, {"exitstatus": 1, "torch": None, "drivers": [{**row, "failed": 0}], "tests": []})
     return 1

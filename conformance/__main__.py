@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("check-driver: interrupted; its child processes were ended", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - a command line answers with one line, never a traceback
-        from extensible_kv.boundaries import shown  # noqa: PLC0415
-        from extensible_kv.errors import ExtensibleKVError  # noqa: PLC0415
+    except Exception as exc:  # a command line answers with one line, never a traceback
+        from extensible_kv.boundaries import shown
+        from extensible_kv.errors import ExtensibleKVError
 
         what = str(exc) if isinstance(exc, ExtensibleKVError) else f"check-driver failed: {type(exc).__name__}: {exc}"
         print(f"error: {shown(' '.join(what.split()), 400)[1:-1]}", file=sys.stderr)

@@ -66,7 +66,7 @@ def _profile_and_tensor(request: pytest.FixtureRequest):
     rule = getattr(node, "originalname", node.name)
     spec = node.callspec.params.get("driver_spec") if hasattr(node, "callspec") else None
     if spec is not None:
-        from .plugin.selection import build  # noqa: PLC0415
+        from .plugin.selection import build
 
         built = build(request.config, spec)
         profile = None if isinstance(built, str) else getattr(built, "conformance_profile", None)

@@ -91,7 +91,7 @@ def odd_tensor(
 ) -> ExtensibleTensor:
     """A tensor whose segment boundaries fall inside granules (segment size a non-multiple of the granularity), of
     the class ``--tensor`` selects (``tensors.py``)."""
-    from .tensors import new_tensor  # noqa: PLC0415
+    from .tensors import new_tensor
 
     g = driver.granularity()
     seg = int(granules_per_segment * g)
@@ -238,7 +238,7 @@ class RawDriver:
         for step, args in steps:
             try:
                 step(*args)
-            except Exception as exc:  # noqa: BLE001 - every step is tried; the first failure is reported
+            except Exception as exc:  # every step is tried; the first failure is reported
                 errors.append(exc)
         self.mappings.clear()
         self.handles.clear()
@@ -288,7 +288,7 @@ def oom_step(driver: Ledger) -> int:
     granules and at most ``max_handle_bytes``. A CPU driver whose total is over 4 GiB (the machine's memory, not a
     budget) is skipped: running it out would take the machine's memory; build it with a budget instead
     (``HostDriver(budget_bytes=...)``, as the registered host drivers are)."""
-    import pytest  # noqa: PLC0415
+    import pytest
 
     g, total = driver.granularity(), driver.mem_info()[1]
     if driver.device.type == "cpu" and total > CPU_OOM_LIMIT:
@@ -309,7 +309,7 @@ MEMFD_NAME = "extensible-kv"
 def host_kernel(driver: Ledger) -> bool:
     """Whether the kernel's own records say what ``driver`` did: a CPU driver built on the host driver (mmap and
     memfd), whose mappings ``/proc/self/maps`` shows and whose untouchable granules fault."""
-    from extensible_kv.drivers.host import HostDriver  # noqa: PLC0415
+    from extensible_kv.drivers.host import HostDriver
 
     return driver.device.type == "cpu" and isinstance(getattr(driver, "inner", driver), HostDriver)
 
@@ -400,7 +400,7 @@ def touch(va: int, write: bool = False) -> str:
                 byte.value = byte.value
             else:
                 _ = byte.value
-        except BaseException:  # noqa: BLE001 - the child reports by exit status only
+        except BaseException:  # the child reports by exit status only
             os._exit(3)
         os._exit(0)
     _, status = os.waitpid(pid, 0)

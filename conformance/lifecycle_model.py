@@ -34,7 +34,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import extensible_kv
 from extensible_kv import ExtensibleTensor
-from extensible_kv.reaper import inside_section
 from extensible_kv.errors import (
     BusyError,
     ClosedError,
@@ -46,6 +45,7 @@ from extensible_kv.errors import (
     ReleasedError,
     SegmentIndexError,
 )
+from extensible_kv.reaper import inside_section
 from extensible_kv.vllm import connector, worker_kv
 from extensible_kv.vllm.sleep import KVSleepBackend
 
@@ -314,7 +314,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             call()
             got = "no error"
-        except Exception as exc:  # noqa: BLE001 - judged by type below
+        except Exception as exc:  # judged by type below
             got = exc
         after = self.snapshot(name)
         if not isinstance(got, error) or not str(got):
@@ -889,7 +889,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 try:
                     call()
                     outcomes.append("returned")
-                except BaseException as exc:  # noqa: BLE001 - the child reports every outcome
+                except BaseException as exc:  # the child reports every outcome
                     outcomes.append(type(exc).__name__)
             os.write(w, ",".join(outcomes).encode())
             os._exit(0)
@@ -931,7 +931,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 try:
                     self.victim.close(force=True)
                     outcome.append("closed")
-                except BaseException as exc:  # noqa: BLE001 - judged below
+                except BaseException as exc:  # judged below
                     outcome.append(exc.with_traceback(None))  # its frames would keep a's half-made view alive
 
         gc.collect()

@@ -68,9 +68,9 @@ def syntax_error(spec: str) -> str | None:
 
 def _build(spec: str) -> dict:
     """Build the driver ``spec`` names here and return what the run's header shows of it."""
-    from extensible_kv import drivers  # noqa: PLC0415 - after faulthandler, so a crash in torch's import is named
-    from extensible_kv.boundaries import factories  # noqa: PLC0415
-    from extensible_kv.errors import DriverLoadError, DriverUnavailable  # noqa: PLC0415
+    from extensible_kv import drivers  # after faulthandler, so a crash in torch's import is named
+    from extensible_kv.boundaries import factories
+    from extensible_kv.errors import DriverLoadError, DriverUnavailable
 
     if ":" not in spec:
         if spec not in drivers.registered():
@@ -95,14 +95,14 @@ def _build(spec: str) -> dict:
             raise _BadSpec(f"driver spec {spec!r}: no module named {module_name!r}")
         try:
             module = importlib.import_module(module_name)
-        except BaseException as exc:  # noqa: BLE001 - its code: SystemExit and KeyboardInterrupt are its failures too
+        except BaseException as exc:  # its code: SystemExit and KeyboardInterrupt are its failures too
             raise _Unbuildable(f"importing {module_name} raised {type(exc).__name__}: {exc}") from None
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise _BadSpec(f"driver spec {spec!r}: module {module_name} has no callable {attr!r}")
         try:
             built = factory()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             raise _Unbuildable(f"its factory raised {type(exc).__name__}: {exc}") from None
         try:  # judged as an object, never read as a spec (Note [A factory's result is judged as an object])
             driver = factories.judge(built, f"driver spec {spec!r}: its factory")
@@ -115,7 +115,7 @@ def _build(spec: str) -> dict:
             "device": str(driver.device),
             "granularity": int(driver.granularity()),
         }
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         raise _Unbuildable(
             f"the built driver's name, device or granularity() raised {type(exc).__name__}: {exc}"
         ) from None

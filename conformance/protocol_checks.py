@@ -231,7 +231,7 @@ class ProtocolChecks(RuleBasedStateMachine):
         try:
             with within():
                 result, raised = getattr(self.raw, op)(*args), None
-        except Exception as exc:  # noqa: BLE001 - every exception is an outcome the model judges
+        except Exception as exc:  # every exception is an outcome the model judges
             result, raised = None, exc
         after = self.raw.mem_info()[0]
         if kernel is not None and raised is not None:
@@ -305,7 +305,7 @@ class ProtocolChecks(RuleBasedStateMachine):
                 code = 0
             except DriverError as exc:
                 code = 4 if exc.operation != op else 3 if unnamed(exc, args) is None else 6
-            except BaseException:  # noqa: BLE001 - the child reports by exit status only
+            except BaseException:  # the child reports by exit status only
                 code = 5
             os._exit(code)
         _, status = os.waitpid(pid, 0)
@@ -463,7 +463,7 @@ class ProtocolChecks(RuleBasedStateMachine):
         prediction = self.model.tensor(t_va, t_n)
         try:
             t, raised = self.raw.tensor(t_va, t_n, keeper), None
-        except Exception as exc:  # noqa: BLE001 - judged below
+        except Exception as exc:  # judged below
             t, raised = None, exc
         del keeper
         self._fail_unless(raised is None, f"tensor({t_va:#x}, {t_n})", "a tensor", repr(raised))
@@ -704,7 +704,7 @@ class ProtocolChecks(RuleBasedStateMachine):
         def attempt(name: str, fn, *args) -> None:
             try:
                 fn(*args)
-            except Exception as exc:  # noqa: BLE001 - every step is tried; all failures are reported
+            except Exception as exc:  # every step is tried; all failures are reported
                 errors.append(f"{name}({shown(args)}): {exc!r}")
 
         attempt("synchronize", self.raw.synchronize)

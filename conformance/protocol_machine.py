@@ -535,7 +535,7 @@ class ProtocolMachine(ProtocolChecks):
             kernel = self._kernel_holds() if self.setup.host else None
             try:
                 result = getattr(self.raw, op)(*args)
-            except Exception:  # noqa: BLE001 - a refusal of any kind: it must change nothing
+            except Exception:  # a refusal of any kind: it must change nothing
                 if kernel is not None:
                     self._kernel_unchanged(f"{op}({shown(args)}), a caller's error, refused", kernel)
                 self.every_observable_matches_the_model()

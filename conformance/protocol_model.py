@@ -17,7 +17,6 @@ the protocol lacks.
 from __future__ import annotations
 
 import bisect
-
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace

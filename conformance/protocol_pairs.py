@@ -109,7 +109,7 @@ class PairChecks(ProtocolChecks):
         """Make ``call`` on the raw driver and record it as an event; whether it was taken."""
         try:
             got, raised = getattr(self.raw, call.op)(*self.native(call)), None
-        except Exception as exc:  # noqa: BLE001 - an outcome, judged by the serial orders
+        except Exception as exc:  # an outcome, judged by the serial orders
             got, raised = None, exc
         key = call.args[0] if call.op == "release" else None
         if raised is None:
@@ -143,7 +143,7 @@ class PairChecks(ProtocolChecks):
                     taken = self.attempt(call, histories[t])
                     if call.spin is None or finished or taken == (call.spin == "taken"):
                         break
-            except BaseException as exc:  # noqa: BLE001 - reported below, with the calls made
+            except BaseException as exc:  # reported below, with the calls made
                 errors.append(exc)
                 barrier.abort()
             finally:

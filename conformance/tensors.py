@@ -148,7 +148,7 @@ def selected(name: str) -> Iterator[None]:
         _Selected.name = "reference"
         _Selected.facades.clear()
         if _Selected.saved:
-            from . import vllm_tensor  # noqa: PLC0415
+            from . import vllm_tensor
 
             vllm_tensor.restore(_Selected.saved)
 
@@ -161,7 +161,7 @@ def new_tensor(max_num_bytes: int, num_segments: int = 1, *, driver: Any, **kwar
     """A tensor of the selected class, on ``driver`` (the rules' Ledger)."""
     if _Selected.name == "reference":
         return ExtensibleTensor(max_num_bytes, num_segments, driver=driver, **kwargs)
-    from . import vllm_tensor  # noqa: PLC0415
+    from . import vllm_tensor
 
     facade = _Selected.facades.get(id(driver))
     if facade is None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from .helpers import expect
-from .line_trap import Interrupt, LineTrap
 from .kernel_view import KernelView
+from .line_trap import Interrupt, LineTrap
 from .plugin.selection import retire
 from .protocol_checks import learn_setup
 from .protocol_machine import ProtocolMachine

@@ -30,11 +30,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-
 from .helpers import around_powers_of_two, expect, wait_until_gone
 from .protocol_checks import NATIVE_LIMITS, Keeper, learn_setup
-from .protocol_model import MAX_BYTES
 from .protocol_machine import BAD_VALUE_CALLS, BAD_VALUES, ProtocolMachine
+from .protocol_model import MAX_BYTES
 from .thread_machine import CONTENDED, OWN_CALLS, TwoThreadMachine
 
 EXAMPLES_ENV = "EXTENSIBLE_KV_PROTOCOL_EXAMPLES"
@@ -361,7 +360,7 @@ def test_every_call_from_a_thread_new_to_the_driver_is_taken(driver):
         def run() -> None:
             try:
                 out.append((True, step()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread as it came
+            except BaseException as exc:  # handed to the main thread as it came
                 out.append((False, exc))
 
         thread = threading.Thread(target=run, daemon=True)

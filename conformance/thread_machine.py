@@ -81,7 +81,7 @@ class _Worker:
     def do(self, op: str, args: tuple, native: tuple, result=None, key: int | None = None):
         try:
             got, raised = getattr(self.raw, op)(*native), None
-        except Exception as exc:  # noqa: BLE001 - an outcome, judged by the linearization
+        except Exception as exc:  # an outcome, judged by the linearization
             got, raised = None, exc
         if raised is None:
             self.m.record_made(op, native, got, key)
@@ -109,7 +109,7 @@ class _Worker:
                 self.contend(what)
             for op, pick in self.program[len(self.contended) * per :]:
                 self.step(op, pick)
-        except BaseException as exc:  # noqa: BLE001 - reported by the machine, with the thread's calls
+        except BaseException as exc:  # reported by the machine, with the thread's calls
             self.error = exc
             self.barrier.abort()
 

@@ -40,7 +40,7 @@ _KDL_CPU, _KDL_CUDA, _KDL_ROCM = 1, 2, 10
 
 
 def vllm_tensor_module() -> Any:
-    import vllm.utils.extensible_tensor as module  # noqa: PLC0415 - optional: vLLM >= 0.34
+    import vllm.utils.extensible_tensor as module  # optional: vLLM >= 0.34
 
     return module
 
@@ -220,7 +220,7 @@ class VllmTensor:
         return self._state == "released"
 
     def stats(self) -> Any:
-        from extensible_kv.tensor import TensorStats  # noqa: PLC0415
+        from extensible_kv.tensor import TensorStats
 
         t = self.inner
         return TensorStats(

@@ -23,12 +23,14 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from extensible_kv_lab.parity import refusal  # on the path once integration.parity is imported
+from extensible_kv_lab.report.serving import start_state
 from integration.parity import (
     THROUGHPUT_ORDER,
     Case,
     Throughput,
     compiled,
-    measured,  # noqa: E402
+    measured,
     measured_pairs,
     row,
     run_parity,
@@ -38,8 +40,6 @@ from integration.parity import (
     throughput_benchmark,
     throughput_pair,
 )
-from extensible_kv_lab.parity import refusal  # noqa: E402 - on the path once integration.parity is imported
-from extensible_kv_lab.report.serving import start_state  # noqa: E402
 
 # Shapes. Qwen3-0.6B: 8 sequences of up to 2,048 prompt tokens fill vLLM's 16,384 batched tokens (the peak batch).
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=8, seconds=75, timeout=300)
@@ -155,7 +155,9 @@ def rows_from_files(cases: list, cases_dir: Path) -> tuple[list[dict], dict]:
     rows, pairs = [], {}
     for case in cases:
         if isinstance(case, Throughput):
-            pairs[case.id] = throughput_pair(lambda mode, repeat: read(case.run_name(mode, repeat), None, None, False))
+            pairs[case.id] = throughput_pair(
+                lambda mode, repeat, case=case: read(case.run_name(mode, repeat), None, None, False)
+            )
         else:
             rows.append(row(case, run_parity(case, read)))
     return rows, pairs

@@ -93,8 +93,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-# integration.parity first: on a checkout without the packages installed it puts reference/ and lab/ on the path
-from integration.parity import peak_figures, speculative_figures, tokens_per_s
 from extensible_kv_lab.measurements import (
     CaseMemory,
     EncoderCacheFigures,
@@ -106,6 +104,9 @@ from extensible_kv_lab.measurements import (
     SpeculativeFigures,
     write,
 )
+
+# integration.parity first: on a checkout without the packages installed it puts reference/ and lab/ on the path
+from integration.parity import peak_figures, speculative_figures, tokens_per_s
 
 MODELS = Path(__file__).resolve().parent / "models"
 PROMPT_LEN, NUM_PROMPTS = 40, 4
@@ -333,7 +334,7 @@ def refused_import(config: dict, model: str) -> str | None:
     for name, why in MM_IMPORTS:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - an ImportError or a broken build (e.g. torchvision's operators)
+        except Exception as exc:  # an ImportError or a broken build (e.g. torchvision's operators)
             return f"refused: {model} needs {name} ({why}): {type(exc).__name__}: {exc}"
     return None
 

@@ -605,7 +605,7 @@ def run_plan(session: Session, phases: dict, plan: Sequence[tuple[str, str, str]
     for phase, action, key in plan:
         try:
             phases.setdefault(phase, {})[key] = ACTIONS[action](session)
-        except Exception as exc:  # noqa: BLE001 - recorded with its place in the sequence
+        except Exception as exc:  # recorded with its place in the sequence
             raise StepFailed(f"{phase}/{key}: {type(exc).__name__}: {exc}", phase) from exc
 
 
@@ -650,7 +650,7 @@ def run_mode(
         if mode == "extensible":
             result["extensible_after"] = rpc(client, "extensible_kv_report")[0]
         result["complete"] = True
-    except Exception as exc:  # noqa: BLE001 - the mode's file says where it stopped; the server is stopped below
+    except Exception as exc:  # the mode's file says where it stopped; the server is stopped below
         phase = getattr(exc, "phase", None) or step
         result["error"] = {
             "phase": phase,

@@ -149,7 +149,7 @@ def reading(worker) -> dict:
     try:
         stats = buffers.stats()
         kv.update(backed_bytes=int(stats.backed_bytes), committed_bytes=int(stats.committed_bytes))
-    except Exception as exc:  # noqa: BLE001 - recorded, not fatal: the reading is still useful
+    except Exception as exc:  # recorded, not fatal: the reading is still useful
         kv["stats_error"] = f"{type(exc).__name__}: {exc}"
     out["kv"] = kv
     return out
@@ -272,7 +272,7 @@ def run_one(case: Case, path: Path) -> dict:
     for name, phase in zip(PHASES, (before, sleep_wake, weights_then_kv, cycles, level2), strict=True):
         try:
             result["phases"][name] = phase()
-        except Exception as exc:  # noqa: BLE001 - the case file says which phase failed; later phases are skipped
+        except Exception as exc:  # the case file says which phase failed; later phases are skipped
             result["error"] = {
                 "phase": name,
                 "error": f"{type(exc).__name__}: {exc}",
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         from extensible_kv import record
 
         record.write(out / "environment.json", record.environment())
-    except Exception as exc:  # noqa: BLE001 - the environment is context, not a result
+    except Exception as exc:  # the environment is context, not a result
         print(f"environment.json not written: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(table)
     return 0

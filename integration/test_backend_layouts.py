@@ -19,7 +19,7 @@ from extensible_kv.errors import ExtensibleKVError
 from extensible_kv.layout import AttentionLayer, MambaLayer, attention_layer, block_dim, buffer_segments, segments_of
 
 if os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - a missing vllm must fail here
+    import vllm  # a missing vllm must fail here
 vllm = pytest.importorskip("vllm")
 
 from vllm.v1.attention.backends.utils import set_kv_cache_layout  # noqa: E402

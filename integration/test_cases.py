@@ -290,7 +290,7 @@ def test_the_encoder_cache_is_recorded_at_the_profile_and_after_every_step(monke
     runner = (v1 if kind == "v1" else v2)()
     runner.profile_run()
     assert "_dummy_run" not in vars(runner), "profile_run must leave no wrapper on the runner"
-    step = lambda new, free=(): runner.execute_model(types.SimpleNamespace(new=list(new), free=list(free)))  # noqa
+    step = lambda new, free=(): runner.execute_model(types.SimpleNamespace(new=list(new), free=list(free)))  # noqa: E731
     step(["warmup"])  # an engine-start step: not the case's own (recording off)
     assert record.encoder_held is None, f"{kind}: nothing recorded before the case starts, got {record.encoder_held}"
     with record.encoder_sampling():
@@ -364,7 +364,7 @@ class _SpecLLM:
             out = types.SimpleNamespace(
                 total_num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={i: d for i, d in drafts.items() if d}
             )
-            getattr(self.worker, "execute_model")(out)
+            self.worker.execute_model(out)
             proposed = self.worker.model_runner.drafter.propose(4, [[last[i]] for i in drafts], None, None)
             self.proposed.append(proposed)
             drafts = dict(enumerate(proposed))

@@ -22,7 +22,7 @@ from extensible_kv.errors import ExtensibleKVError
 from extensible_kv.vllm import ExtensibleKVUnsupported, connector, worker_kv
 
 if os.environ.get("EXTENSIBLE_KV_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - a missing vllm must fail here
+    import vllm  # a missing vllm must fail here
 vllm = pytest.importorskip("vllm")
 
 from vllm.v1.attention.backends.utils import set_kv_cache_layout  # noqa: E402

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from integration import matrix, parity, run_case
 from extensible_kv_lab.measurements import IntegrationCase
 from extensible_kv_lab.parity import (
     DIFFERS,
@@ -25,6 +24,7 @@ from extensible_kv_lab.parity import (
     classify_with_fallback,
     first_difference,
 )
+from integration import matrix, parity, run_case
 from integration.parity import Case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -567,7 +567,7 @@ class _FakeLLM:
 
     def generate(self, batch, params, use_tqdm=False):
         out = type("SO", (), {"total_num_scheduled_tokens": sum(len(b["prompt_token_ids"]) for b in batch)})()
-        getattr(self.worker, "execute_model")(out)
+        self.worker.execute_model(out)
         self.free_during_batch()
         return [type("O", (), {"num_cached_tokens": 0})() for _ in batch]
 

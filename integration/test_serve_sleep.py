@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import threading
-import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import tomllib
 
 from integration import serve_sleep
 from integration.serve_sleep import PLAN, ROUTES

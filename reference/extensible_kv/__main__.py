@@ -51,7 +51,7 @@ def _text(text: str) -> str:
 
 
 def _backend_spec(text: str) -> str:
-    from .backend_check import BackendLoadError, check_spec  # noqa: PLC0415
+    from .backend_check import BackendLoadError, check_spec
 
     try:
         return check_spec(_text(text))
@@ -138,7 +138,7 @@ def _needs_lab(exc: ModuleNotFoundError, command: str) -> int:
 
 
 def _validate_backend(args: argparse.Namespace) -> int:
-    from .backend_check import validate_many  # noqa: PLC0415
+    from .backend_check import validate_many
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -159,9 +159,9 @@ def _validate_backend(args: argparse.Namespace) -> int:
         cache_dtype_str=args.cache_dtype,
     )
     if args.json:
-        from dataclasses import asdict  # noqa: PLC0415
+        from dataclasses import asdict
 
-        from . import record  # noqa: PLC0415
+        from . import record
 
         results = [
             {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()}, "ok": r.ok} for r in reports
@@ -185,7 +185,7 @@ def _validate_backend(args: argparse.Namespace) -> int:
 
 
 def _environment(args: argparse.Namespace) -> int:
-    from . import record  # noqa: PLC0415
+    from . import record
 
     outputs.output_folder(args.out_dir, option="OUT_DIR", files=["environment.json"])
     path = os.path.join(args.out_dir, "environment.json")
@@ -200,7 +200,7 @@ def _environment(args: argparse.Namespace) -> int:
 def _register_report(sub: argparse._SubParsersAction) -> None:
     """``report`` and ``bench-summary``, the lab's; without the lab, each answers with the line that says so."""
     try:
-        from extensible_kv_lab.report import register  # noqa: PLC0415 - pydantic loads here, matplotlib when it draws
+        from extensible_kv_lab.report import register  # pydantic loads here, matplotlib when it draws
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in LAB_NEEDS:
             raise
@@ -319,7 +319,7 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"error: {args.command} interrupted; nothing was left half-written", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - a command line answers with one line, never a traceback
+    except Exception as exc:  # a command line answers with one line, never a traceback
         return _failed(args, exc)
 
 

@@ -101,7 +101,7 @@ def resolve_backend(spec: str) -> type:
             raise BackendLoadError(f"backend {spec!r} could not be loaded: {exc}") from exc
         return cls
     try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: PLC0415
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError as exc:
         raise BackendLoadError(
             f"backend name {spec!r} needs vllm (install the 'vllm' extra), or pass module:Class: {exc}"
@@ -121,7 +121,7 @@ def kv_cache_layout(layout: str | None) -> Iterator[None]:
     """Set vLLM's KV cache layout (NHD/HND) for the block where vllm is importable (backends outside vLLM do
     not read it); restore it after."""
     try:
-        from vllm.v1.attention.backends.utils import set_kv_cache_layout  # noqa: PLC0415
+        from vllm.v1.attention.backends.utils import set_kv_cache_layout
     except ImportError:
         set_kv_cache_layout = None
     if layout is None or set_kv_cache_layout is None:
@@ -220,7 +220,7 @@ def _does_not_fit(driver: Driver, page: int, max_blocks: int, exc: Exception) ->
     try:
         free, total = driver.mem_info()
         limit = f"{total} bytes ({free} free)"
-    except Exception as info_exc:  # noqa: BLE001 - the driver's own call; the size error is the finding
+    except Exception as info_exc:  # the driver's own call; the size error is the finding
         limit = f"unknown (mem_info raised {type(info_exc).__name__})"
     return " ".join(
         f"page {page} bytes x {max_blocks} blocks = {page * max_blocks} bytes reserved; driver "

@@ -30,7 +30,7 @@ def write(path: str | Path, data: dict) -> Path:
 def environment() -> dict:
     """This machine, now: torch's versions and first GPU, the NVIDIA driver (``nvidia-smi``'s CSV query, where there
     is one), python, the platform and the installed versions of ``PACKAGES``."""
-    import torch  # noqa: PLC0415
+    import torch
 
     gpu = memory = None
     if torch.cuda.is_available():

@@ -132,8 +132,8 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import NoReturn, cast
 from dataclasses import dataclass
+from typing import NoReturn, cast
 
 import torch
 
@@ -751,12 +751,12 @@ class ExtensibleTensor(Unshareable):
         for va, size, handle, _ in parts:
             self._op = "map"
             memory.map(va, size, handle)
-        for va, size, handle, saved in parts:
+        for va, size, _, saved in parts:
             self._op = "set_access"
             driver.set_access(va, size)
             self._op = "copy"
             driver.tensor(va, size, None).copy_(saved)
-        for va, size, handle, _ in parts:
+        for _, _, handle, _ in parts:
             self._op = "release"
             try:
                 memory.release(handle)  # the mapping keeps the memory alive

@@ -22,7 +22,7 @@ MIB = 1 << 20
 VA_BASE = 0x7F00_0000_0000
 
 
-class CUresult(enum.IntEnum):  # noqa: N801 - cuda-bindings' names
+class CUresult(enum.IntEnum):  # cuda-bindings' names
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -32,28 +32,28 @@ class CUresult(enum.IntEnum):  # noqa: N801 - cuda-bindings' names
     CUDA_ERROR_NOT_SUPPORTED = 801
 
 
-class CUmemAllocationType(enum.IntEnum):  # noqa: N801
+class CUmemAllocationType(enum.IntEnum):
     CU_MEM_ALLOCATION_TYPE_INVALID = 0
     CU_MEM_ALLOCATION_TYPE_PINNED = 1
 
 
-class CUmemLocationType(enum.IntEnum):  # noqa: N801
+class CUmemLocationType(enum.IntEnum):
     CU_MEM_LOCATION_TYPE_INVALID = 0
     CU_MEM_LOCATION_TYPE_DEVICE = 1
 
 
-class CUmemAccess_flags(enum.IntEnum):  # noqa: N801
+class CUmemAccess_flags(enum.IntEnum):
     CU_MEM_ACCESS_FLAGS_PROT_NONE = 0
     CU_MEM_ACCESS_FLAGS_PROT_READ = 1
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 
 
-class CUmemAllocationGranularity_flags(enum.IntEnum):  # noqa: N801
+class CUmemAllocationGranularity_flags(enum.IntEnum):
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 
 
-class CUdevice_attribute(enum.IntEnum):  # noqa: N801
+class CUdevice_attribute(enum.IntEnum):
     CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 
 
@@ -70,35 +70,35 @@ class _Opaque:
         return f"<{type(self).__name__} {self._value:#x}>"
 
 
-class CUdeviceptr(_Opaque):  # noqa: N801
+class CUdeviceptr(_Opaque):
     pass
 
 
-class CUmemGenericAllocationHandle(_Opaque):  # noqa: N801
+class CUmemGenericAllocationHandle(_Opaque):
     pass
 
 
-class CUdevice(_Opaque):  # noqa: N801
+class CUdevice(_Opaque):
     pass
 
 
-class CUcontext(_Opaque):  # noqa: N801
+class CUcontext(_Opaque):
     pass
 
 
-class CUmemLocation:  # noqa: N801
+class CUmemLocation:
     def __init__(self) -> None:
         self.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID
         self.id = 0
 
 
-class CUmemAllocationProp:  # noqa: N801
+class CUmemAllocationProp:
     def __init__(self) -> None:
         self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
         self.location = CUmemLocation()
 
 
-class CUmemAccessDesc:  # noqa: N801
+class CUmemAccessDesc:
     def __init__(self) -> None:
         self.location = CUmemLocation()
         self.flags = CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE
@@ -156,34 +156,34 @@ class FakeCuda:
         return next((start for start, (size, _, _) in self.mappings.items() if start <= va < start + size), None)
 
     # -- initialisation ---------------------------------------------------------------------------------------------
-    def cuInit(self, flags):  # noqa: N802
+    def cuInit(self, flags):
         return (self._enter("cuInit", flags) or CUresult.CUDA_SUCCESS,)
 
-    def cuDeviceGetCount(self):  # noqa: N802
+    def cuDeviceGetCount(self):
         return self._enter("cuDeviceGetCount") or CUresult.CUDA_SUCCESS, 1
 
-    def cuDeviceGet(self, ordinal):  # noqa: N802
+    def cuDeviceGet(self, ordinal):
         return self._enter("cuDeviceGet", ordinal) or CUresult.CUDA_SUCCESS, CUdevice(ordinal)
 
-    def cuDeviceGetAttribute(self, attrib, dev):  # noqa: N802
+    def cuDeviceGetAttribute(self, attrib, dev):
         return self._enter("cuDeviceGetAttribute", attrib, dev) or CUresult.CUDA_SUCCESS, 1
 
-    def cuDevicePrimaryCtxRetain(self, dev):  # noqa: N802
+    def cuDevicePrimaryCtxRetain(self, dev):
         return self._enter("cuDevicePrimaryCtxRetain", dev) or CUresult.CUDA_SUCCESS, CUcontext(0xC0)
 
-    def cuCtxSetCurrent(self, ctx):  # noqa: N802
+    def cuCtxSetCurrent(self, ctx):
         return (self._enter("cuCtxSetCurrent", ctx) or CUresult.CUDA_SUCCESS,)
 
-    def cuMemGetAllocationGranularity(self, prop, option):  # noqa: N802
+    def cuMemGetAllocationGranularity(self, prop, option):
         err = self._enter("cuMemGetAllocationGranularity", prop, option)
         return err or CUresult.CUDA_SUCCESS, self.granularity
 
-    def cuMemGetInfo(self):  # noqa: N802
+    def cuMemGetInfo(self):
         err = self._enter("cuMemGetInfo")
         return err or CUresult.CUDA_SUCCESS, self.total - self.held(), self.total
 
     # -- virtual memory ---------------------------------------------------------------------------------------------
-    def cuMemAddressReserve(self, size, alignment, addr, flags):  # noqa: N802
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
         err = self._enter("cuMemAddressReserve", size, alignment, addr, flags)
         if err or self._off_grid(size, alignment) or size <= 0:
             return err or CUresult.CUDA_ERROR_INVALID_VALUE, CUdeviceptr(0)
@@ -193,7 +193,7 @@ class FakeCuda:
         self.reservations[va] = size
         return CUresult.CUDA_SUCCESS, CUdeviceptr(va)
 
-    def cuMemAddressFree(self, ptr, size):  # noqa: N802
+    def cuMemAddressFree(self, ptr, size):
         err = self._enter("cuMemAddressFree", ptr, size)
         va = int(ptr)
         inside = any(va <= m < va + size for m in self.mappings)
@@ -202,7 +202,7 @@ class FakeCuda:
         del self.reservations[va]
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemCreate(self, size, prop, flags):  # noqa: N802
+    def cuMemCreate(self, size, prop, flags):
         err = self._enter("cuMemCreate", size, prop, flags)
         if err or self._off_grid(size) or size <= 0 or not isinstance(prop, CUmemAllocationProp):
             return err or CUresult.CUDA_ERROR_INVALID_VALUE, CUmemGenericAllocationHandle(0)
@@ -212,7 +212,7 @@ class FakeCuda:
         self.handles[key] = Handle(size)
         return CUresult.CUDA_SUCCESS, CUmemGenericAllocationHandle(key)
 
-    def cuMemRelease(self, handle):  # noqa: N802
+    def cuMemRelease(self, handle):
         err = self._enter("cuMemRelease", handle)
         h = self.handles.get(int(handle))
         if err or h is None or h.released:
@@ -220,7 +220,7 @@ class FakeCuda:
         h.released = True
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802
+    def cuMemMap(self, ptr, size, offset, handle, flags):
         err = self._enter("cuMemMap", ptr, size, offset, handle, flags)
         va, h = int(ptr), self.handles.get(int(handle))
         inside = any(r <= va and va + size <= r + n for r, n in self.reservations.items())
@@ -231,7 +231,7 @@ class FakeCuda:
         h.mappings += 1
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemUnmap(self, ptr, size):  # noqa: N802
+    def cuMemUnmap(self, ptr, size):
         err = self._enter("cuMemUnmap", ptr, size)
         va = int(ptr)
         if err or va not in self.mappings or self.mappings[va][0] != size:
@@ -241,7 +241,7 @@ class FakeCuda:
         self.handles[key].mappings -= 1
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemSetAccess(self, ptr, size, desc, count):  # noqa: N802
+    def cuMemSetAccess(self, ptr, size, desc, count):
         err = self._enter("cuMemSetAccess", ptr, size, desc, count)
         va = int(ptr)
         covered = [m for m, (n, _, _) in self.mappings.items() if va <= m and m + n <= va + size]
@@ -252,14 +252,14 @@ class FakeCuda:
             self.access[m] = int(desc[0].flags)
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemGetAccess(self, location, ptr):  # noqa: N802
+    def cuMemGetAccess(self, location, ptr):
         err = self._enter("cuMemGetAccess", location, ptr)
         start = self._mapping_at(int(ptr))
         if err or start is None or not isinstance(location, CUmemLocation):
             return err or CUresult.CUDA_ERROR_INVALID_VALUE, 0
         return CUresult.CUDA_SUCCESS, self.access.get(start, 0)
 
-    def cuMemsetD8Async(self, dstDevice, uc, N, hStream):  # noqa: N802, N803
+    def cuMemsetD8Async(self, dstDevice, uc, N, hStream):
         err = self._enter("cuMemsetD8Async", dstDevice, uc, N, hStream)
         va = int(dstDevice)
         readable = all(self.access.get(self._mapping_at(a) or -1) for a in range(va, va + N, self.granularity))

@@ -34,7 +34,7 @@ VA_BASE = 0x7F00_0000_0000
 _GARBAGE = object()  # what malloc leaves in a field nobody set
 
 
-class hipError_t(enum.IntEnum):  # noqa: N801 - hip-python's names
+class hipError_t(enum.IntEnum):  # hip-python's names
     hipSuccess = 0
     hipErrorInvalidValue = 1
     hipErrorOutOfMemory = 2
@@ -44,39 +44,39 @@ class hipError_t(enum.IntEnum):  # noqa: N801 - hip-python's names
     hipErrorNotSupported = 801
 
 
-class hipMemAllocationType(enum.IntEnum):  # noqa: N801
+class hipMemAllocationType(enum.IntEnum):
     hipMemAllocationTypeInvalid = 0
     hipMemAllocationTypePinned = 1
 
 
-class hipMemAllocationHandleType(enum.IntEnum):  # noqa: N801
+class hipMemAllocationHandleType(enum.IntEnum):
     hipMemHandleTypeNone = 0
     hipMemHandleTypePosixFileDescriptor = 1
 
 
-class hipMemLocationType(enum.IntEnum):  # noqa: N801
+class hipMemLocationType(enum.IntEnum):
     hipMemLocationTypeInvalid = 0
     hipMemLocationTypeDevice = 1
     hipMemLocationTypeHost = 2
 
 
-class hipMemLocationTypeWithoutHost(enum.IntEnum):  # noqa: N801 - older bindings: no Host location
+class hipMemLocationTypeWithoutHost(enum.IntEnum):  # older bindings: no Host location
     hipMemLocationTypeInvalid = 0
     hipMemLocationTypeDevice = 1
 
 
-class hipMemAccessFlags(enum.IntEnum):  # noqa: N801
+class hipMemAccessFlags(enum.IntEnum):
     hipMemAccessFlagsProtNone = 0
     hipMemAccessFlagsProtRead = 1
     hipMemAccessFlagsProtReadWrite = 3
 
 
-class hipMemAllocationGranularity_flags(enum.IntEnum):  # noqa: N801
+class hipMemAllocationGranularity_flags(enum.IntEnum):
     hipMemAllocationGranularityMinimum = 0
     hipMemAllocationGranularityRecommended = 1
 
 
-class hipDeviceAttribute_t(enum.IntEnum):  # noqa: N801
+class hipDeviceAttribute_t(enum.IntEnum):
     hipDeviceAttributeVirtualMemoryManagementSupported = 89
     hipDeviceAttributeIsLargeBar = 10011
 
@@ -128,20 +128,20 @@ class _Struct:
         return out
 
 
-class hipMemLocation(_Struct):  # noqa: N801
+class hipMemLocation(_Struct):
     FIELDS = ("type", "id")
     type = _enum_setter("type", "hipMemLocationType")
     id = _int_setter("id")
 
 
-class hipMemAllocationProp_struct_0(_Struct):  # noqa: N801
+class hipMemAllocationProp_struct_0(_Struct):
     FIELDS = ("compressionType", "gpuDirectRDMACapable", "usage")
     compressionType = _int_setter("compressionType")
     gpuDirectRDMACapable = _int_setter("gpuDirectRDMACapable")
     usage = _int_setter("usage")
 
 
-class hipMemAllocationProp(_Struct):  # noqa: N801
+class hipMemAllocationProp(_Struct):
     FIELDS = ("type", "requestedHandleType", "win32HandleMetaData")
     NESTED = ("location", "allocFlags")
     type = _enum_setter("type", "hipMemAllocationType")
@@ -157,15 +157,15 @@ class hipMemAllocationProp(_Struct):  # noqa: N801
         return self._location
 
     @property
-    def allocFlags(self) -> hipMemAllocationProp_struct_0:  # noqa: N802
+    def allocFlags(self) -> hipMemAllocationProp_struct_0:
         return self._alloc_flags
 
     @property
-    def win32HandleMetaData(self):  # noqa: N802
+    def win32HandleMetaData(self):
         return self._win32HandleMetaData
 
     @win32HandleMetaData.setter
-    def win32HandleMetaData(self, value) -> None:  # noqa: N802
+    def win32HandleMetaData(self, value) -> None:
         if value is not None and not isinstance(value, int):
             raise TypeError(f"win32HandleMetaData takes a pointer (None or int), got {value!r}")
         self._win32HandleMetaData = value
@@ -306,12 +306,12 @@ class FakeHip:
         return ptr
 
     # -- initialisation and devices -------------------------------------------------------------------------------
-    def hipInit(self, flags: int):  # noqa: N802
+    def hipInit(self, flags: int):
         if self.init_raises is not None:
             raise self.init_raises
         return (self._enter("hipInit", flags) or self.init_error,)
 
-    def hipGetDeviceCount(self):  # noqa: N802
+    def hipGetDeviceCount(self):
         err = self._enter("hipGetDeviceCount")
         if err:
             return err, 0
@@ -319,7 +319,7 @@ class FakeHip:
             return hipError_t.hipErrorNoDevice, 0
         return hipError_t.hipSuccess, self.devices
 
-    def hipDeviceGetAttribute(self, attr: Any, device: int):  # noqa: N802
+    def hipDeviceGetAttribute(self, attr: Any, device: int):
         err = self._enter("hipDeviceGetAttribute", attr, device)
         if err:
             return err, 0
@@ -331,10 +331,10 @@ class FakeHip:
             return hipError_t.hipSuccess, int(self.vmm)
         return hipError_t.hipSuccess, int(self.large_bar)
 
-    def hipGetDevice(self):  # noqa: N802
+    def hipGetDevice(self):
         return self._enter("hipGetDevice") or hipError_t.hipSuccess, self.current_device
 
-    def hipSetDevice(self, device: int):  # noqa: N802
+    def hipSetDevice(self, device: int):
         err = self._enter("hipSetDevice", device)
         if err:
             return (err,)
@@ -343,10 +343,10 @@ class FakeHip:
         self.current_device = device
         return (hipError_t.hipSuccess,)
 
-    def hipDeviceSynchronize(self):  # noqa: N802
+    def hipDeviceSynchronize(self):
         return (self._enter("hipDeviceSynchronize") or hipError_t.hipSuccess,)
 
-    def hipMemGetInfo(self):  # noqa: N802
+    def hipMemGetInfo(self):
         err = self._enter("hipMemGetInfo")
         if err:
             return err, 0, 0
@@ -357,7 +357,7 @@ class FakeHip:
         return any(h is handle for _, h in self.mappings.values())
 
     # -- virtual memory -------------------------------------------------------------------------------------------
-    def hipMemGetAllocationGranularity(self, prop: Any, option: Any):  # noqa: N802
+    def hipMemGetAllocationGranularity(self, prop: Any, option: Any):
         err = self._enter("hipMemGetAllocationGranularity", prop, option)
         if err:
             return err, 0
@@ -369,7 +369,7 @@ class FakeHip:
             return hipError_t.hipSuccess, self.recommended
         return hipError_t.hipSuccess, self.minimum
 
-    def hipMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int):  # noqa: N802
+    def hipMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int):
         err = self._enter("hipMemAddressReserve", size, alignment, addr, flags)
         if err:
             return err, FakePointer(0)
@@ -383,7 +383,7 @@ class FakeHip:
         self.reservations[va] = size
         return hipError_t.hipSuccess, FakePointer(va)
 
-    def hipMemAddressFree(self, ptr: Any, size: int):  # noqa: N802
+    def hipMemAddressFree(self, ptr: Any, size: int):
         va = self._address(ptr)
         err = self._enter("hipMemAddressFree", va, size)
         if err:
@@ -393,7 +393,7 @@ class FakeHip:
         del self.reservations[va]
         return (hipError_t.hipSuccess,)
 
-    def hipMemCreate(self, size: int, prop: Any, flags: int):  # noqa: N802
+    def hipMemCreate(self, size: int, prop: Any, flags: int):
         err = self._enter("hipMemCreate", size, prop, flags)
         if err:
             return err, None
@@ -411,7 +411,7 @@ class FakeHip:
         self.handles.append(handle)
         return hipError_t.hipSuccess, handle
 
-    def hipMemRelease(self, handle: Any):  # noqa: N802
+    def hipMemRelease(self, handle: Any):
         err = self._enter("hipMemRelease", handle)
         if err:
             return (err,)
@@ -420,7 +420,7 @@ class FakeHip:
         handle.released = True
         return (hipError_t.hipSuccess,)
 
-    def hipMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):  # noqa: N802
+    def hipMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):
         va = self._address(ptr)
         err = self._enter("hipMemMap", va, size, offset, handle, flags)
         if err:
@@ -437,7 +437,7 @@ class FakeHip:
         self.access[va] = {}
         return (hipError_t.hipSuccess,)
 
-    def hipMemUnmap(self, ptr: Any, size: int):  # noqa: N802
+    def hipMemUnmap(self, ptr: Any, size: int):
         va = self._address(ptr)
         err = self._enter("hipMemUnmap", va, size)
         if err:
@@ -449,7 +449,7 @@ class FakeHip:
         del self.access[va]
         return (hipError_t.hipSuccess,)
 
-    def hipMemSetAccess(self, ptr: Any, size: int, desc: Any, count: int):  # noqa: N802
+    def hipMemSetAccess(self, ptr: Any, size: int, desc: Any, count: int):
         va = self._address(ptr)
         if isinstance(desc, bool) or not isinstance(desc, int) or not desc or count <= 0:
             raise TypeError(f"FakeHip.hipMemSetAccess takes the address of a hipMemAccessDesc array, got {desc!r}")
@@ -463,7 +463,7 @@ class FakeHip:
             return (hipError_t.hipErrorInvalidValue,)
         if self.access_per_mapping and inside != [(va, size)]:  # rocm-systems#2516
             return (hipError_t.hipErrorInvalidValue,)
-        for kind, ident, flags in descs:
+        for kind, ident, _flags in descs:
             if kind not in (LOCATION_DEVICE, LOCATION_HOST) or (
                 kind == LOCATION_DEVICE and not 0 <= ident < self.devices
             ):
@@ -475,7 +475,7 @@ class FakeHip:
                 self.access[m][(kind, ident)] = flags
         return (hipError_t.hipSuccess,)
 
-    def hipMemGetAccess(self, location: Any, ptr: Any):  # noqa: N802
+    def hipMemGetAccess(self, location: Any, ptr: Any):
         va = self._address(ptr)
         if isinstance(location, bool) or not isinstance(location, int) or not location:
             raise TypeError(f"FakeHip.hipMemGetAccess takes the address of a hipMemLocation, got {location!r}")
@@ -488,7 +488,7 @@ class FakeHip:
                 return hipError_t.hipSuccess, self.access[m].get((loc.type, loc.id), 0)
         return hipError_t.hipErrorInvalidValue, 0
 
-    def hipMemsetD8Async(self, dest: Any, value: int, count: int, stream: Any):  # noqa: N802
+    def hipMemsetD8Async(self, dest: Any, value: int, count: int, stream: Any):
         va = self._address(dest)
         err = self._enter("hipMemsetD8Async", va, value, count, stream)
         if err:

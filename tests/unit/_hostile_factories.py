@@ -58,14 +58,14 @@ def returns_host() -> str:
 
 def returns_a_module():
     """Returns an object with no driver methods (this module)."""
-    import sys  # noqa: PLC0415
+    import sys
 
     return sys.modules[__name__]
 
 
 def leaves_a_thread() -> HostDriver:
     """Returns a driver at once, but leaves a non-daemon thread running that keeps its process alive."""
-    import threading  # noqa: PLC0415
+    import threading
 
     threading.Thread(target=time.sleep, args=(3600,), name="factory-helper", daemon=False).start()
     return HostDriver(granularity=4096, name="leaves-a-thread")
@@ -73,8 +73,8 @@ def leaves_a_thread() -> HostDriver:
 
 def leaves_a_process() -> HostDriver:
     """Returns a driver at once, but leaves a child process running that holds its stdout and stderr."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     return HostDriver(granularity=4096, name="leaves-a-process")

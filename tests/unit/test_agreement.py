@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
-import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -134,7 +134,7 @@ def _run_in_thread(argv: list[str], capsys, unblock: Path | None) -> tuple[int |
     def target():
         try:
             result.append(main(argv))
-        except BaseException as exc:  # noqa: BLE001 - reported below as what escaped
+        except BaseException as exc:  # reported below as what escaped
             result.append(exc)
 
     worker = threading.Thread(target=target, daemon=True)

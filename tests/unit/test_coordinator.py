@@ -187,7 +187,7 @@ def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
     seen = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):  # http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((self.path, body))
             if body["args"] == ["7"]:
@@ -241,7 +241,7 @@ def test_the_command_line_polls_two_served_engines_and_resizes_the_idle_one():
     resized = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):  # http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             engine = engines[self.path.removesuffix("/collective_rpc")]
             if body["method"] == "extensible_kv_resize":

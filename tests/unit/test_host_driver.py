@@ -536,7 +536,7 @@ def test_a_forked_child_is_refused_every_call_naming_the_operation_and_both_proc
                     seen[op] = "no error"
                 except DriverError as exc:
                     seen[op] = [type(exc).__name__, exc.operation, exc.detail, exc.code]
-                except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                except BaseException as exc:  # reported to the parent
                     seen[op] = f"{type(exc).__name__}: {exc}"
             os.write(w, json.dumps(seen).encode())
         finally:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance import layouts
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.errors import ClosedError, CommitError, FailedStateError, InvalidSizeError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from extensible_kv.layout import AttentionLayer, LayoutError, Segments
-
-from conformance import layouts
 
 
 def _layer(name="l0"):

@@ -20,7 +20,7 @@ CPU_WHEEL = f"torch-2.13.0+cpu-{TAG}-{TAG}-manylinux_2_28_x86_64.whl"
 def _noxfile():
     sys.path.insert(0, str(ROOT))
     try:
-        import noxfile  # noqa: PLC0415
+        import noxfile
     finally:
         sys.path.remove(str(ROOT))
     return noxfile

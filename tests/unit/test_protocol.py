@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 
 from extensible_kv import drivers
-from extensible_kv.drivers import DRIVER_ATTRIBUTES, DRIVER_METHODS, DeviceArray, Driver, Ledger, protocol_methods
-from extensible_kv.drivers import cuda, hip
+from extensible_kv.drivers import (
+    DRIVER_ATTRIBUTES,
+    DRIVER_METHODS,
+    DeviceArray,
+    Driver,
+    Ledger,
+    cuda,
+    hip,
+    protocol_methods,
+)
 from extensible_kv.drivers.host import HostDriver
 from extensible_kv.drivers.ledger import OPERATIONS, QUERIES
 

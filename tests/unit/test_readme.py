@@ -123,8 +123,9 @@ def _nox_commands() -> list[list[str]]:
 def test_every_nox_command_of_the_readme_names_sessions_and_tags_that_exist(args):
     sys.path.insert(0, str(ROOT))
     try:
-        import noxfile  # noqa: F401, PLC0415 - registers the sessions
-        from nox import registry  # noqa: PLC0415
+        from nox import registry
+
+        import noxfile  # noqa: F401 - registers the sessions
     finally:
         sys.path.remove(str(ROOT))
     sessions = registry.get()

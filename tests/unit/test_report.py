@@ -21,12 +21,12 @@ import shutil
 import struct
 import subprocess
 import sys
-import tomllib
 from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import tomllib
 from markdown_it import MarkdownIt
 
 from extensible_kv_lab import report
@@ -755,7 +755,7 @@ def test_the_runtime_and_the_suite_import_nothing_of_the_lab_but_the_commands_th
 
 @pytest.mark.parametrize("command", ["report", "bench-summary"])
 def test_without_the_lab_report_and_bench_summary_say_how_to_install_it_in_one_line(monkeypatch, capsys, command):
-    from extensible_kv.__main__ import main  # noqa: PLC0415
+    from extensible_kv.__main__ import main
 
     for name in [n for n in sys.modules if n.split(".")[0] == "extensible_kv_lab"]:
         monkeypatch.delitem(sys.modules, name)

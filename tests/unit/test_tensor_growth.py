@@ -66,7 +66,7 @@ def test_a_driver_capping_handles_at_one_granule_gets_one_handle_per_granule():
 class _MapOffsetRequired(HostDriver):
     """A host driver whose ``map`` has the contract's signature ``map(va, size, handle, offset)`` with no default."""
 
-    def map(self, va: int, size: int, handle: object, offset: int) -> None:  # noqa: D102
+    def map(self, va: int, size: int, handle: object, offset: int) -> None:
         super().map(va, size, handle, offset)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from extensible_kv.drivers import Ledger
-from extensible_kv.drivers.records import MAX_BYTES
 from extensible_kv.drivers.host import HostDriver
+from extensible_kv.drivers.records import MAX_BYTES
 from extensible_kv.errors import InvalidSizeError
 from extensible_kv.tensor import ExtensibleTensor
 

@@ -8,11 +8,10 @@ import copy
 import pytest
 import torch
 
+from conformance import layouts
 from extensible_kv import ExtensibleTensor
 from extensible_kv.drivers import Ledger, get_driver
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
-
-from conformance import layouts
 
 G = 4096
 
@@ -78,7 +77,10 @@ def test_a_refused_copy_names_the_class_that_owns_the_memory(how):
     try:
         for obj, name in ((t, "ExtensibleTensor"), (kv, "ExtensibleKVCacheBuffers")):
             _expect_words(
-                f"{how.__name__}({name})", _message(lambda: how(obj)), "TypeError", f"{name} owns virtual memory"
+                f"{how.__name__}({name})",
+                _message(lambda obj=obj: how(obj)),
+                "TypeError",
+                f"{name} owns virtual memory",
             )
     finally:
         t.close()

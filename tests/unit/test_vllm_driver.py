@@ -18,7 +18,7 @@ from extensible_kv.drivers import vllm_vmm
 from extensible_kv.drivers.vllm_vmm import VllmVmmDriver
 from extensible_kv.errors import DriverError, DriverOutOfMemory
 
-from ._fake_vllm import G, FakeVmm
+from ._fake_vllm import FakeVmm, G
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "conformance"

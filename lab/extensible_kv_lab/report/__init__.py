@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from extensible_kv.boundaries import BoundaryError, named, outputs
+
 from .run import load_run, run_name
 
 __all__ = ["RENDERED", "register", "run_command"]
@@ -42,8 +43,8 @@ def run_command(args: argparse.Namespace) -> int:
     if not run.measured:
         print(f"error: no measurement files in {named(run.path)}", file=sys.stderr)
         return 2
-    from .document import run_document  # noqa: PLC0415 - matplotlib and jinja2 load only for a report
-    from .rendering import write  # noqa: PLC0415
+    from .document import run_document  # matplotlib and jinja2 load only for a report
+    from .rendering import write
 
     doc = run_document(run)
     try:
@@ -61,8 +62,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _bench_summary(args: argparse.Namespace) -> int:
-    from .benchmarks import summarize  # noqa: PLC0415
-    from .rendering import bench_tables  # noqa: PLC0415
+    from .benchmarks import summarize
+    from .rendering import bench_tables
 
     try:
         summary = summarize(args.benchmark_json)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extensible_kv.boundaries.files import Folder
+
 from ..measurements import BadFile, BenchmarkFile, read
 from .numbers import div, sub
 

@@ -20,6 +20,7 @@ from markupsafe import Markup
 from mdit_py_plugins.anchors import anchors_plugin
 
 from extensible_kv.boundaries import BoundaryError, files, outputs
+
 from .numbers import NOT_MEASURED, number
 
 
@@ -43,7 +44,7 @@ class Figures:
     @classmethod
     def available(cls) -> Figures:
         try:
-            from . import figures  # noqa: PLC0415
+            from . import figures
         except ImportError as exc:
             return cls(None, f"matplotlib is not importable ({exc}); install the 'report' extra")
         return cls(figures)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from extensible_kv.boundaries import BoundaryError, named, shown, text
 from extensible_kv.boundaries.files import Folder
+
 from ..measurements import (
     BackendValidation,
     ConformanceSummary,

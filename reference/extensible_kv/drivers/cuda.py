@@ -104,7 +104,7 @@ _LOCKING = frozenset({"reserve", "free", "create", "release", "map", "unmap", "s
 
 
 def _bindings() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415 - optional dependency
+    from cuda.bindings import driver  # optional dependency
 
     return driver
 

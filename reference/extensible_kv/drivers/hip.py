@@ -131,7 +131,7 @@ _LOCKING = frozenset({"reserve", "free", "map", "unmap", "set_access"})
 
 def _bindings() -> Any:
     """hip-python's ``hip.hip`` module: the single point every binding access goes through."""
-    from hip import hip  # noqa: PLC0415 - optional dependency
+    from hip import hip  # optional dependency
 
     return hip
 

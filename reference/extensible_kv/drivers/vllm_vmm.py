@@ -75,7 +75,7 @@ def _release(text: str) -> tuple[int, ...]:
 
 
 def _vllm_module() -> Any:
-    import vllm.utils.vmm_driver as module  # noqa: PLC0415 - optional dependency
+    import vllm.utils.vmm_driver as module  # optional dependency
 
     return module
 
@@ -83,7 +83,7 @@ def _vllm_module() -> Any:
 def probe(ordinal: int = 0) -> str | None:
     """Why vLLM's driver cannot run here (vLLM not importable, older than 0.34, no GPU), or ``None``."""
     try:
-        import vllm  # noqa: PLC0415 - optional dependency
+        import vllm  # optional dependency
     except ImportError as exc:
         return f"vLLM is not importable ({exc}); the vllm driver needs vLLM >= 0.34"
     version = getattr(vllm, "__version__", "unknown")

@@ -40,8 +40,8 @@ from ..errors import DriverUnavailable
 from . import agreement, connector, resize, sleep, worker_kv
 from .probes import _on_instance, limits_of, profile_run_reserved_peak, worst_batch_runs
 from .sizing import served_step_bound
-from .worst_batch import derive
 from .worker_kv import ExtensibleKVUnsupported
+from .worst_batch import derive
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -407,7 +407,7 @@ def install() -> None:
         targets.append(
             (p, owner, owner.__dict__.get(p.attr, _MISSING) if p.owner else getattr(module, p.attr, _MISSING))
         )
-    for p, owner, original in targets:
+    for p, _owner, original in targets:
         if original is _MISSING and not p.attr.startswith("extensible_kv_"):
             raise ImportError(
                 f"vLLM has no {p.module}.{p.owner + '.' if p.owner else ''}{p.attr}; this patch set targets vllm 0.26.0"

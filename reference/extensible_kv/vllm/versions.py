@@ -245,7 +245,7 @@ def check_patch_points(vllm_root: Path | str) -> list[str]:
 
 def installed_vllm() -> tuple[str, Path | None]:
     """The installed vLLM's version and source folder, without importing its worker modules."""
-    import vllm  # noqa: PLC0415 - only where vLLM is installed
+    import vllm  # only where vLLM is installed
 
     origin = getattr(vllm, "__file__", None)
     return str(getattr(vllm, "__version__", "unknown")), Path(origin).parent if origin else None
