@@ -820,6 +820,7 @@ class ExtensibleTensor(Unshareable):
         """A point to ``rollback_to`` (for callers that grow several tensors as one step, as
         ``ExtensibleKVCacheBuffers.ensure_blocks`` does): valid until a release, a recommit or a rollback past it
         (Note [A checkpoint names a lineage])."""
+        self._refuse_forked("checkpoint")
         lineage = self._lineage
         mark = Checkpoint(weakref.ref(self), self._per_segment, len(self._memory.mappings), len(lineage), lineage[-1])
         live = set(lineage)
@@ -978,6 +979,7 @@ class ExtensibleTensor(Unshareable):
     # -- lifetime ----------------------------------------------------------------------------------------------
     def live_views(self) -> int:
         """How many storages handed out by this tensor are still alive."""
+        self._refuse_forked("live_views")
         return len(self._views)
 
     def close(self, *, force: bool = False) -> None:
@@ -1020,14 +1022,19 @@ class ExtensibleTensor(Unshareable):
         themselves]): a forked child (``DriverError``: the parent owns the memory; Note [Forked children]), an
         operation of this tensor already running in this thread, or, for an operation that calls the driver, a
         driver call of this thread in progress (``BusyError``)."""
+        self._refuse_forked(op)
+        refuse_reentry(op, self, "tensor", self._lock, driver)
+        return self._lock
+
+    def _refuse_forked(self, op: str) -> None:
+        """In a forked child every call is refused with one ``DriverError``, also those that take no lock
+        (checkpoints, pins, the view count): the parent owns the memory (Note [Forked children])."""
         if self._memory.pid != os.getpid():
             raise DriverError(
                 op,
                 f"ExtensibleTensor made in process {self._memory.pid} used from forked process {os.getpid()}; "
                 f"the parent owns its memory (Note [Forked children])",
             )
-        refuse_reentry(op, self, "tensor", self._lock, driver)
-        return self._lock
 
     # -- registrations -------------------------------------------------------------------------------------------
     def pin(self, holder: str) -> None:
@@ -1035,12 +1042,14 @@ class ExtensibleTensor(Unshareable):
         ``release_physical`` is refused with ``BusyError`` naming it, since it would leave them on unmapped memory."""
         if not isinstance(holder, str) or not holder:
             raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
+        self._refuse_forked("pin")
         self._check_open("pin")
         self._pins, self._pin_reach = [*self._pins, holder], [*self._pin_reach, self._per_segment]  # one step
 
     def unpin(self, holder: str) -> None:
         """Drop one registration of ``holder`` (``pin``); one that is not there is refused with
         ``InvalidArgumentError``."""
+        self._refuse_forked("unpin")
         if holder not in self._pins:
             raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {self._pins}")
         i = self._pins.index(holder)
@@ -1052,6 +1061,7 @@ class ExtensibleTensor(Unshareable):
     @property
     def pinned_by(self) -> tuple[str, ...]:
         """Who registered views of the committed bytes (``pin``)."""
+        self._refuse_forked("pinned_by")
         return tuple(self._pins)
 
     def _check_open(self, op: str) -> None:

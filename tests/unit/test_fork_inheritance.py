@@ -183,6 +183,11 @@ TENSOR_CALLS = """
     CALLS = {
         "t.close": lambda: t.close(force=True),
         "keep.stats": lambda: keep.stats().state,
+        "keep.checkpoint": keep.checkpoint,
+        "keep.pin": lambda: keep.pin("connector"),
+        "keep.unpin": lambda: keep.unpin("connector"),
+        "keep.pinned_by": lambda: keep.pinned_by,
+        "keep.live_views": keep.live_views,
         "keep.close": lambda: keep.close(force=True),
     }
     pid, seen, killed = fork_and_judge(CALLS)
@@ -196,7 +201,8 @@ def test_a_child_forked_inside_a_release_closes_the_inherited_tensors_at_once():
         f"{CHILD_S} s, got the child killed by {out['killed']} after {out['seen']}"
     )
     got = {name: seen[0] for name, seen in out["seen"].items()}
-    want = {"t.close": "returned", "keep.stats": "DriverError", "keep.close": "returned"}
+    refused = ("stats", "checkpoint", "pin", "unpin", "pinned_by", "live_views")
+    want = {"t.close": "returned", **{f"keep.{op}": "DriverError" for op in refused}, "keep.close": "returned"}
     assert got == want, (
         f"ExtensibleTensor calls in a child forked inside a release: expected (close returns, nothing to give back; "
         f"anything else refused as the driver refuses) {want}, got {out['seen']}"

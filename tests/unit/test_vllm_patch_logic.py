@@ -221,9 +221,10 @@ def test_env_switch(value, expected):
     assert env_enabled(env) is expected
 
 
-def test_env_switch_refuses_other_values():
+@pytest.mark.parametrize("value", ["yes", " 1", "1 ", "", "01", "true"])
+def test_env_switch_refuses_other_values(value):
     with pytest.raises(ExtensibleKVUnsupported, match="must be 0 or 1"):
-        env_enabled({"EXTENSIBLE_KV_CACHE": "yes"})
+        env_enabled({"EXTENSIBLE_KV_CACHE": value})
 
 
 def test_margin_from_environment_must_be_a_non_negative_integer(monkeypatch):

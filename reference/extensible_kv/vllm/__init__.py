@@ -69,8 +69,9 @@ def extensible_kv_cache() -> Iterator[None]:
 
 
 def env_enabled(environ: dict[str, str] | None = None) -> bool:
-    """Whether ``EXTENSIBLE_KV_CACHE`` asks for the extensible path: ``1`` yes, ``0`` or unset no, else an error."""
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "0").strip()
+    """Whether ``EXTENSIBLE_KV_CACHE`` asks for the extensible path: ``1`` yes, ``0`` or unset no, else an error
+    (spaces included: a value that is not exactly one of the two is a typo, not a choice)."""
+    value = (environ if environ is not None else os.environ).get(ENV_VAR, "0")
     if value not in ("0", "1"):
         raise ExtensibleKVUnsupported(f"{ENV_VAR} must be 0 or 1, got {value!r}")
     return value == "1"
