@@ -211,17 +211,18 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     @property
     def state(self) -> str:
-        """``open``, ``released`` (every buffer released), ``failed`` (a close did not finish, a buffer is failed, or
-        buffers are part released, part open: retry ``close()``) or ``closed``."""
+        """``open``, ``released`` (every buffer released), ``failed`` (a close did not finish, a buffer is failed or
+        was closed directly through ``tensor(name)``, or buffers are part released, part open: retry ``close()``) or
+        ``closed``."""
         tensors = self._tensors.values()
         if self._closed:
             return "closed" if all(t.closed for t in tensors) else "failed"
         states = {t.state for t in tensors}
         if (
-            self._mixed or "failed" in states or states >= {"open", "released"}
-        ):  # part released, part open: nothing to resume
+            self._mixed or "failed" in states or "closed" in states or states >= {"open", "released"}
+        ):  # part released, part open, or a buffer closed underneath: nothing to resume
             return "failed"
-        return "released" if "released" in states else "open"  # a buffer closed underneath: its own ClosedError
+        return "released" if "released" in states else "open"
 
     @property
     def closed(self) -> bool:
@@ -524,10 +525,13 @@ class ExtensibleKVCacheBuffers(Unshareable):
             )
         if state == "failed" and failed_too:
             failed = [name for name, t in self._tensors.items() if t.state == "failed"]
+            closed = [name for name, t in self._tensors.items() if t.closed]
             what = (
                 "close() did not finish"
                 if self._closed
-                else self._mixed or f"buffer(s) {failed} could not undo a growth or shrink step"
+                else self._mixed
+                or (f"buffer(s) {failed} could not undo a growth or shrink step" if failed else "")
+                or f"buffer(s) {closed} were closed directly, through tensor(name)"
             )
             raise FailedStateError(
                 f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "

@@ -194,6 +194,29 @@ def test_use_after_close_names_the_operation():
     )
 
 
+def test_kv_buffers_with_a_buffer_closed_directly_say_failed_and_close_returns_the_rest():
+    cache = ExtensibleKVCacheBuffers(
+        [KVBuffer("a", layouts.PAGE, (_layer("l0"),)), KVBuffer("b", layouts.PAGE, (_layer("l1"),))],
+        10,
+        driver="host-4k",
+    )
+    cache.ensure_blocks(2)
+    kept = cache.tensor("b").bytes_per_segment
+    cache.tensor("a").close(force=True)
+    assert cache.state == "failed", (
+        f"KV buffers after tensor('a').close(): expected state 'failed', got {cache.state!r}"
+    )
+    with pytest.raises(FailedStateError, match=r"buffer\(s\) \['a'\] were closed directly") as info:
+        cache.ensure_blocks(3)
+    b = cache.tensor("b")
+    assert (b.state, b.bytes_per_segment) == ("open", kept), (
+        f"ensure_blocks(3) refused ({info.value}): expected 'b' open at {kept} bytes per segment, got {b.state} at "
+        f"{b.bytes_per_segment}"
+    )
+    cache.close()
+    assert cache.state == "closed", f"KV buffers after close(): expected 'closed', got {cache.state!r}"
+
+
 def _kv_first(name: str, first: int, block_major: bool = True) -> AttentionLayer:
     """A ``(first, num_blocks, 8)`` bf16 layer, its blocks in dim 1."""
     return AttentionLayer(name, lambda b: (first, b, 8), (0, 1, 2), torch.bfloat16, block_major=block_major)
