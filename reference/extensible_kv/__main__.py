@@ -144,6 +144,9 @@ def _validate_backend(args: argparse.Namespace) -> int:
     if not isinstance(dtype, torch.dtype):
         print(f"error: --dtype {args.dtype!r} is not a torch dtype", file=sys.stderr)
         return 2
+    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):  # torch warns, then fails
+        print(f"error: --dtype {args.dtype!r} is a quantized dtype; a KV cache holds plain elements", file=sys.stderr)
+        return 2
     if args.json:  # before any work (Note [An output is a regular file or a new path, checked first])
         outputs.output_file(args.json, option="--json")
     layouts = ["NHD", "HND"] if args.layout == "both" else [args.layout]

@@ -26,6 +26,11 @@ BAD_CLI = {
     "no_command": ((), 2, "check-driver"),  # lists the commands
     "unknown_command": (("frobnicate",), 2, "invalid choice"),
     "bad_dtype": (("validate-backend", "x:y", "--dtype", "float7"), 2, "--dtype 'float7' is not a torch dtype"),
+    "quantized_dtype": (
+        ("validate-backend", "x:y", "--dtype", "qint8"),
+        2,
+        "--dtype 'qint8' is a quantized dtype; a KV cache holds plain elements",
+    ),
     "bad_layout": (("validate-backend", "x:y", "--layout", "XYZ"), 2, "invalid choice"),
     "missing_module": (("validate-backend", "no_such_module:Backend", "--driver", "host"), 1, "could not be loaded"),
     "not_a_backend": (
