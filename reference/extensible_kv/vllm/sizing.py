@@ -33,7 +33,7 @@ Note [The worst batch, brought back and measured]
 Note [What a served step adds after the worst batches]
     Rule: the budget keeps ``(k_small + k_code) x 2 MiB`` free beyond the worst batches (``served_step_bound``):
     k_small = 2 per step in flight (2 with async scheduling, vLLM 0.26.0's default; 1 without), k_code = 4. 16 MiB
-    with async scheduling, 12 MiB without. Bound derived, not yet measured on the GPU.
+    with async scheduling, 12 MiB without.
     Why: after the worst batches torch holds every large segment a step needs, but a step's small tensors (<= 1 MiB:
     input and attention metadata, FlashMLA's tile-scheduler metadata, sampled ids) come from 2 MiB small-pool
     segments; a dummy batch runs alone, while a served step keeps the previous step's outputs alive as it builds its
@@ -42,6 +42,10 @@ Note [What a served step adds after the worst batches]
     by token count, attention split variants, V1's slot-mapping kernel): one granule per family of four.
     Figure: used after the commit grew by torch + non-torch 4 + 6 MiB (mla-v1), 6 + 6 (mla-v2), 2 + 2 (qwen3-v1);
     legacy's non-torch growth was the same (6, 6, 2 MiB); mla-v1 ended 8.8 MiB over. Run h100-2026-12-06-worst-batch.
+    With the bound and Note [A prefill is a prefill to the backend], 200 bursts: mla-v1 11.2, mla-v2 61.2, mla-v1
+    with 7 sleep cycles 1.2, qwen3-v2 27.2 MiB inside. Not bounded here: a hybrid Mamba2 model whose torch reserve
+    grew 239 MiB past the worst batches under load (NemotronH, 128.9 MiB over). Run
+    h100-2026-12-06-worst-batch-served-bound.
 
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold
@@ -111,7 +115,7 @@ Note [A served batch's query length]
     batch's peak.
     Figure: sliding-window model, V1 bf16: the served run's allocated peak went from 72.0 to 93.0 MiB (the real
     batch's), and the case went from 35.7 MiB over to 0.3 MiB inside the budget, run
-    ``h200-matrix-served-2026-12-03`` (its README).
+    ``h200-matrix-served-2026-12-03`` (removed; its figures are in ``reports/runs/current.json``).
 
 Note [The encoder cache, held whole]
     Rule: for a multimodal model the served batch runs with the encoder cache held full (``encoder_cache_size //
