@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from extensible_kv.drivers.host import HostDriver
 from tests.meta import broken
 from tests.meta.broken.base import Broken
 from tests.meta.broken.catch import rule_files
@@ -88,8 +89,6 @@ def test_no_two_drivers_break_the_same_promise_for_the_same_rules():
 
 
 def test_no_broken_driver_reaches_into_a_private_name_of_the_drivers():
-    from extensible_kv.drivers.host import HostDriver  # noqa: PLC0415
-
     private = {n for n in [*vars(HostDriver), *vars(HostDriver())] if n.startswith("_") and not n.startswith("__")}
     found = []
     for path in sorted((ROOT / "tests" / "meta" / "broken").glob("*.py")):

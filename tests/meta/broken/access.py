@@ -8,7 +8,7 @@ from extensible_kv.drivers import host
 from extensible_kv.drivers.records import mapped_parts
 from extensible_kv.errors import DriverError
 from extensible_kv.reaper import busy
-from tests.meta.broken.base import Broken, check_map, kernel_ranges, mmap_handle
+from tests.meta.broken.base import Broken, check_map, grant, kernel_ranges, mmap_handle
 
 
 class RecordsOnly(Broken):
@@ -131,27 +131,25 @@ class OffsetMappingsAreReadable(Broken):
         mmap_handle(self, va, size, handle, offset, prot=host.PROT_READ)
 
 
-class SetAccessGrantsPiecesBeforeTheGap(Broken):
-    """P-access-refused. Breaks "Refused, changing nothing: a range with any granule unmapped (... a gap between
-    mappings ...)": ``set_access`` walks the mappings in address order and grants each piece as it goes, refusing when
-    it meets the first gap, so the mappings below the gap are left accessible. A range that starts unmapped is refused
-    before anything is granted."""
+class SetAccessGrantsTheMappedPrefix(Broken):
+    """P-access-refused. Breaks "Refused, changing nothing: a range with any granule unmapped (partly mapped from below
+    or above, a gap between mappings, nothing mapped)": ``set_access`` grants mapping after mapping in address order (as
+    a per-mapping native call is made) and stops at the first granule it finds unmapped, refusing then; what it granted
+    before that stays granted. A range whose first granule is unmapped is refused with nothing granted."""
 
     breaks = "P-access-refused"
     caught_by = ("test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says",)
 
     def do_set_access(self, va: int, size: int) -> None:
         end, at = va + size, va
-        pieces = sorted((m, s) for m, (s, _) in self.mappings.items() if m < end and va < m + s)
-        for m, s in pieces:
-            if m > at:
+        for m_va, m_size in sorted((m, s) for m, (s, _) in self.mappings.items() if m < end and va < m + s):
+            if max(m_va, va) != at:
                 break
-            hi = min(m + s, end)
-            if host.libc().mprotect(at, hi - at, host.PROT_READ | host.PROT_WRITE) != 0:
-                self.fail("set_access", f"mprotect({at:#x}, {hi - at}, RW)")
+            hi = min(m_va + m_size, end)
+            grant(at, hi - at)
             at = hi
         if at != end:
-            raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped (nothing mapped at {at:#x})")
+            raise DriverError("set_access", f"[{va:#x}, +{size}) is not fully mapped ({at - va} bytes from its start)")
 
 
 class AccessibleFromRecordsPast64(Broken):
@@ -193,3 +191,20 @@ class AccessibleRoundsUp(Broken):
         self.check_call("accessible", va=va)
         g = self.granularity()
         return super().accessible(-(-va // g) * g)
+
+
+class SetAccessLooksUpItsStart(Broken):
+    """P-access. Breaks "Part of a mapping is granted by a driver whose native call takes it (the host's mprotect) and
+    refused, changing nothing, by one whose native call takes whole mappings only (``cuMemSetAccess``); either way, the
+    same for every call": ``set_access`` looks up the mapping at the range's start, as a backend does that keys its
+    per-mapping state by address, and refuses a range that starts inside a mapping; a range that starts at a mapping's
+    start is granted, also when it ends inside one. Fully mapped ranges starting at a mapping are granted."""
+
+    breaks = "P-access"
+    caught_by = ("test_access_to_part_of_a_mapping_covers_that_part_only",)
+
+    def do_set_access(self, va: int, size: int) -> None:
+        mapped_parts(va, size, ((m, s) for m, (s, _) in self.mappings.items()))
+        if va not in self.mappings:
+            raise DriverError("set_access", f"{va:#x} is not the start of a mapping")
+        super().do_set_access(va, size)

@@ -4,6 +4,7 @@ call (the host's own checks and native steps, written out so a driver can break 
 
 from __future__ import annotations
 
+import ctypes
 import re
 from collections.abc import Callable
 
@@ -14,12 +15,20 @@ from extensible_kv.errors import DriverError
 BUDGET = 1 << 30
 """The budget of every broken driver: that of the registered host drivers."""
 
+FALLOC_FL_KEEP_SIZE = 0x01
+
+FALLOC_FL_PUNCH_HOLE = 0x02
+
 GIB = 1 << 30
 
 RACE_WINDOW_S = 1e-4
 """How long a racing broken driver sleeps between its check and its act, so a race lands in a few hundred tries."""
 
 RESERVE_FLAGS = host.MAP_PRIVATE | host.MAP_ANONYMOUS | host.MAP_NORESERVE
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+fallocate = libc.fallocate
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -45,21 +54,6 @@ def kernel_ranges() -> list[tuple[int, int, str, str]]:
     return ranges
 
 
-def check_map(d: host.HostDriver, va: int, size: int, handle: host.HostHandle, offset: int) -> None:
-    """The host's refusals of ``map``, in its order."""
-    check_inside("map", va, size, d.reservations.items())
-    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d.mappings.items()))
-    check_handle(handle, size, offset)
-
-
-def check_handle(handle: host.HostHandle, size: int, offset: int) -> None:
-    """The host's refusals of ``map`` that look at the handle, in its order."""
-    if handle.released:
-        raise DriverError("map", f"{handle!r} was released; map a live handle")
-    if offset + size > handle.size:
-        raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
-
-
 def mmap_handle(
     d: host.HostDriver,
     va: int,
@@ -83,9 +77,42 @@ def mmap_handle(
         raise
 
 
+def check_map(d: host.HostDriver, va: int, size: int, handle: host.HostHandle, offset: int) -> None:
+    """The host's refusals of ``map``, in its order."""
+    check_inside("map", va, size, d.reservations.items())
+    check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in d.mappings.items()))
+    check_handle(handle, size, offset)
+
+
+def check_handle(handle: host.HostHandle, size: int, offset: int) -> None:
+    """The host's refusals of ``map`` that look at the handle, in its order."""
+    if handle.released:
+        raise DriverError("map", f"{handle!r} was released; map a live handle")
+    if offset + size > handle.size:
+        raise DriverError("map", f"offset {offset} + size {size} exceeds the {handle.size}-byte handle")
+
+
+def grant(va: int, size: int) -> None:
+    """``mprotect`` the range read-write, or ``DriverError`` naming ``set_access``."""
+    if host.libc().mprotect(va, size, host.PROT_READ | host.PROT_WRITE) != 0:
+        host.HostDriver.fail("set_access", f"mprotect({va:#x}, {size}, RW)")
+
+
 def reservation_of(d: host.HostDriver, va: int) -> tuple[int, int] | None:
     """The reservation ``(start, size)`` of ``d`` that holds the address ``va``, as its records say."""
     return next(((r, s) for r, s in d.reservations.items() if r <= va < r + s), None)
+
+
+class KeeperSlot:
+    """What a tensor's storage holds: a slot of its driver's keeper table, emptied when the storage is freed unless the
+    slot was handed out again since."""
+
+    def __init__(self, table: dict[int, tuple[int, object]], slot: int, serial: int) -> None:
+        self.table, self.slot, self.serial = table, slot, serial
+
+    def __del__(self) -> None:
+        if self.table.get(self.slot, (None, None))[0] == self.serial:
+            del self.table[self.slot]
 
 
 class Broken(host.HostDriver):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from extensible_kv.drivers import host
 from extensible_kv.drivers.records import check_alignment, check_free
 from extensible_kv.errors import DriverError
@@ -123,3 +125,42 @@ class FreeInGibChunks(Broken):
         for at in range(va, va + size - self.CHUNK, self.CHUNK):
             if host.libc().munmap(at, min(self.CHUNK, va + size - at)) != 0:
                 self.fail("free", f"munmap({at:#x}, {min(self.CHUNK, va + size - at)})")
+
+
+class FreeChecksTheLast48Maps(Broken):
+    """P-free-refused. Breaks "Refused, changing nothing: a reservation with live mappings": to spare a scan of every
+    mapping, ``free`` looks for live mappings inside the reservation among the 48 most recent ``map`` calls still live
+    (a ring it keeps), so a reservation whose mappings are all older than 48 later maps is freed with them: the kernel
+    range goes, and the mappings' records go with it. With fewer than 48 maps since, a mapped reservation is refused."""
+
+    breaks = "P-free-refused"
+    caught_by = ("test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects",)
+
+    RECENT = 48
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self._recent: deque[int] = deque(maxlen=self.RECENT)
+
+    def do_map(self, va: int, size: int, handle: host.HostHandle, offset: int) -> None:
+        self._recent.append(va)  # first: a mapping made is always in the ring until 48 later maps push it out
+        super().do_map(va, size, handle, offset)
+
+    def do_unmap(self, va: int, size: int) -> None:
+        super().do_unmap(va, size)
+        if va in self._recent:
+            self._recent.remove(va)
+
+    def do_free(self, va: int, size: int) -> None:
+        recent = [m for m in self._recent if m in self.mappings]  # entries of refused or undone maps are stale
+        check_free(va, size, self.reservations.get(va) == size, recent)
+        inside = [(m, live) for m, live in self.mappings.items() if va <= m < va + size]
+        if not inside:
+            super().do_free(va, size)
+            return
+        del self.reservations[va]
+        if host.libc().munmap(va, size) != 0:
+            self.reservations[va] = size
+            self.fail("free", f"munmap({va:#x}, {size})")
+        for m, live in inside:  # the kernel took them with the range
+            self.forget(m, live)

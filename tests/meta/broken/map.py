@@ -6,7 +6,7 @@ import os
 import weakref
 
 from extensible_kv.drivers import host
-from extensible_kv.drivers.records import check_inside, check_no_overlap
+from extensible_kv.drivers.records import check_inside
 from extensible_kv.errors import DriverError
 from tests.meta.broken.base import Broken, check_handle, check_map, mmap_handle
 
@@ -263,28 +263,6 @@ class LastUnmapDecommitsTheHandle(Broken):
             os.ftruncate(handle.fd, handle.size)
 
 
-class InsideCacheOutlivesFree(Broken):
-    """P-map-inside. Breaks "Refused, changing nothing: a range not inside one live reservation (... in a freed one)":
-    ``map`` remembers the reservation its last range fell in, to skip the search through many reservations when a
-    tensor grows, and ``free`` does not forget it, so a ``map`` into a reservation just freed (the last one mapped in)
-    is taken, and maps the handle into address space the driver no longer holds. Once another reservation has been
-    mapped in, the freed one is refused."""
-
-    breaks = "P-map-inside"
-    caught_by = ("test_every_contended_pair_of_calls_from_two_threads_matches_some_serial_order",)
-
-    state = {"_last": lambda: None}
-
-    def do_map(self, va: int, size: int, handle: host.HostHandle, offset: int) -> None:
-        last = self._last
-        if last is None or not (last[0] <= va and va + size <= last[0] + last[1]):
-            check_inside("map", va, size, self.reservations.items())
-            self._last = next((r, s) for r, s in self.reservations.items() if r <= va and va + size <= r + s)
-        check_no_overlap(va, size, ((m_va, m_size) for m_va, (m_size, _) in self.mappings.items()))
-        check_handle(handle, size, offset)
-        mmap_handle(self, va, size, handle, offset)
-
-
 class LargeHandlesMapWhole(Broken):
     """P-map-offset. Breaks "any other driver (the host's mmap) takes every offset and size within the handle; whichever
     a driver does, it does for every call": handles of 32 granules and more take a path written for the whole-handle
@@ -335,6 +313,25 @@ class SecondMappingFromTheStart(Broken):
             return
         check_map(self, va, size, handle, offset)
         mmap_handle(self, va, size, handle, 0)
+
+
+class LargeMappingsArePrivate(Broken):
+    """P-map-shared. Breaks "Mappings share the handle's bytes: a handle mapped at two addresses shows the same bytes at
+    both, and a write through one is read through the other": mappings of 16 granules and more take a prefaulting
+    path whose ``mmap`` flags were copied from the reserve path, ``MAP_PRIVATE``, so a write through such a mapping is
+    copied on write and reaches neither the handle nor its other mappings. Smaller mappings are shared."""
+
+    breaks = "P-map-shared"
+    caught_by = ("test_handles_of_every_size_class_map_whole_in_parts_and_at_offsets",)
+
+    LARGE = 16
+
+    def do_map(self, va: int, size: int, handle: host.HostHandle, offset: int) -> None:
+        if size < self.LARGE * self.granularity():
+            super().do_map(va, size, handle, offset)
+            return
+        check_map(self, va, size, handle, offset)
+        mmap_handle(self, va, size, handle, offset, host.MAP_PRIVATE)
 
 
 class FirstMapFixesTheHandlesLayout(Broken):

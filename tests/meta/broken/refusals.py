@@ -8,8 +8,9 @@ import bisect
 import os
 
 from extensible_kv.drivers import host
+from extensible_kv.drivers.records import check_alignment
 from extensible_kv.errors import DriverError
-from tests.meta.broken.base import Broken, revoke_after_the_first_granule
+from tests.meta.broken.base import RESERVE_FLAGS, Broken, revoke_after_the_first_granule
 
 
 class MapRefusesAfterMapping(Broken):
@@ -138,3 +139,20 @@ class FreeOfAMappedReservationNamesUnmap(Broken):
         if self.reservations.get(va) == size and any(va <= m < va + size for m in self.mappings):
             raise DriverError("unmap", f"reservation {va:#x} (+{size}) still has live mappings: unmap them first")
         super().do_free(va, size)
+
+
+class ReserveChecksTheAlignmentAfterTheMmap(Broken):
+    """P-refusal-unchanged. Breaks "A refused call leaves every observable as it was: ... the memory and address space
+    the kernel holds": ``reserve`` makes its padded ``mmap`` first and checks the alignment where it works the padding
+    out, so a reservation refused for an alignment that is not a multiple of the granularity leaves its whole padded
+    range reserved in the kernel, owned by no one. Every other refusal of ``reserve`` comes before the ``mmap``."""
+
+    breaks = "P-refusal-unchanged"
+    caught_by = ("test_every_bad_value_of_every_call_is_refused_and_named",)
+
+    def reserve(self, size: int, alignment: int) -> int:
+        self.check_call("reserve", size=size, alignment=alignment)
+        if alignment % self.granularity():
+            host.libc().mmap(None, size + max(alignment, host.PAGE_BYTES), host.PROT_NONE, RESERVE_FLAGS, -1, 0)
+            check_alignment(alignment, self.granularity())
+        return super().reserve(size, alignment)

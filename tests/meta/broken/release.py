@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import os
 
 from extensible_kv.drivers import host
-from extensible_kv.errors import DriverOutOfMemory
-from tests.meta.broken.base import Broken
+from tests.meta.broken.base import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, Broken, fallocate
 
 
 class ReleaseKeepsMemory(Broken):
@@ -83,28 +81,18 @@ class ReleaseIsARefcount(Broken):
         super().do_release(handle)
 
 
-class CreateChecksAFreeHint(Broken):
-    """P-release-returns. Breaks "Once the handle is released and unmapped everywhere, the bytes ``create`` took are
-    free again": ``create`` checks the budget against a free-bytes hint of its own, which ``create`` lowers and
-    ``release`` raises when it gives a handle's bytes back, but which the last ``unmap`` of a handle released while
-    mapped does not raise; so handles released while mapped and then unmapped (the way a tensor closes) wear the hint
-    down until a ``create`` that fits is refused as out of memory (``mem_info`` itself stays right)."""
+class ReleaseGivesBackUngrantedPages(Broken):
+    """P-release-mapped. Breaks "memory that is still mapped stays alive, with its bytes, until unmapped everywhere":
+    to give memory back early, ``release`` of a handle that is still mapped, but nowhere with access, punches its pages
+    out of the memfd (``FALLOC_FL_PUNCH_HOLE``), reasoning that no one can read or write them any more; a mapping given
+    access afterwards reads zeros. A handle released while one of its mappings has access keeps its bytes."""
 
-    breaks = "P-release-returns"
-    caught_by = ("test_exactly_the_free_bytes_can_be_taken",)
-
-    def __init__(self, name: str | None = None) -> None:
-        super().__init__(name)
-        self._free_hint = self.total
-
-    def charge(self, size: int, counted: list[int]) -> None:
-        if size > self._free_hint:
-            raise DriverOutOfMemory("create", f"{size} bytes asked, {self._free_hint} free", errno.ENOMEM)
-        super().charge(size, counted)
-        self._free_hint -= size
+    breaks = "P-release-mapped"
+    caught_by = ("test_a_handles_bytes_survive_every_order_of_remap_release_alias_and_unmap",)
 
     def do_release(self, handle: host.HostHandle) -> None:
-        counted = handle.counted
+        mapped = [m for m, (_, h) in self.mappings.items() if h is handle]
+        if not handle.released and mapped and not any(host.HostDriver.accessible(self, m) for m in mapped):
+            if fallocate(handle.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, handle.size) != 0:
+                self.fail("release", f"fallocate(PUNCH_HOLE, fd={handle.fd}, {handle.size})")
         super().do_release(handle)
-        if counted and not handle.counted:
-            self._free_hint += handle.size

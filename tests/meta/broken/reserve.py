@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 from extensible_kv.drivers import host
 from extensible_kv.drivers.records import check_alignment, check_free
-from extensible_kv.errors import DriverError
+from extensible_kv.errors import DriverError, DriverOutOfMemory
 from extensible_kv.reaper import busy
 from tests.meta.broken.base import GIB, RACE_WINDOW_S, RESERVE_FLAGS, Broken, align_up, reservation_of
 
@@ -163,7 +164,7 @@ class ReserveKeepsItsRawAddressOnTheDriver(Broken):
         time.sleep(RACE_WINDOW_S)
         with busy(), self.locked():
             raw = self._raw
-            if mine != raw:  # lost to the other thread: kept for the proof to give back
+            if mine != raw:  # lost to the other thread: kept, to give back
                 self.lost.append((mine, span))
             va = align_up(raw, alignment)
             if va > raw:
@@ -171,6 +172,33 @@ class ReserveKeepsItsRawAddressOnTheDriver(Broken):
             if raw + span > va + size:
                 host.libc().munmap(va + size, raw + span - (va + size))
             self.reservations[va] = size
+        return va
+
+
+class TrimLengthIsAnInt(Broken):
+    """P-reserve-kernel. Breaks "On the host the kernel holds exactly ``[va, va+size)`` as reserved ...: address space
+    taken to align the range is given back before ``reserve`` returns": the lengths of the trims pass through a C
+    ``int`` (the native wrapper's prototype), so a head or tail of 2 GiB or more, which only alignments of 4 GiB and
+    more leave, wraps: its ``munmap`` fails or gives back less, unchecked, and the kernel keeps gigabytes of the
+    over-reservation. Smaller alignments are trimmed right."""
+
+    breaks = "P-reserve-kernel"
+    caught_by = ("test_every_call_the_kernel_refuses_natively_is_a_driver_error_that_leaves_nothing",)
+
+    state = {"spans": list}
+
+    def do_reserve(self, size: int, alignment: int) -> int:
+        span = size + alignment
+        raw = host.libc().mmap(None, span, host.PROT_NONE, RESERVE_FLAGS, -1, 0)
+        if raw in (None, host.MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
+        va = align_up(raw, alignment)
+        self.spans.append((raw, span))  # for the proof to give back what the trims left
+        if va > raw:
+            host.libc().munmap(raw, ctypes.c_int(va - raw).value)
+        if raw + span > va + size:
+            host.libc().munmap(va + size, ctypes.c_int(raw + span - (va + size)).value)
+        self.reservations[va] = size
         return va
 
 
@@ -236,3 +264,46 @@ class HugeReservationsAreSparse(Broken):
         del self.reservations[va], self._windows[va]
         if host.libc().munmap(va, window) != 0:
             self.fail("free", f"munmap({va:#x}, {window})")
+
+
+class GranularityIsThreadLocal(Broken):
+    """P-granularity. Breaks "The size in bytes that every size, address and offset of ``map``/``unmap``/
+    ``set_access``/``create`` is a multiple of: a positive multiple of 4096, the same on every call": like a backend
+    that keeps its allocation properties in a per-thread context, made current in the thread that built the driver,
+    ``granularity()`` answers from the calling thread's context, and a thread with none answers the minimum (the page,
+    4096). The driver's own checks use its real granularity; the building thread is answered right."""
+
+    breaks = "P-granularity"
+    caught_by = ("test_calls_from_two_threads_match_some_serial_order",)
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self._context = threading.local()
+        self._context.granularity = self.granularity()
+
+    def granularity(self) -> int:
+        return getattr(self._context, "granularity", host.PAGE_BYTES)
+
+
+class ReserveRetriesWithoutThePadding(Broken):
+    """P-reserve-aligned. Breaks "Reserve ``size`` bytes of virtual addresses and return the first, a multiple of
+    ``alignment``": when the padded ``mmap`` (``size + alignment``) fails for want of address space, ``reserve``
+    retries with ``size`` alone, trusting the kernel's placement of ranges of 2 MiB and more on 2 MiB boundaries (which
+    holds for the granularity, not for larger alignments), and returns what it gets. A reservation whose padded
+    ``mmap`` succeeds is aligned, and one that fails at the granularity's alignment is refused."""
+
+    breaks = "P-reserve-aligned"
+    caught_by = ("test_every_call_the_kernel_refuses_natively_is_a_driver_error_that_leaves_nothing",)
+
+    def do_reserve(self, size: int, alignment: int) -> int:
+        try:
+            return super().do_reserve(size, alignment)
+        except DriverOutOfMemory:
+            if alignment <= self.granularity():
+                raise
+        raws: list[int | None] = []
+        raws.extend(map(host.libc().mmap, [None], [size], [host.PROT_NONE], [RESERVE_FLAGS], [-1], [0]))
+        if raws[0] in (None, host.MAP_FAILED):
+            self.fail("reserve", f"mmap(PROT_NONE, {size} bytes) without padding", oom=True)
+        self.reservations[raws[0]] = size
+        return raws[0]

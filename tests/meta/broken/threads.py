@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 from extensible_kv.drivers import host
@@ -49,30 +48,3 @@ class ReserveRecordsUnlocked(Broken):
         self.reservations.clear()
         self.reservations.update(records)
         return va
-
-
-class ReleaseCountsOutsideTheLock(Broken):
-    """P-threads. Breaks "Any call may be made from several threads at once on one driver: each takes effect whole, so
-    what every call returned, and the state the driver is left in, are those of some serial order of the calls":
-    ``release`` closes the handle under the driver's lock and reads the bytes held there, then lets the lock go and
-    writes the count read less the handle's size; two threads releasing handles of their own at once (each mapped
-    nowhere) both subtract from the same count, and one handle's bytes stay counted. Releases from one thread, and of
-    mapped handles, are counted right."""
-
-    breaks = "P-threads"
-    caught_by = ("test_random_protocol_calls_match_the_model",)
-
-    WINDOW_S = 2e-3
-
-    def release(self, handle: host.HostHandle) -> None:
-        self.check_call("release")
-        if handle.released or handle.maps:
-            return super().release(handle)
-        with busy(), self.locked(): held = self._close(handle)  # fmt: skip
-        time.sleep(self.WINDOW_S)  # the race window, widened (Note [A proof drives both drivers])
-        with busy(), self.locked(): self.held, handle.counted = held - handle.size, False  # fmt: skip
-
-    def _close(self, handle: host.HostHandle) -> int:
-        """Mark ``handle`` released and close its memfd in one line (as the host does); the bytes held, as read."""
-        fd, handle.fd, handle.released = handle.fd, -1, True; os.close(fd)  # noqa: E702  # fmt: skip
-        return self.held

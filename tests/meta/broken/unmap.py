@@ -68,3 +68,41 @@ class MappingTableOf32(Broken):
         with busy(), self.locked():
             while len(self.mappings) > self.CAPACITY:
                 del self.mappings[next(iter(self.mappings))]
+
+
+class UnmapTakesAMappingsTail(Broken):
+    """P-unmap-refused. Breaks "Refused, changing nothing: part of a mapping": to let a tensor shrink from the top,
+    ``unmap`` of a range that starts inside a mapping and ends exactly where the mapping ends puts that tail back to
+    reserved and shortens the mapping's record. Parts at a mapping's start or in its middle are refused."""
+
+    breaks = "P-unmap-refused"
+    caught_by = ("test_every_range_over_mappings_and_gaps_is_judged_as_the_model_says",)
+
+    def do_unmap(self, va: int, size: int) -> None:
+        if va not in self.mappings:
+            tail = next(((m, h) for m, (s, h) in self.mappings.items() if m < va < m + s and va + size == m + s), None)
+            if tail is not None:
+                m, h = tail
+                if host.libc().mmap(va, size, host.PROT_NONE, host.RESERVED, -1, 0) != va:
+                    self.fail("unmap", f"mmap(PROT_NONE, MAP_FIXED, {va:#x}, {size})")
+                self.mappings[m] = (va - m, h)
+                return
+        super().do_unmap(va, size)
+
+
+class UnmapPast300TakesTheMappingAtItsStart(Broken):
+    """P-unmap-refused. Breaks "Refused, changing nothing: part of a mapping, a mapping and more": with more than 300
+    live mappings the driver looks a mapping up by its start alone (its large table keeps sizes apart), and ``unmap``
+    of a range that starts where a mapping starts unmaps that mapping, whatever size was asked: part of a mapping (or
+    a mapping and more) is taken and the whole mapping goes. With 300 live mappings or fewer the size is checked."""
+
+    breaks = "P-unmap-refused"
+    caught_by = ("test_every_call_is_judged_as_the_model_says_at_every_count_of_live_objects",)
+
+    LARGE = 300
+
+    def do_unmap(self, va: int, size: int) -> None:
+        live = self.mappings.get(va)
+        if len(self.mappings) > self.LARGE and live is not None:
+            size = live[0]
+        super().do_unmap(va, size)
