@@ -11,14 +11,7 @@
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-t0=$(date +%s)
-if [ ! -d /tmp/site/vllm ]; then
-  last=$(ls .device-stage/p* 2>/dev/null | sort -V | tail -n 1)
-  [ -n "$last" ] || { echo "no .device-stage/p* carried and no /tmp/site: stage and carry the last part"; exit 3; }
-  ls /tmp/stage/p* > /dev/null 2>&1 || { echo "no /tmp/stage/p*: copy the earlier parts first"; exit 3; }
-  mkdir -p /tmp/site && cat $(ls /tmp/stage/p* | sort -V) "$last" | xz -d | tar -x -C /tmp/site || exit 3
-fi
-echo "vllm unpacked in $(( $(date +%s) - t0 )) s"
+source ci/vllm_bundle.sh
 export PYTHONPATH="/tmp/site:$root/reference:$root/lab:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
 run=${RUN:-/tmp/resize-run}

@@ -659,15 +659,7 @@ class ExtensibleTensor(Unshareable):
                 f"shrink_per_segment_({nbytes}) on {self!r} is refused: {', '.join(pinned)} registered views of "
                 f"the committed bytes per segment and would be left on unmapped memory; nothing was released"
             )
-        if any(k.reach > nbytes for k in self._views):
-            gc.collect()
-        beyond = sorted({k.reach for k in self._views if k.reach > nbytes})
-        if beyond:
-            raise BusyError(
-                f"shrink_per_segment_({nbytes}) on {self!r} is refused: segment view(s) over "
-                f"{', '.join(map(str, beyond))} committed bytes per segment are alive and would be left on unmapped "
-                f"memory; drop them first (nothing was released)"
-            )
+        self._refuse_stranding(nbytes, f"shrink_per_segment_({nbytes})", "released")
         return self._shrink(old, nbytes) if nbytes < old else self
 
     def _shrink_plan(self, new: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]]]:
@@ -861,20 +853,19 @@ class ExtensibleTensor(Unshareable):
             )
         if len(lineage) == mark.depth:  # no growth step since
             return []
-        self._refuse_stranding(mark.per_segment)
+        self._refuse_stranding(mark.per_segment, f"rollback_to {mark.per_segment} bytes per segment", "undone")
         return self._rollback(mark.mappings, mark.per_segment, mark.depth)
 
-    def _refuse_stranding(self, per_segment: int) -> None:
-        """Refuse a rollback to ``per_segment`` while a segment view over bytes above it is alive: Note [A rollback
-        never strands a view]."""
+    def _refuse_stranding(self, per_segment: int, op: str, undone: str) -> None:
+        """Refuse ``op`` (a rollback or a shrink to ``per_segment``) while a segment view over bytes above it is
+        alive: Note [A rollback never strands a view]. ``undone``: what nothing was, in the message."""
         if any(k.reach > per_segment for k in self._views):
             gc.collect()
         beyond = sorted({k.reach for k in self._views if k.reach > per_segment})
         if beyond:
             raise BusyError(
-                f"rollback_to {per_segment} bytes per segment on {self!r} is refused: segment view(s) over "
-                f"{', '.join(map(str, beyond))} committed bytes per segment are alive and would be left on unmapped "
-                f"memory; drop them first (nothing was undone)"
+                f"{op} on {self!r} is refused: segment view(s) over {', '.join(map(str, beyond))} committed bytes "
+                f"per segment are alive and would be left on unmapped memory; drop them first (nothing was {undone})"
             )
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import BusyError, ExtensibleKVError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from . import worker_kv
@@ -637,15 +637,20 @@ def bind_engine(core: Any) -> None:
 
 
 # -- clients ---------------------------------------------------------------------------------------------------------
+def _raise_typed(exc: Exception) -> NoReturn:
+    """Raise ``exc`` as the typed error it names (``typed``: vLLM's utility calls carry only a message)."""
+    error = typed(exc)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
 def _call(llm: Any, method: str, *args: object) -> dict:
     engine = getattr(llm, "llm_engine", llm)
     try:
         replies = engine.collective_rpc(method, args=args)
     except Exception as exc:
-        error = typed(exc)
-        if error is exc:
-            raise
-        raise error from exc
+        _raise_typed(exc)
     return replies[0]
 
 
@@ -668,10 +673,7 @@ async def _call_async(client: Any, method: str, *args: object) -> dict:
     try:
         replies = await client.collective_rpc(method, args=args)
     except Exception as exc:
-        error = typed(exc)
-        if error is exc:
-            raise
-        raise error from exc
+        _raise_typed(exc)
     return replies[0]
 
 
