@@ -121,6 +121,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import NoReturn, cast
 
 import torch
 
@@ -294,7 +295,7 @@ class HostDriver:
         try:  # the mmap's result is stored by C: Note [A result is stored by C]
             raws.extend(map(_lib().mmap, [None], [span], [PROT_NONE], [flags], [-1], [0]))
             raw = raws[0]
-            if raw in (None, MAP_FAILED):
+            if raw is None or raw == MAP_FAILED:
                 self.fail("reserve", f"mmap(PROT_NONE, {span} bytes) for {size} bytes aligned to {alignment}", oom=True)
             va = -(-raw // alignment) * alignment
             # Trim the over-reservation so the kernel holds exactly [va, va+size); each trim is remembered in the
@@ -329,6 +330,7 @@ class HostDriver:
 
     def create(self, size: int) -> HostHandle:
         self.check_call("create", size=size)
+        made: list[HostHandle]
         counted, made = [0], []  # the bytes this call added to the held count, and the handle it made
         try:  # both are given back unless the handle is returned: Note [Every call is whole, even when interrupted]
             with busy(), self.mark(), self.locked(): self.charge(size, counted)  # fmt: skip
@@ -410,8 +412,10 @@ class HostDriver:
         with busy(), self.mark(), self.locked(): return self.do_unmap(va, size)  # fmt: skip
 
     def do_unmap(self, va: int, size: int) -> None:
-        live = self._mappings.get(va)
-        check_one_mapping(va, size, live and live[0])
+        found = self._mappings.get(va)
+        check_one_mapping(va, size, found and found[0])
+        live = cast(tuple[int, HostHandle], found)  # check_one_mapping refused a va with no mapping
+        got: list[int | None]
         flags, got = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, []
         try:  # the kernel first, then the records: Notes [Every call is whole, ...], [A result is stored by C]
             got.extend(map(_lib().mmap, [va], [size], [PROT_NONE], [flags], [-1], [0]))
@@ -455,7 +459,7 @@ class HostDriver:
     def tensor(self, va: int, nbytes: int, keeper: object) -> torch.Tensor:
         self.check_call("tensor", va=va, size=nbytes)
         buffer = (ctypes.c_uint8 * nbytes).from_address(va)
-        buffer.keeper = keeper  # the storage holds `buffer`, which holds the keeper
+        buffer.keeper = keeper  # type: ignore[attr-defined]  # the storage holds `buffer`, which holds the keeper
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def accessible(self, va: int) -> bool:
@@ -516,7 +520,7 @@ class HostDriver:
             raise
 
     @staticmethod
-    def fail(op: str, detail: str, oom: bool = False) -> None:
+    def fail(op: str, detail: str, oom: bool = False) -> NoReturn:
         err = ctypes.get_errno()
         kind = DriverOutOfMemory if (oom or err == errno.ENOMEM) else DriverError
         raise kind(op, f"{detail}: {os.strerror(err)}", err)
