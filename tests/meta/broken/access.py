@@ -96,23 +96,6 @@ class AccessibleAnyNamedReadWrite(Broken):
         return any(lo <= va < hi and perms.startswith("rw") and path for lo, hi, perms, path in kernel_ranges())
 
 
-class SetAccessWidensToMappings(Broken):
-    """Access state. Breaks "[P-access] ... Part of a mapping is granted by a driver whose native call takes it (the
-    host's mprotect) and refused, changing nothing, by one whose native call takes whole mappings only
-    (``cuMemSetAccess``); either way, the same for every call": it checks the range asked, then grants every mapping
-    the range touches whole, so granules outside the range become accessible."""
-
-    breaks = "P-access"
-    caught_by = ("test_calls_from_two_threads_match_some_serial_order",)
-
-    def set_access(self, va: int, size: int) -> None:
-        super().set_access(va, size)
-        with busy(), self.locked():
-            touched = [(m, s) for m, (s, _) in self.mappings.items() if m < va + size and va < m + s]
-        lo, hi = min(m for m, _ in touched), max(m + s for m, s in touched)
-        super().set_access(lo, hi - lo)
-
-
 class OffsetMappingsAreReadable(Broken):
     """P-accessible-kernel. Breaks "``/proc/self/maps`` shows ... a mapped granule without access as a shared mapping of
     it without access ...; touching any granule that is not accessible faults": a mapping at a non-zero offset (a view

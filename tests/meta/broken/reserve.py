@@ -149,7 +149,7 @@ class ReserveKeepsItsRawAddressOnTheDriver(Broken):
     alone, or two that do not meet, are right."""
 
     breaks = "P-reserve-disjoint"
-    caught_by = ("test_calls_from_two_threads_match_some_serial_order",)
+    caught_by = ("test_each_contended_pair_at_every_line_matches_a_serial_order",)
 
     state = {"lost": list}
 
@@ -274,7 +274,7 @@ class GranularityIsThreadLocal(Broken):
     4096). The driver's own checks use its real granularity; the building thread is answered right."""
 
     breaks = "P-granularity"
-    caught_by = ("test_calls_from_two_threads_match_some_serial_order",)
+    caught_by = ("test_reservations_of_every_size_class_are_aligned_exact_and_disjoint",)
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__(name)
