@@ -225,6 +225,17 @@ def _undo(call: Callable[..., None], *args: object) -> None:
         pass
 
 
+def _release_handles(memory: _Memory) -> list[str]:
+    """Release every handle on record, newest first; a driver's refusal is noted and the rest still released."""
+    problems = []
+    for handle in reversed(list(memory.handles)):
+        try:
+            memory.release(handle)
+        except _REFUSED as exc:
+            problems.append(f"release: {exc}")
+    return problems
+
+
 class _Memory(Owned):
     """What must be returned to the driver: the reservation (``reservation``, its base address once ``reserve``
     returned, empty again after ``free``), the live mappings ``(va, size)``, the handles created and not yet
@@ -763,12 +774,7 @@ class ExtensibleTensor(Unshareable):
             memory.settle()
         except _REFUSED as exc:
             problems.append(f"{exc}")
-        for handle in reversed(list(memory.handles)):
-            try:
-                memory.release(handle)
-            except _REFUSED as exc:
-                problems.append(f"release: {exc}")
-        return problems
+        return problems + _release_handles(memory)
 
     def _rollback(self, count: int, old: int, depth: int | None = None) -> list[str]:
         """Set the size back to ``old`` and undo what was made since the memory held ``count`` mappings: settle the
@@ -801,12 +807,7 @@ class ExtensibleTensor(Unshareable):
                 memory.unmap(va, size)
             except _REFUSED as exc:
                 problems.append(f"unmap({va:#x}, {size}): {exc}")
-        for handle in reversed(list(memory.handles)):
-            try:
-                memory.release(handle)
-            except _REFUSED as exc:
-                problems.append(f"release: {exc}")
-        return problems
+        return problems + _release_handles(memory)
 
     def checkpoint(self) -> Checkpoint:
         """A point to ``rollback_to`` (for callers that grow several tensors as one step, as
