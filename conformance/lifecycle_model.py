@@ -487,6 +487,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check(f"shrink a invalid {kind} {value!r}")
 
     # -- tensor a: views and data ------------------------------------------------------------------------------------
+    def strands(self, mark) -> bool:
+        """Whether rolling tensor a back to ``mark`` would leave a segment view the machine holds over unmapped bytes:
+        refused with ``BusyError`` (Note [A rollback never strands a view])."""
+        m = self.model["a"]
+        return mark.per_segment < m.per_segment and any(r > mark.per_segment for r in self.reaches("a"))
+
     @rule(segment=st.integers(-1, 3), full=st.booleans())
     def take_view(self, segment, full):
         m, t = self.model["a"], self.real["a"]
@@ -556,6 +562,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             expect_equal(self.driver, f"rollback_to on a {m.state} tensor: what could not be undone", [], got)
         elif not m.mark_valid(mark):
             self.refused("a", "rollback_to(a checkpoint of another lineage)", InvalidArgumentError,
+                         lambda: t.rollback_to(mark.real))  # fmt: skip
+        elif self.strands(mark):
+            self.refused("a", "rollback_to(a checkpoint below a live segment view)", BusyError,
                          lambda: t.rollback_to(mark.real))  # fmt: skip
         else:
             got = self.guarded(lambda: t.rollback_to(mark.real))
@@ -654,7 +663,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             call = lambda: t.close(force=True)  # noqa: E731
         elif op == "rollback" and m.state == "open" and self.marks["a"]:
             mark = self.marks["a"][pick % len(self.marks["a"])]
-            if not m.mark_valid(mark):
+            if not m.mark_valid(mark) or self.strands(mark):
                 return
             call = lambda: t.rollback_to(mark.real)  # noqa: E731
         else:
