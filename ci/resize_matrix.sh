@@ -6,7 +6,7 @@
 #   ci/resize_matrix.sh [--budget-seconds S] [--only CASE ...]
 #
 # The bundle and its staging are ci/worst_batch_matrix.sh's (.device-stage/p*, /tmp/stage/). Cases, in order:
-# qwen3-v1-bi, qwen3-v1, qwen3-v2-bi, qwen3-v2, llama8b-v1, llama8b-v2 (one GPU; -bi: batch-invariant mode, where
+# qwen3-v1-bi, llama8b-v2, qwen3-v2-bi, llama8b-v1, qwen3-v1, qwen3-v2 (one GPU; -bi: batch-invariant mode, where
 # tokens must be identical), qwen3-v1-tp2 (two GPUs; skipped on one). About 4 to 5 minutes a case.
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,8 +18,7 @@ run=${RUN:-/tmp/resize-run}
 mkdir -p "$run/resize"
 python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
 python3 -m integration.resize_run "$run" "$@" 2>&1 | tee -a "$run/matrix.log" | tail -n 40
-if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/resize"
-  cp "$run"/resize/*.json "$run"/resize/*.log "$OUT/resize/" 2>/dev/null
+if [ -n "${OUT:-}" ]; then  # a device call brings back few files: the cases and logs travel as one tarball
+  tar -czf "$OUT/resize.tar.gz" -C "$run" resize
   cp "$run"/resize-summary.json "$run"/resize-table.md "$run"/matrix.log "$run"/environment.json "$OUT/" 2>/dev/null
 fi

@@ -22,6 +22,21 @@ Per case (``one``), with ``N`` the engine's blocks after start and requests size
    holds it ``HOLD_S`` and frees it (its reading while it holds); at step ``GROW_AT`` a resize back to ``N``.
 3. ``after``: the same requests again, no resize.
 
+Decode throughput (Note [Decode before and after, in the same engine]): ``run_case.run_throughput`` twice before
+the passes (``before-1``, ``before-2``: never resized) and once after them (``after``: shrunk and grown back), the
+same sequences and windows each time; the ratio is ``parity.window_ratios``'s median, after over ``before-2``, and
+``before-2`` over ``before-1`` is the same engine's spread with no resize between.
+
+Note [Decode before and after, in the same engine]
+    Rule: the resized engine's decode rate is compared with its own rate before any resize, window by window
+    (``parity``'s Note [Decode windows are paired]), and held against 0.995 only beside the spread of two runs
+    with nothing between them.
+    Why: a second engine that never resized would differ in its start (compile cache, allocator history) by more
+    than the 0.5% the target allows; the same engine differs only by the resizes. What it does not show: whether
+    the windows' requests held blocks the shrink had released (the pool hands out its oldest free blocks first,
+    and growth appends the regained blocks at the end of the free queue); a regained block's pages are VMM pages
+    like the others, mapped by the same driver calls.
+
 Note [Preemption changes the batch, not the tokens]
     A preempted request is recomputed in other batches than the never-resized pass ran it in, and bf16 kernels
     need not give the same bits for a row in batches of other shapes: a token that differs after a preemption says
@@ -65,17 +80,20 @@ PASS_FRACTION = 0.08  # of the engine's blocks, held by one pass's requests
 ALLOC_FRACTION = 0.9  # of the memory the shrink freed, taken by the second process
 HOLD_S = 2.0
 RESIZE_LIMIT_S = 0.1
+DECODE_TARGET = 0.995
+DECODE_RUNS = ("before-1", "before-2", "after")
+DECODE_WINDOWS, DECODE_STEPS, DECODE_WARM = 5, 32, 8
 SEED = 7
 
 QWEN = dict(model="qwen3-0.6b-shape", max_model_len=4096, max_num_seqs=32, util=0.85, prompt_len=1024, max_tokens=64)
 LLAMA8B = dict(model="llama-8b-shape", max_model_len=8192, max_num_seqs=64, util=0.85, prompt_len=1024, max_tokens=32)
 CASES: list[dict] = [
-    dict(name="qwen3-v1-bi", runner="v1", **QWEN, batch_invariant=True, seconds=300),
-    dict(name="qwen3-v1", runner="v1", **QWEN, seconds=240),
-    dict(name="qwen3-v2-bi", runner="v2", **QWEN, batch_invariant=True, seconds=300),
-    dict(name="qwen3-v2", runner="v2", **QWEN, seconds=240),
-    dict(name="llama8b-v1", runner="v1", **LLAMA8B, seconds=300),
+    dict(name="qwen3-v1-bi", runner="v1", **QWEN, batch_invariant=True, seconds=240),
     dict(name="llama8b-v2", runner="v2", **LLAMA8B, seconds=300),
+    dict(name="qwen3-v2-bi", runner="v2", **QWEN, batch_invariant=True, seconds=240),
+    dict(name="llama8b-v1", runner="v1", **LLAMA8B, seconds=300),
+    dict(name="qwen3-v1", runner="v1", **QWEN, seconds=240),
+    dict(name="qwen3-v2", runner="v2", **QWEN, seconds=240),
     dict(name="qwen3-v1-tp2", runner="v1", **QWEN, tp=2, gpus=2, seconds=300),
 ]
 """Most telling first. ``-bi``: vLLM's batch-invariant mode (Note [Preemption changes the batch, not the tokens])."""
@@ -138,13 +156,31 @@ def checks(result: Mapping) -> dict:
     resizes = result.get("resizes") or []
     alloc = result.get("alloc") or {}
     worker = [r.get("worker_seconds") for r in resizes if r.get("worker_seconds") is not None]
+    decode = result.get("decode") or {}
     return {
         "tokens_identical_resized": (passes.get("resized") or {}).get("compare", {}).get("identical"),
         "tokens_identical_after": (passes.get("after") or {}).get("compare", {}).get("identical"),
         "no_failed_request": (not any((p or {}).get("failed") for p in passes.values())) if passes else None,
         "second_process_allocated": alloc.get("ok"),
         "rank_resize_under_limit": (max(worker) < RESIZE_LIMIT_S) if worker else None,
+        "decode_at_target": None if decode.get("ratio") is None else decode["ratio"] >= DECODE_TARGET,
     }
+
+
+def decode_ratio(runs: Mapping[str, dict]) -> dict:
+    """The resized engine's decode over its own before any resize (Note [Decode before and after, in the same
+    engine]): the median window-by-window ratio ``after`` / ``before-2``, and ``before-2`` / ``before-1`` beside it.
+    ``None`` where a run is missing; ``parity.window_ratios``'s ValueError where windows do not pair."""
+    import statistics
+
+    from integration.parity import window_ratios
+
+    def median(a: str, b: str) -> float | None:
+        if a not in runs or b not in runs:
+            return None
+        return statistics.median(window_ratios({"throughput": runs[b]}, {"throughput": runs[a]}))
+
+    return {"ratio": median("after", "before-2"), "spread": median("before-2", "before-1"), "target": DECODE_TARGET}
 
 
 def summarize(folder: Path) -> dict:
@@ -167,23 +203,26 @@ def summarize(folder: Path) -> dict:
                 "preempted": len(shrink.get("preempted") or []),
                 "freed_mib": _mib(_diff(memory.get("before_shrink"), memory.get("after_shrink"))),
                 "alloc_mib": _mib((result.get("alloc") or {}).get("bytes")),
+                "decode": _ratio((result.get("decode") or {}).get("ratio")),
+                "decode_spread": _ratio((result.get("decode") or {}).get("spread")),
                 **checks(result),
             }
         )
     header = (
         "| case | blocks | shrink ms (rank) | grow ms (rank) | preempted | freed MiB | 2nd process MiB | tokens "
-        "resized / after | no failed | 2nd alloc | rank < 100 ms |"
+        "resized / after | no failed | 2nd alloc | rank < 100 ms | decode after/before (spread) |"
     )
-    lines = [header, "|" + " --- |" * 11]
+    lines = [header, "|" + " --- |" * 12]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['case']} | error: {r['error'][:80]} |" + " |" * 9)
+            lines.append(f"| {r['case']} | error: {r['error'][:80]} |" + " |" * 10)
             continue
         lines.append(
             f"| {r['case']} | {r['blocks']} | {r['shrink_ms']} ({r['shrink_rank_ms']}) | {r['grow_ms']} "
             f"({r['grow_rank_ms']}) | {r['preempted']} | {r['freed_mib']} | {r['alloc_mib']} | "
             f"{r['tokens_identical_resized']} / {r['tokens_identical_after']} | {r['no_failed_request']} | "
-            f"{r['second_process_allocated']} | {r['rank_resize_under_limit']} |"
+            f"{r['second_process_allocated']} | {r['rank_resize_under_limit']} | {r['decode']} "
+            f"({r['decode_spread']}) |"
         )
     summary = {"rows": rows, "table": "\n".join(lines)}
     (folder / "resize-summary.json").write_text(json.dumps(summary, indent=1))
@@ -193,6 +232,10 @@ def summarize(folder: Path) -> dict:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _mib(value: int | None) -> str:
@@ -298,6 +341,14 @@ def one(case: Mapping, out: Path) -> dict:
     result["requests"] = {"count": count, "prompt_len": case["prompt_len"], "max_tokens": case["max_tokens"]}
     memory: dict[str, int] = {"start": used_now()}
     resizes: list[dict] = []
+    vocab = rc.text_token_limit(rc.model_config(args.model))
+    decode: dict[str, dict] = {}
+
+    def decode_run(label: str) -> None:
+        decode[label] = rc.run_throughput(llm, vocab, case["max_num_seqs"], DECODE_WARM, DECODE_STEPS, DECODE_WINDOWS)
+
+    decode_run(DECODE_RUNS[0])
+    decode_run(DECODE_RUNS[1])
 
     def resize_to(target: int, label: str) -> None:
         memory[f"before_{label}"] = used_now()
@@ -333,6 +384,8 @@ def one(case: Mapping, out: Path) -> dict:
         passes[tag] = {"seconds": time.perf_counter() - t0, "steps": steps, "failed": failed, "tokens": tokens}
         if tag != "never":
             passes[tag]["compare"] = compare(passes["never"]["tokens"], tokens)
+    decode_run(DECODE_RUNS[2])
+    result["decode"] = {"runs": decode, **decode_ratio(decode)}
     result.update(passes=passes, resizes=resizes, memory=memory, state_at_end=resize.kv_state(llm))
     result["reports"] = llm.collective_rpc("extensible_kv_report")
     result["checks"] = checks(result)

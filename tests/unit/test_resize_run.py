@@ -32,7 +32,7 @@ def test_tokens_compare_names_the_first_request_and_position_that_differ():
     assert rr.compare(ref, {"0": [1, 2, 3]})["missing"] == ["1"]
 
 
-def _result(worker_seconds=0.02, identical=True, failed=()):
+def _result(worker_seconds=0.02, identical=True, failed=(), decode=0.998):
     compare = {"identical": identical}
     return {
         "case": {"name": "qwen3-v1"},
@@ -47,6 +47,7 @@ def _result(worker_seconds=0.02, identical=True, failed=()):
         ],
         "alloc": {"ok": True, "bytes": 50 << 30},
         "memory": {"before_shrink": 70 << 30, "after_shrink": 15 << 30},
+        "decode": {"ratio": decode, "spread": 1.001},
     }
 
 
@@ -57,11 +58,27 @@ def _result(worker_seconds=0.02, identical=True, failed=()):
         (_result(worker_seconds=0.25), {"rank_resize_under_limit"}),
         (_result(identical=False), {"tokens_identical_resized", "tokens_identical_after"}),
         (_result(failed=["4"]), {"no_failed_request"}),
+        (_result(decode=0.99), {"decode_at_target"}),
     ],
 )
 def test_each_check_fails_only_on_its_own_figure(result, failing):
     checks = rr.checks(result)
     assert {k for k, v in checks.items() if v is False} == failing, checks
+
+
+def _windows(*seconds):
+    return {"windows": [{"tokens": 320, "seconds": s} for s in seconds]}
+
+
+def test_decode_is_the_median_window_ratio_after_over_before_with_the_spread_beside_it():
+    runs = {"before-1": _windows(1.0, 1.1, 1.2), "before-2": _windows(1.0, 1.1, 1.2), "after": _windows(1.0, 1.1, 1.32)}
+    got = rr.decode_ratio(runs)
+    assert got["spread"] == pytest.approx(1.0) and got["ratio"] == pytest.approx(1.0)  # one slow window: not the median
+    runs["after"] = _windows(1.1, 1.21, 1.32)
+    assert rr.decode_ratio(runs)["ratio"] == pytest.approx(1 / 1.1)
+    assert rr.decode_ratio({"before-2": _windows(1.0)})["ratio"] is None
+    with pytest.raises(ValueError, match="windows"):
+        rr.decode_ratio({"before-2": _windows(1.0, 1.0), "after": _windows(1.0)})
 
 
 def test_the_table_has_a_row_per_case_and_an_error_row_for_a_case_that_failed(tmp_path):
@@ -145,6 +162,10 @@ def test_a_case_shrinks_lends_and_grows_back_in_its_second_pass(monkeypatch, tmp
     monkeypatch.setattr(rr, "used_now", lambda: (500 + made[0].blocks) << 20)  # 1 MiB a block
     lent = []
     monkeypatch.setattr(rr, "run_alloc", lambda n: lent.append(n) or {"ok": True, "bytes": n})
+    timed = []
+    monkeypatch.setattr(
+        run_case, "run_throughput", lambda llm, *a: timed.append(a) or _windows(*[1.0 + 0.1 * len(timed)] * 3)
+    )
     path = list(sys.path)
     try:
         result = rr.one(rr.case_named("qwen3-v1"), tmp_path / "out.json")
@@ -157,3 +178,5 @@ def test_a_case_shrinks_lends_and_grows_back_in_its_second_pass(monkeypatch, tmp
     assert llm.calls.count("reset_prefix_cache") == 3 and result["requests"]["count"] == 8
     assert result["passes"]["resized"]["compare"]["identical"] and result["checks"]["rank_resize_under_limit"]
     assert set(result["memory"]) >= {"before_shrink", "after_shrink", "after_alloc", "before_grow", "after_grow"}
+    assert list(result["decode"]["runs"]) == ["before-1", "before-2", "after"] and len(set(timed)) == 1
+    assert result["decode"]["ratio"] == pytest.approx(1.2 / 1.3) and result["checks"]["decode_at_target"] is False
