@@ -187,11 +187,15 @@ def _reading(worker) -> dict:
     released = max(0, torch.cuda.max_memory_reserved() - torch.cuda.memory_reserved())
     used = int(worker.init_snapshot.free_memory) - (int(free) - released)
     steps, worker._load_steps = worker._load_steps, []
+    peak_allocated, peak_reserved = int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
     torch.cuda.reset_peak_memory_stats()
     return {
         "over_budget": used - int(worker.requested_memory),
         "used": used,
         "torch_reserved": int(torch.cuda.memory_reserved()),
+        "torch_allocated": int(torch.cuda.memory_allocated()),
+        "peak_allocated": peak_allocated,  # live tensors at the step's peak: above the worst batches' is a batch
+        "peak_reserved": peak_reserved,  # reserved well above peak_allocated: the allocator's cache, not a batch
         "released": released,
         "steps": steps,
     }
@@ -210,6 +214,7 @@ class Report:
     sleep_cycles: int = 0
     highest_over_budget: int | None = None
     highest: dict | None = None
+    highest_allocated: dict | None = None  # the step with the most live tensors: a batch, not the allocator's cache
     per_kind: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
 
@@ -251,6 +256,14 @@ def drive(llm, bursts: list[Burst], seed: int, deadline: float | None = None, pr
                     kind["bursts"].add(burst.index)
                     if kind["highest_over_budget"] is None or over > kind["highest_over_budget"]:
                         kind["highest_over_budget"] = over
+                    top = report.highest_allocated
+                    if top is None or reading["peak_allocated"] > top["peak_allocated"]:
+                        report.highest_allocated = {
+                            "peak_allocated": reading["peak_allocated"],
+                            "burst": burst.summary(),
+                            "pass": p,
+                            "steps": reading["steps"],
+                        }
                     if report.highest_over_budget is None or over > report.highest_over_budget:
                         report.highest_over_budget = over
                         report.highest = {"burst": burst.summary(), "pass": p, "reading": reading}

@@ -80,3 +80,50 @@ def test_the_generator_never_imports_the_sizing():
     lines = out.strip().splitlines()
     assert len(lines) == 11 and all(json.loads(line)["kind"] in KINDS for line in lines[:10])
     assert lines[-1] == "[]", f"the load generator imported {lines[-1]}"
+
+
+class _Engine:
+    """``LLMEngine``'s add_request / step / has_unfinished_requests: every request ends after one step."""
+
+    def __init__(self):
+        self.live = []
+
+    def add_request(self, name, prompt, params):
+        self.live.append(name)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        self.live = []
+        return []
+
+
+class _LLM:
+    """An offline ``LLM`` whose worker readings are scripted: step ``i`` peaks at ``allocated[i]`` live bytes and
+    ``over[i]`` bytes over the budget."""
+
+    def __init__(self, allocated, over):
+        self.llm_engine, self.allocated, self.over, self.at = _Engine(), allocated, over, 0
+
+    def collective_rpc(self, fn):
+        from integration import load_generator as g
+
+        if fn is not g._reading:
+            return [None]
+        i, self.at = self.at, self.at + 1
+        return [{"over_budget": self.over[i], "peak_allocated": self.allocated[i], "steps": [{"step": i}]}]
+
+
+def test_the_load_names_the_step_with_the_most_live_tensors_apart_from_the_highest_over_budget():
+    pytest.importorskip("vllm")
+    from integration.load_generator import drive
+
+    bursts = plan(ISSUE, 5, 3)
+    steps = sum(b.passes for b in bursts)
+    allocated = [100] * steps
+    over = [-5] * steps
+    allocated[1], over[-1] = 900, 7  # the most live tensors in one step, the highest reading in another
+    report = drive(_LLM(allocated, over), bursts, seed=5)
+    assert report.highest_allocated["peak_allocated"] == 900 and report.highest_allocated["steps"] == [{"step": 1}]
+    assert report.highest_over_budget == 7 and report.highest["reading"]["steps"] == [{"step": steps - 1}]
