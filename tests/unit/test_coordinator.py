@@ -267,9 +267,60 @@ def test_the_command_line_polls_two_served_engines_and_resizes_the_idle_one():
         from extensible_kv.vllm.coordinator import main
 
         argv = ["--engine", f"a={url}/a", "--engine", f"b={url}/b", "--limit-gib", str(1100 * BPB / 2**30)]
-        assert main([*argv, "--interval", "0", "--polls", "3", "--idle-polls", "2"]) == 0
+        assert main([*argv, "--interval", "0.001", "--polls", "3", "--idle-polls", "2"]) == 0
     finally:
         server.shutdown()
         server.server_close()
     assert ("/a/collective_rpc", 17) in resized and engines["/a"]["num_blocks"] == 17
     assert engines["/b"]["num_blocks"] == 114  # 90 used / 0.8 + 1
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--limit-gib", "-1"),
+        ("--limit-gib", "nan"),
+        ("--limit-gib", "1e308"),
+        ("--target-usage", "1.5"),
+        ("--interval", "inf"),
+        ("--interval", "0"),
+        ("--idle-polls", "0"),
+        ("--polls", "1e3"),
+    ],
+)
+def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2_before_any_engine_is_called(option, value, capsys):
+    from extensible_kv.vllm.coordinator import main
+
+    argv = ["--engine", "a=http://127.0.0.1:9/a", "--engine", "b=http://127.0.0.1:9/b", "--limit-gib", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, option, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and option in err[-1] and value in err[-1], err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--engine", "a=http://127.0.0.1:9", "--engine", "a=http://127.0.0.1:9"], "engine names must differ"),
+        (["--engine", "a=ftp://x", "--engine", "b=http://127.0.0.1:9"], "name=http://host:port"),
+    ],
+)
+def test_a_bad_engine_list_is_one_line_and_exit_2(argv, match, capsys):
+    from extensible_kv.vllm.coordinator import main
+
+    assert main([*argv, "--limit-gib", "1", "--polls", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
+def test_an_interrupt_while_polling_is_one_line_and_exit_130(monkeypatch, capsys):
+    from extensible_kv.vllm import coordinator
+
+    def interrupted(self, interval, polls):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(coordinator.Coordinator, "run", interrupted)
+    argv = ["--engine", "a=http://127.0.0.1:9", "--engine", "b=http://127.0.0.1:9", "--limit-gib", "1"]
+    assert coordinator.main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0], err

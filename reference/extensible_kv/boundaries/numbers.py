@@ -40,6 +40,17 @@ def seconds(value: str, *, option: str, limit: float = SECONDS_LIMIT, off: bool 
     return number
 
 
+def positive(value: str, *, option: str, high: float, what: str = "a number") -> float:
+    """``value`` as a finite number above 0 and at most ``high`` (a fraction, a size in GiB)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not 0 < number <= high:  # nan and the infinities fail here too
+        raise BadNumber(f"{option} must be {what} above 0 and at most {high:g}, got {shown(value)}")
+    return number
+
+
 def integer(value: str, *, option: str, low: int = 1, high: int = INT_LIMIT - 1, what: str = "an integer") -> int:
     """``value`` as an integer from ``low`` to ``high`` (decimal digits only: no ``1e3``, no ``0x10``)."""
     text = str(value).strip()

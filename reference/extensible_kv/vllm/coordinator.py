@@ -35,13 +35,14 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ExtensibleKVError, InvalidSizeError
+from ..errors import ExtensibleKVError
 from .resize import KV_STATE, RESIZE, typed
 
 logger = logging.getLogger("extensible_kv.vllm")
@@ -256,23 +257,39 @@ def parse_engine(spec: str) -> ServeEngine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: bad input is one line on stderr and exit 2, before any engine is called; an interrupt is
+    one line and 130."""
+    try:
+        return _main(argv)
+    except (ExtensibleKVError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; every engine keeps the size it had at the last poll", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from ..boundaries.numbers import INT_LIMIT, argument, integer, positive, seconds
+
     parser = argparse.ArgumentParser(
         prog="python -m extensible_kv.vllm.coordinator", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--engine", action="append", required=True, help="name=http://host:port (two or more)")
-    parser.add_argument("--limit-gib", type=float, required=True, help="KV memory for all engines on the card, GiB")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
-    parser.add_argument("--target-usage", type=float, default=0.8)
-    parser.add_argument("--idle-polls", type=int, default=3)
-    parser.add_argument("--polls", type=int, default=None, help="stop after this many polls (default: never)")
+    gib = argument(positive, "--limit-gib", high=INT_LIMIT / 2**30, what="a size in GiB")
+    parser.add_argument("--limit-gib", type=gib, required=True, help="KV memory for all engines on the card, GiB")
+    interval = argument(seconds, "--interval", limit=24 * 3600.0, off=False)
+    parser.add_argument("--interval", type=interval, default=2.0, help="seconds between polls")
+    usage = argument(positive, "--target-usage", high=1.0, what="a fraction")
+    parser.add_argument("--target-usage", type=usage, default=0.8)
+    parser.add_argument("--idle-polls", type=argument(integer, "--idle-polls", high=10**6), default=3)
+    polls = argument(integer, "--polls", high=10**9)
+    parser.add_argument("--polls", type=polls, default=None, help="stop after this many polls (default: never)")
     args = parser.parse_args(argv)
     engines = [parse_engine(s) for s in args.engine]
     if len({e.name for e in engines}) != len(engines):
         raise CoordinatorError(f"engine names must differ: {[e.name for e in engines]}")
-    limit = int(args.limit_gib * 2**30)
-    if limit <= 0:
-        raise InvalidSizeError(f"--limit-gib must be positive, got {args.limit_gib}")
-    policy = Policy(limit, target_usage=args.target_usage, idle_polls=args.idle_polls)
+    policy = Policy(int(args.limit_gib * 2**30), target_usage=args.target_usage, idle_polls=args.idle_polls)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     Coordinator([e.handle() for e in engines], policy).run(args.interval, args.polls)
     return 0
