@@ -17,7 +17,10 @@ export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTO
 run=${RUN:-/tmp/resize-run}
 mkdir -p "$run/resize"
 python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
-python3 -m integration.resize_run "$run" "$@" 2>&1 | tee -a "$run/matrix.log" | tail -n 40
+# MATRIX_TIMEOUT_S: a hard stop for the matrix (a device call's limit), so what finished still travels back
+timeout --signal=INT "${MATRIX_TIMEOUT_S:-86400}" python3 -m integration.resize_run "$run" "$@" 2>&1 \
+  | tee -a "$run/matrix.log" | tail -n 40
+python3 -c "import sys; from integration.resize_run import summarize; summarize(__import__('pathlib').Path(sys.argv[1]))" "$run" > /dev/null 2>&1
 if [ -n "${OUT:-}" ]; then  # a device call brings back few files: the cases and logs travel as one tarball
   tar -czf "$OUT/resize.tar.gz" -C "$run" resize
   cp "$run"/resize-summary.json "$run"/resize-table.md "$run"/matrix.log "$run"/environment.json "$OUT/" 2>/dev/null

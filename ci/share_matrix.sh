@@ -20,7 +20,8 @@ rm -rf "$run"
 mkdir -p "$run"
 python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
 nvidia-smi > "$run/nvidia-smi.txt" 2>&1 || true
-python3 -m integration.share_run "$run" "$@" > "$run/share.log" 2>&1
+# MATRIX_TIMEOUT_S: a hard stop (a device call's limit); the harness stops both servers on the interrupt
+timeout --signal=INT --kill-after=30 "${MATRIX_TIMEOUT_S:-86400}" python3 -m integration.share_run "$run" "$@" > "$run/share.log" 2>&1
 status=$?
 tail -n 60 "$run/share.log"
 if [ -n "${OUT:-}" ]; then
