@@ -646,3 +646,80 @@ def test_a_kv_shrink_interrupted_at_any_line_leaves_the_old_count_or_failed(driv
         "some interrupts keeping the old count",
         outcomes,
     )
+
+
+@pytest.mark.parametrize("holder", ["segment_view", "pin", "committed_layer_view"])
+def test_kv_shrink_blocks_refused_by_the_last_buffer_changes_no_buffer(driver, holder):
+    # A view or pin on the last buffer refuses the step before any buffer shrinks: an earlier buffer shrunk, then
+    # grown back, would come back zeroed.
+    from . import layouts
+
+    kv = layouts.kv_cache(driver, "kv_first", buffers=2)
+    kv.ensure_blocks(20)
+    first, last = (kv.tensor(b.name) for b in kv.buffers)
+    view = first.segment_view(0)
+    view.copy_(pattern(view.numel(), 9, driver.device))
+    before = view.clone()
+    del view
+    mappings = driver.outstanding().mappings
+    held = None
+    if holder == "segment_view":
+        held = last.segment_view(0)
+    elif holder == "pin":
+        last.pin("connector Y")
+    else:
+        held = kv.committed_layer_views(kv.buffers[-1].layers[0].name)
+    with pytest.raises(BusyError):
+        kv.shrink_blocks(4)
+    expect_equal(
+        driver,
+        f"(num_blocks, mappings) after shrink_blocks(4) refused by a {holder} on the last buffer",
+        (20, mappings),
+        (kv.num_blocks, driver.outstanding().mappings),
+    )
+    view = first.segment_view(0)
+    expect_bytes(driver, f"the first buffer's bytes after shrink_blocks(4) refused by a {holder}", view, before)
+    del view, held
+    if holder == "pin":
+        last.unpin("connector Y")
+    kv.shrink_blocks(4)
+    expect_equal(driver, f"num_blocks after shrink_blocks(4) once the {holder} is gone", 4, kv.num_blocks)
+    kv.close()
+
+
+@pytest.mark.parametrize("second", ["create", "map", "set_access"])
+def test_a_second_interrupt_while_growing_back_leaves_the_kv_buffers_failed_or_agreeing(driver, second):
+    # The first interrupt lands in the last buffer's shrink before it changed anything, the second in the growth back
+    # of the buffer shrunk before it: the buffers end failed, or open with every buffer at their block count (never
+    # open and disagreeing).
+    kv = _kv(driver)
+    kv.ensure_blocks(20)
+    last = kv.tensor("state")
+    lo, hi = last.base_address, last.base_address + last.max_num_bytes
+    for _ in range(2):  # the first shrink and regrow leave the mappings every later one starts from
+        since = len(driver.calls)
+        kv.shrink_blocks(3)
+        calls = driver.calls[since:]
+        kv.ensure_blocks(20)
+    at = next(i for i, c in enumerate(calls) if c.args and isinstance(c.args[0], int) and lo <= c.args[0] < hi)
+    syncs = sum(c.op == "synchronize" for c in calls[:at])  # the last of them opens the second buffer's shrink
+    driver.fail("synchronize", syncs, KeyboardInterrupt())  # in the second buffer's shrink, before it changed
+    driver.fail(second, 1, KeyboardInterrupt())  # the first in the growth back (the shrink itself makes none)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.shrink_blocks(3)
+    finally:
+        driver.clear_faults()
+    where = f"shrink_blocks(3) interrupted in its second buffer's shrink, then at the first {second} growing back"
+    sizes = {b.name: kv.tensor(b.name).bytes_per_segment for b in kv.buffers if kv.tensor(b.name).state == "open"}
+    agreeing = {b.name: kv.num_blocks * b.page_size_bytes // kv.tensor(b.name).num_segments for b in kv.buffers}
+    expect(
+        kv.state == "failed" or (kv.state == "open" and sizes == agreeing),
+        driver,
+        f"KV state and bytes per segment after {where}",
+        f"failed, or open with {agreeing}",
+        (kv.state, sizes),
+    )
+    kv.close()
+    expect_equal(driver, f"outstanding after close() following {where}", ({}, 0, {}),
+                 tuple(vars(driver.outstanding()).values()))  # fmt: skip

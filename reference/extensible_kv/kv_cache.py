@@ -313,6 +313,9 @@ class ExtensibleKVCacheBuffers(Unshareable):
             )
         if num_blocks == old:
             return 0
+        for b in self._buffers:  # every buffer's refusals first: one refused after another shrank would zero its data
+            t = self._tensors[b.name]
+            t.check_shrink(num_blocks * (b.page_size_bytes // t.num_segments))
         before = sum(t.stats().backed_bytes for t in self._tensors.values())
         try:
             for b in self._buffers:
@@ -333,8 +336,11 @@ class ExtensibleKVCacheBuffers(Unshareable):
         ``failed`` (their block counts no longer agree)."""
         try:
             t.resize_per_segment_(num_blocks * (b.page_size_bytes // t.num_segments))
-        except Exception as exc:  # the step's own exception is the one raised; this one is named in the state
-            self._mixed = f"buffer {b.name} could not grow back to {num_blocks} blocks after a failed shrink: {exc}"
+        except BaseException as exc:  # the step's own exception is the one raised; this one is named in the state
+            self._mixed = (
+                f"buffer {b.name} could not grow back to {num_blocks} blocks after a failed shrink: "
+                f"{type(exc).__name__}: {exc}"
+            )
 
     # -- release and recommit (sleep mode) -----------------------------------------------------------------------
     def release_physical(self) -> None:
@@ -426,8 +432,14 @@ class ExtensibleKVCacheBuffers(Unshareable):
         return [v for v, _ in self._layer(layer)]
 
     def committed_layer_views(self, layer: str) -> list[torch.Tensor]:
-        """The layer's views narrowed to exactly the committed blocks."""
-        return [v.narrow(d, 0, self._num_blocks) for v, d in self._layer(layer)]
+        """The layer's views narrowed to exactly the committed blocks. While one lives, a ``shrink_blocks`` below
+        them is refused (``BusyError``), as for a segment view: they never sit over released pages."""
+        with self._locked("committed_layer_views", driver=False):
+            self._layer(layer)  # refusals: closed, failed, released, not a layer name
+            buffer, spec = next((b, x) for b in self._buffers for x in b.layers if x.name == layer)
+            raw = self._tensors[buffer.name].full_view(torch.int8, keep_committed=True)
+            views = spec.views(raw, self._max_num_blocks)
+            return [v.narrow(d, 0, self._num_blocks) for v, d in zip(views, spec.block_dims(), strict=True)]
 
     def _layer(self, layer: str) -> list[tuple[torch.Tensor, int]]:
         self._check_open("layer views")

@@ -652,7 +652,19 @@ class ExtensibleTensor(Unshareable):
         nbytes = _check_int("nbytes", nbytes)
         with self._locked("shrink_per_segment_"): return self._shrink_checked(nbytes)  # one line  # fmt: skip
 
+    def check_shrink(self, nbytes: int) -> None:
+        """Raise what ``shrink_per_segment_(nbytes)`` would be refused with, changing nothing; return if it would
+        not be refused now (a view or pin taken later still refuses it). For a caller that shrinks several tensors
+        as one step and must refuse before the first one shrinks (``ExtensibleKVCacheBuffers.shrink_blocks``)."""
+        nbytes = _check_int("nbytes", nbytes)
+        with self._locked("check_shrink", driver=False): self._shrink_refusals(nbytes)  # one line  # fmt: skip
+
     def _shrink_checked(self, nbytes: int) -> ExtensibleTensor:
+        self._shrink_refusals(nbytes)
+        old = self._per_segment
+        return self._shrink(old, nbytes) if nbytes < old else self
+
+    def _shrink_refusals(self, nbytes: int) -> None:
         self._check_open("shrink_per_segment_")
         old = self._per_segment
         if nbytes < 0:
@@ -671,7 +683,6 @@ class ExtensibleTensor(Unshareable):
                 f"the committed bytes per segment and would be left on unmapped memory; nothing was released"
             )
         self._refuse_stranding(nbytes, f"shrink_per_segment_({nbytes})", "released")
-        return self._shrink(old, nbytes) if nbytes < old else self
 
     def _shrink_plan(self, new: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]]]:
         """The mappings a shrink to ``new`` unmaps whole (``(va, size)``) and those it splits (``(va, size, kept
@@ -942,22 +953,26 @@ class ExtensibleTensor(Unshareable):
             )
         return self._view(start, self._per_segment, dtype, self._per_segment)
 
-    def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    def full_view(self, dtype: torch.dtype = torch.uint8, *, keep_committed: bool = False) -> torch.Tensor:
         """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not.
 
         Its address is stable for the tensor's lifetime, so it can be captured (e.g. in CUDA graphs) before the
         bytes are committed. Touching bytes outside the committed prefixes is undefined (a fault on most drivers).
+        ``keep_committed``: the view holds the bytes per segment committed now, as a segment view does: a shrink or
+        rollback below them is refused while it lives (for a caller that narrows it to the committed prefixes).
         """
         itemsize = _itemsize(dtype)
         if self._max_num_bytes % itemsize:
             raise InvalidSizeError(
                 f"max_num_bytes={self._max_num_bytes} is not a whole number of {dtype} elements of {itemsize} bytes"
             )
-        with self._locked("full_view", driver=False): return self._full_view(dtype)  # one line  # fmt: skip
+        keep = bool(keep_committed)
+        with self._locked("full_view", driver=False): return self._full_view(dtype, keep)  # one line  # fmt: skip
 
-    def _full_view(self, dtype: torch.dtype) -> torch.Tensor:
+    def _full_view(self, dtype: torch.dtype, keep_committed: bool = False) -> torch.Tensor:
         self._check_open("full_view")
-        return self._view(0, self._max_num_bytes, dtype, 0)  # past the committed bytes is undefined anyway
+        reach = self._per_segment if keep_committed else 0  # past the committed bytes is undefined anyway
+        return self._view(0, self._max_num_bytes, dtype, reach)
 
     def _view(self, offset: int, nbytes: int, dtype: torch.dtype, reach: int) -> torch.Tensor:
         """A view of ``[offset, offset+nbytes)``; called with the lock held, so ``close()`` cannot run meanwhile."""
