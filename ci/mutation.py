@@ -18,6 +18,9 @@ Usage: ``python ci/mutation.py [--files granules.py,tensor.py] [--max-children N
 files (split over machines or calls) into one result. ``--time-limit`` stops mutmut after S seconds and scores what
 was tested (the rest counts as not checked); ``--resume`` keeps the verdicts in the work folder, so mutants already
 tested there (also verdicts copied in from another machine's ``mutants/`` folder) are not run again.
+``--rules-only`` kills with ``conformance`` alone (Note [The rules alone]); ``--model-only`` kills with the lifecycle
+model alone (``conformance/test_lifecycle_model.py`` on ``host-4k``, the same profile) and writes
+``reports/mutation-model.json`` unless ``--out`` names another file: how much of a file's behaviour the model checks.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ ONCE_PER_PROCESS = ("x__lib__", "x_probe__", "ǁ__init____")
 """Mutants of functions whose effect is fixed once per process (the libc binding cached in a module global, the
 probe and the constructor of the driver the rules share): Note [Built once, tested once]."""
 FRESH_LIMIT_S = 900
+MODEL = "conformance/test_lifecycle_model.py"
+"""The test selection of ``--model-only``: the stateful model of the tensor's and the KV buffers' life, alone."""
 RULES_ONLY_FILES = ("drivers/host.py", "drivers/records.py")
 """What ``--rules-only`` mutates by default: the host driver and its record checks, the code a backend team's driver
 stands in for. Note [The rules alone]."""
@@ -92,7 +97,7 @@ def _module_file(mutant: str) -> str:
     return "/".join(mutant.split(".")[1:-1]) + ".py"
 
 
-def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -> None:
+def _prepare(files: list[str], resume: bool = False, rules_only: bool = False, model_only: bool = False) -> None:
     """A fresh work folder; with ``resume``, only the package, the rules and the tests are copied again (the
     ``mutants/`` folder keeps its verdicts; mutmut tests again the mutants of functions that changed)."""
     if WORK.exists() and not resume:
@@ -118,6 +123,7 @@ def _prepare(files: list[str], resume: bool = False, rules_only: bool = False) -
     skipped = [path for path in NOT_UNDER_MUTMUT if not (rules_only and path.startswith("conformance/"))]
     ignored = ", ".join(f'"--ignore", "{path}"' for path in skipped)
     selection = '"conformance"' if rules_only else '"conformance", "tests/unit"'  # Note [The rules alone]
+    selection = f'"{MODEL}"' if model_only else selection
     (WORK / "pyproject.toml").write_text(
         pyproject + CONFIG.format(only=only, ignored=ignored, selection=selection, copied=json.dumps(list(COPIED)))
     )
@@ -243,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="kill mutants with the rules alone, as check-driver runs them (Note [The rules alone])",
     )
+    parser.add_argument(
+        "--model-only",
+        action="store_true",
+        help=f"kill mutants with the lifecycle model alone ({MODEL}); writes reports/mutation-model.json",
+    )
     parser.add_argument("--max-children", default="2")
-    parser.add_argument("--out", default=str(ROOT / "reports" / "mutation.json"))
+    parser.add_argument("--out", default=None, help="the result (default: reports/mutation.json)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop mutmut after this many seconds")
     parser.add_argument("--resume", action="store_true", help="keep the work folder and the verdicts in it")
     parser.add_argument(
@@ -254,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         "timeouts), e.g. after adding tests",
     )
     args = parser.parse_args(argv)
+    if args.rules_only and args.model_only:
+        parser.error("--rules-only and --model-only select different tests: give one")
+    args.out = args.out or str(ROOT / "reports" / ("mutation-model.json" if args.model_only else "mutation.json"))
     if args.merge:
         report = merge(args.merge)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in files if not (ROOT / "reference" / "extensible_kv" / f).is_file()]
     if unknown:
         parser.error(f"no such file under reference/extensible_kv: {', '.join(unknown)}")
-    _prepare(files, resume=args.resume, rules_only=args.rules_only)
+    _prepare(files, resume=args.resume, rules_only=args.rules_only, model_only=args.model_only)
     if args.retest_survivors:
         _forget_survivors()
     # Note [OpenMP does not survive fork]: mutmut runs the tests once in its own process (to map tests to functions),
@@ -310,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         whole = json.loads(out.read_text()) if out.exists() else {}
         whole["rules_only"] = {**report, "selection": "conformance"}
         Path(args.out).write_text(json.dumps(whole, indent=2) + "\n")
+    elif args.model_only:  # a file of its own: the full run's result is left as it was
+        Path(args.out).write_text(json.dumps({**report, "selection": MODEL}, indent=2) + "\n")
     else:
         kept = json.loads(Path(args.out).read_text()).get("rules_only") if Path(args.out).exists() else None
         Path(args.out).write_text(json.dumps({**report, **({"rules_only": kept} if kept else {})}, indent=2) + "\n")

@@ -106,7 +106,7 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
             return self.returncode
 
     monkeypatch.setattr(mutation, "WORK", tmp_path)
-    monkeypatch.setattr(mutation, "_prepare", lambda files, resume=False, rules_only=False: None)
+    monkeypatch.setattr(mutation, "_prepare", lambda files, **modes: None)
     monkeypatch.setattr(mutation.subprocess, "Popen", FailingRun)
     monkeypatch.setattr(mutation, "_results", lambda: pytest.fail("scored the verdicts of a run that did not happen"))
     out = tmp_path / "score.json"
@@ -121,14 +121,57 @@ def test_a_mutmut_run_that_exits_early_is_reported_with_its_output_and_nothing_i
 
 
 @pytest.mark.parametrize(
-    "rules_only,selection", [(True, '["conformance", '), (False, '["conformance", "tests/unit", ')]
+    "modes,selection",
+    [
+        ({"rules_only": True}, '["conformance", '),
+        ({"model_only": True}, '["conformance/test_lifecycle_model.py", '),
+        ({}, '["conformance", "tests/unit", '),
+    ],
 )
-def test_the_rules_only_mode_selects_the_rules_alone(tmp_path, monkeypatch, rules_only, selection):
+def test_the_rules_only_and_model_only_modes_select_their_tests_alone(tmp_path, monkeypatch, modes, selection):
     monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
     monkeypatch.setattr(mutation, "COPIED", ())  # the package only: the selection is what is checked
-    mutation._prepare(["drivers/host.py"], rules_only=rules_only)
+    mutation._prepare(["drivers/host.py"], **modes)
     config = (tmp_path / "work" / "pyproject.toml").read_text()
     line = next(x for x in config.splitlines() if x.startswith("pytest_add_cli_args_test_selection"))
-    assert selection in line, (
-        f"_prepare(rules_only={rules_only}): expected the test selection to start {selection!r}, got {line!r}"
+    assert line.startswith(f"pytest_add_cli_args_test_selection = {selection}"), (
+        f"_prepare({modes}): expected the test selection to start {selection!r}, got {line!r}"
     )
+
+
+def test_the_model_only_mode_writes_a_file_of_its_own(tmp_path, monkeypatch):
+    class CleanRun:
+        def __init__(self, argv, cwd, stdout, stderr, start_new_session, env):
+            self.pid, self.returncode = 0, 0
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    (tmp_path / "reference" / "extensible_kv").mkdir(parents=True)
+    (tmp_path / "reference" / "extensible_kv" / "tensor.py").write_text("")
+    (tmp_path / "reports").mkdir()
+    whole = tmp_path / "reports" / "mutation.json"
+    whole.write_text('{"tool": "mutmut"}\n')
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
+    monkeypatch.setattr(mutation, "EQUIVALENT", tmp_path / "none.json")
+    monkeypatch.setattr(mutation, "_prepare", lambda files, **modes: (tmp_path / "work").mkdir())
+    monkeypatch.setattr(mutation.subprocess, "Popen", CleanRun)
+    mutant = "extensible_kv.tensor.xǁExtensibleTensorǁclose__mutmut_1"
+    monkeypatch.setattr(mutation, "_results", lambda: {mutant: "killed"})
+    assert mutation.main(["--model-only", "--files", "tensor.py"]) == 0
+    written = tmp_path / "reports" / "mutation-model.json"
+    got = json.loads(written.read_text()) if written.exists() else None
+    assert got is not None and got["selection"] == "conformance/test_lifecycle_model.py", (
+        f"ci/mutation.py --model-only: expected {written} naming the model as its selection, got {got}"
+    )
+    assert got["files"]["tensor.py"]["score"] == 1.0 and whole.read_text() == '{"tool": "mutmut"}\n', (
+        f"ci/mutation.py --model-only: expected tensor.py scored 1.0 and {whole} left as it was, got {got} and "
+        f"{whole.read_text()!r}"
+    )
+
+
+def test_the_rules_only_and_model_only_modes_are_not_given_together(capsys):
+    with pytest.raises(SystemExit):
+        mutation.main(["--rules-only", "--model-only"])
+    assert "--rules-only and --model-only" in capsys.readouterr().err
