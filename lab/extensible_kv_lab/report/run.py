@@ -196,6 +196,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         run.index = read(index, RunsIndex)
     scripts = {f"{n}/summary.json": t for n, t in (("sleep", "sleep mode"), ("connectors", "KV connectors"))}
     scripts["worst-batch-summary.json"] = "worst batch"  # integration/worst_batch_run.py
+    scripts["resize-summary.json"] = "resize"  # integration/resize_run.py
+    scripts["share-summary.json"] = "engines sharing a GPU"  # integration/share_run.py
     for rel, title in scripts.items():
         for p in files(rel):
             script = load(p, ScriptSummary)
