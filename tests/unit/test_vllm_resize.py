@@ -113,7 +113,11 @@ def test_a_count_out_of_range_is_refused_naming_the_values(value, match):
     assert isinstance(info.value, ValueError) and "100 blocks" in str(info.value)
 
 
-@pytest.mark.parametrize("value", [True, 1.5, "12x", None, [3]])
+@pytest.mark.parametrize(
+    "value",
+    [True, 1.5, "12x", None, [3], "9" * 5000, "\u0663\u0664", "1" * 41],
+    ids=["bool", "float", "text", "None", "list", "5000_digits", "arabic_indic_digits", "41_digits"],
+)
 def test_a_count_that_is_not_an_integer_is_refused_naming_its_type(value):
     with pytest.raises(ResizeArgumentError, match=type(value).__name__):
         resize.check_count(value, current=100, reserved=500, floor=18)
@@ -161,6 +165,27 @@ def test_a_failing_rank_moves_every_rank_back_to_the_old_count(old, new):
     with pytest.raises(ResizeFailed, match=f"rank 1: rank 1: out of device memory.*every rank is back at {old}"):
         resize.move_workers(executor.collective_rpc, old, new)
     assert [w.buffers.num_blocks for w in executor.workers] == [old, old]
+
+
+def test_an_interrupt_after_the_ranks_moved_moves_every_rank_back_before_it_propagates():
+    executor = _workers(100, 500)
+    calls = []
+
+    def rpc(name, args=()):
+        calls.append(args)
+        replies = executor.collective_rpc(name, args=args)
+        if len(calls) == 1:  # every rank moved, then the interrupt lands before the replies are read
+            raise KeyboardInterrupt
+        return replies
+
+    with pytest.raises(KeyboardInterrupt):
+        resize.move_workers(rpc, 100, 40)
+    assert calls == [(40,), (100,)] and [w.buffers.num_blocks for w in executor.workers] == [100, 100]
+
+
+def test_a_budget_per_block_that_is_not_an_integer_is_refused():
+    with pytest.raises(ResizeArgumentError, match="bytes_per_block"):
+        resize.blocks_for_budget(100, 0.5, 0)
 
 
 def test_a_worker_rpc_answers_a_refusal_instead_of_raising():

@@ -41,6 +41,7 @@ Note [Every rank at one count, or none moved]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -130,9 +131,10 @@ def as_count(value: object, what: str) -> int:
         raise ResizeArgumentError(f"{what} must be an integer, got bool {value!r}")
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,40}\s*", value, re.ASCII):
         return int(value)
-    raise ResizeArgumentError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    text = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ResizeArgumentError(f"{what} must be an integer of at most 40 digits, got {type(value).__name__} {text}")
 
 
 def check_count(num_blocks: object, *, current: int, reserved: int, floor: int) -> int:
@@ -159,6 +161,7 @@ def blocks_for_budget(budget_bytes: object, bytes_per_block: int, rounding_bytes
     budget = as_count(budget_bytes, "budget_bytes")
     if budget <= 0:
         raise ResizeRefused(f"budget_bytes must be positive, got {budget}")
+    bytes_per_block, rounding_bytes = as_count(bytes_per_block, "bytes_per_block"), as_count(rounding_bytes, "rounding")
     if bytes_per_block <= 0:
         raise ResizeUnsupported(f"bytes_per_block must be positive, got {bytes_per_block}")
     return max(0, (budget - max(0, rounding_bytes)) // bytes_per_block)
@@ -369,6 +372,10 @@ def move_workers(rpc: Callable[..., list], old: int, new: int) -> list[dict]:
         failed = [r for r in replies if not (isinstance(r, dict) and r.get("ok") and r.get("num_blocks") == new)]
     except Exception as exc:  # an executor that failed as a whole: no reply to read
         replies, failed = [], [{"rank": None, "error": f"{type(exc).__name__}: {exc}"}]
+    except BaseException:  # an interrupt: the ranks may have moved; every one goes back before it propagates
+        with contextlib.suppress(Exception):
+            rpc(WORKER_SET_BLOCKS, args=(old,))
+        raise
     if not failed:
         return replies
     try:
