@@ -31,7 +31,6 @@ Note [Never over the limit, never flapping]
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -65,23 +64,57 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
 
+    def __post_init__(self) -> None:
+        counts = {k: v for k, v in vars(self).items() if k != "name"}
+        bad = {k: v for k, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63}
+        if bad:
+            raise CoordinatorError(f"engine {self.name}: counts must be integers from 0 to 2**63 - 1, got {bad}")
+        if self.bytes_per_block == 0 or not 0 < self.floor_blocks <= self.reserved_blocks:
+            raise CoordinatorError(
+                f"engine {self.name}: needs bytes_per_block > 0 and 0 < floor_blocks <= reserved_blocks, got "
+                f"{self.bytes_per_block}, {self.floor_blocks}, {self.reserved_blocks}"
+            )
+
     @classmethod
     def from_state(cls, name: str, state: Mapping) -> EngineLoad:
-        used = int(state["num_blocks"]) - 1 - int(state["free_blocks"])
+        """``state`` as a load; ``CoordinatorError`` naming the engine where it is not one (a reply of another
+        shape, a count that is not an integer or out of range)."""
+        try:
+            return cls._from_state(name, state)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, CoordinatorError):
+                raise
+            raise CoordinatorError(
+                f"engine {name}: its state is not a KV state ({type(exc).__name__}: {exc})"
+            ) from None
+
+    @classmethod
+    def _from_state(cls, name: str, state: Mapping) -> EngineLoad:
+        def count(key: str) -> int:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{key} is {type(value).__name__} {str(value)[:40]!r}, not an integer")
+            return value
+
+        used = count("num_blocks") - 1 - count("free_blocks")
         return cls(
             name=name,
-            num_blocks=int(state["num_blocks"]),
-            floor_blocks=int(state["floor_blocks"]),
-            reserved_blocks=int(state["reserved_blocks"]),
-            bytes_per_block=int(state["bytes_per_block"]),
+            num_blocks=count("num_blocks"),
+            floor_blocks=count("floor_blocks"),
+            reserved_blocks=count("reserved_blocks"),
+            bytes_per_block=count("bytes_per_block"),
             used_blocks=max(0, used),
-            running=int(state.get("running", 0)),
-            waiting=int(state.get("waiting", 0)),
+            running=count("running") if "running" in state else 0,
+            waiting=count("waiting") if "waiting" in state else 0,
         )
 
     @property
     def idle(self) -> bool:
         return self.running == 0 and self.waiting == 0
+
+
+MIN_TARGET_USAGE = 0.01
+"""A busy engine asks for ``used / target_usage`` blocks: below 1% it would ask for a hundred times its load."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +125,18 @@ class Policy:
     min_step: float = 0.05  # changes smaller than this fraction of the engine's size are not made
 
     def __post_init__(self) -> None:
-        if self.limit_bytes <= 0:
-            raise CoordinatorError(f"limit_bytes must be positive, got {self.limit_bytes}")
-        if not 0 < self.target_usage <= 1:
-            raise CoordinatorError(f"target_usage must be in (0, 1], got {self.target_usage}")
-        if self.idle_polls < 1 or not 0 <= self.min_step < 1:
-            raise CoordinatorError(f"idle_polls must be >= 1 and min_step in [0, 1), got {self}")
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def real(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not integer(self.limit_bytes) or not 0 < self.limit_bytes < 2**63:
+            raise CoordinatorError(f"limit_bytes must be an integer from 1 to 2**63 - 1, got {self.limit_bytes!r}")
+        if not real(self.target_usage) or not MIN_TARGET_USAGE <= self.target_usage <= 1:
+            raise CoordinatorError(f"target_usage must be in [{MIN_TARGET_USAGE}, 1], got {self.target_usage!r}")
+        if not integer(self.idle_polls) or self.idle_polls < 1 or not real(self.min_step) or not 0 <= self.min_step < 1:
+            raise CoordinatorError(f"idle_polls must be an integer >= 1 and min_step in [0, 1), got {self}")
 
 
 def desired(load: EngineLoad, policy: Policy, idle_for: int, held: int = 0) -> int:
@@ -175,7 +214,19 @@ class Coordinator:
     def poll(self) -> dict:
         """Read every engine, plan, apply: shrinks first, then growths that the engines' real sizes leave room for.
         A refused or failed resize is recorded and that engine keeps its size."""
-        loads = [EngineLoad.from_state(h.name, h.state()) for h in self.engines]
+        loads: list[EngineLoad] = []
+        unread: dict[str, str] = {}
+        record: dict
+        for h in self.engines:
+            try:
+                loads.append(EngineLoad.from_state(h.name, h.state()))
+            except Exception as exc:  # unreachable, not in dev mode, a reply of another shape
+                unread[h.name] = f"{type(exc).__name__}: {exc}"
+        if unread:  # the limit is over every engine's size: without one of them, nothing moves this poll
+            record = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": {}, "errors": unread}
+            record["sizes"] = {e.name: e.num_blocks for e in loads}
+            self.log.append(record)
+            return record
         for e in loads:
             self.idle_for[e.name] = self.idle_for.get(e.name, 0) + 1 if e.idle else 0
         asks: dict[str, int] = {}
@@ -183,7 +234,7 @@ class Coordinator:
         self.held = {e.name: asks[e.name] for e in loads if not e.idle}
         sizes = {e.name: e.num_blocks for e in loads}
         handles = {h.name: h for h in self.engines}
-        record: dict = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": targets, "errors": {}}
+        record = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": targets, "errors": {}}
         order = sorted(loads, key=lambda e: targets[e.name] - e.num_blocks)  # shrinks first
         for e in order:
             n = targets[e.name]
@@ -250,9 +301,17 @@ class ServeEngine:
 
 def parse_engine(spec: str) -> ServeEngine:
     """``name=http://host:port`` -> a ServeEngine."""
+    from urllib.parse import urlsplit
+
     name, sep, url = spec.partition("=")
-    if not sep or not name or not url.startswith(("http://", "https://")):
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is no number or out of range
+    except ValueError:
+        parts, port = None, None
+    if not sep or not name or parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise CoordinatorError(f"an engine is name=http://host:port, got {spec!r}")
+    del port
     return ServeEngine(name, url)
 
 
@@ -270,11 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    from ..__main__ import _Parser  # bad arguments: one line, no usage
     from ..boundaries.numbers import INT_LIMIT, argument, integer, positive, seconds
 
-    parser = argparse.ArgumentParser(
-        prog="python -m extensible_kv.vllm.coordinator", description=__doc__.split("\n")[0]
-    )
+    parser = _Parser(prog="python -m extensible_kv.vllm.coordinator", description=__doc__.split("\n")[0])
     parser.add_argument("--engine", action="append", required=True, help="name=http://host:port (two or more)")
     gib = argument(positive, "--limit-gib", high=INT_LIMIT / 2**30, what="a size in GiB")
     parser.add_argument("--limit-gib", type=gib, required=True, help="KV memory for all engines on the card, GiB")
