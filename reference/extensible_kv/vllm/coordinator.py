@@ -26,7 +26,9 @@ Note [Never over the limit, never flapping]
     a rounding from resizing.
     Figure: two engines, one busy at 600 used blocks of 800, one idle at 1,400, limit 2,200 blocks: the idle one
     keeps its size for 3 polls, then goes to its floor; the busy one goes to 751 (600 / 0.8 + 1); later polls
-    change nothing (``tests/unit/test_coordinator.py``).
+    change nothing (``tests/unit/test_coordinator.py``). On an H100, two engines under a load that moved from one
+    to the other: 120 polls, never over the limit, the busy engine's TTFT p99 595 -> 110 ms against a fixed split
+    (``reports/runs/h100-2026-12-07-share``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ Note [Shrinking preempts the requests that hold the top blocks]
     one prefill per preempted request. An in-process engine resizes at once between steps.
     Figure: a pool of 100 blocks shrunk to 30, requests on blocks 1-8 and 49-56: the second is preempted, the first
     runs on, 30 - 1 - 8 blocks are free; cached free blocks up to 96 leave the prefix-cache map when shrunk to 40
-    (``tests/unit/test_vllm_resize.py``).
+    (``tests/unit/test_vllm_resize.py``). On an H100, 8B shape under load: 25,326 -> 2,532 blocks with 31
+    requests preempted in 62.5 ms at the client, 32.3 ms on the rank (``reports/runs/h100-2026-12-07-resize``).
 
 Note [Every rank at one count, or none moved]
     Rule: the engine asks every worker to move to ``n`` (``extensible_kv_set_blocks``); each answers with its count
