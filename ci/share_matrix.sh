@@ -13,8 +13,6 @@ set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 source ci/vllm_bundle.sh
-export PYTHONPATH="/tmp/site:$root/reference:$root/lab:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-export VLLM_CACHE_ROOT=/tmp/cc/vllm TRITON_CACHE_DIR=/tmp/cc/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor
 run=${RUN:-/tmp/share-run}
 rm -rf "$run"
 mkdir -p "$run"

@@ -113,6 +113,7 @@ from integration.serve_sleep import (
     Client,
     ServerProcess,
     StepFailed,
+    _exit_on_sigterm,
     free_port,
     log_tail,
     server_command,
@@ -1073,11 +1074,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_all(args)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """A SIGTERM (a device call's time limit) unwinds like an interrupt, so both servers are stopped too."""
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # both servers are stopped too
     sys.exit(main())
