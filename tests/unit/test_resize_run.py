@@ -71,14 +71,17 @@ def _windows(*seconds):
 
 
 def test_decode_is_the_median_window_ratio_after_over_before_with_the_spread_beside_it():
-    runs = {"before-1": _windows(1.0, 1.1, 1.2), "before-2": _windows(1.0, 1.1, 1.2), "after": _windows(1.0, 1.1, 1.32)}
+    same = _windows(0.1, 1.0, 1.1, 1.2)
+    runs = {"before-1": same, "before-2": same, "after": _windows(0.1, 1.0, 1.1, 1.32)}
     got = rr.decode_ratio(runs)
     assert got["spread"] == pytest.approx(1.0) and got["ratio"] == pytest.approx(1.0)  # one slow window: not the median
-    runs["after"] = _windows(1.1, 1.21, 1.32)
+    runs["after"] = _windows(0.1, 1.1, 1.21, 1.32)
     assert rr.decode_ratio(runs)["ratio"] == pytest.approx(1 / 1.1)
+    runs["after"] = _windows(9.9, 1.0, 1.1, 1.2)  # the first window (tokens made before it began) counts for nothing
+    assert rr.decode_ratio(runs)["ratio"] == pytest.approx(1.0)
     assert rr.decode_ratio({"before-2": _windows(1.0)})["ratio"] is None
     with pytest.raises(ValueError, match="windows"):
-        rr.decode_ratio({"before-2": _windows(1.0, 1.0), "after": _windows(1.0)})
+        rr.decode_ratio({"before-2": _windows(0.1, 1.0, 1.0), "after": _windows(0.1, 1.0)})
 
 
 def test_the_table_has_a_row_per_case_and_an_error_row_for_a_case_that_failed(tmp_path):
