@@ -336,6 +336,30 @@ def test_after_a_shrink_no_block_at_or_above_the_count_is_allocatable_or_cached(
 
 
 @needs_vllm
+@pytest.mark.parametrize(
+    "step, value, error",
+    [
+        ("take_out", -1, ResizeRefused),
+        ("take_out", 0, ResizeRefused),
+        ("take_out", True, ResizeArgumentError),
+        ("put_back", 21.5, ResizeArgumentError),
+        ("put_back", "130", None),  # a decimal string, as collective_rpc sends it: read as 130
+    ],
+)
+def test_the_pool_steps_refuse_counts_they_cannot_take_and_change_nothing(step, value, error):
+    engine = Engine(num_blocks=100)
+    before = engine.snapshot()
+    call = getattr(resize, step)
+    if error is None:
+        call(engine.scheduler, engine.vllm_config, value)
+        assert engine.pool.num_gpu_blocks == int(value)
+        return
+    with pytest.raises(error, match=repr(value) if error is ResizeArgumentError else str(value)):
+        call(engine.scheduler, engine.vllm_config, value)
+    assert engine.snapshot() == before
+
+
+@needs_vllm
 def test_the_prefix_cache_keeps_no_entry_for_a_block_taken_out():
     engine = Engine(num_blocks=100)
     for i in range(6):

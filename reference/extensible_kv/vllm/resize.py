@@ -240,8 +240,9 @@ def take_out(scheduler: Any, vllm_config: Any, num_blocks: int) -> dict:
     count. Refused with ``ResizeFailed`` (the pool unchanged) when one stays referenced after the preemptions."""
     pool = _pool(scheduler)
     old = pool.num_gpu_blocks
-    if num_blocks >= old:
-        raise ResizeRefused(f"take_out({num_blocks}) on a pool of {old} blocks: not a shrink")
+    num_blocks = as_count(num_blocks, "num_blocks")
+    if not 1 <= num_blocks < old:  # block 0 is the null block: a pool keeps it
+        raise ResizeRefused(f"take_out({num_blocks}) on a pool of {old} blocks: not a shrink to 1 or more blocks")
     preempted = preempt(scheduler, holders(scheduler, num_blocks))
     drain = getattr(scheduler, "_drain_deferred_frees", None)
     if drain is not None:  # frees fenced behind steps that have all completed by now
@@ -270,6 +271,7 @@ def put_back(scheduler: Any, vllm_config: Any, num_blocks: int) -> dict:
     """Add blocks ``[old, num_blocks)`` to the scheduler's pool, free and uncached, at the end of the free queue."""
     pool = _pool(scheduler)
     old = pool.num_gpu_blocks
+    num_blocks = as_count(num_blocks, "num_blocks")
     if num_blocks <= old:
         raise ResizeRefused(f"put_back({num_blocks}) on a pool of {old} blocks: not a growth")
     block_type = type(pool.blocks[0])
