@@ -1,21 +1,27 @@
 """The life of an ``ExtensibleTensor`` and of the KV buffers as an executable model: states, checkpoints, views,
-release and recommit, growth valid and invalid, close, interrupts at any line, user finalizers run by the
-collector inside an operation, and forked children; ``LifecycleMachine`` drives random sequences of them against
-the real objects on one driver and compares everything after every step.
+release and recommit, growth and shrink valid and invalid, pins, close, interrupts at any line of a whole step,
+driver calls that fail, user finalizers run by the collector inside an operation, and forked children;
+``LifecycleMachine`` drives random sequences of them against the real objects on one driver and compares
+everything after every step.
 
 ``TensorModel`` is pure Python and shares no code with the package: what a tensor holds (state, bytes per segment,
-the bytes of every segment, the granules that must be mapped, live views, its lineage of growth steps) and, for
-each call, the typed error the documentation demands (``refusal``) or the state once it returned. The machine holds
-three objects: tensor ``a`` (one to three segments whose boundaries fall inside granules), tensor ``b`` (the one a
-user finalizer closes) and a worker's KV cache (``WorkerKV``, its buffers, a sleep-mode backend and, drawn, a KV
-connector), whose one buffer is modelled by a ``TensorModel`` too.
+the bytes of every segment, the granules that must be mapped, live views, its lineage of growth steps, its pins
+with the bytes per segment each saw) and, for each call, the typed error the documentation demands (``refusal``)
+or the state once it returned. The machine holds three objects: tensor ``a`` (one to three segments whose
+boundaries fall inside granules), tensor ``b`` (the one a user finalizer closes) and a worker's KV cache
+(``WorkerKV``, its buffers, a sleep-mode backend and, drawn, a KV connector), whose one buffer is modelled by a
+``TensorModel`` too.
 
-After every step (``check``): each object's state, committed bytes per segment, ``stats()``, live views, the bytes
-of every segment (what was written through views, zeros after growth and recommit), the driver's records (the
-reservation and exactly the granules that must be mapped, no handle held) and, on a CPU driver, ``mem_info``'s used
-bytes against the mappings on record. A refused call must raise the typed error the model names and change nothing
-(``unchanged``). An interrupted call may end in any state the model allows for it (``outcomes``); the machine then
-adopts what it finds. Every failure names the driver, the step, what was expected and what was found.
+After every step (``check``): each object's state, committed bytes per segment, every field of ``stats()``, live
+views, ``pinned_by``, the bytes of every segment (what was written through views, zeros after growth and recommit),
+the driver's records (the reservation and exactly the granules that must be mapped, no handle held, none created
+over a drawn ``max_handle_bytes``) and, on a CPU driver, ``mem_info``'s used bytes against the mappings on record. A
+refused call must raise the typed error the model names, with a message naming the operation, the state or the
+offending values the model knows, and change nothing. An interrupted call, its line event drawn uniformly over the
+whole operation (``line_event``), may end in any state the model allows for it; the machine then adopts what it
+finds. A driver call made to fail (``Ledger.fail``, a ``DriverError`` or a ``KeyboardInterrupt``) must end exactly
+as the documentation says: growth and recommit rolled back, a shrink kept before its first unmap and failed after
+it, a release failed. Every failure names the driver, the step, what was expected and what was found.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from extensible_kv import ExtensibleTensor
 from extensible_kv.errors import (
     BusyError,
     ClosedError,
+    CommitError,
     DriverError,
     ExtensibleKVError,
     FailedStateError,
@@ -44,6 +51,7 @@ from extensible_kv.errors import (
     InvalidSizeError,
     ReleasedError,
     SegmentIndexError,
+    ShrinkError,
 )
 from extensible_kv.reaper import inside_section
 from extensible_kv.vllm import connector, worker_kv
@@ -61,6 +69,19 @@ KV_BLOCKS = 24
 SIZE_KINDS = ("shrink", "past", "misaligned", "zero", "negative", "2**70", "float", "str", "bool")
 BLOCK_KINDS = ("-1", "past", "2**70", "float", "str", "bool")
 SHRINK_KINDS = ("grow", "misaligned", "negative", "2**70", "float", "str", "bool")
+DTYPES = (torch.uint8, torch.float16, torch.int32, torch.float64)
+FAULT_OPS = {
+    "grow": ("create", "map", "release", "set_access", "zero"),
+    "shrink": ("synchronize", "create", "synchronize", "unmap", "map", "set_access", "release"),
+    "release": ("synchronize", "unmap", "release"),
+    "recommit": ("create", "map", "release", "set_access", "zero"),
+}  # the driver calls each operation makes, a shrink's synchronize twice as it calls it in both halves
+HOLDERS = ("connector", "nixl", "lmcache")
+LINES = {"grow": 260, "shrink": 450, "release": 110, "recommit": 350, "close": 160, "rollback": 200,
+         "kv ensure": 400, "kv shrink": 600, "kv release": 200, "kv recommit": 450}  # fmt: skip
+"""An interrupt's line event is drawn over this many line events of an operation outside the drivers: a little more
+than a whole step of the largest the model makes runs (a shrink of three segments: about 350), fixed so that a
+drawn step replays."""
 
 
 class Hang(AssertionError):
@@ -70,6 +91,13 @@ class Hang(AssertionError):
 
 def _in_package(name: str) -> bool:
     return name.startswith(PACKAGE)
+
+
+def _outside_drivers(name: str) -> bool:
+    """Where an interrupt rule's ``Interrupt`` lands: the package's lines outside the drivers. Inside a driver call
+    (the Ledger's records after its inner driver's call) it would break the instrument, not the tensor; an
+    interrupt arriving in a driver call is ``driver_fault``'s ``KeyboardInterrupt``."""
+    return name.startswith(PACKAGE) and not name.startswith(DRIVERS)
 
 
 class LineAction(LineTrap):
@@ -107,7 +135,7 @@ class TensorModel:
     views: int = 0
     lineage: list[int] = field(default_factory=lambda: [0])
     serial: int = 0
-    pinned: bool = False
+    pins: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.data = [torch.empty(0, dtype=torch.uint8) for _ in range(self.segments)]
@@ -148,7 +176,7 @@ class TensorModel:
             return self.state_error()
         if nbytes < 0 or nbytes > self.per_segment or nbytes % self.alignment:
             return InvalidSizeError
-        if (self.pinned and nbytes < self.per_segment) or any(r > nbytes for r in reaches):
+        if any(r > nbytes for _, r in self.pins) or any(r > nbytes for r in reaches):
             return BusyError
         return None
 
@@ -190,7 +218,40 @@ class TensorModel:
         self.state, self.per_segment = "failed", 0
 
     def closed(self) -> None:
-        self.state, self.per_segment, self.pinned = "closed", 0, False
+        self.state, self.per_segment = "closed", 0
+
+    def resize_names(self, op: str, nbytes: object) -> tuple[str, ...]:
+        """What the refusal of ``resize_per_segment_(nbytes)`` must name: the value as given (its type's refusal),
+        the operation and the state, or the size with the bound it breaks."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            return (repr(nbytes),)
+        if self.state_error():
+            return (op, self.state)
+        if nbytes <= 0:
+            return (str(nbytes),)
+        if nbytes < self.per_segment:
+            return (str(nbytes), str(self.per_segment))
+        if nbytes > self.segment_bytes:
+            return (str(nbytes), str(self.segment_bytes))
+        return (str(nbytes), str(self.alignment))
+
+    def shrink_names(self, op: str, nbytes: object, reaches: list[int]) -> tuple[str, ...]:
+        """What the refusal of ``shrink_per_segment_(nbytes)`` must name (as ``resize_names``; a pin by its holder and
+        the bytes it reaches, a view by the bytes it reaches)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            return (repr(nbytes),)
+        if self.state_error():
+            return (op, self.state)
+        if nbytes < 0:
+            return (str(nbytes),)
+        if nbytes > self.per_segment:
+            return (str(nbytes), str(self.per_segment))
+        if nbytes % self.alignment:
+            return (str(nbytes), str(self.alignment))
+        pins = [f"{h} (at {r})" for h, r in self.pins if r > nbytes]
+        if pins:
+            return (str(nbytes), *pins)
+        return (str(nbytes), *sorted({str(r) for r in reaches if r > nbytes}))
 
 
 @dataclass
@@ -260,6 +321,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.registered = False
         self.connector = None
         self.kv_state = "open"
+        self.cap0 = self.cap = driver.max_handle_bytes
+        self.seen = len(driver.calls)
 
     # -- setup -------------------------------------------------------------------------------------------------------
     @initialize(
@@ -268,11 +331,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         alignment=st.sampled_from([256, 4096]),
         kv_segments=st.sampled_from([1, 1, 2]),
         with_connector=st.booleans(),
+        cap=st.sampled_from([None, None, 1, 2]),
     )
-    def build(self, segments, quarters, alignment, kv_segments, with_connector):
+    def build(self, segments, quarters, alignment, kv_segments, with_connector, cap):
         """Tensor ``a``: segment boundaries inside granules; ``b``: one segment of two granules; the KV cache of a
-        worker, its null block committed, a connector deferred when drawn."""
+        worker, its null block committed, a connector deferred when drawn; when drawn, a cap of ``cap`` granules
+        on a handle's size (``max_handle_bytes``), which no handle created may pass."""
         g = self.g
+        if cap is not None:
+            self.cap = self.driver.max_handle_bytes = cap * g
         seg = max(g * quarters // 4 // alignment, 1) * alignment
         self._make("a", seg * segments, segments, alignment)
         self._make("b", 2 * g, 1, g)
@@ -308,8 +375,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         t = self.real[name]
         return (t.state, t.bytes_per_segment, self.driver.outstanding(), t.live_views())
 
-    def refused(self, name: str, what: str, error: type[Exception], call) -> None:
-        """``call()`` must raise ``error`` (the type the documentation names, with a message) and change nothing."""
+    def refused(self, name: str, what: str, error: type[Exception], call, names: tuple[str, ...] = ()) -> None:
+        """``call()`` must raise ``error`` (the type the documentation names) with a message that names each of
+        ``names`` (the operation, the state, the offending values, as the model knows them) and change nothing."""
         before = self.snapshot(name)
         try:
             call()
@@ -317,10 +385,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         except Exception as exc:  # judged by type below
             got = exc
         after = self.snapshot(name)
-        if not isinstance(got, error) or not str(got):
+        missing = [n for n in names if n not in str(got)]
+        if not isinstance(got, error) or not str(got) or missing:
             changed = f"; it changed (state, size, records, views) from {before} to {after}" if after != before else ""
-            self.fail(f"{what} on {name} ({self.model[name].state})", f"{error.__name__} naming the values",
-                      f"{got!r}{changed}")  # fmt: skip
+            self.fail(f"{what} on {name} ({self.model[name].state})", f"{error.__name__} naming {names}",
+                      f"{got!r}{changed} (not named: {missing})")  # fmt: skip
         expect_equal(self.driver, f"after step {self.step}: {what} refused: state, size, driver records, views",
                      before, after)  # fmt: skip
 
@@ -340,8 +409,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             signal.signal(signal.SIGALRM, old)
 
     def interrupted(self, call, n: int) -> bool:
-        """Run ``call`` with an ``Interrupt`` at the ``n``-th line event of the package; whether it fired."""
-        trap = LineTrap(_in_package, n)
+        """Run ``call`` with an ``Interrupt`` at the ``n``-th line event outside the drivers; whether it fired."""
+        trap = LineTrap(_outside_drivers, n)
         trace = sys.gettrace()
         sys.settrace(trap)
         try:
@@ -351,6 +420,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         finally:
             sys.settrace(trace)
         return trap.fired is not None
+
+    @staticmethod
+    def line_event(key: str, at: int) -> int:
+        """The line event ``at`` (of 1000) of the way through operation ``key``'s ``LINES``: uniform over a whole
+        step (past a small step's end it runs whole)."""
+        return 1 + at * LINES[key] // 1000
 
     def interrupted_without_collection(self, call, n: int) -> bool:
         """``interrupted`` under the hang guard, with the collector emptied first and off meanwhile, so the line
@@ -369,6 +444,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check(self, step: str) -> None:
         self.step = step
         out = self.driver.outstanding()
+        calls, self.seen = self.driver.calls[self.seen :], len(self.driver.calls)
+        if self.cap:
+            over = [c.args[0] for c in calls if c.op == "create" and c.args[0] > self.cap]
+            expect_equal(self.driver, f"step {step}: handles created over max_handle_bytes={self.cap}", [], over)
         for name in ("a", "b", "kv"):
             self.check_tensor(name, out)
         if self.driver.device.type == "cpu" and not out.handles:
@@ -389,10 +468,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         expect_equal(self.driver, f"{step}: bytes_per_segment", m.per_segment, t.bytes_per_segment)
         base = self.base[name]
         mine = {va: size for va, size in out.mappings.items() if base <= va < base + m.reserved}
-        if m.state == "closed":
-            if base not in [self.base[other] for other in self.base if self.model[other].state != "closed"]:
-                expect_equal(self.driver, f"{step}: reservation and mappings on record after close", (None, {}),
-                             (out.reservations.get(base), mine))  # fmt: skip
+        if m.state == "closed":  # what lies in its old range now may be a later tensor's
+            live = [(self.base[o], self.model[o].reserved) for o in self.base if self.model[o].state != "closed"]
+            ours = {va: size for va, size in mine.items() if not any(b <= va < b + r for b, r in live)}
+            reservation = None if any(b <= base < b + r for b, r in live) else out.reservations.get(base)
+            expect_equal(self.driver, f"{step}: reservation and mappings on record after close", (None, {}),
+                         (reservation, ours))  # fmt: skip
             return
         if m.state == "failed":
             return
@@ -400,10 +481,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         mapped = sorted(k for va, size in mine.items() for k in range((va - base) // g, (va - base + size) // g))
         expect_equal(self.driver, f"{step}: granules mapped on record", m.mapped_granules(), mapped)
         s = t.stats()
-        want = (m.state, m.per_segment * m.segments if m.state == "open" else 0, len(m.mapped_granules()) * g,
-                len(mine), m.reserved)  # fmt: skip
-        got = (s.state, s.committed_bytes, s.backed_bytes, s.mappings, s.reserved_bytes)
-        expect_equal(self.driver, f"{step}: stats (state, committed, backed, mappings, reserved)", want, got)
+        committed, backed = m.per_segment * m.segments if m.state == "open" else 0, len(m.mapped_granules()) * g
+        want = (m.state, committed, backed, len(mine), m.reserved, m.per_segment, m.segment_bytes, m.segments, g,
+                backed - committed)  # fmt: skip
+        got = (s.state, s.committed_bytes, s.backed_bytes, s.mappings, s.reserved_bytes, s.bytes_per_segment,
+               s.segment_bytes, s.num_segments, s.granularity, s.waste_bytes)  # fmt: skip
+        expect_equal(self.driver, f"{step}: stats (state, committed, backed, mappings, reserved, bytes per segment, "
+                     "segment bytes, segments, granularity, waste)", want, got)  # fmt: skip
+        if name == "a":
+            expect_equal(self.driver, f"{step}: pinned_by", tuple(h for h, _ in m.pins), t.pinned_by)
         if name != "kv":
             gc.collect()
             expect_equal(self.driver, f"{step}: live_views", m.views, t.live_views())
@@ -420,7 +506,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         new -= new % m.alignment
         error = m.resize_refusal(new)
         if error:
-            self.refused("a", f"resize_per_segment_({new})", error, lambda: t.resize_per_segment_(new))
+            self.refused("a", f"resize_per_segment_({new})", error, lambda: t.resize_per_segment_(new),
+                         m.resize_names("resize_per_segment_", new))  # fmt: skip
         else:
             self.guarded(lambda: t.resize_per_segment_(new))
             m.grown(new)
@@ -444,7 +531,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         error = m.resize_refusal(value)
         if error is None:  # shrink from nothing, misaligned past the end: what is left is valid or invalid by size
             return
-        self.refused("a", f"resize_per_segment_({value!r})", error, lambda: t.resize_per_segment_(value))
+        self.refused("a", f"resize_per_segment_({value!r})", error, lambda: t.resize_per_segment_(value),
+                     m.resize_names("resize_per_segment_", value))  # fmt: skip
         self.check(f"grow a invalid {kind} {value!r}")
 
     # -- tensor a: shrink ------------------------------------------------------------------------------------------
@@ -461,7 +549,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         new -= new % m.alignment
         error = m.shrink_refusal(new, self.reaches("a"))
         if error:
-            self.refused("a", f"shrink_per_segment_({new})", error, lambda: t.shrink_per_segment_(new))
+            self.refused("a", f"shrink_per_segment_({new})", error, lambda: t.shrink_per_segment_(new),
+                         m.shrink_names("shrink_per_segment_", new, self.reaches("a")))  # fmt: skip
         else:
             self.guarded(lambda: t.shrink_per_segment_(new))
             m.shrunk(new)
@@ -483,7 +572,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         error = m.shrink_refusal(value, self.reaches("a"))
         if error is None:
             return
-        self.refused("a", f"shrink_per_segment_({value!r})", error, lambda: t.shrink_per_segment_(value))
+        self.refused("a", f"shrink_per_segment_({value!r})", error, lambda: t.shrink_per_segment_(value),
+                     m.shrink_names("shrink_per_segment_", value, self.reaches("a")))  # fmt: skip
         self.check(f"shrink a invalid {kind} {value!r}")
 
     # -- tensor a: views and data ------------------------------------------------------------------------------------
@@ -493,19 +583,30 @@ class LifecycleMachine(RuleBasedStateMachine):
         m = self.model["a"]
         return mark.per_segment < m.per_segment and any(r > mark.per_segment for r in self.reaches("a"))
 
-    @rule(segment=st.integers(-1, 3), full=st.booleans())
-    def take_view(self, segment, full):
+    @rule(segment=st.integers(-1, 3), full=st.booleans(), dtype=st.sampled_from(DTYPES))
+    def take_view(self, segment, full, dtype):
+        """A segment view (its committed bytes, at its segment's offset) or the full view, as ``dtype``: the bytes
+        the model holds there."""
         m, t = self.model["a"], self.real["a"]
-        what = "full_view()" if full else f"segment_view({segment})"
-        call = (lambda: t.full_view()) if full else (lambda: t.segment_view(segment))
+        what = f"full_view({dtype})" if full else f"segment_view({segment}, {dtype})"
+        call = (lambda: t.full_view(dtype)) if full else (lambda: t.segment_view(segment, dtype))
         if not full and not 0 <= segment < m.segments:
-            self.refused("a", what, SegmentIndexError, call)
+            self.refused("a", what, SegmentIndexError, call, (str(segment), str(m.segments)))
         elif m.state_error():
-            self.refused("a", what, m.state_error(), call)
+            self.refused("a", what, m.state_error(), call, ("full_view" if full else "segment_view", m.state))
         else:
-            view = call()
+            typed = call()
+            view = typed.view(torch.uint8)
             nbytes = view.numel()
             expect_equal(self.driver, f"{what} bytes", t.max_num_bytes if full else m.per_segment, nbytes)
+            expect_equal(self.driver, f"{what} dtype", dtype, typed.dtype)
+            if full:
+                for i, d in enumerate(m.data):
+                    lo = i * m.segment_bytes
+                    expect_bytes(self.driver, f"{what}: segment {i} at offset {lo}", view[lo : lo + d.numel()], d)
+            elif nbytes:
+                expect_bytes(self.driver, f"{what}: the segment's bytes", view, m.data[segment])
+            del typed
             self.held.append(Held("a", view, None if full else segment, nbytes))
             m.views += nbytes > 0
         self.check(f"take {what} of a")
@@ -562,10 +663,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             expect_equal(self.driver, f"rollback_to on a {m.state} tensor: what could not be undone", [], got)
         elif not m.mark_valid(mark):
             self.refused("a", "rollback_to(a checkpoint of another lineage)", InvalidArgumentError,
-                         lambda: t.rollback_to(mark.real))  # fmt: skip
+                         lambda: t.rollback_to(mark.real), ("rollback_to", str(mark.per_segment),
+                                                            f"keeps {m.per_segment} bytes"))  # fmt: skip
         elif self.strands(mark):
+            beyond = sorted({r for r in self.reaches("a") if r > mark.per_segment})
             self.refused("a", "rollback_to(a checkpoint below a live segment view)", BusyError,
-                         lambda: t.rollback_to(mark.real))  # fmt: skip
+                         lambda: t.rollback_to(mark.real), (f"rollback_to {mark.per_segment} bytes",
+                                                            ", ".join(map(str, beyond))))  # fmt: skip
         else:
             got = self.guarded(lambda: t.rollback_to(mark.real))
             expect_equal(self.driver, "rollback_to: what could not be undone", [], got)
@@ -578,7 +682,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if m.state != "open":
             return
         mark = {"tuple": (0, 0), "none": None, "other tensor": self.real["b"].checkpoint()}[what]
-        self.refused("a", f"rollback_to({what})", InvalidArgumentError, lambda: t.rollback_to(mark))
+        self.refused("a", f"rollback_to({what})", InvalidArgumentError, lambda: t.rollback_to(mark),
+                     ("rollback_to", type(mark).__name__))  # fmt: skip
         self.check(f"rollback a to a foreign mark ({what})")
 
     # -- tensor a: release, recommit, close --------------------------------------------------------------------------
@@ -586,7 +691,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     def release(self):
         m, t = self.model["a"], self.real["a"]
         if m.state_error():
-            self.refused("a", "release_physical()", m.state_error(), t.release_physical)
+            self.refused("a", "release_physical()", m.state_error(), t.release_physical, ("release_physical", m.state))
+        elif m.pins:
+            self.refused("a", "release_physical() while pinned", BusyError, t.release_physical,
+                         (*(h for h, _ in m.pins), str(m.per_segment)))  # fmt: skip
         else:
             self.guarded(t.release_physical)
             m.released()
@@ -596,23 +704,29 @@ class LifecycleMachine(RuleBasedStateMachine):
     def recommit(self):
         m, t = self.model["a"], self.real["a"]
         if m.state != "released":
-            self.refused("a", "recommit_physical()", m.state_error() or ReleasedError, t.recommit_physical)
+            names = ("recommit_physical", m.state) if m.state_error() else ("not released", str(m.per_segment))
+            self.refused("a", "recommit_physical()", m.state_error() or ReleasedError, t.recommit_physical, names)
         else:
             self.guarded(t.recommit_physical)
             m.recommitted()
         self.check("recommit a")
 
-    @rule(force=st.booleans())
-    def close(self, force):
+    @rule(force=st.booleans(), segments=st.integers(1, 3), quarters=st.sampled_from([3, 5, 10]))
+    def close(self, force, segments, quarters):
+        """Close (refused while views are alive, unless forced); once closed, every use refused and a new ``a``,
+        so that the rest of the example has a tensor to work on."""
         m, t = self.model["a"], self.real["a"]
         if m.state == "closed":
             self.guarded(lambda: t.close(force=force))  # a second close does nothing
         elif m.views and not force:
-            self.refused("a", "close() with views alive", BusyError, t.close)
+            self.refused("a", "close() with views alive", BusyError, t.close, (f"{m.views} view",))
         else:
             self.guarded(lambda: t.close(force=force))
             m.closed()
         self.check(f"close a (force={force})")
+        if m.state == "closed":
+            self.closed_tensor_refuses(force)
+            self.reopen(segments, quarters)
 
     @rule(force=st.booleans())
     def closed_tensor_refuses(self, force):
@@ -622,7 +736,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         for what, call in (("segment_view(0)", lambda: t.segment_view(0)), ("stats()", t.stats),
                            ("full_view()", t.full_view), ("base_address", lambda: t.base_address)):  # fmt: skip
-            self.refused("a", what, ClosedError, call)
+            self.refused("a", what, ClosedError, call, (what.split("(")[0], "closed"))
         t.close(force=force)
         self.check("use a closed tensor")
 
@@ -636,12 +750,145 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._make("a", seg * segments, segments, 256)
         self.check("reopen a")
 
+    # -- tensor a: pins ------------------------------------------------------------------------------------------
+    @rule(holder=st.sampled_from(HOLDERS))
+    def pin(self, holder):
+        """A holder registers views of the committed bytes: refused unless open; until unpinned, a shrink below the
+        size it saw and a release are refused with ``BusyError`` naming it."""
+        m, t = self.model["a"], self.real["a"]
+        if m.state_error():
+            self.refused("a", f"pin({holder!r})", m.state_error(), lambda: t.pin(holder), ("pin", m.state))
+        else:
+            t.pin(holder)
+            m.pins.append((holder, m.per_segment))
+        self.check(f"pin a by {holder}")
+
+    @rule(holder=st.sampled_from(HOLDERS))
+    def unpin(self, holder):
+        """One registration of ``holder`` dropped; one that is not there: ``InvalidArgumentError`` naming it."""
+        m, t = self.model["a"], self.real["a"]
+        if m.state == "closed":
+            return
+        held = [h for h, _ in m.pins]
+        if holder not in held:
+            self.refused("a", f"unpin({holder!r})", InvalidArgumentError, lambda: t.unpin(holder), (repr(holder),))
+        else:
+            t.unpin(holder)
+            del m.pins[held.index(holder)]
+        self.check(f"unpin a by {holder}")
+
+    # -- tensor a: no-ops keep the lineage -----------------------------------------------------------------------
+    @rule()
+    def noops_keep_the_lineage(self):
+        """A checkpoint, a resize and a shrink to the current size (no-ops), then a growth step: rolling back to the
+        checkpoint is allowed and restores its size (a no-op starts no lineage)."""
+        m, t = self.model["a"], self.real["a"]
+        if m.state != "open" or m.per_segment == 0 or m.shrink_refusal(m.per_segment, self.reaches("a")):
+            return
+        mark = Mark(t.checkpoint(), m.per_segment, len(m.lineage), m.lineage[-1])
+        self.guarded(lambda: t.resize_per_segment_(m.per_segment))
+        self.guarded(lambda: t.shrink_per_segment_(m.per_segment))
+        if m.per_segment + m.alignment <= m.segment_bytes:
+            self.guarded(lambda: t.resize_per_segment_(m.per_segment + m.alignment))
+            m.grown(m.per_segment + m.alignment)
+        got = self.guarded(lambda: t.rollback_to(mark.real))
+        expect_equal(self.driver, "rollback_to a checkpoint taken before two no-ops: what could not be undone", [],
+                     got)  # fmt: skip
+        m.rolled_back(mark)
+        self.marks["a"].append(mark)
+        self.check("no-op resize and shrink, grow, rollback to before them")
+
+    # -- tensor a: driver faults ---------------------------------------------------------------------------------
+    @rule(during=st.sampled_from(sorted(FAULT_OPS)), which=st.integers(0, 69), nth=st.integers(1, 3),
+          interrupt=st.booleans(), units=st.integers(0, 12))  # fmt: skip
+    def driver_fault(self, during, which, nth, interrupt, units):
+        """The ``nth`` next driver call ``op`` fails (``DriverError``, or ``KeyboardInterrupt`` as an interrupt
+        landing in it) during a growth, shrink, release or recommit of ``a``. Growth and recommit roll back (the
+        old size, released for a recommit; ``CommitError`` naming the driver call and the sizes); a shrink keeps
+        its old size when the fault comes before its first unmap and is ``failed`` after it (``ShrinkError``);
+        a release is ``failed``; a fault never reached changes nothing. Then every check."""
+        m, t, d = self.model["a"], self.real["a"], self.driver
+        target, old = during, m.per_segment  # what the state allows when ``during`` does not
+        if m.state == "released":
+            target = "recommit"
+        elif m.state == "open" and during == "recommit":
+            target = "grow" if m.pins else "release"
+        op = FAULT_OPS[target][which % len(FAULT_OPS[target])]
+        if target == "grow":
+            new = min(max(units * m.alignment, old), m.segment_bytes)
+            new -= new % m.alignment
+            new = new if new > old else m.segment_bytes
+            if m.state != "open" or new <= old:
+                return
+            call, done, kept = (lambda: t.resize_per_segment_(new)), ("open", new), ("open", old)
+        elif target == "shrink":
+            new = min(units * m.alignment, old)
+            new -= new % m.alignment
+            new = new if new < old else 0
+            if m.state != "open" or new >= old or m.shrink_refusal(new, self.reaches("a")):
+                return
+            if op == "release" and not interrupt:  # after the step is done: the handle stays for close()
+                return
+            call, done, kept = (lambda: t.shrink_per_segment_(new)), ("open", new), ("open", old)
+        elif target == "release" and m.state == "open" and not m.pins:
+            new, call, done, kept = old, t.release_physical, ("released", old), ("failed", 0)
+        elif target == "recommit" and m.state == "released":
+            new, call, done, kept = old, t.recommit_physical, ("open", old), ("released", old)
+        else:
+            return
+        error = KeyboardInterrupt("injected") if interrupt else None
+        since = len(d.calls)
+        gc.collect()
+        gc.disable()
+        d.fail(op, nth, error)
+        raised = None
+        try:
+            self.guarded(call)
+        except (ExtensibleKVError, KeyboardInterrupt) as exc:  # judged below
+            raised = exc.with_traceback(None)
+        finally:
+            d.clear_faults()
+            gc.enable()
+        calls = [c.op for c in d.calls[since:]]
+        hits = [i for i, c in enumerate(calls) if c == op]
+        fired = len(hits) >= nth
+        if fired and target == "shrink":  # a refused first unmap changed nothing; an interrupt in it may have
+            at, first = hits[nth - 1], calls.index("unmap") if "unmap" in calls else len(calls)
+            kept = ("open", old) if at < first or (at == first and not interrupt) else ("failed", 0)
+        want = kept if fired else done
+        got = (t.state, t.bytes_per_segment)
+        what = f"{target} of a with {op} call {nth} failing ({'KeyboardInterrupt' if interrupt else 'DriverError'})"
+        expect_equal(self.driver, f"{what}: state and size (fired: {fired}, calls {calls})", want, got)
+        if not fired:
+            expect_equal(self.driver, f"{what}: what it raised (the fault was not reached)", None, raised)
+        elif interrupt:
+            expect(raised is not None and str(raised) == "injected", self.driver, f"{what}: what it raised",
+                   "the KeyboardInterrupt itself", repr(raised))  # fmt: skip
+        elif target == "release":
+            expect(isinstance(raised, DriverError) and op in str(raised), self.driver, f"{what}: what it raised",
+                   f"the DriverError of {op}", repr(raised))  # fmt: skip
+        else:
+            kind = ShrinkError if target == "shrink" else CommitError
+            committed = old if want[0] == "open" else 0
+            names = (op, str(old), str(new), "injected failure")
+            ok = (isinstance(raised, kind) and raised.operation == op and raised.requested == new
+                  and raised.committed == committed and all(x in str(raised) for x in names))  # fmt: skip
+            expect(ok, self.driver, f"{what}: what it raised", f"{kind.__name__}(operation={op!r}, requested={new}, "
+                   f"committed={committed}) naming {names}", repr(raised))  # fmt: skip
+        if got == done and got != (m.state, old):
+            {"grow": lambda: m.grown(new), "shrink": lambda: m.shrunk(new), "release": m.released,
+             "recommit": m.recommitted}[target]()  # fmt: skip
+        elif got == ("failed", 0):
+            m.failed()
+        self.refuse_failed()
+        self.check(f"{what} -> {got}")
+
     # -- interrupts --------------------------------------------------------------------------------------------------
-    @rule(op=st.sampled_from(["grow", "shrink", "release", "recommit", "close", "rollback"]), n=st.integers(1, 60),
+    @rule(op=st.sampled_from(["grow", "shrink", "release", "recommit", "close", "rollback"]), at=st.integers(0, 999),
           units=st.integers(1, 12), pick=st.integers(0, 50))  # fmt: skip
-    def interrupt(self, op, n, units, pick):
-        """An ``Interrupt`` at the ``n``-th line of an operation of ``a`` that the model says may run: it ends
-        whole, not at all, or failed (growth, rollback, release) and nothing else."""
+    def interrupt(self, op, at, units, pick):
+        """An ``Interrupt`` at a line event drawn uniformly over a whole operation of ``a`` that the model says may
+        run (``line_event``): it ends whole, not at all, or failed (growth, rollback, release) and nothing else."""
         m, t = self.model["a"], self.real["a"]
         if op == "grow":
             new = min(max(units * m.alignment, m.per_segment), m.segment_bytes)
@@ -655,7 +902,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if m.state != "open" or new >= m.per_segment or m.shrink_refusal(new, self.reaches("a")):
                 return
             call = lambda: t.shrink_per_segment_(new)  # noqa: E731
-        elif op == "release" and m.state == "open":
+        elif op == "release" and m.state == "open" and not m.pins:
             call = t.release_physical
         elif op == "recommit" and m.state == "released":
             call = t.recommit_physical
@@ -669,6 +916,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         else:
             return
         old = (m.state, m.per_segment)
+        n = self.line_event(op, at)
         fired = self.interrupted_without_collection(call, n)
         got = (t.state, t.bytes_per_segment)
         done = {
@@ -689,11 +937,17 @@ class LifecycleMachine(RuleBasedStateMachine):
              "recommit": m.recommitted, "close": m.closed, "rollback": lambda: m.rolled_back(mark)}[op]()  # fmt: skip
         elif got == ("failed", 0) and old != got:
             m.failed()
-        if m.state == "failed":
-            for what, call in (("segment_view(0)", lambda: t.segment_view(0)), ("grow", lambda: t.resize_per_segment_(
-                    m.segment_bytes)), ("release_physical()", t.release_physical)):  # fmt: skip
-                self.refused("a", what, FailedStateError, call)
+        self.refuse_failed()
         self.check(f"{op} of a interrupted at line event {n} (fired: {fired}) -> {got}")
+
+    def refuse_failed(self) -> None:
+        """A failed ``a`` refuses views, growth, shrink and release with ``FailedStateError`` naming the state."""
+        m, t = self.model["a"], self.real["a"]
+        if m.state == "failed":
+            for what, call in (("segment_view(0)", lambda: t.segment_view(0)), ("resize_per_segment_()",
+                    lambda: t.resize_per_segment_(m.segment_bytes)), ("release_physical()", t.release_physical),
+                    ("shrink_per_segment_()", lambda: t.shrink_per_segment_(0))):  # fmt: skip
+                self.refused("a", what, FailedStateError, call, (what.split("(")[0], "failed"))
 
     # -- the worker's KV cache ---------------------------------------------------------------------------------------
     @rule(blocks=st.integers(0, KV_BLOCKS))
@@ -809,10 +1063,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.registered = True
         self.check("register the KV connector")
 
-    @rule(op=st.sampled_from(["ensure", "shrink", "release", "recommit"]), n=st.integers(1, 80),
+    @rule(op=st.sampled_from(["ensure", "shrink", "release", "recommit"]), at=st.integers(0, 999),
           blocks=st.integers(0, KV_BLOCKS))  # fmt: skip
-    def interrupt_kv(self, op, n, blocks):
-        """An ``Interrupt`` at the ``n``-th line of a KV step: whole, not at all, or failed."""
+    def interrupt_kv(self, op, at, blocks):
+        """An ``Interrupt`` at a line event drawn uniformly over a KV step: whole, not at all, or failed."""
         m, b = self.model["kv"], self.worker.buffers
         if op == "ensure" and self.kv_state == "open" and blocks > self.kv_blocks and not self.registered:
             call, done = (lambda: b.ensure_blocks(blocks)), ("open", blocks * m.alignment)
@@ -825,6 +1079,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         else:
             return
         old = (self.kv_state, m.per_segment)
+        n = self.line_event(f"kv {op}", at)
         fired = self.interrupted_without_collection(call, n)
         got = (b.state, self.real["kv"].bytes_per_segment)
         allowed = {old, done, ("failed", 0)} if fired else {done}
@@ -862,7 +1117,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         parent's data, records and memory are untouched."""
         m, t = self.model["a"], self.real["a"]
         results = []
-        if n == 0 or m.state not in ("open",):
+        if n == 0 or m.state not in ("open",) or (op == "release" and m.pins):
             results.append(self._fork_child())
             self.check("fork between steps")
             self._judge_children(results)
@@ -974,6 +1229,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- end -------------------------------------------------------------------------------------------------------
     def teardown(self):
+        self.driver.max_handle_bytes = self.cap0
         self.held.clear()
         self.marks = {}
         for name in ("a", "b"):

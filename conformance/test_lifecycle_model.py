@@ -1,6 +1,7 @@
 """Model-based rules of the tensor's and the KV buffers' whole life: random sequences of every public transition,
-valid and invalid, interrupts at any line, forks and user finalizers, each compared after every step with the
-executable model (``lifecycle_model.py``): state, committed bytes, data, views, memory and the driver's records.
+valid and invalid, pins, interrupts at any line of a whole step, driver calls made to fail, forks and user
+finalizers, each compared after every step with the executable model (``lifecycle_model.py``): state, committed
+bytes, data, views, memory, refusals' messages and the driver's records.
 
 Examples: ``EXTENSIBLE_KV_LIFECYCLE_EXAMPLES`` sets the number of examples of each machine (a stress run sets
 thousands); by default ``SHARE`` times the profile's ``max_examples`` (at least ``MIN_EXAMPLES``), each at most
@@ -45,8 +46,9 @@ def _run(machine, driver, share: float) -> None:
 
 
 def test_the_lifecycle_matches_the_model(driver):
-    """Tensors and a worker's KV cache: growth valid and invalid, views, writes, checkpoints and rollbacks,
-    release and recommit, sleep with and without a registered connector, close, and interrupts at any line."""
+    """Tensors and a worker's KV cache: growth and shrink valid and invalid, views of every dtype, writes,
+    checkpoints and rollbacks, pins, release and recommit, sleep with and without a registered connector, close,
+    interrupts at any line of a step, driver calls that fail, and a drawn cap on a handle's size."""
     _run(LifecycleMachine, driver, SHARE)
 
 
