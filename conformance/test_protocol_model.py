@@ -130,6 +130,43 @@ def test_every_contended_pair_of_calls_from_two_threads_matches_some_serial_orde
         machine.teardown()
 
 
+RANGE_SHAPES = {
+    "free": ("whole", "lower", "upper", "around", "more", "freed"),
+    "map": ("free", "below", "above", "inside", "exact", "around", "past_end", "before_start", "freed"),
+    "unmap": ("exact", "lower", "upper", "more", "tiled", "nothing", "around", "gap"),
+    "set_access": ("exact", "tiled", "part", "whole", "gap", "below", "more", "nothing"),
+}
+"""Every shape the random rule's range calls sample from (``ProtocolMachine.free``, ``map``, ``unmap``,
+``set_access``), made by the rule below in every run."""
+
+
+def test_every_shape_of_every_range_call_matches_the_model(driver):
+    """Each range call in each shape its random rule samples from (``RANGE_SHAPES``: a range around, past, inside or
+    exactly over a reservation or a mapping, a freed one...), at four picks, on a populated driver, each compared with
+    the model at once: the random rule draws a handful of these per run, and which ones depends on its examples;
+    this one makes all of them in every run. Checks: P-free, P-free-refused, P-map, P-map-inside, P-map-overlap,
+    P-map-released, P-unmap, P-unmap-refused, P-access, P-access-refused, P-refusal, P-refusal-unchanged."""
+    machine = ProtocolMachine(learn_setup(driver))
+    try:
+        for op, shapes in RANGE_SHAPES.items():
+            for shape in shapes:
+                for pick in range(4):  # each of the reservations (the last one empty) and handles in turn
+                    machine.populate(sizes=[3, 2], alignment=1, pick=pick)
+                    machine.create(granules=2)  # a handle that maps nowhere yet
+                    machine.reserve(granules=2, alignment=1)  # an empty reservation: a free that is valid
+                    if op == "map":
+                        machine.map(shape=shape, pick=pick, n=1 + pick, handle=pick, offset="zero")
+                    else:
+                        getattr(machine, op)(shape=shape, pick=pick, **({} if op == "free" else {"n": 1 + pick}))
+                    machine.every_observable_matches_the_model()
+                    while machine.model.reservations:
+                        machine.clear_and_free(pick=0)
+                    for key in sorted(machine.model.unreleased()):
+                        machine.do_release(key)
+    finally:
+        machine.teardown()
+
+
 def test_every_bad_value_of_every_call_is_refused_and_named(driver):
     """Every kind of bad value (``BAD_VALUES``: each value of the call below its bound, negative, at 2**63, a bool or a
     float; ranges reaching 2**63) passed to every call that takes it, in a call that is valid otherwise, in turn, each

@@ -434,7 +434,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
     def committed_layer_views(self, layer: str) -> list[torch.Tensor]:
         """The layer's views narrowed to exactly the committed blocks. While one lives, a ``shrink_blocks`` below
         them is refused (``BusyError``), as for a segment view: they never sit over released pages."""
-        with self._locked("committed_layer_views", driver=False):
+        with self._locked("layer views", driver=False):
             self._layer(layer)  # refusals: closed, failed, released, not a layer name
             buffer, spec = next((b, x) for b in self._buffers for x in b.layers if x.name == layer)
             raw = self._tensors[buffer.name].full_view(torch.int8, keep_committed=True)

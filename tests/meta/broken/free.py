@@ -67,7 +67,7 @@ class FreeTrustsItsRecordedSize(Broken):
     refused), so ``free`` of a range that starts at a reservation and runs past its end frees the reservation."""
 
     breaks = "P-free-refused"
-    caught_by = ("test_random_protocol_calls_match_the_model",)
+    caught_by = ("test_every_shape_of_every_range_call_matches_the_model",)
 
     def do_free(self, va: int, size: int) -> None:
         reserved = self.reservations.get(va)

@@ -187,7 +187,7 @@ class SameMapAgainIsTaken(Broken):
     mapping of another handle, offset or size is refused."""
 
     breaks = "P-map-overlap"
-    caught_by = ("test_random_protocol_calls_match_the_model",)
+    caught_by = ("test_every_shape_of_every_range_call_matches_the_model",)
 
     state = {"_offsets": dict}
 
