@@ -541,16 +541,24 @@ def test_kv_shrink_blocks_is_refused_below_a_pin_and_changes_nothing(driver):
     kv.close()
 
 
-def test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back(driver):
+def _kv_cycled(driver) -> tuple[ExtensibleKVCacheBuffers, list]:
+    """``_kv`` at 20 blocks after two shrinks to 3 and growths back (the first leaves the mappings every later one
+    starts from), and the driver calls of the last shrink: where a fault aimed at one buffer's step lands."""
     kv = _kv(driver)
     kv.ensure_blocks(20)
-    first = kv.tensor("kv")
-    lo, hi = first.base_address, first.base_address + first.max_num_bytes
-    for _ in range(2):  # the first shrink and regrow leave the mappings every later one starts from
+    for _ in range(2):
         since = len(driver.calls)
         kv.shrink_blocks(3)
+        calls = driver.calls[since:]
         kv.ensure_blocks(20)
-    in_first = [c for c in driver.calls[since:] if c.op == "unmap" and lo <= c.args[0] < hi]
+    return kv, calls
+
+
+def test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back(driver):
+    kv, calls = _kv_cycled(driver)
+    first = kv.tensor("kv")
+    lo, hi = first.base_address, first.base_address + first.max_num_bytes
+    in_first = [c for c in calls if c.op == "unmap" and lo <= c.args[0] < hi]
     driver.fail("unmap", len(in_first) + 1)  # the first unmap in the second buffer
     first.segment_view(0)[:16].fill_(7)
     try:
@@ -692,15 +700,9 @@ def test_a_second_interrupt_while_growing_back_leaves_the_kv_buffers_failed_or_a
     # The first interrupt lands in the last buffer's shrink before it changed anything, the second in the growth back
     # of the buffer shrunk before it: the buffers end failed, or open with every buffer at their block count (never
     # open and disagreeing).
-    kv = _kv(driver)
-    kv.ensure_blocks(20)
+    kv, calls = _kv_cycled(driver)
     last = kv.tensor("state")
     lo, hi = last.base_address, last.base_address + last.max_num_bytes
-    for _ in range(2):  # the first shrink and regrow leave the mappings every later one starts from
-        since = len(driver.calls)
-        kv.shrink_blocks(3)
-        calls = driver.calls[since:]
-        kv.ensure_blocks(20)
     at = next(i for i, c in enumerate(calls) if c.args and isinstance(c.args[0], int) and lo <= c.args[0] < hi)
     syncs = sum(c.op == "synchronize" for c in calls[:at])  # the last of them opens the second buffer's shrink
     driver.fail("synchronize", syncs, KeyboardInterrupt())  # in the second buffer's shrink, before it changed

@@ -373,22 +373,27 @@ def process_launcher(runner: str, plugin_dir: str) -> Callable[[str, int, Path],
     """Starts one mode's server on a port, its output in a log file, in a session of its own (``stop_group``)."""
 
     def launch(mode: str, port: int, log_path: Path) -> ServerProcess:
-        command = server_command(port)
         env = server_env(mode, runner, plugin_dir, dict(os.environ))
-        log = open(log_path, "w")  # closed by ServerProcess.stop
-        log.write(shlex.join(command) + "\n")
-        log.flush()
-        try:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        except OSError:
-            log.close()
-            raise
         changes = server_env_changes(mode, runner, plugin_dir, os.environ.get("PYTHONPATH"))
-        return ServerProcess(proc, log, {"command": command, "env": changes, "pid": proc.pid})
+        return launch_server(server_command(port), env, log_path, {"env": changes})
 
     return launch
+
+
+def launch_server(command: list[str], env: dict[str, str], log_path: Path, info: dict | None = None) -> ServerProcess:
+    """Start one server in a session of its own (``stop_group`` stops its whole group), its command line and output
+    in ``log_path``; ``info`` joins the command and pid in the handle's record."""
+    log = open(log_path, "w")  # closed by ServerProcess.stop
+    log.write(shlex.join(command) + "\n")
+    log.flush()
+    try:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except OSError:
+        log.close()
+        raise
+    return ServerProcess(proc, log, {"command": command, **(info or {}), "pid": proc.pid})
 
 
 def wait_released(memory: Callable[[], int | None], idle: int | None, timeout: float = RELEASE_WAIT_S) -> dict:

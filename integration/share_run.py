@@ -86,7 +86,6 @@ import os
 import random
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -115,6 +114,7 @@ from integration.serve_sleep import (
     StepFailed,
     _exit_on_sigterm,
     free_port,
+    launch_server,
     log_tail,
     server_command,
     server_env,
@@ -338,21 +338,6 @@ def engine_command(
 
 def served_name(engine: str) -> str:
     return f"engine-{engine}"
-
-
-def launch_server(command: list[str], env: dict[str, str], log_path: Path) -> ServerProcess:
-    """Start one server in a session of its own (``stop_group`` stops its whole group), its output in a log."""
-    log = open(log_path, "w")  # closed by ServerProcess.stop
-    log.write(shlex.join(command) + "\n")
-    log.flush()
-    try:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    except OSError:
-        log.close()
-        raise
-    return ServerProcess(proc, log, {"command": command, "pid": proc.pid})
 
 
 def stop_all(servers: Mapping[str, ServerProcess]) -> dict:

@@ -6,6 +6,7 @@ fake sender."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -255,7 +256,7 @@ def test_the_dry_run_prints_both_commands_and_the_schedule_and_starts_nothing(tm
     def refuse(*args, **kwargs):
         raise AssertionError("the dry run started something")
 
-    monkeypatch.setattr(sr.subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)  # every launcher's (serve_sleep.launch_server's too)
     out = tmp_path / "out"
     assert sr.main([str(out), "--dry-run", "--budget-seconds", "540"]) == 0
     text = capsys.readouterr().out
