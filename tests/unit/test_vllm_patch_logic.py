@@ -461,7 +461,9 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper, pp=pp)
+    fractions: list = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append((f, d)))
+    return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper, pp=pp, fractions=fractions)
 
 
 def _rpc(wrapper: object, method: str, *args):
@@ -500,6 +502,8 @@ def test_an_engine_built_inside_the_block_keeps_its_rpcs_after_the_patches_are_r
             f"the report after the block exited: expected this engine's 20 committed blocks, got {report['kv']}"
         )
         assert report["profile"]["peak_reserved"] == 0 and report["measured"]["blocks"] == fits, report
+        # the commit capped torch's cache (Note [Torch's cache, held to the budget]) once, on this device
+        assert [d for _, d in fake.fractions] == [0] and report["torch_cap"]["cap"] > 0, (fake.fractions, report)
     finally:
         state.buffers.close()
 

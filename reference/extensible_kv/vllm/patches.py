@@ -291,6 +291,7 @@ def extensible_kv_commit(self: Any, num_blocks: int) -> dict:
         state = _worker_kv()  # raises, naming the reason
     connector.check_resize(state, num_blocks, "extensible_kv_commit")  # Note [Registered once] in connector
     state.commit(num_blocks)
+    state.hold_torch_to_budget()  # Note [Torch's cache, held to the budget] in sizing
     connector.register(state)  # a KV connector sees exactly the committed blocks, from now on
     self.model_runner.kv_cache_config.num_blocks = num_blocks
     self.cache_config.num_gpu_blocks = num_blocks

@@ -12,6 +12,8 @@ warms up and captures graphs with a small committed prefix, then runs the engine
     served   = served_step_bound(async_scheduling)       (Note [What a served step adds after the worst batches])
     budget   = requested - non_kv - growth - served - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
+    cap      = torch reserved after the commit + (requested - used after the commit - margin - code granules)
+                                                          (Note [Torch's cache, held to the budget])
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
 ``again_*`` and ``served_*`` both hold the worst-batch sequence's figures (``worst_batches``: per batch).
@@ -46,6 +48,18 @@ Note [What a served step adds after the worst batches]
     with 7 sleep cycles 1.2, qwen3-v2 27.2 MiB inside. Not bounded here: a hybrid Mamba2 model whose torch reserve
     grew 239 MiB past the worst batches under load (NemotronH, 128.9 MiB over). Run
     h100-2026-12-06-worst-batch-served-bound.
+
+Note [Torch's cache, held to the budget]
+    Rule: once the final size is committed the worker caps torch's caching allocator
+    (``torch.cuda.set_per_process_memory_fraction``) at ``torch_cap``: what torch reserves then, plus what the
+    budget leaves after the commit, less the margin and the driver's code granules (not torch's); never less than
+    the worst batches' growth and a served step's small segments. Past the cap torch frees its unused cached
+    segments and retries before it fails: a load that only rearranges the cache costs flushes, not budget.
+    Why: the worst batches bound the live tensors a step needs, not how the cache lays them out; a served load
+    allocates in orders no batch sequence runs, and torch keeps every segment it reserved.
+    Figure: NemotronH hybrid, V1, on an H100: torch's reserve grew to 702.5 MB under load against 434.1 MB after
+    the worst batches, whose allocated peak was 269.4 MB; the case ended 128.9 MiB over the budget. Run
+    h100-2026-12-06-worst-batch-served-bound (before the cap).
 
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold
@@ -216,3 +230,15 @@ class MemoryState:
             "budget": self.budget,
             "blocks": self.blocks(),
         }
+
+
+def torch_cap(measured: MemoryState, used_now: int, reserved_now: int) -> int:
+    """The most torch's caching allocator may reserve once the final size is committed, in bytes: ``reserved_now``
+    (torch's reserve after the commit) plus what the budget leaves (``requested - used_now``, ``used_now`` being the
+    device memory used since the worker started, read after the commit) less the margin and the driver's code
+    granules; never less than ``reserved_now`` plus the worst batches' growth and a served step's small segments, so
+    the measured batches still run where the commit was clamped. Note [Torch's cache, held to the budget]."""
+    code = CODE_GRANULES * SEGMENT
+    left = measured.requested - used_now - measured.margin - code
+    floor = measured.torch_growth + max(0, measured.served_step - code)
+    return reserved_now + max(left, floor)

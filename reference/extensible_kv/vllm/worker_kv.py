@@ -11,6 +11,7 @@ One ``WorkerKV`` per worker process (``active()``). It is created when the model
 3. ``ensure_blocks`` commits more blocks (V2 warmup writes real block ids 1..n first).
 4. ``measure`` (after warmup and capture) computes how many blocks fit (``sizing.MemoryState``); ``commit`` commits
    them under the same base pointers.
+5. ``hold_torch_to_budget`` caps torch's caching allocator at what the budget leaves it (``sizing.torch_cap``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..drivers import Driver
 from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
-from .sizing import MemoryState, reusable_cache
+from .sizing import MemoryState, reusable_cache, torch_cap
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -85,6 +86,7 @@ class WorkerKV:
     measured: MemoryState | None = None
     commit_seconds: float | None = None
     events: list[dict] = field(default_factory=list)
+    torch_cap: dict | None = None  # what ``hold_torch_to_budget`` read and set
 
     def allocate(self, kv_cache_config: Any) -> dict[str, torch.Tensor]:
         """Raw int8 tensors per layer, at the full reserved size, with block 0 committed."""
@@ -164,6 +166,27 @@ class WorkerKV:
         )
         return self.commit_seconds
 
+    def hold_torch_to_budget(self) -> int | None:
+        """Cap torch's caching allocator on this device at ``sizing.torch_cap`` of what this worker measured and
+        reads now (after the final commit); return the cap in bytes, or None before ``measure`` (nothing sized, no
+        cap). Note [Torch's cache, held to the budget] in ``sizing``."""
+        if self.measured is None:
+            return None
+        torch.cuda.synchronize()
+        free, total = (int(v) for v in torch.cuda.mem_get_info())
+        used = self.measured.init_free - free
+        reserved = int(torch.cuda.memory_reserved())
+        cap = torch_cap(self.measured, used, reserved)
+        device = torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        self.torch_cap = {"cap": cap, "used": used, "reserved": reserved, "total": total}
+        logger.info(
+            "extensible KV cache: torch's cache capped at %.1f MiB (%.1f MiB reserved now)",
+            cap / 2**20,
+            reserved / 2**20,
+        )
+        return cap
+
     def report(self) -> dict:
         stats = self.buffers.stats() if self.buffers is not None else None
         return {
@@ -171,6 +194,7 @@ class WorkerKV:
             "kv": stats.to_dict() if stats else None,
             "measured": self.measured.to_dict() if self.measured else None,
             "commit_seconds": self.commit_seconds,
+            "torch_cap": self.torch_cap,
             "events": self.events,
         }
 

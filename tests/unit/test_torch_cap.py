@@ -1,0 +1,156 @@
+"""Note [Torch's cache, held to the budget] (``extensible_kv.vllm.sizing``): the cap on torch's caching allocator
+after the final commit, derived from what the worker measured, and the worker setting it on its own device."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extensible_kv.drivers import Ledger
+from extensible_kv.drivers.host import HostDriver
+from extensible_kv.vllm import worker_kv
+from extensible_kv.vllm.sizing import CODE_GRANULES, SEGMENT, MemoryState, served_step_bound, torch_cap
+
+MIB = 1 << 20
+CODE = CODE_GRANULES * SEGMENT
+
+
+@st.composite
+def measured_and_commit(draw):
+    """A worker's measurements after warmup, then the commit of ``blocks()`` as the driver rounds it: the KV bytes
+    backed after the commit lie between the blocks' bytes and the blocks' bytes plus the rounding bound."""
+    bytes_per_block = draw(st.integers(1, 64)) * 64 * 1024
+    rounding_bound = draw(st.integers(1, 8)) * SEGMENT
+    capacity = draw(st.integers(1, 200_000))
+    committed = draw(st.integers(1, capacity))
+    init_free = draw(st.integers(1 << 30, 160 << 30))
+    requested = draw(st.integers(1 << 28, init_free))
+    kv_backed = committed * bytes_per_block + draw(st.integers(0, rounding_bound))
+    non_kv = draw(st.integers(0, max(0, init_free - kv_backed)))
+    again_reserved = draw(st.integers(0, 4 << 30))
+    served_reserved = draw(st.integers(0, 4 << 30))
+    m = MemoryState(
+        init_free=init_free,
+        requested=requested,
+        free_now=init_free - non_kv - kv_backed,
+        kv_backed=kv_backed,
+        weights=0,
+        profiled_peak=0,
+        bytes_per_block=bytes_per_block,
+        rounding_bound=rounding_bound,
+        capacity_blocks=capacity,
+        committed_blocks=committed,
+        again_reserved=again_reserved,
+        again_retained=draw(st.integers(0, again_reserved)),
+        served_reserved=served_reserved,
+        served_retained=draw(st.integers(0, served_reserved)),
+        margin=draw(st.sampled_from([0, MIB, 64 * MIB])),
+        served_step=served_step_bound(draw(st.booleans())),
+    )
+    blocks = m.blocks()
+    kv_after = blocks * bytes_per_block + draw(st.integers(0, rounding_bound))
+    used_after = m.non_kv + kv_after
+    reserved_now = draw(st.integers(0, non_kv))  # torch's reserve is part of what is not KV
+    return m, blocks, used_after, reserved_now
+
+
+@given(measured_and_commit())
+def test_torch_grown_to_its_cap_keeps_the_engine_within_the_budget(case):
+    m, blocks, used_after, reserved_now = case
+    fit = max(0, m.budget - m.rounding_bound) // m.bytes_per_block
+    if fit < m.committed_blocks:
+        return  # the commit was clamped at what warmup committed: over the budget before any cap (next test)
+    cap = torch_cap(m, used_after, reserved_now)
+    at_cap = used_after + (cap - reserved_now) + CODE + m.margin
+    assert at_cap <= m.requested, (
+        f"torch_cap({m.to_dict()}, used={used_after}, reserved={reserved_now}) = {cap}: expected torch at its cap, the "
+        f"code granules and the margin within requested={m.requested}, got {at_cap} ({at_cap - m.requested} over)"
+    )
+
+
+@given(measured_and_commit())
+def test_the_cap_always_leaves_torch_the_worst_batches_growth_and_a_served_steps_small_segments(case):
+    m, _, used_after, reserved_now = case
+    cap = torch_cap(m, used_after, reserved_now)
+    needed = m.torch_growth + (m.served_step - CODE)
+    assert cap - reserved_now >= needed, (
+        f"torch_cap({m.to_dict()}, used={used_after}, reserved={reserved_now}) = {cap}: expected at least "
+        f"{needed} bytes above torch's reserve (growth {m.torch_growth} + small segments {m.served_step - CODE}), "
+        f"got {cap - reserved_now}"
+    )
+
+
+def test_the_cap_is_reserve_plus_what_the_budget_leaves():
+    m = MemoryState(
+        init_free=80 << 30,
+        requested=70 << 30,
+        free_now=0,
+        kv_backed=0,
+        weights=0,
+        profiled_peak=0,
+        bytes_per_block=MIB,
+        rounding_bound=SEGMENT,
+        capacity_blocks=1,
+        committed_blocks=1,
+        again_reserved=0,
+        again_retained=0,
+        served_reserved=0,
+        served_retained=0,
+        margin=MIB,
+        served_step=served_step_bound(True),
+    )
+    # 70 GiB requested (71,680 MiB), 69,000 MiB used after the commit: 2,680 MiB left, less the 1 MiB margin and
+    # 8 MiB of code.
+    assert torch_cap(m, used_now=69_000 * MIB, reserved_now=500 * MIB) == (500 + 2_680 - 1 - 8) * MIB
+
+
+def _fake_cuda(monkeypatch, free: int, total: int, reserved: int, device: int) -> list:
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: reserved)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    return calls
+
+
+def test_the_worker_caps_torch_on_its_own_device_at_the_derived_cap(monkeypatch):
+    total, init_free = 80 << 30, 79 << 30
+    calls = _fake_cuda(monkeypatch, free=10 << 30, total=total, reserved=600 * MIB, device=3)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    state.measured = SimpleNamespace(init_free=init_free)  # what torch_cap reads is checked above; here: the wiring
+    seen = {}
+
+    def cap_of(measured, used_now, reserved_now):
+        seen.update(measured=measured, used=used_now, reserved=reserved_now)
+        return 1 << 30
+
+    monkeypatch.setattr(worker_kv, "torch_cap", cap_of)
+    assert state.hold_torch_to_budget() == 1 << 30
+    assert seen == {"measured": state.measured, "used": init_free - (10 << 30), "reserved": 600 * MIB}, seen
+    assert calls == [((1 << 30) / total, 3)], (
+        f"set_per_process_memory_fraction: expected [(1 GiB / total, 3)], got {calls}"
+    )
+    expected = {"cap": 1 << 30, "used": init_free - (10 << 30), "reserved": 600 * MIB, "total": total}
+    assert state.torch_cap == expected, f"WorkerKV.torch_cap: expected {expected}, got {state.torch_cap}"
+
+
+def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):
+    calls = _fake_cuda(monkeypatch, free=1, total=2, reserved=0, device=0)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    assert state.hold_torch_to_budget() is None
+    assert calls == [] and state.report()["torch_cap"] is None, calls
+
+
+@pytest.mark.parametrize("cap", [3 << 30, 1 << 40], ids=["below-total", "above-total"])
+def test_the_fraction_is_the_cap_over_the_device_total_at_most_one(monkeypatch, cap):
+    calls = _fake_cuda(monkeypatch, free=1 << 30, total=80 << 30, reserved=0, device=0)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    state.measured = SimpleNamespace(init_free=2 << 30)
+    monkeypatch.setattr(worker_kv, "torch_cap", lambda *a: cap)
+    state.hold_torch_to_budget()
+    assert calls == [(min(1.0, cap / (80 << 30)), 0)], calls
