@@ -110,6 +110,7 @@ def test_the_cap_is_reserve_plus_what_the_budget_leaves():
 
 def _fake_cuda(monkeypatch, free: int, total: int, reserved: int, device: int) -> list:
     calls: list = []
+    monkeypatch.setattr(worker_kv, "_allocator_settings", lambda text: calls.append(text))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: reserved)
@@ -132,10 +133,15 @@ def test_the_worker_caps_torch_on_its_own_device_at_the_derived_cap(monkeypatch)
     monkeypatch.setattr(worker_kv, "torch_cap", cap_of)
     assert state.hold_torch_to_budget() == 1 << 30
     assert seen == {"measured": state.measured, "used": init_free - (10 << 30), "reserved": 600 * MIB}, seen
-    assert calls == [((1 << 30) / total, 3)], (
-        f"set_per_process_memory_fraction: expected [(1 GiB / total, 3)], got {calls}"
-    )
-    expected = {"cap": 1 << 30, "used": init_free - (10 << 30), "reserved": 600 * MIB, "total": total}
+    expected_calls = [(1.0, 3), "garbage_collection_threshold:0.012500"]  # 1 GiB of 80 GiB
+    assert calls == expected_calls, f"hold_torch_to_budget: expected the calls {expected_calls}, got {calls}"
+    expected = {
+        "cap": 1 << 30,
+        "used": init_free - (10 << 30),
+        "reserved": 600 * MIB,
+        "total": total,
+        "threshold": "0.012500",
+    }
     assert state.torch_cap == expected, f"WorkerKV.torch_cap: expected {expected}, got {state.torch_cap}"
 
 
@@ -146,11 +152,15 @@ def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):
     assert calls == [] and state.report()["torch_cap"] is None, calls
 
 
-@pytest.mark.parametrize("cap", [3 << 30, 1 << 40], ids=["below-total", "above-total"])
-def test_the_fraction_is_the_cap_over_the_device_total_at_most_one(monkeypatch, cap):
-    calls = _fake_cuda(monkeypatch, free=1 << 30, total=80 << 30, reserved=0, device=0)
-    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
-    state.measured = SimpleNamespace(init_free=2 << 30)
-    monkeypatch.setattr(worker_kv, "torch_cap", lambda *a: cap)
-    state.hold_torch_to_budget()
-    assert calls == [(min(1.0, cap / (80 << 30)), 0)], calls
+@pytest.mark.parametrize(
+    "cap,total,expected",
+    [
+        (3 << 30, 80 << 30, "0.037500"),
+        (1, 80 << 30, "0.000001"),  # torch refuses 0: at least a millionth
+        (1 << 40, 80 << 30, "0.999999"),  # torch refuses 1: at most 0.999999
+        ((1 << 30) + 1, 3 << 30, "0.333333"),  # rounded down, never above the cap by more than a millionth
+    ],
+)
+def test_the_threshold_is_the_cap_over_the_device_total_inside_what_torch_accepts(cap, total, expected):
+    got = worker_kv.gc_threshold(cap, total)
+    assert got == expected, f"gc_threshold({cap}, {total}): expected {expected}, got {got}"

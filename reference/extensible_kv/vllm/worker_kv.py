@@ -167,9 +167,11 @@ class WorkerKV:
         return self.commit_seconds
 
     def hold_torch_to_budget(self) -> int | None:
-        """Cap torch's caching allocator on this device at ``sizing.torch_cap`` of what this worker measured and
-        reads now (after the final commit); return the cap in bytes, or None before ``measure`` (nothing sized, no
-        cap). Note [Torch's cache, held to the budget] in ``sizing``."""
+        """Hold torch's caching allocator on this device to ``sizing.torch_cap`` of what this worker measured and
+        reads now (after the final commit), as a soft cap: past it, before reserving a new segment, torch frees
+        cached segments nothing uses (its garbage collection, at ``gc_threshold``); it refuses nothing that the
+        device can hold. Return the cap in bytes, or None before ``measure`` (nothing sized, no cap). Note [Torch's
+        cache, held to the budget] in ``sizing``."""
         if self.measured is None:
             return None
         torch.cuda.synchronize()
@@ -178,8 +180,11 @@ class WorkerKV:
         reserved = int(torch.cuda.memory_reserved())
         cap = torch_cap(self.measured, used, reserved)
         device = torch.cuda.current_device()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-        self.torch_cap = {"cap": cap, "used": used, "reserved": reserved, "total": total}
+        threshold = gc_threshold(cap, total)
+        # The fraction enables torch's garbage collection of cached segments; at 1.0 it refuses nothing itself.
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        _allocator_settings(f"garbage_collection_threshold:{threshold}")
+        self.torch_cap = {"cap": cap, "used": used, "reserved": reserved, "total": total, "threshold": threshold}
         logger.info(
             "extensible KV cache: torch's cache capped at %.1f MiB (%.1f MiB reserved now)",
             cap / 2**20,
@@ -197,6 +202,22 @@ class WorkerKV:
             "torch_cap": self.torch_cap,
             "events": self.events,
         }
+
+
+def gc_threshold(cap: int, total: int) -> str:
+    """torch's ``garbage_collection_threshold`` for a soft cap of ``cap`` bytes on a device of ``total`` bytes: the
+    fraction, within the open interval (0, 1) torch accepts, at six decimals rounded down (never above the cap by
+    more than a millionth of the device)."""
+    micro = min(999_999, max(1, cap * 1_000_000 // total))
+    return f"0.{micro:06d}"
+
+
+def _allocator_settings(settings: str) -> None:
+    """torch's caching allocator settings, at run time (``PYTORCH_CUDA_ALLOC_CONF``'s syntax)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch releases before the accelerator API
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
 
 
 _ACTIVE: WorkerKV | None = None
