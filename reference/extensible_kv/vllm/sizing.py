@@ -13,7 +13,43 @@ warms up and captures graphs with a small committed prefix, then runs the engine
     budget   = requested - non_kv - growth - served - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
     cap      = torch reserved after the commit + (requested - used after the commit - margin - code granules)
-                                                          (Note [Torch's cache, held to the budget]
+                                                          (Note [Torch's cache, held to the budget])
+
+All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
+``again_*`` and ``served_*`` both hold the worst-batch sequence's figures (``worst_batches``: per batch).
+
+Note [The worst batch, brought back and measured]
+    Rule: nothing about the working memory is predicted. After warmup the worker empties torch's cache, then runs
+    every batch ``worst_batch.derive`` gives for the engine's limits (the table in ``worst_batch``: fresh prefill,
+    prefill over the longest cached context, decode of max_num_seqs sequences at max_model_len, the sampler at its
+    widest, a mixed step on V1, the encoder cache held full), as served (attention on, eager); ``free_now`` is read
+    after all of them, so what torch kept of their peak is in ``non_kv``. vLLM's profile batch is not run again: the
+    fresh prefill is that batch with attention.
+    Why: the profile batch has no cached context, and a served step does: on an H100 a DeepSeek-V2 dense MLA shape
+    (max_model_len 512, 4096 batched tokens, 32 sequences) ended 625 MiB over the budget sized from the profile
+    batch, under 32 prompts of 400 tokens whose prefix-cache hits ran MLA's context path (Note [MLA's context
+    workspace]).
+    Figure: the worst-batch matrix (``ci/worst_batch_matrix.sh``) records, per case, each batch's peak and the
+    load generator's highest reading against the budget.
+
+Note [What a served step adds after the worst batches]
+    Rule: the budget keeps ``(k_small + k_code) x 2 MiB`` free beyond the worst batches (``served_step_bound``):
+    k_small = 2 per step in flight (2 with async scheduling, vLLM 0.26.0's default; 1 without), k_code = 4. 16 MiB
+    with async scheduling, 12 MiB without.
+    Why: after the worst batches torch holds every large segment a step needs, but a step's small tensors (<= 1 MiB:
+    input and attention metadata, FlashMLA's tile-scheduler metadata, sampled ids) come from 2 MiB small-pool
+    segments; a dummy batch runs alone, while a served step keeps the previous step's outputs alive as it builds its
+    own: per step in flight one segment for its small tensors and one that a longer-lived block pins. The driver
+    loads kernel code on first use in 2 MiB granules, as the load reaches kernels no batch ran (GEMM kernels chosen
+    by token count, attention split variants, V1's slot-mapping kernel): one granule per family of four.
+    Figure: used after the commit grew by torch + non-torch 4 + 6 MiB (mla-v1), 6 + 6 (mla-v2), 2 + 2 (qwen3-v1);
+    legacy's non-torch growth was the same (6, 6, 2 MiB); mla-v1 ended 8.8 MiB over. Run h100-2026-12-06-worst-batch.
+    With the bound and Note [A prefill is a prefill to the backend], 200 bursts: mla-v1 11.2, mla-v2 61.2, mla-v1
+    with 7 sleep cycles 1.2, qwen3-v2 27.2 MiB inside. Not bounded here: a hybrid Mamba2 model whose torch reserve
+    grew 239 MiB past the worst batches under load (NemotronH, 128.9 MiB over). Run
+    h100-2026-12-06-worst-batch-served-bound.
+
+Note [Torch's cache, held to the budget]
     Rule: once the final size is committed the worker holds torch's caching allocator to ``torch_cap`` (what torch
     reserves then, plus what the budget leaves after the commit, less the margin and the driver's code granules,
     never less than the worst batches' growth and a served step's small segments) as a soft cap: torch's garbage
