@@ -262,20 +262,28 @@ def summarize(folder: Path) -> dict:
             {k: b.get(k) for k in ("name", "peak_reserved", "peak_allocated", "seconds")}
             for b in measured.get("worst_batches") or ()
         ]
-        row["fits"] = row.get("extensible_over_budget") is not None and row["extensible_over_budget"] <= 0
+        # A case fits where its extensible engine ran the whole load without an error and stayed within the budget;
+        # one whose engine failed (an error, a crash) does not, whatever the readings before it said.
+        row["fits"] = (
+            not row["extensible_errors"]
+            and row.get("extensible_over_budget") is not None
+            and row["extensible_over_budget"] <= 0
+        )
         rows.append(row)
     lines = [
-        "| case | ext over budget MiB | legacy MiB | blocks ext / legacy / 0.34 | start ext/legacy | tokens | bursts |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| case | ext over budget MiB | legacy MiB | blocks ext / legacy / 0.34 | start ext/legacy | tokens | bursts "
+        "| ext errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {_mib(r.get('extensible_over_budget'))} | {_mib(r.get('legacy_over_budget'))} | "
             f"{r.get('extensible_blocks')} / {r.get('legacy_blocks')} / {r.get('margins_034_blocks')} | "
             f"{r.get('start_ratio', '-')} | {r.get('tokens_identical', '-')} | "
-            f"{r.get('extensible_bursts')}/{r.get('legacy_bursts')} |"
+            f"{r.get('extensible_bursts')}/{r.get('legacy_bursts')} | {len(r['extensible_errors'])} |"
         )
-    verdict = all(r["fits"] for r in rows if r.get("extensible_over_budget") is not None)
+    ran = [r for r in rows if r.get("extensible_over_budget") is not None or r["extensible_errors"]]
+    verdict = bool(ran) and all(r["fits"] for r in ran)
     summary = {"rows": rows, "all_within_budget": verdict, "table": "\n".join(lines)}
     (folder.parent / "worst-batch-summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (folder.parent / "worst-batch-table.md").write_text(summary["table"] + "\n")
@@ -319,7 +327,10 @@ def matrix(args: argparse.Namespace) -> int:
             print(f"{case['name']} {mode}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
     summary = summarize(folder)
     print(summary["table"])
-    print("verdict:", "every case within budget" if summary["all_within_budget"] else "OVER BUDGET somewhere")
+    print(
+        "verdict:",
+        "every case run within budget" if summary["all_within_budget"] else "OVER BUDGET or FAILED somewhere",
+    )
     return 0
 
 
