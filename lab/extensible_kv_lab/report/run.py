@@ -198,6 +198,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     scripts["worst-batch-summary.json"] = "worst batch"  # integration/worst_batch_run.py
     scripts["resize-summary.json"] = "resize"  # integration/resize_run.py
     scripts["share-summary.json"] = "engines sharing a GPU"  # integration/share_run.py
+    scripts["decode-pair-summary.json"] = "decode, resized against never resized"  # integration/decode_pair_run.py
     for rel, title in scripts.items():
         for p in files(rel):
             script = load(p, ScriptSummary)
