@@ -53,8 +53,9 @@ Note [Paired windows, in both orders]
     each engine at the same mean position (drift that is linear over a round cancels), the alternation puts each
     first after a switch equally often, and the before rounds measure what the pair differs by when nothing was
     resized. The interval and the before rounds' IQR say whether the run could resolve 0.5% at all.
-    Figure: from ``ci/decode_pair_matrix.sh`` on the GPU (``decode-pair-summary.json``); until then the design
-    rests on the arithmetic above and on ``tests/unit/test_decode_pair_run.py``.
+    Figure: on an H200 (8B shape, V1, 6 rounds a phase, windows of about 1.7 s) the before rounds' ratios spread
+    over 0.991-1.013 (IQR 1.1%); the decode ratio was 0.9986 with a 95% interval of [0.9776, 1.0069], 2.9% wide:
+    six rounds do not resolve 0.5%. Run ``reports/runs/h200-2026-12-07-decode-pair``.
 """
 
 from __future__ import annotations
