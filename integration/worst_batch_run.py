@@ -253,6 +253,12 @@ def summarize(folder: Path) -> dict:
             row[f"{mode}_bursts"] = load.get("bursts")
             row[f"{mode}_errors"] = (load.get("errors") or []) + ([r["error"]] if r.get("error") else [])
         row["margins_034_blocks"] = ext.get("margins_034_blocks")
+        # Note [Torch's cache, held to the budget] in sizing: the cap the worker set, and torch's reserve at the
+        # reading that came closest to the budget.
+        row["torch_cap"] = ((ext.get("extensible") or {}).get("torch_cap") or {}).get("cap")
+        row["torch_reserved_closest"] = (((ext.get("load") or {}).get("highest") or {}).get("reading") or {}).get(
+            "torch_reserved"
+        )
         if leg.get("token_ids") is not None and ext.get("token_ids") is not None:
             row["tokens_identical"] = leg["token_ids"] == ext["token_ids"]
         if leg.get("engine_seconds") and ext.get("engine_seconds"):
