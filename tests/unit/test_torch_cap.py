@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.vllm import worker_kv
+from extensible_kv.vllm import sizing, worker_kv
 from extensible_kv.vllm.sizing import CODE_GRANULES, SEGMENT, MemoryState, served_step_bound, torch_cap
 
 MIB = 1 << 20
@@ -108,6 +108,25 @@ def test_the_cap_is_reserve_plus_what_the_budget_leaves():
     assert torch_cap(m, used_now=69_000 * MIB, reserved_now=500 * MIB) == (500 + 2_680 - 1 - 8) * MIB
 
 
+def _segment(device: int, pool: tuple, total: int) -> dict:
+    return {"device": device, "segment_pool_id": pool, "total_size": total, "active_size": 0}
+
+
+# The largest default-pool segment of device 3 is 200 MiB; larger ones of another device or a graph pool do not count.
+SNAPSHOT = [
+    _segment(3, (0, 0), 200 * MIB),
+    _segment(3, (0, 0), 20 * MIB),
+    _segment(3, (1, 7), 900 * MIB),
+    _segment(0, (0, 0), 800 * MIB),
+]
+
+
+def test_the_largest_segment_is_of_this_devices_default_pool():
+    got = sizing.largest_segment(SNAPSHOT, 3)
+    assert got == 200 * MIB, f"largest_segment(SNAPSHOT, 3): expected 200 MiB, got {got}"
+    assert sizing.largest_segment([], 3) == 0
+
+
 def _fake_cuda(monkeypatch, free: int, total: int, reserved: int, device: int) -> list:
     calls: list = []
     monkeypatch.setattr(worker_kv, "_allocator_settings", lambda text: calls.append(text))
@@ -115,6 +134,7 @@ def _fake_cuda(monkeypatch, free: int, total: int, reserved: int, device: int) -
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: reserved)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: SNAPSHOT)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
     return calls
 
@@ -133,14 +153,15 @@ def test_the_worker_caps_torch_on_its_own_device_at_the_derived_cap(monkeypatch)
     monkeypatch.setattr(worker_kv, "torch_cap", cap_of)
     assert state.hold_torch_to_budget() == 1 << 30
     assert seen == {"measured": state.measured, "used": init_free - (10 << 30), "reserved": 600 * MIB}, seen
-    expected_calls = [(1.0, 3), "garbage_collection_threshold:0.012500"]  # 1 GiB of 80 GiB
+    expected_calls = [(1.0, 3), "garbage_collection_threshold:0.010058"]  # (1 GiB - 200 MiB) of 80 GiB, rounded down
     assert calls == expected_calls, f"hold_torch_to_budget: expected the calls {expected_calls}, got {calls}"
     expected = {
         "cap": 1 << 30,
         "used": init_free - (10 << 30),
         "reserved": 600 * MIB,
         "total": total,
-        "threshold": "0.012500",
+        "largest_segment": 200 * MIB,
+        "threshold": "0.010058",
     }
     assert state.torch_cap == expected, f"WorkerKV.torch_cap: expected {expected}, got {state.torch_cap}"
 

@@ -53,8 +53,10 @@ Note [Torch's cache, held to the budget]
     Rule: once the final size is committed the worker holds torch's caching allocator to ``torch_cap`` (what torch
     reserves then, plus what the budget leaves after the commit, less the margin and the driver's code granules,
     never less than the worst batches' growth and a served step's small segments) as a soft cap: torch's garbage
-    collection at that threshold frees cached segments nothing uses before it reserves a new one. A load that only
-    rearranges the cache costs flushes, not budget; memory stranded in segments with live tensors can still exceed it.
+    collection frees cached segments nothing uses before it reserves a new one once its reserve is past the
+    threshold, set one largest segment below the cap (``largest_segment``: torch collects only once it is past the
+    threshold, and then reserves one segment more). A load that only rearranges the cache costs flushes, not
+    budget; memory stranded in segments with live tensors can still exceed it.
     Why: the worst batches bound the live tensors a step needs, not how the cache lays them out; a served load
     allocates in orders no batch sequence runs, and torch keeps every segment it reserved. A hard cap (the fraction
     itself) turned that stranded memory into an out-of-memory error instead.
@@ -176,6 +178,20 @@ def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
         int(s["total_size"]) - int(s["active_size"])
         for s in segments
         if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL
+    )
+
+
+def largest_segment(segments: Iterable[Mapping], device: int) -> int:
+    """Bytes of the largest segment of ``device``'s default pool (``torch.cuda.memory_snapshot()`` segments; 0 when
+    there is none): the most one new segment of a step's may add once the worst batches ran. Note [Torch's cache,
+    held to the budget]."""
+    return max(
+        (
+            int(s["total_size"])
+            for s in segments
+            if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL
+        ),
+        default=0,
     )
 
 

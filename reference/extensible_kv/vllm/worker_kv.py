@@ -28,7 +28,7 @@ from ..drivers import Driver
 from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
-from .sizing import MemoryState, reusable_cache, torch_cap
+from .sizing import MemoryState, largest_segment, reusable_cache, torch_cap
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -168,10 +168,10 @@ class WorkerKV:
 
     def hold_torch_to_budget(self) -> int | None:
         """Hold torch's caching allocator on this device to ``sizing.torch_cap`` of what this worker measured and
-        reads now (after the final commit), as a soft cap: past it, before reserving a new segment, torch frees
-        cached segments nothing uses (its garbage collection, at ``gc_threshold``); it refuses nothing that the
-        device can hold. Return the cap in bytes, or None before ``measure`` (nothing sized, no cap). Note [Torch's
-        cache, held to the budget] in ``sizing``."""
+        reads now (after the final commit), as a soft cap: once its reserve is past one largest segment below the
+        cap, torch frees cached segments nothing uses before it reserves a new one (its garbage collection, at
+        ``gc_threshold``); it refuses nothing that the device can hold. Return the cap in bytes, or None before
+        ``measure`` (nothing sized, no cap). Note [Torch's cache, held to the budget] in ``sizing``."""
         if self.measured is None:
             return None
         torch.cuda.synchronize()
@@ -180,11 +180,19 @@ class WorkerKV:
         reserved = int(torch.cuda.memory_reserved())
         cap = torch_cap(self.measured, used, reserved)
         device = torch.cuda.current_device()
-        threshold = gc_threshold(cap, total)
+        largest = largest_segment(torch.cuda.memory_snapshot(), device)
+        threshold = gc_threshold(max(1, cap - largest), total)
         # The fraction enables torch's garbage collection of cached segments; at 1.0 it refuses nothing itself.
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         _allocator_settings(f"garbage_collection_threshold:{threshold}")
-        self.torch_cap = {"cap": cap, "used": used, "reserved": reserved, "total": total, "threshold": threshold}
+        self.torch_cap = {
+            "cap": cap,
+            "used": used,
+            "reserved": reserved,
+            "total": total,
+            "largest_segment": largest,
+            "threshold": threshold,
+        }
         logger.info(
             "extensible KV cache: torch's cache capped at %.1f MiB (%.1f MiB reserved now)",
             cap / 2**20,
