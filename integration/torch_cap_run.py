@@ -1,0 +1,166 @@
+"""torch's caching allocator under the worker's soft cap (``WorkerKV.hold_torch_to_budget``), on a GPU, driven by
+seeded random allocation sequences that nobody tuned: how far its reserve goes past the cap, with the cap and
+without it.
+
+    python -m integration.torch_cap_run OUT [--seeds 8] [--steps 4000] [--live-mib 512] [--headroom-mib 256]
+
+Each seed runs twice in a fresh process (``one``): ``capped`` sets the cap exactly as the worker does (fraction 1.0,
+``garbage_collection_threshold`` at ``worker_kv.gc_threshold`` of the cap less the largest segment), ``free`` sets
+nothing. A run first allocates and frees a warm set (the worst batches' segments, cached), takes the cap as torch's
+reserve then plus ``--headroom-mib``, then runs ``--steps`` steps: each allocates a tensor of a log-uniform size
+(4 KiB to 256 MiB) or frees a random live one, keeping the live bytes under ``--live-mib``. Recorded per run: the
+cap, the highest reserve and its excess over the cap, the steps that ended over it, and at each of those the
+reserved bytes in segments holding live tensors but unused (stranded: what the collection cannot free), and any
+out-of-memory error (there must be none: the soft cap refuses nothing).
+
+Writes ``OUT/torch-cap-summary.json`` (runs, and per seed capped against free) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def stranded(device: int) -> int:
+    """Bytes reserved but unused in default-pool segments that hold a live block (the collection frees only whole
+    unused segments)."""
+    import torch
+
+    return sum(
+        int(s["total_size"]) - int(s["active_size"])
+        for s in torch.cuda.memory_snapshot()
+        if int(s["device"]) == device and tuple(s["segment_pool_id"]) == (0, 0) and int(s["active_size"]) > 0
+    )
+
+
+def one(seed: int, mode: str, steps: int, live_limit: int, headroom: int) -> dict:
+    import torch
+
+    from extensible_kv.vllm import sizing, worker_kv
+
+    rng = random.Random(seed)
+    device = torch.cuda.current_device()
+    _, total = torch.cuda.mem_get_info()
+    warm = [torch.empty(rng.randrange(1, 256) * MIB, dtype=torch.uint8, device="cuda") for _ in range(12)]
+    del warm  # the worst batches' segments, cached and unused
+    reserved = int(torch.cuda.memory_reserved())
+    cap = reserved + headroom
+    largest = sizing.largest_segment(torch.cuda.memory_snapshot(), device)
+    if mode == "capped":  # exactly what WorkerKV.hold_torch_to_budget sets
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        worker_kv._allocator_settings(
+            f"garbage_collection_threshold:{worker_kv.gc_threshold(max(1, cap - largest), total)}"
+        )
+    torch.cuda.reset_peak_memory_stats()
+    live: list = []
+    live_bytes = 0
+    over_steps: list[dict] = []
+    errors: list[str] = []
+    for step in range(steps):
+        if live and (rng.random() < 0.45 or live_bytes > live_limit):
+            t = live.pop(rng.randrange(len(live)))
+            live_bytes -= t.numel()
+            del t
+        else:
+            size = int(math.exp(rng.uniform(math.log(4096), math.log(256 * MIB))))
+            try:
+                live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+                live_bytes += size
+            except torch.OutOfMemoryError as exc:
+                errors.append(f"step {step}: {str(exc).splitlines()[0]}")
+                break
+        now = int(torch.cuda.memory_reserved())
+        if now > cap and len(over_steps) < 50:
+            over_steps.append(
+                {
+                    "step": step,
+                    "over": now - cap,
+                    "allocated": int(torch.cuda.memory_allocated()),
+                    "stranded": stranded(device),
+                }
+            )
+    peak = int(torch.cuda.max_memory_reserved())
+    return {
+        "seed": seed,
+        "mode": mode,
+        "steps": steps,
+        "cap": cap,
+        "largest_segment": largest,
+        "reserved_at_start": reserved,
+        "peak_reserved": peak,
+        "peak_over_cap": peak - cap,
+        "peak_allocated": int(torch.cuda.max_memory_allocated()),
+        "steps_over_cap": len(over_steps),
+        "over": over_steps,
+        "errors": errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m integration.torch_cap_run")
+    p.add_argument("out", nargs="?")
+    p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--live-mib", type=int, default=512)
+    p.add_argument("--headroom-mib", type=int, default=256)
+    p.add_argument("--one", nargs=2, metavar=("SEED", "MODE"))
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(one(int(a.one[0]), a.one[1], a.steps, a.live_mib * MIB, a.headroom_mib * MIB)))
+        return 0
+    out = Path(a.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in range(a.seeds):
+        for mode in ("capped", "free"):
+            args = [
+                sys.executable,
+                "-m",
+                "integration.torch_cap_run",
+                "--one",
+                str(seed),
+                mode,
+                "--steps",
+                str(a.steps),
+            ]
+            args += ["--live-mib", str(a.live_mib), "--headroom-mib", str(a.headroom_mib)]
+            done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                runs.append({"seed": seed, "mode": mode, "errors": [done.stderr[-2000:]]})
+            else:
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    lines = [
+        "| seed | mode | cap MiB | peak reserved MiB | over cap MiB | steps over | most stranded MiB | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in runs:
+        most = max((o["stranded"] for o in r.get("over") or ()), default=0)
+        lines.append(
+            f"| {r['seed']} | {r['mode']} | {r.get('cap', 0) / MIB:.0f} | {r.get('peak_reserved', 0) / MIB:.0f} | "
+            f"{r.get('peak_over_cap', 0) / MIB:+.0f} | {r.get('steps_over_cap')} | {most / MIB:.0f} | "
+            f"{len(r['errors'])} |"
+        )
+    capped = [r for r in runs if r["mode"] == "capped"]
+    summary = {
+        "args": vars(a),
+        "runs": runs,
+        "capped_errors": sum(len(r["errors"]) for r in capped),
+        "capped_peak_over_cap": max((r.get("peak_over_cap", 0) for r in capped), default=None),
+        "free_peak_over_cap": max((r.get("peak_over_cap", 0) for r in runs if r["mode"] == "free"), default=None),
+        "table": "\n".join(lines),
+    }
+    (out / "torch-cap-summary.json").write_text(json.dumps(summary, indent=1))
+    print(summary["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
