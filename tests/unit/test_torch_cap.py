@@ -185,3 +185,19 @@ def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):
 def test_the_threshold_is_the_cap_over_the_device_total_inside_what_torch_accepts(cap, total, expected):
     got = worker_kv.gc_threshold(cap, total)
     assert got == expected, f"gc_threshold({cap}, {total}): expected {expected}, got {got}"
+
+
+def test_an_allocator_that_refuses_the_settings_leaves_the_engine_running_uncapped_and_says_why(monkeypatch):
+    calls = _fake_cuda(monkeypatch, free=1 << 30, total=80 << 30, reserved=0, device=0)
+
+    def refuse(text):
+        raise RuntimeError(f"Unrecognized key '{text.split(':')[0]}' in allocator config")
+
+    monkeypatch.setattr(worker_kv, "_allocator_settings", refuse)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    state.measured = SimpleNamespace(init_free=2 << 30)
+    monkeypatch.setattr(worker_kv, "torch_cap", lambda *a: 3 << 30)
+    assert state.hold_torch_to_budget() is None
+    error = state.torch_cap.get("error", "")
+    assert error.startswith("RuntimeError: Unrecognized key 'garbage_collection_threshold'"), state.torch_cap
+    assert calls == [(1.0, 0)], calls

@@ -171,7 +171,9 @@ class WorkerKV:
         reads now (after the final commit), as a soft cap: once its reserve is past one largest segment below the
         cap, torch frees cached segments nothing uses before it reserves a new one (its garbage collection, at
         ``gc_threshold``); it refuses nothing that the device can hold. Return the cap in bytes, or None before
-        ``measure`` (nothing sized, no cap). Note [Torch's cache, held to the budget] in ``sizing``."""
+        ``measure`` (nothing sized, no cap) or where torch's allocator refuses the settings (recorded as
+        ``torch_cap["error"]``, logged; the engine runs uncapped). Note [Torch's cache, held to the budget] in
+        ``sizing``."""
         if self.measured is None:
             return None
         torch.cuda.synchronize()
@@ -182,9 +184,6 @@ class WorkerKV:
         device = torch.cuda.current_device()
         largest = largest_segment(torch.cuda.memory_snapshot(), device)
         threshold = gc_threshold(max(1, cap - largest), total)
-        # The fraction enables torch's garbage collection of cached segments; at 1.0 it refuses nothing itself.
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        _allocator_settings(f"garbage_collection_threshold:{threshold}")
         self.torch_cap = {
             "cap": cap,
             "used": used,
@@ -193,6 +192,14 @@ class WorkerKV:
             "largest_segment": largest,
             "threshold": threshold,
         }
+        try:
+            # The fraction enables torch's garbage collection of cached segments; at 1.0 it refuses nothing itself.
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            _allocator_settings(f"garbage_collection_threshold:{threshold}")
+        except (RuntimeError, ValueError, AttributeError) as exc:  # an allocator without these settings
+            self.torch_cap["error"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
+            return None
         logger.info(
             "extensible KV cache: torch's cache capped at %.1f MiB (%.1f MiB reserved now)",
             cap / 2**20,
