@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
+from extensible_kv.errors import ExtensibleKVError, InvalidArgumentError, InvalidSizeError
 from extensible_kv.vllm import sizing, worker_kv
 from extensible_kv.vllm.sizing import CODE_GRANULES, SEGMENT, MemoryState, served_step_bound, torch_cap
 
@@ -27,10 +28,10 @@ def measured_and_commit(draw):
     rounding_bound = draw(st.integers(1, 8)) * SEGMENT
     capacity = draw(st.integers(1, 200_000))
     committed = draw(st.integers(1, capacity))
-    init_free = draw(st.integers(1 << 30, 160 << 30))
-    requested = draw(st.integers(1 << 28, init_free))
     kv_backed = committed * bytes_per_block + draw(st.integers(0, rounding_bound))
-    non_kv = draw(st.integers(0, max(0, init_free - kv_backed)))
+    non_kv = draw(st.integers(0, 160 << 30))
+    init_free = kv_backed + non_kv + draw(st.integers(0, 160 << 30))  # what was free when the worker started
+    requested = draw(st.integers(1 << 28, max(1 << 28, init_free)))
     again_reserved = draw(st.integers(0, 4 << 30))
     served_reserved = draw(st.integers(0, 4 << 30))
     m = MemoryState(
@@ -201,3 +202,84 @@ def test_an_allocator_that_refuses_the_settings_leaves_the_engine_running_uncapp
     error = state.torch_cap.get("error", "")
     assert error.startswith("RuntimeError: Unrecognized key 'garbage_collection_threshold'"), state.torch_cap
     assert calls == [(1.0, 0)], calls
+
+
+def _valid(**overrides) -> dict:
+    values = dict(
+        init_free=80 << 30,
+        requested=70 << 30,
+        free_now=10 << 30,
+        kv_backed=MIB,
+        weights=0,
+        profiled_peak=0,
+        bytes_per_block=MIB,
+        rounding_bound=SEGMENT,
+        capacity_blocks=100,
+        committed_blocks=1,
+        again_reserved=0,
+        again_retained=0,
+        served_reserved=0,
+        served_retained=0,
+    )
+    return {**values, **overrides}
+
+
+@pytest.mark.parametrize(
+    "overrides,error,needle",
+    [
+        (dict(requested=float("nan")), InvalidArgumentError, "requested must be an integer, got 'nan'"),
+        (dict(free_now=float("inf")), InvalidArgumentError, "free_now must be an integer, got 'inf'"),
+        (dict(init_free=True), InvalidArgumentError, "init_free must be an integer, got 'True'"),
+        (dict(requested="72"), InvalidArgumentError, "requested must be an integer, got '72'"),
+        (dict(margin=-10 << 30), InvalidSizeError, f"margin={-10 << 30} is below 0"),
+        (dict(bytes_per_block=0), InvalidSizeError, "bytes_per_block=0 is below 1"),
+        (dict(capacity_blocks=-5), InvalidSizeError, "capacity_blocks=-5 is below 1"),
+        (dict(committed_blocks=101), InvalidSizeError, "committed_blocks=101 is above capacity_blocks=100"),
+    ],
+    ids=["nan", "inf", "bool", "str", "negative-margin", "zero-block", "negative-capacity", "committed-past-capacity"],
+)
+def test_measurements_that_cannot_be_are_refused_naming_the_field_and_value(overrides, error, needle):
+    with pytest.raises(error) as caught:
+        MemoryState(**_valid(**overrides))
+    assert needle in str(caught.value), f"MemoryState({overrides}): expected {needle!r} in {str(caught.value)!r}"
+
+
+@pytest.mark.parametrize(
+    "used,reserved,error,needle",
+    [
+        (float("nan"), 0, InvalidArgumentError, "used_now must be an integer, got 'nan'"),
+        (0, -1, InvalidSizeError, "reserved_now=-1 is below 0"),
+        (0, float("inf"), InvalidArgumentError, "reserved_now must be an integer, got 'inf'"),
+        (True, 0, InvalidArgumentError, "used_now must be an integer, got 'True'"),
+    ],
+)
+def test_torch_cap_refuses_readings_that_are_not_byte_counts(used, reserved, error, needle):
+    with pytest.raises(error, match=needle):
+        torch_cap(MemoryState(**_valid()), used, reserved)
+
+
+def test_torch_cap_takes_a_device_freer_than_at_the_start():
+    # another process freed memory since this worker started: used is negative, the cap larger, no refusal
+    m = MemoryState(**_valid(served_step=served_step_bound(True)))
+    assert torch_cap(m, -MIB, 0) == m.requested + MIB - CODE
+
+
+@pytest.mark.parametrize(
+    "cap,total,needle",
+    [
+        (1 << 30, 0, "total=0 is below 1"),
+        (float("nan"), 1 << 30, "cap must be an integer, got 'nan'"),
+        (-1, 1 << 30, "cap=-1"),
+    ],
+)
+def test_the_threshold_refuses_a_cap_or_device_that_cannot_be(cap, total, needle):
+    with pytest.raises(ExtensibleKVError, match=needle):
+        worker_kv.gc_threshold(cap, total)
+
+
+def test_readings_that_do_not_add_up_leave_the_engine_uncapped_naming_them(monkeypatch):
+    calls = _fake_cuda(monkeypatch, free=96 << 30, total=80 << 30, reserved=-5, device=0)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    state.measured = MemoryState(**_valid())
+    assert state.hold_torch_to_budget() is None
+    assert calls == [] and "reserved_now=-5 is below 0" in state.torch_cap["error"], (calls, state.torch_cap)

@@ -154,12 +154,25 @@ Note [The speculative step, at its widest]
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+
+from ..boundaries import shown
+from ..errors import InvalidArgumentError, InvalidSizeError
 
 DEFAULT_POOL = (0, 0)  # torch's segment_pool_id of the caching allocator's default pool
 SEGMENT = 2 << 20  # torch's small-pool segment (kSmallBuffer) and the driver's granule for kernel code
 SMALL_SEGMENTS_PER_STEP = 2  # per step in flight: one for its small tensors, one pinned by a longer-lived block
 CODE_GRANULES = 4  # GEMM by token count, attention split variants, served-path Triton kernels, torch's own ops
+
+
+def _count(owner: str, name: str, value: object, low: int | None = 0) -> int:
+    """``value`` as a count of bytes or blocks: an ``int`` (not a bool) of at least ``low`` (None: any int);
+    ``InvalidArgumentError`` or ``InvalidSizeError`` naming ``owner``, the field and the value otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgumentError(f"{owner}: {name} must be an integer, got {shown(value)}")
+    if low is not None and value < low:
+        raise InvalidSizeError(f"{owner}: {name}={value} is below {low}")
+    return value
 
 
 def served_step_bound(async_scheduling: bool) -> int:
@@ -220,6 +233,19 @@ class MemoryState:
     bounded_batches: tuple = ()  # worst batches this runner cannot run, each with the Note that bounds it
     served_step: int = 0  # ``served_step_bound``: what a served step adds after the worst batches
 
+    def __post_init__(self) -> None:
+        """Every measured field is an int of at least 0 (``bytes_per_block`` and ``capacity_blocks`` at least 1),
+        and no more blocks are committed than reserved: ``InvalidArgumentError`` or ``InvalidSizeError`` naming the
+        field and the value otherwise, before any arithmetic."""
+        for f in fields(self):
+            if f.name not in ("worst_batches", "bounded_batches"):
+                low = 1 if f.name in ("bytes_per_block", "capacity_blocks") else 0
+                _count("MemoryState", f.name, getattr(self, f.name), low)
+        if self.committed_blocks > self.capacity_blocks:
+            raise InvalidSizeError(
+                f"MemoryState: committed_blocks={self.committed_blocks} is above capacity_blocks={self.capacity_blocks}"
+            )
+
     @property
     def non_kv(self) -> int:
         return self.init_free - self.free_now - self.kv_backed
@@ -254,7 +280,11 @@ def torch_cap(measured: MemoryState, used_now: int, reserved_now: int) -> int:
     (torch's reserve after the commit) plus what the budget leaves (``requested - used_now``, ``used_now`` being the
     device memory used since the worker started, read after the commit) less the margin and the driver's code
     granules; never less than ``reserved_now`` plus the worst batches' growth and a served step's small segments, so
-    the measured batches still run where the commit was clamped. Note [Torch's cache, held to the budget]."""
+    the measured batches still run where the commit was clamped. ``used_now`` is any int (below 0 where other
+    processes freed memory since the worker started), ``reserved_now`` an int of at least 0: the typed errors of
+    ``MemoryState`` otherwise. Note [Torch's cache, held to the budget]."""
+    _count("torch_cap", "used_now", used_now, low=None)  # negative where others freed memory since the start
+    _count("torch_cap", "reserved_now", reserved_now)
     code = CODE_GRANULES * SEGMENT
     left = measured.requested - used_now - measured.margin - code
     floor = measured.torch_growth + max(0, measured.served_step - code)

@@ -28,7 +28,7 @@ from ..drivers import Driver
 from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
-from .sizing import MemoryState, largest_segment, reusable_cache, torch_cap
+from .sizing import MemoryState, _count, largest_segment, reusable_cache, torch_cap
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -180,10 +180,20 @@ class WorkerKV:
         free, total = (int(v) for v in torch.cuda.mem_get_info())
         used = self.measured.init_free - free
         reserved = int(torch.cuda.memory_reserved())
-        cap = torch_cap(self.measured, used, reserved)
         device = torch.cuda.current_device()
-        largest = largest_segment(torch.cuda.memory_snapshot(), device)
-        threshold = gc_threshold(max(1, cap - largest), total)
+        try:  # readings that do not add up leave the engine uncapped, the reason recorded
+            cap = torch_cap(self.measured, used, reserved)
+            largest = largest_segment(torch.cuda.memory_snapshot(), device)
+            threshold = gc_threshold(max(1, cap - largest), total)
+        except ExtensibleKVError as exc:
+            self.torch_cap = {
+                "used": used,
+                "reserved": reserved,
+                "total": total,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
+            return None
         self.torch_cap = {
             "cap": cap,
             "used": used,
@@ -222,7 +232,9 @@ class WorkerKV:
 def gc_threshold(cap: int, total: int) -> str:
     """torch's ``garbage_collection_threshold`` for a soft cap of ``cap`` bytes on a device of ``total`` bytes: the
     fraction, within the open interval (0, 1) torch accepts, at six decimals rounded down (never above the cap by
-    more than a millionth of the device)."""
+    more than a millionth of the device). ``cap`` an int of at least 0, ``total`` of at least 1: the typed errors of
+    ``sizing.MemoryState`` otherwise."""
+    cap, total = _count("gc_threshold", "cap", cap), _count("gc_threshold", "total", total, low=1)
     micro = min(999_999, max(1, cap * 1_000_000 // total))
     return f"0.{micro:06d}"
 
