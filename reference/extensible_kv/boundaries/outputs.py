@@ -6,15 +6,29 @@ Note [An output is a regular file or a new path, checked first]
     replaced ``/dev/null``). And a path that cannot be written was found out only when written, after every rule
     had run (``--summary-json``), or half-way through a report folder. So a command checks each output where it
     parses its arguments, before any work: the path is UTF-8, within the kernel's name limits (a run-folder path of
-    3,000 components is one line, not an ENAMETOOLONG traceback), and is either a regular file (links followed) that
-    can be replaced, or a new name whose nearest existing folder can be written. Writing checks the target again,
-    writes a temporary file in the same folder and renames it into place, so an interrupted write leaves the old
-    file or none; a new output folder is filled under a temporary name and renamed into place whole.
+    3,000 components is one line, not an ENAMETOOLONG traceback), and is either a regular file that can be replaced,
+    or a new name whose nearest existing folder can be written. Writing checks the target again, writes a temporary
+    file in the same folder and renames it into place, so an interrupted write leaves the old file or none; a new
+    output folder is filled under a temporary name and renamed into place whole.
+
+    No output is a symbolic link: not the file, not an output folder (``--out``, ``OUT_DIR``: refused, not
+    followed), not a file written in one (report.md, summary.json, a PNG, environment.json). Followed, a link wrote
+    where it points (as root, ``--json jl`` with ``jl -> /etc/passwd`` replaced it), so it is refused, naming the
+    option, the link and its target. Folders above an output may be links; only the names written are checked, and
+    again at write time, in a folder opened once (an output folder with ``O_NOFOLLOW``): the temporary file is made
+    with ``O_EXCL | O_NOFOLLOW`` and renamed over the name, and ``rename`` replaces a link swapped in meanwhile::
+
+        out/report.md -> /etc/passwd    before any work: BadOutputPath, exit 2, nothing written
+        link swapped in after that      rename(".report.md.<hex>.partial", "report.md") replaces the link itself
+
+    A PNG's name is known once it is drawn: every name is checked before a report's first file is written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -72,44 +86,55 @@ def _nearest_folder(path: Path, option: str) -> Path:
     return parent
 
 
-def _dangling(path: Path, option: str) -> None:
-    """``BadOutputPath`` if ``path`` is a link to nothing (writing would follow it, or replace the link)."""
-    if os.path.islink(path):
-        raise BadOutputPath(f"{option} {shown(path)} is a link to {shown(os.readlink(path))}, which does not exist")
+def _not_a_link(path: Path, option: str) -> None:
+    """``BadOutputPath`` if ``path`` is a symbolic link, naming where it points: an output is never written through
+    one (Note [An output is a regular file or a new path, checked first])."""
+    if not os.path.islink(path):
+        return
+    try:
+        points = os.readlink(path)
+    except OSError as exc:
+        points = f"a target that cannot be read ({exc.strerror})"
+    gone = "" if os.path.exists(path) else ", which does not exist"
+    raise BadOutputPath(
+        f"{option} {shown(path)} is a symbolic link to {shown(points)}{gone}; an output is never written through a "
+        "link: give a regular file or a new path"
+    )
 
 
 def output_file(path: str | os.PathLike, *, option: str) -> Path:
-    """The file to write for ``option`` (a link to a regular file is followed), checked before any work: a regular
-    file that can be replaced, or a new name in a folder that exists or can be made. ``BadOutputPath`` otherwise."""
+    """The file to write for ``option``, checked before any work: a regular file (not a symbolic link) that can be
+    replaced, or a new name in a folder that exists or can be made. ``BadOutputPath`` otherwise."""
     raw = text(path, option)
     _limits(raw, option)
     target = Path(raw)
+    _not_a_link(target, option)
     try:
-        st = os.stat(target)
+        st = os.lstat(target)
     except FileNotFoundError:
-        _dangling(target, option)
         _nearest_folder(Path(os.path.abspath(target)), option)
         return target
     except OSError as exc:  # ENOTDIR (a folder of it is a file), ELOOP, EACCES
         raise BadOutputPath(f"{option} {shown(raw)} cannot be written ({exc.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
         raise BadOutputPath(f"{option} {shown(raw)} is {kind(st.st_mode)}; give a regular file or a new path")
-    real = Path(os.path.realpath(target))
+    real = Path(os.path.realpath(target))  # only the folders above it can be links
     if not os.access(real.parent, os.W_OK | os.X_OK):
         raise BadOutputPath(f"{option} {shown(raw)}: its folder {shown(real.parent)} cannot be written")
     return real
 
 
 def output_folder(path: str | os.PathLike, *, option: str, files: Iterable[str] = ()) -> Path:
-    """The folder to write for ``option``, checked before any work: an existing folder that can be written, whose
-    ``files`` are regular files where they exist, or a new name whose nearest existing folder can be written."""
+    """The folder to write for ``option``, checked before any work: an existing folder (not a symbolic link) that can
+    be written, whose ``files`` are regular files (not links) where they exist, or a new name whose nearest existing
+    folder can be written."""
     raw = text(path, option)
     _limits(raw, option)
     folder = Path(raw)
+    _not_a_link(folder, option)
     try:
-        st = os.stat(folder)
+        st = os.lstat(folder)
     except FileNotFoundError:
-        _dangling(folder, option)
         _nearest_folder(Path(os.path.abspath(folder)), option)
         for name in files:
             _limits(os.path.join(raw, name), option)
@@ -128,19 +153,15 @@ def output_folder(path: str | os.PathLike, *, option: str, files: Iterable[str] 
 def write_file(path: str | os.PathLike, data: bytes, *, option: str = "output") -> Path:
     """``data`` in ``path`` (``output_file`` checked again), whole or not at all: written to a temporary file in the
     same folder, made if needed, and renamed into place; on any error or interrupt the temporary file is removed and
-    ``path`` is as it was."""
+    ``path`` is as it was. A link swapped in for ``path`` after the check is replaced, never written through."""
     target = output_file(path, option=option)
     made = _make_folders(target.parent)
     try:
-        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+        where = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-                os.fchmod(out.fileno(), _mode_of(target))
-            os.replace(partial, target)
-        except BaseException:
-            Path(partial).unlink(missing_ok=True)
-            raise
+            _write_at(where, target.name, data, option=option, shown_as=target)
+        finally:
+            os.close(where)
     except BaseException:
         _remove_folders(made)
         raise
@@ -151,25 +172,37 @@ def write_folder(
     path: str | os.PathLike, files: Mapping[str, bytes], *, option: str = "output", remove: Iterable[str] = ()
 ) -> Path:
     """``files`` (name -> bytes) in the folder ``path``. A new folder is filled under a temporary name beside it and
-    renamed into place whole; in an existing one each file is written whole (``write_file``), then the files named in
-    ``remove`` that are regular files are removed. On any error or interrupt nothing new is left half-written."""
+    renamed into place whole; in an existing one, opened without following a link, each file is written whole, then
+    the files named in ``remove`` that are regular files are removed. Every name is checked (``output_folder``)
+    before the first file is written; on any error or interrupt nothing new is left half-written."""
     folder = output_folder(path, option=option, files=files)
-    if folder.is_dir():
-        for name, data in files.items():
-            write_file(folder / name, data, option=option)
-        for name in remove:
-            stale = folder / name
-            if stale.parent == folder and stale.is_file() and not stale.is_symlink():
-                stale.unlink()
+    if os.path.lexists(folder):
+        try:
+            where = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # ELOOP: a link swapped in after the check; ENOTDIR: something else
+            _not_a_link(folder, option)
+            raise BadOutputPath(f"{option} {shown(folder)} cannot be written ({exc.strerror})") from None
+        try:
+            for name, data in files.items():
+                _write_at(where, name, data, option=option, shown_as=folder / name)
+            for name in remove:
+                try:
+                    st = os.lstat(name, dir_fd=where)
+                except OSError:
+                    continue
+                if "/" not in name and stat.S_ISREG(st.st_mode):
+                    os.unlink(name, dir_fd=where)
+        finally:
+            os.close(where)
         return folder
     made = _make_folders(Path(os.path.abspath(folder)).parent)
     partial = None
     try:
         partial = Path(tempfile.mkdtemp(dir=Path(os.path.abspath(folder)).parent, prefix=f".{folder.name}."))
-        for name, data in files.items():
+        for name, data in files.items():  # a folder this process just made, mode 0o700: no link can be in it
             (partial / name).write_bytes(data)
         os.chmod(partial, 0o777 & ~_umask())
-        os.rename(partial, folder)
+        os.rename(partial, folder)  # onto a link swapped in meanwhile: ENOTDIR, nothing written through it
     except BaseException:
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
@@ -178,12 +211,39 @@ def write_folder(
     return folder
 
 
-def _mode_of(target: Path) -> int:
-    """The permissions a file written to ``target`` gets: those of the file it replaces, else the umask's."""
+def _write_at(where: int, name: str, data: bytes, *, option: str, shown_as: Path) -> None:
+    """``data`` as ``name`` in the open folder ``where``: a temporary file made there with ``O_EXCL | O_NOFOLLOW``
+    (a new name, never an existing file or link), then renamed over ``name``, which replaces a link that is there
+    rather than the file it points to; ``BadOutputPath`` if ``name`` is a link or not a regular file now."""
     try:
-        return stat.S_IMODE(os.stat(target).st_mode)
-    except OSError:
-        return 0o666 & ~_umask()
+        st: os.stat_result | None = os.lstat(name, dir_fd=where)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _not_a_link(shown_as, option)
+        raise BadOutputPath(f"{option} {shown(shown_as)} is {kind(st.st_mode)}; give a regular file or a new path")
+    mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        partial = f".{name}.{secrets.token_hex(4)}.partial"
+        try:
+            fd = os.open(partial, flags, 0o600, dir_fd=where)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name", str(shown_as.parent))
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            os.fchmod(out.fileno(), mode)
+        os.replace(partial, name, src_dir_fd=where, dst_dir_fd=where)
+    except BaseException:
+        try:
+            os.unlink(partial, dir_fd=where)
+        except OSError:
+            pass
+        raise
 
 
 def _make_folders(folder: Path) -> list[Path]:
