@@ -261,6 +261,31 @@ ROWS = {
         2,
         ("bench.json", "stats.median", "number"),
     ),
+    # bench-summary: a time must be positive; the refusal names the file, the benchmark, the field and the value
+    "bench_time_must_be_positive_negative_median": (
+        {"bench.json": _bench({"key": "commit/extensible"}, {"median": -1.0})},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "'commit/extensible'", "stats.median", "-1.0", "positive"),
+    ),
+    "bench_time_must_be_positive_zero_median": (
+        {"bench.json": _bench({"key": "commit/extensible"}, {"median": 0})},
+        ("bench-summary", "{tmp}/bench.json"),
+        2,
+        ("bench.json", "'commit/extensible'", "stats.median", " 0 ", "positive"),
+    ),
+    "bench_time_must_be_positive_negative_subprocess_median": (
+        {"bench.json": _bench({"key": "kv/2seg/fresh", "subprocess_median_s": -0.25})},
+        ("bench-summary", "{tmp}/bench.json", "--json"),
+        2,
+        ("bench.json", "'kv/2seg/fresh'", "extra_info.subprocess_median_s", "-0.25", "positive"),
+    ),
+    "report_bench_time_must_be_positive": (
+        {"run/bench-cuda.json": _bench({"key": "commit/extensible"}, {"median": -1.0})},
+        ("report", "{tmp}/run", "--out", "{tmp}/out"),
+        2,
+        ("bench-cuda.json", "'commit/extensible'", "stats.median", "-1.0", "positive"),
+    ),
 }
 
 

@@ -3,12 +3,16 @@
 ``extra_info.key`` (``commit/extensible``, ``kv/2seg/fresh``, ...) and its byte counts (``measurements.BenchExtra``).
 
 Time of a benchmark = the median of its rounds, or ``extra_info.subprocess_median_s`` where it measured itself in a
-subprocess. GB/s = bytes / seconds / 1e9; ratios of times between benchmarks of different sizes are per byte.
+subprocess. GB/s = bytes / seconds / 1e9; ratios of times between benchmarks of different sizes are per byte. A time
+must be positive: a file with a time of zero or less (negative, or 0, which no round that ran can take) is refused
+by ``Bench.load``, naming the file, the benchmark, the field and the value; a benchmark the file does not hold reads
+"not measured".
 Targets are judged only for CUDA runs; elsewhere they read ``n/a`` (no claims).
 """
 
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,13 @@ class Bench:
         found = entries(data)
         if not found:
             raise BadFile(f"{path}: no benchmark has an extra_info.key (not a run of bench/)")
+        for key, e in found.items():
+            if e["seconds"] is not None and e["seconds"] <= 0:
+                own = e["extra"]["subprocess_median_s"] is not None
+                field = "extra_info.subprocess_median_s" if own else "stats.median"
+                raise BadFile(
+                    f"{path}: benchmark {key!r} has {field} {json.dumps(e['seconds'])} s; a time must be positive"
+                )
         for key, x in ((k, v["extra"]) for k, v in found.items() if k.startswith("scale/")):
             if x["nominal_gib"] is None or x["segments"] is None:
                 raise BadFile(f"{path}: benchmark {key!r} needs extra_info.nominal_gib and extra_info.segments")
