@@ -140,6 +140,145 @@ def test_the_floor_is_one_request_of_max_model_len_plus_the_null_block():
     assert resize.floor_blocks(16.2) == 18
 
 
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (-1, ResizeRefused),
+        (0, ResizeRefused),
+        (-0.5, ResizeRefused),
+        (2.0**63, ResizeRefused),
+        (10**400, ResizeRefused),
+        (float("nan"), ResizeArgumentError),
+        (float("inf"), ResizeArgumentError),
+        ("5", ResizeArgumentError),
+        (True, ResizeArgumentError),
+        (None, ResizeArgumentError),
+    ],
+    ids=repr,
+)
+def test_a_floor_from_blocks_per_request_that_is_no_positive_finite_number_is_refused_naming_it(value, error):
+    try:
+        got = resize.floor_blocks(value)
+    except error as exc:
+        assert "blocks_per_request" in str(exc) and repr(value)[:8] in str(exc), f"floor_blocks({value!r}): {exc}"
+    except Exception as exc:
+        pytest.fail(f"floor_blocks({value!r}): expected {error.__name__}, got {type(exc).__name__}: {exc}")
+    else:
+        pytest.fail(f"floor_blocks({value!r}): expected {error.__name__}, got the floor {got}")
+
+
+class Client:
+    """An offline ``LLM`` whose engine answers ``collective_rpc`` with ``reply`` (or raises it), recording calls."""
+
+    def __init__(self, reply) -> None:
+        self.reply, self.calls = reply, []
+        self.llm_engine = SimpleNamespace(collective_rpc=self.collective_rpc)
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method, args))
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return self.reply
+
+    async def collective_rpc_async(self, method, args=()):
+        return self.collective_rpc(method, args)
+
+
+CLIENT_CALLS = [
+    ("resize_kv_cache", resize.resize_kv_cache, "num_blocks"),
+    ("resize_kv_cache_to_bytes", resize.resize_kv_cache_to_bytes, "budget_bytes"),
+]
+
+
+@pytest.mark.parametrize("name, call, what", CLIENT_CALLS, ids=[c[0] for c in CLIENT_CALLS])
+@pytest.mark.parametrize("value", [True, float("nan"), "abc", -1, 0, 2**63, None], ids=repr)
+def test_a_client_argument_that_is_no_positive_count_is_refused_before_any_rpc_is_sent(name, call, what, value):
+    client = Client([{"from": 100, "to": 40}])
+    with pytest.raises(resize.ResizeError) as info:
+        call(client, value)
+    message = str(info.value)
+    assert isinstance(info.value, (ResizeArgumentError, ResizeRefused)), f"{name}({value!r}): got {info.value!r}"
+    assert what in message and str(value)[:6] in message, f"{name}({value!r}): the message names neither: {message}"
+    assert client.calls == [], f"{name}({value!r}): expected no RPC sent, got {client.calls}"
+
+
+BAD_REPLIES = ["x", None, [], [None], [1, 2], [{"num_blocks": "NaN"}], [{"num_blocks": 1}, {"num_blocks": 2}]]
+STATE = dict(num_blocks=40, reserved_blocks=500, floor_blocks=17, free_blocks=39, running=0, waiting=0,
+             bytes_per_block=PAGE)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method, call",
+    [
+        (resize.RESIZE, lambda llm: resize.resize_kv_cache(llm, 40)),
+        (resize.RESIZE_BYTES, lambda llm: resize.resize_kv_cache_to_bytes(llm, 40 * PAGE)),
+        (resize.KV_STATE, resize.kv_state),
+    ],
+    ids=["resize", "resize_bytes", "kv_state"],
+)
+@pytest.mark.parametrize(
+    "reply",
+    [
+        *BAD_REPLIES,
+        [{"from": 100, "to": "40"}],
+        [{"num_blocks": "x" * 100_000}],
+        [{**STATE, "free_blocks": 40}],
+        [{**STATE, "num_blocks": 501}],
+        [{**STATE, "running": -1}],
+    ],
+    ids=lambda r: repr(r)[:40],
+)
+def test_a_reply_not_of_its_documented_shape_is_refused_naming_the_call_and_the_reply_shortened(method, call, reply):
+    try:
+        got = call(Client(reply))
+    except resize.ResizeReplyError as exc:
+        message = str(exc)
+        assert method in message and "the reply was" in message and len(message) < 600, message
+    except Exception as exc:
+        pytest.fail(f"{method} with reply {repr(reply)[:60]}: expected ResizeReplyError, got {exc!r}"[:300])
+    else:
+        pytest.fail(f"{method} with reply {repr(reply)[:60]}: expected ResizeReplyError, got the reply {got!r}"[:300])
+
+
+def test_a_resize_reply_at_another_count_than_asked_is_refused():
+    with pytest.raises(resize.ResizeReplyError, match="asked for 40 blocks, the reply says 41"):
+        resize.resize_kv_cache(Client([{"from": 100, "to": 41}]), 40)
+
+
+def test_replies_of_the_documented_shape_are_returned():
+    assert resize.kv_state(Client([STATE])) == STATE
+    assert resize.resize_kv_cache(Client([{"from": 100, "to": 40}]), "40") == {"from": 100, "to": 40}
+
+
+@pytest.mark.parametrize("method", [resize.RESIZE, resize.KV_STATE])
+def test_a_timeout_of_the_rpc_is_the_typed_timeout_naming_the_call(method):
+    client = Client(TimeoutError("RPC call to collective_rpc timed out"))
+    try:
+        resize.kv_state(client) if method == resize.KV_STATE else resize.resize_kv_cache(client, 40)
+    except resize.ResizeTimeout as exc:
+        assert isinstance(exc, TimeoutError) and method in str(exc) and "timed out" in str(exc), str(exc)
+    except BaseException as exc:
+        pytest.fail(f"{method} timing out: expected ResizeTimeout, got {type(exc).__name__}: {exc}")
+
+
+def test_the_async_clients_check_the_argument_the_reply_and_a_timeout_alike():
+    import asyncio
+
+    def run(reply, call, *args):
+        client = Client(reply)
+        return asyncio.run(call(SimpleNamespace(collective_rpc=client.collective_rpc_async), *args)), client
+
+    with pytest.raises(ResizeArgumentError, match="num_blocks"):
+        run([], resize.resize_kv_cache_async, True)
+    with pytest.raises(resize.ResizeReplyError, match="expected a list of one dict"):
+        run([1, 2], resize.resize_kv_cache_async, 40)
+    with pytest.raises(resize.ResizeReplyError, match="free_blocks"):
+        run([{**STATE, "free_blocks": 40}], resize.kv_state_async)
+    with pytest.raises(resize.ResizeTimeout, match=resize.RESIZE_BYTES):
+        run(TimeoutError(), resize.resize_kv_cache_to_bytes_async, PAGE)
+    assert run([STATE], resize.kv_state_async)[0] == STATE
+
+
 def test_a_typed_error_survives_a_utility_call_that_carries_only_its_message():
     sent = ResizeWhileAsleep("resize to 40 blocks refused: the engine is asleep at 100 blocks")
     back = resize.typed(RuntimeError(f"Call to collective_rpc method failed: {sent}"))

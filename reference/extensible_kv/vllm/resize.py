@@ -11,6 +11,9 @@ name goes to the workers as before):
 - ``extensible_kv_kv_state`` ``()``: the counts and the load, for a coordinator (``coordinator``).
 
 Offline: ``resize_kv_cache(llm, n)``, ``resize_kv_cache_to_bytes(llm, b)``; ``AsyncLLM``: the ``*_async`` forms.
+These check their argument before anything is sent (``ResizeArgumentError``, ``ResizeRefused``) and the engine's
+reply where it comes back: one reply of the documented shape, else ``ResizeReplyError`` naming the call and the
+reply, shortened; a ``TimeoutError`` of the RPC is ``ResizeTimeout`` naming the call.
 A running ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``): the dev-mode route ``POST /collective_rpc`` with
 ``{"method": "extensible_kv_resize", "args": ["1200"]}`` (its arguments travel as strings).
 
@@ -46,6 +49,7 @@ import contextlib
 import logging
 import math
 import re
+import reprlib
 import threading
 import time
 from collections.abc import Callable
@@ -101,6 +105,16 @@ class ResizeUnsupported(ResizeError, ExtensibleKVUnsupported):
     """This engine cannot be resized (not on the extensible path, a KV connector, buffers that cannot shrink)."""
 
 
+class ResizeReplyError(ResizeError, RuntimeError):
+    """An engine's reply to one of these calls is not of its documented shape (not one reply, not a dict, a count
+    that is not an integer in range), or is longer than a client reads; the message names the call and the reply,
+    shortened. Nothing is known to have changed on the engine: read its state again."""
+
+
+class ResizeTimeout(ResizeReplyError, TimeoutError):
+    """No whole reply came within the call's deadline; the message names the call and the deadline."""
+
+
 _TYPES = {
     cls.__name__: cls
     for cls in (
@@ -110,6 +124,8 @@ _TYPES = {
         ResizeWhileAsleep,
         ResizeFailed,
         ResizeUnsupported,
+        ResizeReplyError,
+        ResizeTimeout,
     )
 }
 
@@ -126,6 +142,23 @@ def typed(exc: BaseException) -> BaseException:
 
 
 # -- the arithmetic ------------------------------------------------------------------------------------------------
+COUNT_LIMIT = 2**63
+"""Block counts, byte budgets and the counts of a reply are below this (what a 64-bit figure holds)."""
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 3, 6, 12, 60, 60
+
+
+def short(value: object, limit: int = 200) -> str:
+    """``value`` for a one-line message: its repr, nested values and long texts elided, at most ``limit`` chars."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception as exc:  # a repr that raises
+        text = f"<{type(value).__name__}: repr failed with {type(exc).__name__}>"
+    text = text.replace("\n", "\\n").replace("\r", "\\r")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def as_count(value: object, what: str) -> int:
     """An int from an int or a decimal string (``/collective_rpc`` sends strings); anything else is refused."""
     if isinstance(value, bool):
@@ -134,8 +167,17 @@ def as_count(value: object, what: str) -> int:
         return value
     if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,40}\s*", value, re.ASCII):
         return int(value)
-    text = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    raise ResizeArgumentError(f"{what} must be an integer of at most 40 digits, got {type(value).__name__} {text}")
+    raise ResizeArgumentError(
+        f"{what} must be an integer of at most 40 digits, got {type(value).__name__} {short(value, 80)}"
+    )
+
+
+def positive_count(value: object, what: str) -> int:
+    """``value`` as an int from 1 to ``COUNT_LIMIT - 1`` (``as_count``); else ``ResizeRefused`` naming it."""
+    n = as_count(value, what)
+    if not 0 < n < COUNT_LIMIT:
+        raise ResizeRefused(f"{what} must be an integer from 1 to 2**63 - 1, got {n if n <= 0 else short(n, 60)}")
+    return n
 
 
 def check_count(num_blocks: object, *, current: int, reserved: int, floor: int) -> int:
@@ -170,8 +212,19 @@ def blocks_for_budget(budget_bytes: object, bytes_per_block: int, rounding_bytes
 
 def floor_blocks(blocks_per_request: float) -> int:
     """The fewest blocks a resize may leave: one request of ``max_model_len`` tokens (``blocks_per_request``, as
-    vLLM's own capacity check counts it) plus the null block."""
-    return math.ceil(blocks_per_request) + 1
+    vLLM's own capacity check counts it) plus the null block. ``blocks_per_request`` is a finite number above 0
+    whose ceiling plus one is below ``COUNT_LIMIT``: else ``ResizeArgumentError`` (not a number: a bool, text, nan,
+    an infinity) or ``ResizeRefused`` (0 or less, or too large), naming it."""
+    value = blocks_per_request
+    number = isinstance(value, int) and not isinstance(value, bool)  # an int of any size is finite
+    if not (number or (isinstance(value, float) and math.isfinite(value))):
+        raise ResizeArgumentError(
+            f"blocks_per_request must be a finite number, got {type(value).__name__} {short(value, 80)}"
+        )
+    floor = math.ceil(value) + 1 if value > 0 else 0
+    if not 0 < floor < COUNT_LIMIT:
+        raise ResizeRefused(f"blocks_per_request must be above 0 and at most 2**63 - 2, got {short(value, 80)}")
+    return floor
 
 
 # -- the scheduler's side --------------------------------------------------------------------------------------------
@@ -655,23 +708,70 @@ def _raise_typed(exc: Exception) -> NoReturn:
     raise error from exc
 
 
-def _call(llm: Any, method: str, *args: object) -> dict:
+REPLY_COUNTS = (
+    *("num_blocks", "reserved_blocks", "floor_blocks", "free_blocks", "running", "waiting", "bytes_per_block"),
+    *("rounding_bytes", "from", "to", "evicted"),
+)
+"""The counts a reply of these calls may hold (``EngineResize.state``, ``EngineResize.apply``)."""
+
+
+def checked_reply(method: str, replies: object, target: int | None = None) -> dict:
+    """The one reply in ``collective_rpc``'s list for ``method``, where it has its documented shape: a dict (with
+    ``num_blocks`` for ``KV_STATE``) whose counts (``REPLY_COUNTS``, those it holds) are integers from 0 to
+    2**63 - 1 and agree where it holds both of a pair (``floor_blocks``, ``num_blocks`` at most ``reserved_blocks``;
+    ``free_blocks`` below ``num_blocks``: the null block is never free), and a resize to ``target`` says ``to``
+    ``target`` where it says ``to``. Else ``ResizeReplyError`` naming the call and the reply, shortened."""
+
+    def refuse(why: str) -> NoReturn:
+        raise ResizeReplyError(f"{method}: {why}; the reply was {short(replies)}")
+
+    if not isinstance(replies, (list, tuple)) or len(replies) != 1 or not isinstance(replies[0], dict):
+        refuse("expected a list of one dict")
+    reply = replies[0]
+    if method == KV_STATE and "num_blocks" not in reply:
+        refuse("a KV state names num_blocks")
+    for key in REPLY_COUNTS:
+        value = reply.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < COUNT_LIMIT:
+            refuse(f"{key} must be an integer from 0 to 2**63 - 1, got {type(value).__name__} {short(value, 60)}")
+    for low, high in (("floor_blocks", "reserved_blocks"), ("num_blocks", "reserved_blocks")):
+        if low in reply and high in reply and not reply[low] <= reply[high]:
+            refuse(f"needs {low} <= {high}, got {low}={reply[low]}, {high}={reply[high]}")
+    if "free_blocks" in reply and "num_blocks" in reply and not reply["free_blocks"] < reply["num_blocks"]:
+        refuse(
+            f"needs free_blocks < num_blocks, got free_blocks={reply['free_blocks']}, num_blocks={reply['num_blocks']}"
+        )
+    if method == RESIZE and target is not None and reply.get("to", target) != target:
+        refuse(f"asked for {target} blocks, the reply says {reply['to']}")
+    return reply
+
+
+def _timed_out(method: str, exc: TimeoutError) -> NoReturn:
+    if isinstance(exc, ResizeError):
+        raise exc
+    raise ResizeTimeout(f"{method}: no reply in time ({type(exc).__name__}: {short(str(exc), 120)})") from exc
+
+
+def _call(llm: Any, method: str, *args: int) -> dict:
     engine = getattr(llm, "llm_engine", llm)
     try:
         replies = engine.collective_rpc(method, args=args)
+    except TimeoutError as exc:
+        _timed_out(method, exc)
     except Exception as exc:
         _raise_typed(exc)
-    return replies[0]
+    return checked_reply(method, replies, *args[:1] if method == RESIZE else ())
 
 
 def resize_kv_cache(llm: Any, num_blocks: int) -> dict:
-    """Resize an offline ``LLM``'s (or ``LLMEngine``'s) KV cache to ``num_blocks`` blocks; returns what moved."""
-    return _call(llm, RESIZE, num_blocks)
+    """Resize an offline ``LLM``'s (or ``LLMEngine``'s) KV cache to ``num_blocks`` blocks; returns what moved.
+    ``num_blocks`` is checked before anything is sent (``positive_count``)."""
+    return _call(llm, RESIZE, positive_count(num_blocks, "num_blocks"))
 
 
 def resize_kv_cache_to_bytes(llm: Any, budget_bytes: int) -> dict:
     """Resize to the most blocks whose pages fit ``budget_bytes`` per rank (clamped to the reservation)."""
-    return _call(llm, RESIZE_BYTES, budget_bytes)
+    return _call(llm, RESIZE_BYTES, positive_count(budget_bytes, "budget_bytes"))
 
 
 def kv_state(llm: Any) -> dict:
@@ -679,21 +779,23 @@ def kv_state(llm: Any) -> dict:
     return _call(llm, KV_STATE)
 
 
-async def _call_async(client: Any, method: str, *args: object) -> dict:
+async def _call_async(client: Any, method: str, *args: int) -> dict:
     try:
         replies = await client.collective_rpc(method, args=args)
+    except TimeoutError as exc:
+        _timed_out(method, exc)
     except Exception as exc:
         _raise_typed(exc)
-    return replies[0]
+    return checked_reply(method, replies, *args[:1] if method == RESIZE else ())
 
 
 async def resize_kv_cache_async(client: Any, num_blocks: int) -> dict:
     """``resize_kv_cache`` for an ``AsyncLLM`` (an engine client)."""
-    return await _call_async(client, RESIZE, num_blocks)
+    return await _call_async(client, RESIZE, positive_count(num_blocks, "num_blocks"))
 
 
 async def resize_kv_cache_to_bytes_async(client: Any, budget_bytes: int) -> dict:
-    return await _call_async(client, RESIZE_BYTES, budget_bytes)
+    return await _call_async(client, RESIZE_BYTES, positive_count(budget_bytes, "budget_bytes"))
 
 
 async def kv_state_async(client: Any) -> dict:
