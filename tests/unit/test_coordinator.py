@@ -5,6 +5,7 @@ dev-mode ``/collective_rpc`` route."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extensible_kv.vllm.coordinator import (
+    REPLY_LIMIT_BYTES,
     Coordinator,
     CoordinatorError,
     EngineHandle,
@@ -23,9 +25,11 @@ from extensible_kv.vllm.coordinator import (
     parse_engine,
     plan,
 )
-from extensible_kv.vllm.resize import ResizeInProgress
+from extensible_kv.vllm.resize import ResizeInProgress, ResizeReplyError, ResizeTimeout
 
 BPB = 1 << 20
+STATE = dict(num_blocks=250, reserved_blocks=300, floor_blocks=10, bytes_per_block=BPB, free_blocks=200, running=0,
+             waiting=0)  # fmt: skip
 
 
 class FakeEngine:
@@ -206,6 +210,46 @@ def test_a_load_that_cannot_be_planned_is_refused_naming_the_engine(kwargs, matc
         EngineLoad(**{**fields, **kwargs})
 
 
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(free_blocks=-1), "0 <= free_blocks < num_blocks"),
+        (dict(free_blocks=250), "0 <= free_blocks < num_blocks"),
+        (dict(num_blocks=100, free_blocks=500), "0 <= free_blocks < num_blocks"),
+        (dict(num_blocks=301), "num_blocks <= reserved_blocks"),
+        (dict(num_blocks=0, free_blocks=0), "0 <= free_blocks < num_blocks"),
+        (dict(running=-1), "counts must be integers from 0"),
+        (dict(waiting=2**63), "counts must be integers from 0"),
+    ],
+    ids=repr,
+)
+def test_a_state_with_counts_out_of_range_or_that_disagree_is_refused_naming_them(changes, match):
+    state = {**STATE, **changes}
+    try:
+        load = EngineLoad.from_state("e", state)
+    except CoordinatorError as exc:
+        assert "engine e" in str(exc) and match in str(exc), f"from_state({changes}): {exc}"
+    else:
+        pytest.fail(f"from_state({changes}): expected CoordinatorError naming {match!r}, got {load}")
+
+
+def test_two_engines_of_one_name_are_refused_by_plan_and_by_the_coordinator():
+    loads = [EngineLoad("a", 100, 10, 300, BPB, 50, running=1), EngineLoad("a", 100, 10, 300, BPB, 0)]
+    try:
+        out = plan(loads, Policy(limit_bytes=200 * BPB), {"a": 0}, {})
+    except CoordinatorError as exc:
+        assert "'a' is given twice" in str(exc), str(exc)
+    else:
+        pytest.fail(f"plan of two engines named 'a': expected CoordinatorError, got {out}")
+    engines = [FakeEngine("a", 100, 10, 300, 0).handle(), FakeEngine("a", 100, 10, 300, 90, running=1).handle()]
+    try:
+        coordinator = Coordinator(engines, Policy(200 * BPB))
+    except CoordinatorError as exc:
+        assert "'a' is given twice" in str(exc), str(exc)
+    else:
+        pytest.fail(f"Coordinator of two engines named 'a': expected CoordinatorError, got {coordinator}")
+
+
 @pytest.mark.parametrize("reply", [{"num_blocks": "lots"}, {}, ["not", "a", "state"], {"num_blocks": True}])
 def test_a_poll_with_an_engine_it_cannot_read_moves_no_engine(reply):
     busy, idle = FakeEngine("a", 100, 10, 1000, 90, running=4), FakeEngine("b", 900, 10, 1000, 0)
@@ -235,9 +279,10 @@ def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
                 self.end_headers()
                 self.wfile.write(b'{"error": "Call to collective_rpc method failed: [ResizeRefused] below the floor"}')
                 return
+            reply = {"from": 100, "to": int(body["args"][0])} if body["args"] else STATE
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(json.dumps({"results": [{"to": int(body["args"][0]) if body["args"] else 0}]}).encode())
+            self.wfile.write(json.dumps({"results": [reply]}).encode())
 
         def log_message(self, *args):
             pass
@@ -247,9 +292,9 @@ def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
     thread.start()
     try:
         engine = ServeEngine("a", f"http://127.0.0.1:{server.server_port}")
-        assert engine.resize(40) == {"to": 40}
+        assert engine.resize(40) == {"from": 100, "to": 40}
         assert seen[-1] == ("/collective_rpc", {"method": "extensible_kv_resize", "args": ["40"]})
-        engine.state()
+        assert engine.state() == STATE
         assert seen[-1][1] == {"method": "extensible_kv_kv_state", "args": []}
         from extensible_kv.vllm.resize import ResizeRefused
 
@@ -260,6 +305,136 @@ def test_the_serve_adapter_speaks_the_collective_rpc_route_and_raises_typed():
         server.server_close()
 
 
+class RawServer:
+    """A local TCP server answering each connection with ``answer(connection, stop)`` in a thread, until closed."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.stop = answer, threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                continue
+            with connection:
+                try:
+                    connection.recv(65536)  # the request: one small segment on loopback
+                    self.answer(connection, self.stop)
+                    connection.shutdown(socket.SHUT_WR)  # the reply ends here
+                    connection.settimeout(5.0)
+                    while connection.recv(65536):  # the rest until the client hangs up: no reset on close
+                        pass
+                except OSError:  # the client hung up
+                    pass
+
+    def __enter__(self) -> RawServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+def _within(call, bound: float = 60.0):
+    """``call()``'s result or error, from a thread given ``bound`` seconds (a hang fails the test, not the run)."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = call()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"the call was still running after {bound} s"
+    return out
+
+
+def _trickle(start: bytes):
+    def answer(connection, stop):
+        connection.sendall(start)
+        while not stop.wait(0.2):
+            connection.sendall(b"a")
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "start",
+    [b"HTTP/1.0 200 OK\r\nX-Slow: ", b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n", b"H"],
+    ids=["headers", "body", "status_line"],
+)
+def test_a_serve_call_is_bounded_by_its_deadline_as_a_whole_not_per_read(start):
+    with RawServer(_trickle(start)) as server:
+        engine = ServeEngine("slow", server.url, timeout=1.0)
+        out = _within(engine.state)
+    error = out.get("error")
+    assert isinstance(error, ResizeTimeout), f"state() of a trickling engine: expected ResizeTimeout, got {out}"
+    assert "slow" in str(error) and "deadline of 1 s" in str(error), str(error)
+
+
+def _stream(total: int):
+    def answer(connection, stop):
+        connection.sendall(b"HTTP/1.0 200 OK\r\n\r\n")
+        for _ in range(total // 65536):
+            connection.sendall(b"[" * 65536)
+
+    return answer
+
+
+def _declared(length: int):
+    def answer(connection, stop):
+        connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n[" % length)
+        stop.wait(30)
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "answer", [_stream(REPLY_LIMIT_BYTES + (4 << 20)), _declared(3 << 30)], ids=["streamed", "declared"]
+)
+def test_a_reply_over_the_limit_is_that_engines_error_for_the_poll_naming_the_limit(answer):
+    with RawServer(answer) as server:
+        big = ServeEngine("big", server.url, timeout=20.0)
+        other = FakeEngine("other", 100, 10, 1000, 90, running=4)
+        coordinator = Coordinator([big.handle(), other.handle()], Policy(1100 * BPB, idle_polls=1))
+        out = _within(coordinator.poll)
+    record = out.get("value")
+    assert record is not None, f"poll with an over-long reply: expected a record, got {out}"
+    error = record["errors"].get("big", "")
+    assert "ResizeReplyError" in error and f"limit of {REPLY_LIMIT_BYTES} bytes" in error, record["errors"]
+    assert other.sizes == [100], "an engine was resized in a poll that could not read every engine"
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"results": 5}', b"[" * 100_000, b'{"results": [1, 2]}'])
+def test_a_served_reply_not_of_its_shape_is_that_engines_typed_error(body):
+    def answer(connection, stop):
+        connection.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + body)
+
+    with RawServer(answer) as server:
+        out = _within(ServeEngine("odd", server.url, timeout=20.0).state)
+    error = out.get("error")
+    assert isinstance(error, ResizeReplyError), (
+        f"state() with reply {body[:20]!r}: expected ResizeReplyError, got {out}"
+    )
+    assert "odd" in str(error) and len(str(error)) < 600, str(error)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e308, True, "2"], ids=repr)
+def test_a_serve_engine_timeout_that_is_no_deadline_is_refused_naming_it(timeout):
+    with pytest.raises(CoordinatorError, match="timeout must be a number of seconds"):
+        ServeEngine("a", "http://127.0.0.1:9", timeout=timeout)
+
+
 def test_an_offline_engine_is_reached_through_its_collective_rpc():
     from extensible_kv.vllm.coordinator import llm_handle
 
@@ -267,12 +442,12 @@ def test_an_offline_engine_is_reached_through_its_collective_rpc():
 
     def collective_rpc(method, args=()):
         calls.append((method, args))
-        return [{"num_blocks": 40}]
+        return [STATE if method == "extensible_kv_kv_state" else {"from": 250, "to": 40}]
 
     handle = llm_handle(
         "a", type("LLM", (), {"llm_engine": type("E", (), {"collective_rpc": staticmethod(collective_rpc)})})
     )
-    assert handle.state() == {"num_blocks": 40} and handle.resize(40) == {"num_blocks": 40}
+    assert handle.state() == STATE and handle.resize(40) == {"from": 250, "to": 40}
     assert calls == [("extensible_kv_kv_state", ()), ("extensible_kv_resize", (40,))]
 
 
@@ -326,6 +501,10 @@ def test_the_command_line_polls_two_served_engines_and_resizes_the_idle_one():
         ("--interval", "0"),
         ("--idle-polls", "0"),
         ("--polls", "1e3"),
+        ("--target-usage", "5e-324"),
+        ("--target-usage", "0.001"),
+        ("--limit-gib", "1e-30"),
+        ("--limit-gib", "8589934592"),
     ],
 )
 def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2_before_any_engine_is_called(option, value, capsys):
@@ -335,7 +514,8 @@ def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2_before_any_engi
     with pytest.raises(SystemExit) as exit_:
         main([*argv, option, value])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1 and option in err[0] and value in err[0], err
+    assert exit_.value.code == 2 and len(err) == 1, f"{option} {value}: expected one line and exit 2, got {err}"
+    assert option in err[0] and value in err[0], f"{option} {value}: expected both named, got {err[0]}"
 
 
 @pytest.mark.parametrize(
@@ -345,15 +525,19 @@ def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2_before_any_engi
         (["--engine", "a=ftp://x", "--engine", "b=http://127.0.0.1:9"], "name=http://host:port"),
         (["--engine", "a=http://[::1", "--engine", "b=http://127.0.0.1:9"], "name=http://host:port"),
         (["--engine", "a=http://h:abc", "--engine", "b=http://127.0.0.1:9"], "name=http://host:port"),
-        (["--engine", "a=http://h:1", "--engine", "b=http://h:2", "--target-usage", "5e-324"], "target_usage"),
+        (["--engine", "a=http://127.0.0.1:9"], "--engine must be given two or more times"),
+        (["--engine", "a=http://127.0.0.1:9", "--engine", "a=http://127.0.0.1:8"], "--engine names must differ"),
     ],
 )
 def test_a_bad_engine_list_is_one_line_and_exit_2(argv, match, capsys):
     from extensible_kv.vllm.coordinator import main
 
-    assert main([*argv, "--limit-gib", "1", "--polls", "1"]) == 2
+    code = main([*argv, "--limit-gib", "1", "--polls", "1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and match in err[0], err
+    assert code == 2 and len(err) == 1 and match in err[0], (
+        f"{argv}: expected exit 2 and one line {match!r}, got {code}, {err}"
+    )
+    assert argv[1] in err[0], f"{argv}: expected the value given named, got {err[0]}"
 
 
 def test_an_interrupt_while_polling_is_one_line_and_exit_130(monkeypatch, capsys):

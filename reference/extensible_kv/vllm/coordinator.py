@@ -11,6 +11,12 @@ Two ``vllm serve`` processes on one card (README, "Several engines on one GPU"):
 idle; ``Coordinator.poll`` reads, plans and applies through callables, so it runs against fakes as well as against
 ``ServeEngine`` (the dev-mode ``/collective_rpc`` route, standard library only).
 
+What enters is checked where it enters: a state whose counts are not integers in range or do not agree
+(``EngineLoad.from_state``), two engines of one name (``plan``, ``Coordinator``, the command line: one line and
+exit 2 naming the option and the value), and an engine's HTTP reply, read whole within ``timeout`` seconds (a
+deadline for the whole call, not per read) and at most ``REPLY_LIMIT_BYTES`` long; a reply that breaks either is
+that engine's error for the poll (``resize.ResizeTimeout``, ``resize.ResizeReplyError``).
+
 Note [Never over the limit, never flapping]
     Rule: every plan keeps ``sum(blocks_i x bytes_per_block_i) <= limit`` and ``floor_i <= blocks_i <=
     reserved_i``; shrinks are applied before growths, and a growth only where the sizes the engines really have
@@ -33,18 +39,31 @@ Note [Never over the limit, never flapping]
 
 from __future__ import annotations
 
+import http.client
+import io
 import json
 import logging
 import math
+import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..boundaries import shown
 from ..errors import ExtensibleKVError
-from .resize import KV_STATE, RESIZE, typed
+from .resize import (
+    COUNT_LIMIT,
+    KV_STATE,
+    RESIZE,
+    ResizeReplyError,
+    ResizeTimeout,
+    checked_reply,
+    positive_count,
+    short,
+    typed,
+)
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -76,11 +95,17 @@ class EngineLoad:
                 f"engine {self.name}: needs bytes_per_block > 0 and 0 < floor_blocks <= reserved_blocks, got "
                 f"{self.bytes_per_block}, {self.floor_blocks}, {self.reserved_blocks}"
             )
+        if not self.used_blocks < self.num_blocks <= self.reserved_blocks:  # the null block is never used
+            raise CoordinatorError(
+                f"engine {self.name}: needs used_blocks < num_blocks <= reserved_blocks, got used_blocks="
+                f"{self.used_blocks}, num_blocks={self.num_blocks}, reserved_blocks={self.reserved_blocks}"
+            )
 
     @classmethod
     def from_state(cls, name: str, state: Mapping) -> EngineLoad:
         """``state`` as a load; ``CoordinatorError`` naming the engine where it is not one (a reply of another
-        shape, a count that is not an integer or out of range)."""
+        shape, a count that is not an integer or out of range, counts that disagree: ``free_blocks`` from 0 to
+        ``num_blocks - 1``, as the null block is never free; ``num_blocks`` at most ``reserved_blocks``)."""
         try:
             return cls._from_state(name, state)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -98,14 +123,19 @@ class EngineLoad:
                 raise TypeError(f"{key} is {type(value).__name__} {str(value)[:40]!r}, not an integer")
             return value
 
-        used = count("num_blocks") - 1 - count("free_blocks")
+        num_blocks, free = count("num_blocks"), count("free_blocks")
+        if not 0 <= free < num_blocks:
+            raise CoordinatorError(
+                f"engine {name}: needs 0 <= free_blocks < num_blocks (the null block is never free), got free_blocks="
+                f"{short(free, 60)}, num_blocks={short(num_blocks, 60)}"
+            )
         return cls(
             name=name,
-            num_blocks=count("num_blocks"),
+            num_blocks=num_blocks,
             floor_blocks=count("floor_blocks"),
             reserved_blocks=count("reserved_blocks"),
             bytes_per_block=count("bytes_per_block"),
-            used_blocks=max(0, used),
+            used_blocks=num_blocks - 1 - free,
             running=count("running") if "running" in state else 0,
             waiting=count("waiting") if "waiting" in state else 0,
         )
@@ -175,7 +205,9 @@ def plan(
     wants: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """The block count for every engine: within the limit, at or above each floor, a dead band around each size.
-    ``held``: each engine's ask at the poll before; ``wants``, if given, receives this poll's asks."""
+    ``held``: each engine's ask at the poll before; ``wants``, if given, receives this poll's asks. Engines are
+    named by their names: two of one name are refused (``CoordinatorError``)."""
+    _distinct([e.name for e in loads])
     asks = {e.name: desired(e, policy, idle_for.get(e.name, 0), (held or {}).get(e.name, 0)) for e in loads}
     if wants is not None:
         wants.update(asks)
@@ -190,6 +222,17 @@ def plan(
     if _bytes(loads, out) > policy.limit_bytes:  # an engine kept above its share by the dead band gives it back
         out = {e.name: share[e.name] if out[e.name] > share[e.name] else out[e.name] for e in loads}
     return out
+
+
+def _distinct(names: Sequence[str]) -> None:
+    """``CoordinatorError`` naming the first name given twice."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise CoordinatorError(
+                f"engine names must differ: {short(name, 60)} is given twice, in {short(list(names))}"
+            )
+        seen.add(name)
 
 
 def _bytes(loads: Sequence[EngineLoad], blocks: Mapping[str, int]) -> int:
@@ -212,6 +255,10 @@ class Coordinator:
     idle_for: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     log: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.engines = list(self.engines)
+        _distinct([h.name for h in self.engines])
 
     def poll(self) -> dict:
         """Read every engine, plan, apply: shrinks first, then growths that the engines' real sizes leave room for.
@@ -272,30 +319,159 @@ def llm_handle(name: str, llm: object) -> EngineHandle:
 
 
 # -- vllm serve over HTTP --------------------------------------------------------------------------------------------
+REPLY_LIMIT_BYTES = 4 << 20
+"""The longest reply body read from an engine (4 MiB): a state is a few hundred bytes and a resize's record a few
+KiB (it names each request it preempted); a longer reply is that engine's error for the poll, read no further."""
+
+TIMEOUT_LIMIT = 24 * 3600.0
+"""The longest deadline a ``ServeEngine`` call takes, in seconds (a day)."""
+
+
+class _Deadline:
+    """The end of one call, by ``time.monotonic()``: every send and receive of it waits at most until then."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what, self.end = seconds, what, time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left; ``ResizeTimeout`` naming the call once none are."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise ResizeTimeout(f"{self.what}: no whole reply within the deadline of {self.seconds:g} s")
+        return left
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's receiving side, each receive waiting at most until the deadline (a trickle cannot stretch it)."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._sock.settimeout(self._deadline.left())
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """A connected socket as ``http.client`` uses it (``sendall``, ``makefile``, ``close``), bound to a deadline.
+    ``close`` leaves the socket open for the reply still being read (``http.client`` closes the connection of an
+    HTTP/1.0 reply before reading its body); the call that opened it closes it (``ServeEngine._rpc``)."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.settimeout(self._deadline.left())
+        self._sock.sendall(data)
+
+    def makefile(self, mode: str = "rb", *args: object, **kwargs: object) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _HTTP(http.client.HTTPConnection):
+    deadline: _Deadline
+    opened: list[socket.socket]
+
+    def connect(self) -> None:
+        super().connect()
+        self.opened.append(self.sock)
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+
+class _HTTPS(http.client.HTTPSConnection):
+    deadline: _Deadline
+    opened: list[socket.socket]
+
+    def connect(self) -> None:
+        super().connect()
+        self.opened.append(self.sock)
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+
 class ServeEngine:
     """A ``vllm serve`` process started with the plugin and ``VLLM_SERVER_DEV_MODE=1``, through its dev-mode
-    ``POST /collective_rpc`` route (standard library only)."""
+    ``POST /collective_rpc`` route (standard library only). ``timeout``: the deadline of a whole call, in seconds
+    (connecting, sending, the reply's headers and body; a name lookup is the resolver's own), above 0 and at most
+    ``TIMEOUT_LIMIT``. A call past it raises ``ResizeTimeout``; a reply body over ``REPLY_LIMIT_BYTES``, or one not
+    of the call's documented shape (``resize.checked_reply``), raises ``ResizeReplyError``."""
 
     def __init__(self, name: str, url: str, timeout: float = 120.0) -> None:
-        self.name, self.url, self.timeout = name, url.rstrip("/"), timeout
+        if not isinstance(name, str) or not name:
+            raise CoordinatorError(f"an engine's name must be non-empty text, got {short(name, 60)}")
+        real = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not real or not 0 < timeout <= TIMEOUT_LIMIT:  # nan fails here too
+            raise CoordinatorError(
+                f"engine {name}: timeout must be a number of seconds above 0 and at most {TIMEOUT_LIMIT:g}, got "
+                f"{short(timeout, 60)}"
+            )
+        self.name, self.url, self.timeout = name, url.rstrip("/"), float(timeout)
 
-    def _rpc(self, method: str, *args: object) -> Mapping:
+    def _rpc(self, method: str, *args: int) -> Mapping:
+        from urllib.parse import urlsplit
+
+        what = f"{self.name} ({self.url}) {method}"
+        deadline = _Deadline(self.timeout, what)
         body = json.dumps({"method": method, "args": [str(a) for a in args]}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        parts = urlsplit(self.url)
+        connection = (_HTTPS if parts.scheme == "https" else _HTTP)(
+            parts.hostname or "", parts.port, timeout=deadline.left()
         )
+        connection.deadline, connection.opened = deadline, []
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                return json.loads(reply.read())["results"][0]
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            raise typed(RuntimeError(f"{self.name} ({self.url}): HTTP {exc.code}: {detail}")) from exc
+            connection.request("POST", f"{parts.path}/collective_rpc", body, {"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            data = self._read(reply, what)
+        except ResizeTimeout:
+            raise
+        except TimeoutError as exc:  # the socket's own timeout, set to the time left
+            raise ResizeTimeout(f"{what}: no whole reply within the deadline of {self.timeout:g} s") from exc
+        except http.client.HTTPException as exc:  # a reply that is no HTTP
+            raise ResizeReplyError(f"{what}: the reply is not HTTP ({type(exc).__name__}: {short(str(exc))})") from exc
+        finally:
+            connection.close()
+            for sock in connection.opened:
+                sock.close()
+        if not 200 <= reply.status < 300:
+            detail = data[:1000].decode(errors="replace").replace("\n", " ")
+            raise typed(RuntimeError(f"{self.name} ({self.url}): HTTP {reply.status}: {detail}"))
+        try:
+            results = json.loads(data)["results"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+            raise ResizeReplyError(
+                f"{what}: the reply is not JSON with a results list ({type(exc).__name__}); the reply was {short(data)}"
+            ) from None
+        try:
+            return checked_reply(method, results, *args[:1] if method == RESIZE else ())
+        except ResizeReplyError as exc:
+            raise ResizeReplyError(f"{self.name} ({self.url}) {exc.args[0]}") from None
+
+    @staticmethod
+    def _read(reply: http.client.HTTPResponse, what: str) -> bytes:
+        """The reply's body, at most ``REPLY_LIMIT_BYTES`` of it; ``ResizeReplyError`` naming the limit past it."""
+        declared = reply.length  # http.client's reading of Content-Length; None where there is none
+        if declared is not None and declared > REPLY_LIMIT_BYTES:
+            raise ResizeReplyError(
+                f"{what}: the reply declares {declared} bytes, over the limit of {REPLY_LIMIT_BYTES} bytes"
+            )
+        data = reply.read(REPLY_LIMIT_BYTES + 1)
+        if len(data) > REPLY_LIMIT_BYTES:
+            raise ResizeReplyError(f"{what}: the reply is over the limit of {REPLY_LIMIT_BYTES} bytes")
+        return data
 
     def state(self) -> Mapping:
         return self._rpc(KV_STATE)
 
     def resize(self, num_blocks: int) -> Mapping:
-        return self._rpc(RESIZE, num_blocks)
+        return self._rpc(RESIZE, positive_count(num_blocks, "num_blocks"))
 
     def handle(self) -> EngineHandle:
         return EngineHandle(self.name, self.state, self.resize)
@@ -312,9 +488,38 @@ def parse_engine(spec: str) -> ServeEngine:
     except ValueError:
         parts, port = None, None
     if not sep or not name or parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CoordinatorError(f"an engine is name=http://host:port, got {spec!r}")
+        raise CoordinatorError(f"--engine must be name=http://host:port, got {shown(spec)}")
     del port
     return ServeEngine(name, url)
+
+
+def _limit_bytes(value: str, *, option: str) -> int:
+    """``--limit-gib``'s value in bytes: a number of GiB whose bytes are from 1 to 2**63 - 1."""
+    from ..boundaries.numbers import BadNumber
+
+    try:
+        gib = float(value)
+    except (TypeError, ValueError, OverflowError):
+        gib = math.nan
+    limit = int(gib * 2**30) if math.isfinite(gib) and 0 < gib < COUNT_LIMIT / 2**30 else 0
+    if not 0 < limit < COUNT_LIMIT:
+        raise BadNumber(
+            f"{option} must be a size in GiB from one byte (2**-30) to below 2**33 (2**63 bytes), got {shown(value)}"
+        )
+    return limit
+
+
+def _target_usage(value: str, *, option: str) -> float:
+    """``--target-usage``'s value: a fraction from ``MIN_TARGET_USAGE`` to 1."""
+    from ..boundaries.numbers import BadNumber
+
+    try:
+        usage = float(value)
+    except (TypeError, ValueError, OverflowError):
+        usage = math.nan
+    if not MIN_TARGET_USAGE <= usage <= 1:  # nan fails here too
+        raise BadNumber(f"{option} must be a fraction from {MIN_TARGET_USAGE:g} to 1, got {shown(value)}")
+    return usage
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -332,24 +537,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     from ..__main__ import _Parser  # bad arguments: one line, no usage
-    from ..boundaries.numbers import INT_LIMIT, argument, integer, positive, seconds
+    from ..boundaries.numbers import argument, integer, seconds
 
     parser = _Parser(prog="python -m extensible_kv.vllm.coordinator", description=__doc__.split("\n")[0])
     parser.add_argument("--engine", action="append", required=True, help="name=http://host:port (two or more)")
-    gib = argument(positive, "--limit-gib", high=INT_LIMIT / 2**30, what="a size in GiB")
-    parser.add_argument("--limit-gib", type=gib, required=True, help="KV memory for all engines on the card, GiB")
+    gib = argument(_limit_bytes, "--limit-gib")
+    parser.add_argument(
+        "--limit-gib", dest="limit_bytes", type=gib, required=True, help="KV memory for all engines on the card, GiB"
+    )
     interval = argument(seconds, "--interval", limit=24 * 3600.0, off=False)
     parser.add_argument("--interval", type=interval, default=2.0, help="seconds between polls")
-    usage = argument(positive, "--target-usage", high=1.0, what="a fraction")
+    usage = argument(_target_usage, "--target-usage")
     parser.add_argument("--target-usage", type=usage, default=0.8)
     parser.add_argument("--idle-polls", type=argument(integer, "--idle-polls", high=10**6), default=3)
     polls = argument(integer, "--polls", high=10**9)
     parser.add_argument("--polls", type=polls, default=None, help="stop after this many polls (default: never)")
     args = parser.parse_args(argv)
+    given = ", ".join(shown(spec) for spec in args.engine)
+    if len(args.engine) < 2:
+        raise CoordinatorError(f"--engine must be given two or more times (one engine each), got {given}")
     engines = [parse_engine(s) for s in args.engine]
-    if len({e.name for e in engines}) != len(engines):
-        raise CoordinatorError(f"engine names must differ: {[e.name for e in engines]}")
-    policy = Policy(int(args.limit_gib * 2**30), target_usage=args.target_usage, idle_polls=args.idle_polls)
+    names = [e.name for e in engines]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise CoordinatorError(f"--engine names must differ: {shown(twice)} is given twice in {given}")
+    policy = Policy(args.limit_bytes, target_usage=args.target_usage, idle_polls=args.idle_polls)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     Coordinator([e.handle() for e in engines], policy).run(args.interval, args.polls)
     return 0
