@@ -377,24 +377,24 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
-class _HTTP(http.client.HTTPConnection):
+class _DeadlineConnection(http.client.HTTPConnection):
+    """A connection whose socket waits, on every send and receive, only for the time left on ``deadline``."""
+
     deadline: _Deadline
     opened: list[socket.socket]
 
     def connect(self) -> None:
-        super().connect()
+        super().connect()  # HTTPSConnection's (TLS) where the class below puts it first
         self.opened.append(self.sock)
         self.sock = _DeadlineSocket(self.sock, self.deadline)
 
 
-class _HTTPS(http.client.HTTPSConnection):
-    deadline: _Deadline
-    opened: list[socket.socket]
+class _HTTP(_DeadlineConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self.opened.append(self.sock)
-        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+class _HTTPS(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
 
 
 class ServeEngine:
