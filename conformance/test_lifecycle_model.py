@@ -1,7 +1,8 @@
 """Model-based rules of the tensor's and the KV buffers' whole life: random sequences of every public transition,
-valid and invalid, pins, interrupts at any line of a whole step, driver calls made to fail, forks and user
-finalizers, each compared after every step with the executable model (``lifecycle_model.py``): state, committed
-bytes, data, views, memory, refusals' messages and the driver's records.
+valid and invalid (construction and ``check_shrink`` included), pins, interrupts at any line of a whole step, every
+driver call of a step made to fail in turn, calls from inside a driver call, forks and user finalizers, each
+compared after every step with the executable model (``lifecycle_model.py``): state, committed bytes, data, views,
+memory, refusals' messages and the driver's records.
 
 Examples: ``EXTENSIBLE_KV_LIFECYCLE_EXAMPLES`` sets the number of examples of each machine (a stress run sets
 thousands); by default ``SHARE`` times the profile's ``max_examples`` (at least ``MIN_EXAMPLES``), each at most

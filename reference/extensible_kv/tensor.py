@@ -11,7 +11,9 @@ bytes below it (Note [A shrink unmaps whole mappings]).
 
 A growth step is all-or-nothing: if a driver call fails, or any exception lands before the step returns, everything
 the step mapped is unmapped and released, the tensor keeps its previous size and stays usable, and ``CommitError``
-names the operation and the sizes (other exceptions, KeyboardInterrupt included, are re-raised as they are).
+(``CommitOutOfMemory`` where the driver ran out of memory) names the operation and the sizes (other exceptions,
+KeyboardInterrupt included, are re-raised as they are). Where the rollback itself cannot finish (a driver call fails
+in it too) the tensor is ``failed`` and the ``CommitError`` also names what it could not undo.
 
 States (``state``): ``open``; ``failed`` when a ``close()``, a growth step's rollback or a shrink past its first unmap
 did not finish (a driver call failed in it, or an exception interrupted it): the tensor then refuses views, growth and
@@ -24,8 +26,10 @@ pages back under the same addresses, all-or-nothing: a recommit that fails or is
 Lifetimes: every tensor this object hands out (``segment_view``, ``full_view``) keeps it alive, so views may
 outlive the last direct reference. Memory is unmapped and the reservation freed exactly once, by ``close()`` or,
 after garbage collection, by the reaper's sweep (``extensible_kv.reaper``), which owns the memory record from
-before the reservation exists; the tensor's ``weakref.finalize`` only starts a sweep. ``close()`` refuses while views
-are alive. A tensor cannot be copied or pickled (``TypeError``): a copy would be a second owner of the same memory.
+before the reservation exists; the tensor's ``weakref.finalize`` only starts a sweep, so the collection that takes
+the last reference (or the last view) returns the memory. A tensor a user ``__del__`` resurrects from the cycle that
+collected it is ``closed``: its memory was returned. ``close()`` refuses while views are alive. A tensor cannot be
+copied or pickled (``TypeError``): a copy would be a second owner of the same memory.
 
 Note [Intent, effect, record]
     An exception may land on any line, so every driver call that changes what the tensor holds (``map``,
@@ -62,9 +66,11 @@ Note [Operations never wait on themselves]
     the same tensor (its lock held), or inside a driver call (``reaper.busy()``: the driver's own lock may be held).
     Waiting there waits forever. So the tensor's lock is an ``RLock`` used only to see who holds it: an operation
     entered again by the thread already inside one is refused with ``BusyError``, and so is an operation that calls
-    the driver (growth, rollback, release, recommit, ``close()``) while the thread is inside a driver call. Nothing
-    has changed when it is refused; a finalizer's ``close()`` refused there leaves the memory to the reaper, which
-    returns it once the tensor is collected, or to a later ``close()``.
+    the driver (growth, shrink, rollback, release, recommit, ``close()``) while the thread is inside a driver call;
+    the message names the operation and which of the two it ran inside. Those that call no driver (``stats``,
+    ``check_shrink``, views) run there as anywhere else, on a tensor whose lock is free. Nothing has changed when it
+    is refused; a finalizer's ``close()`` refused there leaves the memory to the reaper, which returns it once the
+    tensor is collected, or to a later ``close()``.
 
         finalizer -> b.close() inside host.reserve (driver lock held): BusyError at once, b still open
         finalizer -> b.close() between operations:                     b closed, memory returned
@@ -404,7 +410,14 @@ class ExtensibleTensor(Unshareable):
 
     ``max_num_bytes`` is the upper bound, reserved now; ``num_segments`` equal segments must divide it;
     ``alignment`` is the unit every per-segment size must be a multiple of (e.g. one KV block's bytes);
-    ``driver`` is a driver object, a driver spec string, or ``None`` for the best available driver.
+    ``driver`` is a driver object, a driver spec string, or ``None`` for the best available driver. By default one
+    segment and an alignment of 1 byte.
+
+    Refused with ``InvalidSizeError`` before any driver call, the message naming the argument and its value: an
+    argument that is not an int (a bool included), a ``max_num_bytes``, ``num_segments`` or ``alignment`` that is not
+    positive, ``num_segments`` that does not divide ``max_num_bytes`` (naming the remainder), a segment size that is
+    not a multiple of ``alignment``, and a ``max_num_bytes`` that, rounded up to the driver's granularity, is not
+    below 2**63 (a 64-bit address space).
     """
 
     def __init__(
@@ -553,6 +566,8 @@ class ExtensibleTensor(Unshareable):
         )
 
     def __repr__(self) -> str:
+        """Names the bytes, the segments, the committed and the capacity bytes per segment while open (``n/cap bytes
+        per segment``) or else the state, and the driver: what the refusals that name the tensor show."""
         state = self._state if self._state != "open" else f"{self._per_segment}/{self._segment_bytes} bytes per segment"
         return (
             f"ExtensibleTensor({self._max_num_bytes} bytes, {self._num_segments} segment(s), {state}, "
@@ -936,7 +951,10 @@ class ExtensibleTensor(Unshareable):
 
     # -- views -------------------------------------------------------------------------------------------------
     def segment_view(self, index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A 1-D tensor over exactly the committed bytes of segment ``index``, as ``dtype``."""
+        """A 1-D tensor over exactly the committed bytes of segment ``index``, as ``dtype``. Refused: an ``index``
+        that is not an int (``InvalidSizeError``) or out of range (``SegmentIndexError``), a ``dtype`` that is not a
+        ``torch.dtype`` (``InvalidArgumentError``), and a segment whose offset or committed bytes are not a whole
+        number of ``dtype`` elements (``InvalidSizeError`` naming them), each message naming the values."""
         index = _check_int("index", index)
         itemsize = _itemsize(dtype)
         if not 0 <= index < self._num_segments:
@@ -954,7 +972,8 @@ class ExtensibleTensor(Unshareable):
         return self._view(start, self._per_segment, dtype, self._per_segment)
 
     def full_view(self, dtype: torch.dtype = torch.uint8, *, keep_committed: bool = False) -> torch.Tensor:
-        """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not.
+        """A 1-D tensor over the whole reservation (``max_num_bytes``), committed or not; refused, as
+        ``segment_view``, for a ``dtype`` that is not a ``torch.dtype`` or does not divide ``max_num_bytes``.
 
         Its address is stable for the tensor's lifetime, so it can be captured (e.g. in CUDA graphs) before the
         bytes are committed. Touching bytes outside the committed prefixes is undefined (a fault on most drivers).
