@@ -1157,13 +1157,13 @@ class LifecycleMachine(RuleBasedStateMachine):
                    f"{what}: what it raised", f"the {kind.__name__} of {op}", repr(raised))  # fmt: skip
             return
         kind = ShrinkError if target == "shrink" else CommitOutOfMemory if mode == "out of memory" else CommitError
-        # committed: the size the step started from (a recommit from none), which a growth names even where its
-        # rollback could not finish; what a shrink kept (none once it is failed)
-        requested, committed = new, {"grow": old, "recommit": 0}.get(target, old if want[0] == "open" else 0)
+        # committed: what the step kept, the size it started from (a recommit from none); none once the tensor is
+        # failed (a growth or shrink whose undoing could not finish)
+        requested, committed = new, 0 if target == "recommit" else old if want[0] == "open" else 0
         names = (op, str(old), str(new), "injected failure")
         unfinished = mode == "rollback fails" and want[0] == "failed" and target != "shrink"
         if unfinished:
-            names += ("rollback also failed", "unmap")
+            names += ("rollback also failed", "unmap") + (("the tensor is failed",) if target == "grow" else ())
         elif target == "shrink":  # the message says which (ShrinkError)
             names += (f"kept {old} bytes per segment",) if want[0] == "open" else ("the tensor is failed",)
         else:

@@ -622,14 +622,16 @@ class ExtensibleTensor(Unshareable):
                 raise
             op = self._op
             kind = CommitOutOfMemory if isinstance(exc, DriverOutOfMemory) else CommitError
+            intact = self._state == "open"  # a mapping the rollback could not unmap leaves the tensor failed
+            kept = f"kept {old} bytes per segment" if intact else "the tensor is failed: close() returns the rest"
             detail = f"; rollback also failed: {'; '.join(problems)}" if problems else ""
             raise kind(
                 f"growing {self._driver.name} ExtensibleTensor from {old} to {new} bytes per segment "
                 f"({self._num_segments} segment(s), {new * self._num_segments} bytes in all) failed at "
-                f"{op}: {exc}; kept {old} bytes per segment{detail}",
+                f"{op}: {exc}; {kept}{detail}",
                 operation=op,
                 requested=new,
-                committed=old,
+                committed=old if intact else 0,
             ) from exc
 
     def _back(self, runs: list[tuple[int, int]], old: int, new: int, zero_new: bool) -> None:

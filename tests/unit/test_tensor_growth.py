@@ -135,12 +135,16 @@ def test_a_rollback_that_fails_twice_names_both_failures_and_close_returns_the_r
         tensor.resize_per_segment_(G)
     expected = (
         f"growing {NAME} ExtensibleTensor from 0 to {G} bytes per segment (2 segment(s), {2 * G} bytes in "
-        f"all) failed at map: {map_error}; kept 0 bytes per segment; rollback also failed: "
+        f"all) failed at map: {map_error}; the tensor is failed: close() returns the rest; rollback also failed: "
         f"unmap({base:#x}, {G}): {unmap_error}; release: {release_error}"
     )
     assert str(info.value) == expected, (
         f"HostDriver {NAME} growth failing at map with the rollback's unmap and release failing: expected "
         f"{expected!r}, got {str(info.value)!r}"
+    )
+    assert (info.value.committed, tensor.state) == (0, "failed"), (
+        f"HostDriver {NAME} growth whose rollback could not unmap: expected committed=0 and the tensor failed, got "
+        f"committed={info.value.committed}, state {tensor.state!r}"
     )
     tensor.close()  # retries what the rollback could not undo
     got = (ledger.outstanding(), kernel_granules(base, 4 * G, G), kernel_memfds())
