@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extensible_kv.vllm.coordinator import (
+    LOG_RECORDS,
     REPLY_LIMIT_BYTES,
     Coordinator,
     CoordinatorError,
@@ -551,3 +552,71 @@ def test_an_interrupt_while_polling_is_one_line_and_exit_130(monkeypatch, capsys
     assert coordinator.main(argv) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "interrupted" in err[0], err
+
+
+class _Unreadable(Exception):
+    def __str__(self):
+        raise RuntimeError("its __str__ raises")
+
+
+@pytest.mark.parametrize(
+    "exc,expected",
+    [
+        (RuntimeError("HTTP 500: \x1b]0;pwned\x07\nnext"), "RuntimeError: HTTP 500: \\x1b]0;pwned\\x07\\nnext"),
+        (_Unreadable(), "_Unreadable: <its text could not be read: RuntimeError>"),
+        (ValueError("x" * (20 << 20)), "ValueError: " + "x" * 297 + "..."),
+    ],
+    ids=["control-characters", "unreadable-text", "20-MiB-text"],
+)
+def test_an_engines_error_is_recorded_escaped_bounded_and_never_breaks_the_poll(exc, expected):
+    def state():
+        raise exc
+
+    good = FakeEngine("b", 100, 10, 1000, 0)
+    coordinator = Coordinator([EngineHandle("a", state, lambda n: {}), good.handle()], Policy(1100 * BPB))
+    record = coordinator.poll()
+    assert record["errors"] == {"a": expected}, f"poll with engine a raising {type(exc).__name__}: {record['errors']}"
+
+
+def test_the_coordinator_keeps_a_bounded_log_of_its_newest_polls():
+    engines = [FakeEngine("a", 100, 10, 1000, 0), FakeEngine("b", 100, 10, 1000, 0)]
+    coordinator = _coordinator(engines, 1100)
+    for _ in range(LOG_RECORDS + 50):
+        coordinator.poll()
+    assert len(coordinator.log) == LOG_RECORDS, f"after {LOG_RECORDS + 50} polls: {len(coordinator.log)} records"
+
+
+@pytest.mark.parametrize("name", [["x"], "a\x1b[31m", "a\nb", "", None])
+def test_an_engine_name_that_is_not_printable_text_is_refused(name):
+    with pytest.raises(CoordinatorError, match="non-empty printable text"):
+        Coordinator([EngineHandle(name, dict, lambda n: {}), EngineHandle("b", dict, lambda n: {})], Policy(BPB))
+    with pytest.raises(CoordinatorError, match="non-empty printable text"):
+        ServeEngine(name, "http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("url", ["http://h\x1b:1", "http://127.0.0.1:1/x\r\nX-Inj: 1", "http://127.0.0.1:1/a b", ""])
+def test_a_url_with_blanks_or_control_characters_is_refused_before_any_call(url):
+    with pytest.raises(CoordinatorError, match="without blanks or control characters"):
+        ServeEngine("a", url)
+
+
+def test_a_reply_cut_off_by_the_engine_is_the_typed_reply_error():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"res')
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ResizeReplyError):
+            ServeEngine("a", f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=10).state()
+    finally:
+        thread.join(10)
+        listener.close()

@@ -47,6 +47,7 @@ import math
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +225,12 @@ def plan(
     return out
 
 
+def _check_name(name: object) -> None:
+    """``CoordinatorError`` unless ``name`` is non-empty printable text (it keys the plan and every log line)."""
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise CoordinatorError(f"an engine's name must be non-empty printable text, got {short(name, 60)}")
+
+
 def _distinct(names: Sequence[str]) -> None:
     """``CoordinatorError`` naming the first name given twice."""
     seen: set[str] = set()
@@ -233,6 +240,30 @@ def _distinct(names: Sequence[str]) -> None:
                 f"engine names must differ: {short(name, 60)} is given twice, in {short(list(names))}"
             )
         seen.add(name)
+
+
+LOG_RECORDS = 1000
+"""Poll records a ``Coordinator`` keeps (``log``): the newest, so a coordinator that runs for days holds a bounded
+record of its last polls."""
+ERROR_CHARS = 300
+"""Characters of an engine's error a poll record keeps: its text shown escaped (no control characters) and cut."""
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` for a poll record or a log line: its type and its text, escaped and cut to ``ERROR_CHARS``; an
+    exception whose text cannot be read is named as such."""
+    try:
+        text = str(exc)
+    except Exception as failed:  # a __str__ that raises
+        text = f"<its text could not be read: {type(failed).__name__}>"
+    return f"{type(exc).__name__}: {escaped(text)}"
+
+
+def escaped(text: str, limit: int = ERROR_CHARS) -> str:
+    """``text`` on one line with every character that is not printable written as its escape (``\\n``, ``\\x1b``),
+    cut to ``limit`` characters: what an engine says reaches the terminal as text, never as control sequences."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 4])
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def _bytes(loads: Sequence[EngineLoad], blocks: Mapping[str, int]) -> int:
@@ -254,10 +285,12 @@ class Coordinator:
     policy: Policy
     idle_for: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
-    log: list[dict] = field(default_factory=list)
+    log: deque[dict] = field(default_factory=lambda: deque(maxlen=LOG_RECORDS))  # the newest LOG_RECORDS polls
 
     def __post_init__(self) -> None:
         self.engines = list(self.engines)
+        for h in self.engines:
+            _check_name(h.name)
         _distinct([h.name for h in self.engines])
 
     def poll(self) -> dict:
@@ -270,7 +303,7 @@ class Coordinator:
             try:
                 loads.append(EngineLoad.from_state(h.name, h.state()))
             except Exception as exc:  # unreachable, not in dev mode, a reply of another shape
-                unread[h.name] = f"{type(exc).__name__}: {exc}"
+                unread[h.name] = error_text(exc)
         if unread:  # the limit is over every engine's size: without one of them, nothing moves this poll
             record = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": {}, "errors": unread}
             record["sizes"] = {e.name: e.num_blocks for e in loads}
@@ -295,7 +328,7 @@ class Coordinator:
             try:
                 handles[e.name].resize(n)
             except Exception as exc:  # the engine keeps its size; the next poll tries again
-                record["errors"][e.name] = f"{type(exc).__name__}: {exc}"
+                record["errors"][e.name] = error_text(exc)
                 continue
             sizes[e.name] = n
         record["sizes"] = sizes
@@ -405,8 +438,12 @@ class ServeEngine:
     of the call's documented shape (``resize.checked_reply``), raises ``ResizeReplyError``."""
 
     def __init__(self, name: str, url: str, timeout: float = 120.0) -> None:
-        if not isinstance(name, str) or not name:
-            raise CoordinatorError(f"an engine's name must be non-empty text, got {short(name, 60)}")
+        _check_name(name)
+        if not isinstance(url, str) or not url or any(c.isspace() or not c.isprintable() for c in url):
+            raise CoordinatorError(
+                f"engine {short(name, 60)}: the URL must be text without blanks or control characters, got "
+                f"{short(url, 120)}"
+            )
         real = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
         if not real or not 0 < timeout <= TIMEOUT_LIMIT:  # nan fails here too
             raise CoordinatorError(
@@ -436,12 +473,14 @@ class ServeEngine:
             raise ResizeTimeout(f"{what}: no whole reply within the deadline of {self.timeout:g} s") from exc
         except http.client.HTTPException as exc:  # a reply that is no HTTP
             raise ResizeReplyError(f"{what}: the reply is not HTTP ({type(exc).__name__}: {short(str(exc))})") from exc
+        except OSError as exc:  # refused, reset, or closed before the whole reply
+            raise ResizeReplyError(f"{what}: no whole reply ({error_text(exc)})") from exc
         finally:
             connection.close()
             for sock in connection.opened:
                 sock.close()
         if not 200 <= reply.status < 300:
-            detail = data[:1000].decode(errors="replace").replace("\n", " ")
+            detail = escaped(data[:1000].decode(errors="replace"))  # no control characters reach a terminal
             raise typed(RuntimeError(f"{self.name} ({self.url}): HTTP {reply.status}: {detail}"))
         try:
             results = json.loads(data)["results"]
