@@ -59,11 +59,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .boundaries import shown
 from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES, check_process
 from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, refuse_reentry
+
+HOLDER_CHARS = 200
+"""The longest name a ``pin`` holder may have: it is named in every refusal the pin causes, on one line."""
 
 
 @dataclass(frozen=True)
@@ -135,12 +139,23 @@ class ExtensibleKVCacheBuffers(Unshareable):
         max_num_blocks = _check_int("max_num_blocks", max_num_blocks)
         if max_num_blocks <= 0:
             raise InvalidSizeError(f"max_num_blocks must be positive, got {max_num_blocks}")
+        if isinstance(buffers, (str, bytes, KVBuffer)) or not hasattr(buffers, "__iter__"):
+            raise InvalidArgumentError(
+                f"ExtensibleKVCacheBuffers takes a sequence of KVBuffer objects, got {type(buffers).__name__}"
+            )
+        buffers = tuple(buffers)  # a generator is read once, here: every check below sees the same buffers
         if not buffers:
             raise InvalidSizeError("ExtensibleKVCacheBuffers needs at least one buffer")
         strays = [b for b in buffers if not isinstance(b, KVBuffer)]
         if strays:
             raise InvalidArgumentError(
                 f"ExtensibleKVCacheBuffers takes KVBuffer objects, got {type(strays[0]).__name__} {strays[0]!r}"
+            )
+        unnamed = [b.name for b in buffers if not (isinstance(b.name, str) and b.name and b.name.isprintable())]
+        if unnamed:
+            raise InvalidArgumentError(
+                f"a KV buffer's name must be non-empty printable text, got {type(unnamed[0]).__name__} "
+                f"{shown(unnamed[0])}"
             )
         names = [b.name for b in buffers]
         layer_names = [layer.name for b in buffers for layer in b.layers]
@@ -394,8 +409,11 @@ class ExtensibleKVCacheBuffers(Unshareable):
     # -- registrations (Note [A registration pins the committed blocks]) ---------------------------------------------
     def pin(self, holder: str) -> None:
         """Record that ``holder`` registered the committed blocks: release and growth are refused until ``unpin``."""
-        if not isinstance(holder, str) or not holder:
-            raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
+        if not isinstance(holder, str) or not holder or not holder.isprintable() or len(holder) > HOLDER_CHARS:
+            raise InvalidArgumentError(
+                f"pin needs a holder's name of printable text, at most {HOLDER_CHARS} characters, got "
+                f"{type(holder).__name__} {shown(holder)}"
+            )
         with self._locked("pin", driver=False): return self._pin(holder)  # one line: see reaper  # fmt: skip
 
     def _pin(self, holder: str) -> None:

@@ -8,7 +8,7 @@ import torch
 from conformance import layouts
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.errors import ClosedError, CommitError, FailedStateError, InvalidSizeError
+from extensible_kv.errors import ClosedError, CommitError, FailedStateError, InvalidArgumentError, InvalidSizeError
 from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from extensible_kv.layout import AttentionLayer, LayoutError, Segments
 
@@ -274,3 +274,37 @@ def test_kv_buffers_whose_growth_could_not_be_undone_refuse_views_and_growth_unt
     assert got == ("closed", False), (
         f"KV buffers close() from the failed state: expected (closed, nothing outstanding), got {got}"
     )
+
+
+def _host():
+    return HostDriver(granularity=4096)
+
+
+def test_buffers_given_as_a_generator_are_read_once_and_checked_like_a_list():
+    kv = ExtensibleKVCacheBuffers(iter([KVBuffer("k", 4096, num_segments=1)]), 4, driver=_host())
+    try:
+        assert [b.name for b in kv.buffers] == ["k"] and kv.stats().reserved_bytes > 0, kv.stats()
+    finally:
+        kv.close()
+    with pytest.raises(InvalidSizeError, match="at least one buffer"):
+        ExtensibleKVCacheBuffers(iter([]), 4, driver=_host())
+
+
+@pytest.mark.parametrize("name", [1, ["x"], "", "a\nb", "\x1b[31m"], ids=["int", "list", "empty", "newline", "escape"])
+def test_a_buffer_name_that_is_not_printable_text_is_refused_naming_it(name):
+    with pytest.raises(InvalidArgumentError, match="name must be non-empty printable text"):
+        ExtensibleKVCacheBuffers([KVBuffer("a", 4096, num_segments=1), KVBuffer(name, 4096, num_segments=1)], 4,
+                                 driver=_host())  # fmt: skip
+
+
+@pytest.mark.parametrize("holder", ["\x1b[31m\n" * 1000, "x" * 201, "a\nb"], ids=["escapes", "long", "newline"])
+def test_a_pin_holder_that_is_not_one_short_line_is_refused_and_pins_nothing(holder):
+    kv = ExtensibleKVCacheBuffers([KVBuffer("k", 4096, num_segments=1)], 4, driver=_host())
+    try:
+        kv.ensure_blocks(4)
+        with pytest.raises(InvalidArgumentError, match="printable text, at most 200 characters"):
+            kv.pin(holder)
+        kv.shrink_blocks(1)  # nothing was pinned
+        assert kv.num_blocks == 1
+    finally:
+        kv.close()
