@@ -34,11 +34,10 @@ def stranded(device: int) -> int:
     unused segments)."""
     import torch
 
-    return sum(
-        int(s["total_size"]) - int(s["active_size"])
-        for s in torch.cuda.memory_snapshot()
-        if int(s["device"]) == device and tuple(s["segment_pool_id"]) == (0, 0) and int(s["active_size"]) > 0
-    )
+    from extensible_kv.vllm.sizing import default_pool
+
+    live = [s for s in default_pool(torch.cuda.memory_snapshot(), device) if int(s["active_size"]) > 0]
+    return sum(int(s["total_size"]) - int(s["active_size"]) for s in live)
 
 
 def one(seed: int, mode: str, steps: int, live_limit: int, headroom: int) -> dict:

@@ -87,22 +87,7 @@ def test_the_cap_always_leaves_torch_the_worst_batches_growth_and_a_served_steps
 
 def test_the_cap_is_reserve_plus_what_the_budget_leaves():
     m = MemoryState(
-        init_free=80 << 30,
-        requested=70 << 30,
-        free_now=0,
-        kv_backed=0,
-        weights=0,
-        profiled_peak=0,
-        bytes_per_block=MIB,
-        rounding_bound=SEGMENT,
-        capacity_blocks=1,
-        committed_blocks=1,
-        again_reserved=0,
-        again_retained=0,
-        served_reserved=0,
-        served_retained=0,
-        margin=MIB,
-        served_step=served_step_bound(True),
+        **_valid(free_now=0, kv_backed=0, capacity_blocks=1, margin=MIB, served_step=served_step_bound(True))
     )
     # 70 GiB requested (71,680 MiB), 69,000 MiB used after the commit: 2,680 MiB left, less the 1 MiB margin and
     # 8 MiB of code.

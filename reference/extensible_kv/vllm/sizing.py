@@ -183,29 +183,24 @@ def served_step_bound(async_scheduling: bool) -> int:
     return (SMALL_SEGMENTS_PER_STEP * steps_in_flight + CODE_GRANULES) * SEGMENT
 
 
+def default_pool(segments: Iterable[Mapping], device: int) -> list[Mapping]:
+    """The segments of ``device``'s default pool among ``torch.cuda.memory_snapshot()``'s (graph private pools and
+    other devices left out)."""
+    return [s for s in segments if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL]
+
+
 def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
     """Bytes of ``device``'s default pool that torch holds reserved but unused (``torch.cuda.memory_snapshot()``
     segments; graph private pools and other devices left out). Recorded (``memory.torch_reusable`` of a case, the
     profile's ``cache_before``), never credited: Note [The peak, brought back and measured]."""
-    return sum(
-        int(s["total_size"]) - int(s["active_size"])
-        for s in segments
-        if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL
-    )
+    return sum(int(s["total_size"]) - int(s["active_size"]) for s in default_pool(segments, device))
 
 
 def largest_segment(segments: Iterable[Mapping], device: int) -> int:
     """Bytes of the largest segment of ``device``'s default pool (``torch.cuda.memory_snapshot()`` segments; 0 when
     there is none): the most one new segment of a step's may add once the worst batches ran. Note [Torch's cache,
     held to the budget]."""
-    return max(
-        (
-            int(s["total_size"])
-            for s in segments
-            if int(s["device"]) == device and tuple(s["segment_pool_id"]) == DEFAULT_POOL
-        ),
-        default=0,
-    )
+    return max((int(s["total_size"]) for s in default_pool(segments, device)), default=0)
 
 
 @dataclass(frozen=True)
