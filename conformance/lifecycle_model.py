@@ -491,6 +491,18 @@ class LifecycleMachine(RuleBasedStateMachine):
                      before, after)  # fmt: skip
         return got
 
+    def traced(self, action, call, *, enable_gc: bool = False):
+        """``guarded(call)`` with ``action`` as the line tracer, the tracer before it restored after; ``enable_gc``:
+        the collector, which the caller turned off for the call, turned on again after it."""
+        trace = sys.gettrace()
+        sys.settrace(action)
+        try:
+            return self.guarded(call)
+        finally:
+            sys.settrace(trace)
+            if enable_gc:
+                gc.enable()
+
     def guarded(self, call):
         """Run ``call`` with a hard limit: a hang raises ``Hang`` (SIGALRM interrupts a lock's wait), every half
         second until the call returns (what a broken wait does next may wait again)."""
@@ -1237,13 +1249,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         action = LineAction(n, inside, inside=True)
         gc.collect()
         gc.disable()
-        trace = sys.gettrace()
-        sys.settrace(action)
-        try:
-            self.guarded(call)
-        finally:
-            sys.settrace(trace)
-            gc.enable()
+        self.traced(action, call, enable_gc=True)
         after()
         for who, name, got in outcomes:
             runs = who == "b" and name in ("stats", "check_shrink", "full_view")
@@ -1683,12 +1689,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         call = {"grow": lambda: t.resize_per_segment_(new), "release": t.release_physical,
                 "view": lambda: t.segment_view(0)}[op]  # fmt: skip
         action = LineAction(n, lambda: results.append(self._fork_child()), inside)
-        trace = sys.gettrace()
-        sys.settrace(action)
-        try:
-            self.guarded(call)
-        finally:
-            sys.settrace(trace)
+        self.traced(action, call)
         if op == "grow":
             m.grown(new)
         elif op == "release":
@@ -1768,13 +1769,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         call = {"grow": lambda: t.resize_per_segment_(new), "view": lambda: t.segment_view(0),
                 "new tensor": lambda: made.append(ExtensibleTensor(self.g, driver=self.driver))}[op]  # fmt: skip
         action = LineAction(n, gc.collect, inside)
-        trace = sys.gettrace()
-        sys.settrace(action)
-        try:
-            self.guarded(call)
-        finally:
-            sys.settrace(trace)
-            gc.enable()
+        self.traced(action, call, enable_gc=True)
         for extra in made:
             extra.close()
         if op == "grow":
