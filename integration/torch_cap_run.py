@@ -1,17 +1,20 @@
-"""torch's caching allocator under the worker's soft cap (``WorkerKV.hold_torch_to_budget``), on a GPU, driven by
-seeded random allocation sequences that nobody tuned: how far its reserve goes past the cap, with the cap and
-without it.
+"""torch's caching allocator under the worker's cap (``WorkerKV.hold_torch_to_budget``), on a GPU, driven by seeded
+random allocation sequences that nobody tuned: how far its reserve goes past the cap, with the cap and without it,
+and whether the cap ever refuses what the live tensors need.
 
-    python -m integration.torch_cap_run OUT [--seeds 8] [--steps 4000] [--live-mib 512] [--headroom-mib 256]
+    python -m integration.torch_cap_run OUT [--seeds 8] [--steps 4000] [--live-mib 512] [--headroom-mib 64]
 
-Each seed runs twice in a fresh process (``one``): ``capped`` sets the cap exactly as the worker does (fraction 1.0,
-``garbage_collection_threshold`` at ``worker_kv.gc_threshold`` of the cap less the largest segment), ``free`` sets
-nothing. A run first allocates and frees a warm set (the worst batches' segments, cached), takes the cap as torch's
-reserve then plus ``--headroom-mib``, then runs ``--steps`` steps: each allocates a tensor of a log-uniform size
-(4 KiB to 256 MiB) or frees a random live one, keeping the live bytes under ``--live-mib``. Recorded per run: the
-cap, the highest reserve and its excess over the cap, the steps that ended over it, and at each of those the
-reserved bytes in segments holding live tensors but unused (stranded: what the collection cannot free), and any
-out-of-memory error (there must be none: the soft cap refuses nothing).
+Each seed runs twice in a fresh process (``one``). A run first allocates and frees a warm set (the worst batches'
+segments, cached), then ``capped`` does exactly what the worker does after its final commit (expandable segments,
+the cache emptied, and ``worker_kv.trim_to`` the cap after every served step of ``--step-actions`` actions);
+``free`` sets nothing. The cap
+is what is live then plus the most the live tensors can reach (``--live-mib`` plus one largest tensor) plus
+``--headroom-mib``, in both modes (``free`` keeps the warm set cached, as an uncapped engine keeps the worst
+batches'): the cap the worker derives leaves the worst batches' growth the same way. Then ``--steps`` steps
+each allocate a tensor of a log-uniform size (4 KiB to 256 MiB) or free a random live one, the live bytes kept
+under ``--live-mib`` before each allocation. Recorded per run: the cap, the highest reserve and its excess over the
+cap, the steps that ended over it, at each of those the reserved bytes in segments holding live tensors but unused
+(stranded), and any out-of-memory error with the live bytes at that moment (the cap refusing what fits under it).
 
 Writes ``OUT/torch-cap-summary.json`` (runs, and per seed capped against free) and prints a table.
 """
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 MIB = 1 << 20
+LARGEST = 256 * MIB  # the largest tensor a step allocates
 
 
 def stranded(device: int) -> int:
@@ -40,41 +44,43 @@ def stranded(device: int) -> int:
     return sum(int(s["total_size"]) - int(s["active_size"]) for s in live)
 
 
-def one(seed: int, mode: str, steps: int, live_limit: int, headroom: int) -> dict:
+def one(seed: int, mode: str, steps: int, live_limit: int, headroom: int, step_actions: int) -> dict:
     import torch
 
-    from extensible_kv.vllm import sizing, worker_kv
+    from extensible_kv.vllm import worker_kv
 
     rng = random.Random(seed)
     device = torch.cuda.current_device()
-    _, total = torch.cuda.mem_get_info()
     warm = [torch.empty(rng.randrange(1, 256) * MIB, dtype=torch.uint8, device="cuda") for _ in range(12)]
     del warm  # the worst batches' segments, cached and unused
+    if mode == "capped":  # exactly what WorkerKV.hold_torch_to_budget does
+        worker_kv._allocator_settings("expandable_segments:True")
+        torch.cuda.empty_cache()
     reserved = int(torch.cuda.memory_reserved())
-    cap = reserved + headroom
-    largest = sizing.largest_segment(torch.cuda.memory_snapshot(), device)
-    if mode == "capped":  # exactly what WorkerKV.hold_torch_to_budget sets
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        worker_kv._allocator_settings(
-            f"garbage_collection_threshold:{worker_kv.gc_threshold(max(1, cap - largest), total)}"
-        )
+    cap = int(torch.cuda.memory_allocated()) + live_limit + LARGEST + headroom  # the same number in both modes
     torch.cuda.reset_peak_memory_stats()
     live: list = []
     live_bytes = 0
     over_steps: list[dict] = []
     errors: list[str] = []
+    trims = 0
     for step in range(steps):
+        if mode == "capped" and step % step_actions == 0 and worker_kv.trim_to(cap) is not None:
+            trims += 1  # after every served step, as WorkerKV.trim_torch_cache
         if live and (rng.random() < 0.45 or live_bytes > live_limit):
             t = live.pop(rng.randrange(len(live)))
             live_bytes -= t.numel()
             del t
         else:
-            size = int(math.exp(rng.uniform(math.log(4096), math.log(256 * MIB))))
+            size = int(math.exp(rng.uniform(math.log(4096), math.log(LARGEST))))
             try:
                 live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
                 live_bytes += size
             except torch.OutOfMemoryError as exc:
-                errors.append(f"step {step}: {str(exc).splitlines()[0]}")
+                errors.append(
+                    f"step {step}: asked {size} B with {live_bytes} B live, "
+                    f"{int(torch.cuda.memory_reserved())} B reserved: {str(exc).splitlines()[0]}"
+                )
                 break
         now = int(torch.cuda.memory_reserved())
         if now > cap and len(over_steps) < 50:
@@ -92,12 +98,12 @@ def one(seed: int, mode: str, steps: int, live_limit: int, headroom: int) -> dic
         "mode": mode,
         "steps": steps,
         "cap": cap,
-        "largest_segment": largest,
         "reserved_at_start": reserved,
         "peak_reserved": peak,
         "peak_over_cap": peak - cap,
         "peak_allocated": int(torch.cuda.max_memory_allocated()),
         "steps_over_cap": len(over_steps),
+        "trims": trims,
         "over": over_steps,
         "errors": errors,
     }
@@ -109,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--live-mib", type=int, default=512)
-    p.add_argument("--headroom-mib", type=int, default=256)
+    p.add_argument("--headroom-mib", type=int, default=64)
+    p.add_argument("--step-actions", type=int, default=16)
     p.add_argument("--one", nargs=2, metavar=("SEED", "MODE"))
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(one(int(a.one[0]), a.one[1], a.steps, a.live_mib * MIB, a.headroom_mib * MIB)))
+        print(json.dumps(one(int(a.one[0]), a.one[1], a.steps, a.live_mib * MIB, a.headroom_mib * MIB, a.step_actions)))
         return 0
     out = Path(a.out or ".")
     out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(a.steps),
             ]
             args += ["--live-mib", str(a.live_mib), "--headroom-mib", str(a.headroom_mib)]
+            args += ["--step-actions", str(a.step_actions)]
             done = subprocess.run(args, capture_output=True, text=True, timeout=300)
             if done.returncode:
                 runs.append({"seed": seed, "mode": mode, "errors": [done.stderr[-2000:]]})

@@ -201,6 +201,8 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
         budget = llm.collective_rpc(rc.encoder_budget)[0]
         prompt_of = _prompt_of(config, budget["tokens_per_item"], shape.max_model_len) if budget else None
     load = lg.drive(llm, bursts, SEED, deadline=deadline, prompt_of=prompt_of)
+    # Note [Torch's cache, held to the budget] in sizing: the soft cap's trims happen under the load, so read after it
+    cap_after = llm.collective_rpc("extensible_kv_report")[0].get("torch_cap") if mode == "extensible" else None
     memory = rc.as_written(warmup.memory[0])
     extensible = rc.as_written(warmup.extensible[0]) if warmup.extensible else None
     measured = (extensible or {}).get("measured")
@@ -215,6 +217,7 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
         "margins_034_blocks": margins_034_blocks(measured, memory.get("profiled_peak_activation") or 0),
         "token_ids": passes["token_ids"],
         "load": lg.report_dict(load),
+        "torch_cap_after_load": cap_after,
     }
 
 
@@ -256,6 +259,7 @@ def summarize(folder: Path) -> dict:
         # Note [Torch's cache, held to the budget] in sizing: the cap the worker set, and torch's reserve at the
         # reading that came closest to the budget.
         row["torch_cap"] = ((ext.get("extensible") or {}).get("torch_cap") or {}).get("cap")
+        row["torch_cap_trims"] = (ext.get("torch_cap_after_load") or {}).get("trims")
         row["torch_reserved_closest"] = (((ext.get("load") or {}).get("highest") or {}).get("reading") or {}).get(
             "torch_reserved"
         )

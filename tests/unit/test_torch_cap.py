@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from extensible_kv.drivers import Ledger
 from extensible_kv.drivers.host import HostDriver
-from extensible_kv.errors import ExtensibleKVError, InvalidArgumentError, InvalidSizeError
-from extensible_kv.vllm import sizing, worker_kv
+from extensible_kv.errors import InvalidArgumentError, InvalidSizeError
+from extensible_kv.vllm import worker_kv
 from extensible_kv.vllm.sizing import CODE_GRANULES, SEGMENT, MemoryState, served_step_bound, torch_cap
 
 MIB = 1 << 20
@@ -94,99 +94,143 @@ def test_the_cap_is_reserve_plus_what_the_budget_leaves():
     assert torch_cap(m, used_now=69_000 * MIB, reserved_now=500 * MIB) == (500 + 2_680 - 1 - 8) * MIB
 
 
-def _segment(device: int, pool: tuple, total: int) -> dict:
-    return {"device": device, "segment_pool_id": pool, "total_size": total, "active_size": 0}
+class FakeCache:
+    """torch's caching allocator as the worker sees it: a reserve that ``empty_cache`` brings down to what is live,
+    and the settings given."""
+
+    def __init__(self, reserved: int, live: int):
+        self.reserved, self.live, self.calls = reserved, live, []
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+        self.reserved = self.live
 
 
-# The largest default-pool segment of device 3 is 200 MiB; larger ones of another device or a graph pool do not count.
-SNAPSHOT = [
-    _segment(3, (0, 0), 200 * MIB),
-    _segment(3, (0, 0), 20 * MIB),
-    _segment(3, (1, 7), 900 * MIB),
-    _segment(0, (0, 0), 800 * MIB),
-]
-
-
-def test_the_largest_segment_is_of_this_devices_default_pool():
-    got = sizing.largest_segment(SNAPSHOT, 3)
-    assert got == 200 * MIB, f"largest_segment(SNAPSHOT, 3): expected 200 MiB, got {got}"
-    assert sizing.largest_segment([], 3) == 0
-
-
-def _fake_cuda(monkeypatch, free: int, total: int, reserved: int, device: int) -> list:
-    calls: list = []
-    monkeypatch.setattr(worker_kv, "_allocator_settings", lambda text: calls.append(text))
+def _fake_cuda(monkeypatch, free: int, total: int, cache: FakeCache) -> list:
+    monkeypatch.setattr(worker_kv, "_allocator_settings", lambda text: cache.calls.append(text))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: reserved)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: SNAPSHOT)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
-    return calls
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: cache.reserved)
+    monkeypatch.setattr(torch.cuda, "empty_cache", cache.empty_cache)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a: cache.calls.append(("fraction", a)))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    return cache.calls
 
 
-def test_the_worker_caps_torch_on_its_own_device_at_the_derived_cap(monkeypatch):
-    total, init_free = 80 << 30, 79 << 30
-    calls = _fake_cuda(monkeypatch, free=10 << 30, total=total, reserved=600 * MIB, device=3)
+def _capped_worker(monkeypatch, cap: int, reserved: int, live: int):
+    cache = FakeCache(reserved, live)
+    _fake_cuda(monkeypatch, free=10 << 30, total=80 << 30, cache=cache)
     state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
-    state.measured = SimpleNamespace(init_free=init_free)  # what torch_cap reads is checked above; here: the wiring
+    state.measured = SimpleNamespace(init_free=79 << 30)
     seen = {}
 
     def cap_of(measured, used_now, reserved_now):
         seen.update(measured=measured, used=used_now, reserved=reserved_now)
-        return 1 << 30
+        return cap
 
     monkeypatch.setattr(worker_kv, "torch_cap", cap_of)
+    return state, cache, seen
+
+
+def test_the_worker_makes_segments_expandable_empties_the_cache_then_derives_the_cap_from_what_is_left(monkeypatch):
+    state, cache, seen = _capped_worker(monkeypatch, cap=1 << 30, reserved=900 * MIB, live=600 * MIB)
     assert state.hold_torch_to_budget() == 1 << 30
-    assert seen == {"measured": state.measured, "used": init_free - (10 << 30), "reserved": 600 * MIB}, seen
-    expected_calls = [(1.0, 3), "garbage_collection_threshold:0.010058"]  # (1 GiB - 200 MiB) of 80 GiB, rounded down
-    assert calls == expected_calls, f"hold_torch_to_budget: expected the calls {expected_calls}, got {calls}"
+    expected_calls = ["expandable_segments:True", "empty_cache"]  # no fraction: the cap refuses nothing
+    assert cache.calls == expected_calls, (
+        f"hold_torch_to_budget: expected the calls {expected_calls}, got {cache.calls}"
+    )
+    # the cap is derived from the reserve after emptying: what the worst batches left cached is not kept
+    assert seen == {"measured": state.measured, "used": (79 << 30) - (10 << 30), "reserved": 600 * MIB}, seen
     expected = {
         "cap": 1 << 30,
-        "used": init_free - (10 << 30),
+        "used": (79 << 30) - (10 << 30),
         "reserved": 600 * MIB,
-        "total": total,
-        "largest_segment": 200 * MIB,
-        "threshold": "0.010058",
+        "total": 80 << 30,
+        "trims": 0,
+        "highest_before_trim": 600 * MIB,
     }
     assert state.torch_cap == expected, f"WorkerKV.torch_cap: expected {expected}, got {state.torch_cap}"
 
 
-def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):
-    calls = _fake_cuda(monkeypatch, free=1, total=2, reserved=0, device=0)
-    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
-    assert state.hold_torch_to_budget() is None
-    assert calls == [] and state.report()["torch_cap"] is None, calls
+def test_vllm_is_told_segments_are_expandable_so_its_sleep_pool_turns_them_off_around_itself(monkeypatch):
+    state, _, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    state.hold_torch_to_budget()
+    got = worker_kv.os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert got == "max_split_size_mb:512,expandable_segments:True", f"PYTORCH_CUDA_ALLOC_CONF: got {got!r}"
+    state.hold_torch_to_budget()  # said once, not appended again
+    assert worker_kv.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == got
 
 
 @pytest.mark.parametrize(
-    "cap,total,expected",
-    [
-        (3 << 30, 80 << 30, "0.037500"),
-        (1, 80 << 30, "0.000001"),  # torch refuses 0: at least a millionth
-        (1 << 40, 80 << 30, "0.999999"),  # torch refuses 1: at most 0.999999
-        ((1 << 30) + 1, 3 << 30, "0.333333"),  # rounded down, never above the cap by more than a millionth
-    ],
+    "reserved,trimmed",
+    [(1 << 30, False), ((1 << 30) + 1, True), (3 << 30, True), (0, False)],
+    ids=["at-cap", "one-byte-past", "far-past", "empty"],
 )
-def test_the_threshold_is_the_cap_over_the_device_total_inside_what_torch_accepts(cap, total, expected):
-    got = worker_kv.gc_threshold(cap, total)
-    assert got == expected, f"gc_threshold({cap}, {total}): expected {expected}, got {got}"
+def test_a_step_that_ends_past_the_cap_empties_torchs_cache_and_one_within_it_does_not(monkeypatch, reserved, trimmed):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    state.hold_torch_to_budget()
+    cache.calls.clear()
+    cache.reserved, cache.live = reserved, 512 * MIB
+    got = state.trim_torch_cache()
+    assert got is trimmed, f"trim_torch_cache at {reserved} B reserved, cap {1 << 30}: expected {trimmed}, got {got}"
+    assert cache.calls == (["empty_cache"] if trimmed else []), cache.calls
+    assert state.torch_cap["trims"] == int(trimmed), state.torch_cap
+    assert state.torch_cap["highest_before_trim"] == (reserved if trimmed else 0), state.torch_cap
 
 
-def test_an_allocator_that_refuses_the_settings_leaves_the_engine_running_uncapped_and_says_why(monkeypatch):
-    calls = _fake_cuda(monkeypatch, free=1 << 30, total=80 << 30, reserved=0, device=0)
+def test_a_worker_without_a_cap_never_trims(monkeypatch):
+    cache = FakeCache(5 << 30, 0)
+    _fake_cuda(monkeypatch, free=1, total=2, cache=cache)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    assert state.trim_torch_cache() is False and cache.calls == [], cache.calls
+    state.torch_cap = {"error": "RuntimeError: refused"}  # uncapped, the reason recorded
+    assert state.trim_torch_cache() is False and cache.calls == [], cache.calls
+
+
+def test_every_step_of_a_bound_worker_trims_after_it_even_when_the_step_raises(monkeypatch):
+    from extensible_kv.vllm import patches
+
+    trims: list = []
+    state = SimpleNamespace(trim_torch_cache=lambda: trims.append(1))
+
+    class Worker:
+        _extensible_kv_state = state
+
+        def execute_model(self, scheduler_output):
+            if scheduler_output == "bad":
+                raise RuntimeError("step failed")
+            return scheduler_output
+
+    worker = Worker()
+    patches.bind_worker_rpcs(worker)
+    patches.bind_worker_rpcs(worker)  # bound twice (a second engine build): still one trim per step
+    assert worker.execute_model("ok") == "ok" and trims == [1], trims
+    with pytest.raises(RuntimeError, match="step failed"):
+        worker.execute_model("bad")
+    assert trims == [1, 1], f"execute_model: expected one trim per step, raised or not; got {len(trims)} for 2 steps"
+
+
+def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):
+    cache = FakeCache(0, 0)
+    _fake_cuda(monkeypatch, free=1, total=2, cache=cache)
+    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
+    assert state.hold_torch_to_budget() is None
+    assert cache.calls == [] and state.report()["torch_cap"] is None, cache.calls
+
+
+def test_an_allocator_that_refuses_the_setting_leaves_the_engine_running_uncapped_and_says_why(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=3 << 30, reserved=0, live=0)
 
     def refuse(text):
         raise RuntimeError(f"Unrecognized key '{text.split(':')[0]}' in allocator config")
 
     monkeypatch.setattr(worker_kv, "_allocator_settings", refuse)
-    state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
-    state.measured = SimpleNamespace(init_free=2 << 30)
-    monkeypatch.setattr(worker_kv, "torch_cap", lambda *a: 3 << 30)
     assert state.hold_torch_to_budget() is None
     error = state.torch_cap.get("error", "")
-    assert error.startswith("RuntimeError: Unrecognized key 'garbage_collection_threshold'"), state.torch_cap
-    assert calls == [(1.0, 0)], calls
+    assert error.startswith("RuntimeError: Unrecognized key 'expandable_segments'"), state.torch_cap
+    assert cache.calls == [] and "PYTORCH_CUDA_ALLOC_CONF" not in worker_kv.os.environ, cache.calls
+    assert state.trim_torch_cache() is False
 
 
 def _valid(**overrides) -> dict:
@@ -249,22 +293,10 @@ def test_torch_cap_takes_a_device_freer_than_at_the_start():
     assert torch_cap(m, -MIB, 0) == m.requested + MIB - CODE
 
 
-@pytest.mark.parametrize(
-    "cap,total,needle",
-    [
-        (1 << 30, 0, "total=0 is below 1"),
-        (float("nan"), 1 << 30, "cap must be an integer, got 'nan'"),
-        (-1, 1 << 30, "cap=-1"),
-    ],
-)
-def test_the_threshold_refuses_a_cap_or_device_that_cannot_be(cap, total, needle):
-    with pytest.raises(ExtensibleKVError, match=needle):
-        worker_kv.gc_threshold(cap, total)
-
-
 def test_readings_that_do_not_add_up_leave_the_engine_uncapped_naming_them(monkeypatch):
-    calls = _fake_cuda(monkeypatch, free=96 << 30, total=80 << 30, reserved=-5, device=0)
+    calls = _fake_cuda(monkeypatch, free=96 << 30, total=80 << 30, cache=FakeCache(-5, -5))
     state = worker_kv.WorkerKV(Ledger(HostDriver(granularity=4096)))
     state.measured = MemoryState(**_valid())
     assert state.hold_torch_to_budget() is None
-    assert calls == [] and "reserved_now=-5 is below 0" in state.torch_cap["error"], (calls, state.torch_cap)
+    assert "reserved_now=-5 is below 0" in state.torch_cap["error"], state.torch_cap
+    assert state.trim_torch_cache() is False and not any(isinstance(c, tuple) for c in calls), calls

@@ -464,6 +464,7 @@ def _fake_vllm(monkeypatch) -> SimpleNamespace:
     fractions: list = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append((f, d)))
     monkeypatch.setattr(worker_kv, "_allocator_settings", fractions.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # the worker sets it; undone after the test
     return SimpleNamespace(Worker=Worker, WorkerWrapper=WorkerWrapper, pp=pp, fractions=fractions)
 
 
@@ -504,9 +505,7 @@ def test_an_engine_built_inside_the_block_keeps_its_rpcs_after_the_patches_are_r
         )
         assert report["profile"]["peak_reserved"] == 0 and report["measured"]["blocks"] == fits, report
         # the commit capped torch's cache (Note [Torch's cache, held to the budget]) once, on this device
-        assert fake.fractions[0] == (1.0, 0) and fake.fractions[1].startswith("garbage_collection_threshold:0."), (
-            fake.fractions
-        )
+        assert fake.fractions == ["expandable_segments:True"], fake.fractions
         assert report["torch_cap"]["cap"] > 0, report
     finally:
         state.buffers.close()

@@ -244,9 +244,28 @@ def _determine_available_memory(original: Callable) -> Callable:
 #     process cannot change what an earlier one reports.
 def bind_worker_rpcs(worker: object) -> None:
     """Bind the extensible RPCs (``WORKER_RPCS``, after them) on this worker instance (Note [An engine keeps its
-    RPCs])."""
+    RPCs]), and its ``execute_model`` wrapped to trim torch's cache after every step (``_trimming``)."""
     for name, function in WORKER_RPCS.items():
         setattr(worker, name, types.MethodType(function, worker))
+    step = getattr(worker, "execute_model", None)
+    if step is not None and not getattr(step, "_extensible_kv_trims", False):
+        worker.execute_model = _trimming(worker, step)  # type: ignore[attr-defined]
+
+
+def _trimming(worker: object, step: Callable) -> Callable:
+    """``step`` (a worker's bound ``execute_model``), then the soft cap on torch's cache (Note [Torch's cache, held
+    to the budget] in sizing); bound on the instance, so it outlives the patch set like the RPCs."""
+
+    def execute_model(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:
+            state = _state_of(worker)
+            if state is not None:
+                state.trim_torch_cache()
+
+    execute_model._extensible_kv_trims = True  # type: ignore[attr-defined]
+    return execute_model
 
 
 def _state_of(worker: object) -> worker_kv.WorkerKV | None:

@@ -12,7 +12,7 @@ warms up and captures graphs with a small committed prefix, then runs the engine
     served   = served_step_bound(async_scheduling)       (Note [What a served step adds after the worst batches])
     budget   = requested - non_kv - growth - served - margin
     blocks   = (budget - granule rounding bound) // bytes_per_block, clamped to [committed, capacity]
-    cap      = torch reserved after the commit + (requested - used after the commit - margin - code granules)
+    cap      = torch reserved after the commit, cache emptied, + (requested - used then - margin - code granules)
                                                           (Note [Torch's cache, held to the budget])
 
 All quantities are bytes and come from the worker (``MemoryState``), so the arithmetic is testable without a GPU.
@@ -50,19 +50,18 @@ Note [What a served step adds after the worst batches]
     h100-2026-12-06-worst-batch-served-bound.
 
 Note [Torch's cache, held to the budget]
-    Rule: once the final size is committed the worker holds torch's caching allocator to ``torch_cap`` (what torch
-    reserves then, plus what the budget leaves after the commit, less the margin and the driver's code granules,
-    never less than the worst batches' growth and a served step's small segments) as a soft cap: torch's garbage
-    collection frees cached segments nothing uses before it reserves a new one once its reserve is past the
-    threshold, set one largest segment below the cap (``largest_segment``: torch collects only once it is past the
-    threshold, and then reserves one segment more). A load that only rearranges the cache costs flushes, not
-    budget; memory stranded in segments with live tensors can still exceed it.
-    Why: the worst batches bound the live tensors a step needs, not how the cache lays them out; a served load
-    allocates in orders no batch sequence runs, and torch keeps every segment it reserved. A hard cap (the fraction
-    itself) turned that stranded memory into an out-of-memory error instead.
-    Figure: on an H200, NemotronH hybrid V1 went from 128.9 MiB over (H100, no cap) to 14.3 MiB inside under a hard
-    cap; the sliding-window model failed its first 1,725-token prefill under it (118 MiB live, 30 MiB stranded,
-    96 MiB asked, cap 220 MiB). Run h200-2026-12-07-worst-batch-cap.
+    Rule: once the final size is committed the worker makes torch's new segments expandable (pages mapped as they
+    grow; emptying the cache unmaps every free page, not only whole free segments), empties what the worst batches
+    left cached, and holds torch to ``torch_cap`` of the readings then (its reserve plus what the budget leaves, less
+    the margin and the driver's code granules, never less than the worst batches' growth and a served step's small
+    segments): after every step that ends past the cap it empties the cache again (``trim_torch_cache``). A soft
+    cap: it refuses nothing, so a step whose live tensors need more than the cap still runs, over the budget.
+    Why: the worst batches bound the live tensors, not how torch's cache lays them out, and torch keeps what it
+    reserved. Its garbage collection frees only whole unused segments: as a soft cap it changed nothing (4 of 4
+    seeded runs identical to no cap). A hard cap (the memory fraction) killed the sliding-window engine.
+    Figure: H100, 200 bursts: NemotronH 119.1 MiB inside (128.9 over uncapped), MLA V1 41.2 inside, Qwen3 with 7
+    sleep cycles 113.2 inside; sliding window 36.9 over (86.9 uncapped): its live peak, 210 MiB, is 2.3x the worst
+    batches' 93 MiB. Run h100-2026-12-07-torch-cap.
 
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold
@@ -194,13 +193,6 @@ def reusable_cache(segments: Iterable[Mapping], device: int) -> int:
     segments; graph private pools and other devices left out). Recorded (``memory.torch_reusable`` of a case, the
     profile's ``cache_before``), never credited: Note [The peak, brought back and measured]."""
     return sum(int(s["total_size"]) - int(s["active_size"]) for s in default_pool(segments, device))
-
-
-def largest_segment(segments: Iterable[Mapping], device: int) -> int:
-    """Bytes of the largest segment of ``device``'s default pool (``torch.cuda.memory_snapshot()`` segments; 0 when
-    there is none): the most one new segment of a step's may add once the worst batches ran. Note [Torch's cache,
-    held to the budget]."""
-    return max((int(s["total_size"]) for s in default_pool(segments, device)), default=0)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ One ``WorkerKV`` per worker process (``active()``). It is created when the model
 3. ``ensure_blocks`` commits more blocks (V2 warmup writes real block ids 1..n first).
 4. ``measure`` (after warmup and capture) computes how many blocks fit (``sizing.MemoryState``); ``commit`` commits
    them under the same base pointers.
-5. ``hold_torch_to_budget`` caps torch's caching allocator at what the budget leaves it (``sizing.torch_cap``).
+5. ``hold_torch_to_budget`` caps torch's caching allocator at what the budget leaves it (``sizing.torch_cap``), its
+   new segments expandable so that the cap frees pages, not only whole segments.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from ..drivers import Driver
 from ..errors import ExtensibleKVError, InvalidSizeError
 from ..kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 from ..layout import BLOCK_SENTINEL, agreed_segments, block_dim
-from .sizing import MemoryState, _count, largest_segment, reusable_cache, torch_cap
+from .sizing import MemoryState, reusable_cache, torch_cap
 
 logger = logging.getLogger("extensible_kv.vllm")
 
@@ -168,54 +170,52 @@ class WorkerKV:
 
     def hold_torch_to_budget(self) -> int | None:
         """Hold torch's caching allocator on this device to ``sizing.torch_cap`` of what this worker measured and
-        reads now (after the final commit), as a soft cap: once its reserve is past one largest segment below the
-        cap, torch frees cached segments nothing uses before it reserves a new one (its garbage collection, at
-        ``gc_threshold``); it refuses nothing that the device can hold. Return the cap in bytes, or None before
-        ``measure`` (nothing sized, no cap) or where torch's allocator refuses the settings (recorded as
-        ``torch_cap["error"]``, logged; the engine runs uncapped). Note [Torch's cache, held to the budget] in
-        ``sizing``."""
+        reads now (after the final commit), as a soft cap: new segments become expandable (torch maps their pages
+        as they grow; emptying its cache unmaps every free page, wherever it lies, not only whole free segments),
+        the cache the worst batches left is emptied now, and after every step that ends with torch's reserve past
+        the cap ``trim_torch_cache`` empties it again. Nothing is refused: a step that needs more than the cap gets
+        it. Return the cap in bytes, or None before ``measure`` (nothing sized, no cap) or where torch's allocator
+        refuses the setting or the readings do not add up (recorded as ``torch_cap["error"]``, logged; the engine
+        runs uncapped). Note [Torch's cache, held to the budget] in ``sizing``."""
         if self.measured is None:
             return None
         torch.cuda.synchronize()
+        try:  # an allocator without the setting leaves the engine uncapped, the reason recorded
+            _allocator_settings("expandable_segments:True")
+        except (RuntimeError, ValueError, AttributeError) as exc:
+            self._uncapped({}, exc)
+            return None
+        _tell_vllm_segments_are_expandable()
+        torch.cuda.empty_cache()
         free, total = (int(v) for v in torch.cuda.mem_get_info())
         used = self.measured.init_free - free
         reserved = int(torch.cuda.memory_reserved())
-        device = torch.cuda.current_device()
+        readings = {"used": used, "reserved": reserved, "total": total}
         try:  # readings that do not add up leave the engine uncapped, the reason recorded
             cap = torch_cap(self.measured, used, reserved)
-            largest = largest_segment(torch.cuda.memory_snapshot(), device)
-            threshold = gc_threshold(max(1, cap - largest), total)
         except ExtensibleKVError as exc:
-            self.torch_cap = {
-                "used": used,
-                "reserved": reserved,
-                "total": total,
-                "error": f"{type(exc).__name__}: {exc}",
-            }
-            logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
+            self._uncapped(readings, exc)
             return None
-        self.torch_cap = {
-            "cap": cap,
-            "used": used,
-            "reserved": reserved,
-            "total": total,
-            "largest_segment": largest,
-            "threshold": threshold,
-        }
-        try:
-            # The fraction enables torch's garbage collection of cached segments; at 1.0 it refuses nothing itself.
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-            _allocator_settings(f"garbage_collection_threshold:{threshold}")
-        except (RuntimeError, ValueError, AttributeError) as exc:  # an allocator without these settings
-            self.torch_cap["error"] = f"{type(exc).__name__}: {exc}"
-            logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
-            return None
+        self.torch_cap = {"cap": cap, **readings, "trims": 0, "highest_before_trim": reserved}
         logger.info(
-            "extensible KV cache: torch's cache capped at %.1f MiB (%.1f MiB reserved now)",
-            cap / 2**20,
-            reserved / 2**20,
+            "extensible KV cache: torch's cache held to %.1f MiB (%.1f MiB reserved now)", cap / 2**20, reserved / 2**20
         )
         return cap
+
+    def trim_torch_cache(self) -> bool:
+        """After a step: where torch's reserve ended past the cap ``hold_torch_to_budget`` set, empty its cache (its
+        free pages unmapped) and count it in ``torch_cap["trims"]``. True where it trimmed; False with no cap or
+        within it (one counter read, no synchronization)."""
+        held = self.torch_cap
+        if held is None or held.get("cap") is None or (reserved := trim_to(held["cap"])) is None:
+            return False
+        held["trims"] += 1
+        held["highest_before_trim"] = max(held["highest_before_trim"], reserved)
+        return True
+
+    def _uncapped(self, readings: dict, exc: BaseException) -> None:
+        self.torch_cap = {**readings, "error": f"{type(exc).__name__}: {exc}"}
+        logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
 
     def report(self) -> dict:
         stats = self.buffers.stats() if self.buffers is not None else None
@@ -229,14 +229,14 @@ class WorkerKV:
         }
 
 
-def gc_threshold(cap: int, total: int) -> str:
-    """torch's ``garbage_collection_threshold`` for a soft cap of ``cap`` bytes on a device of ``total`` bytes: the
-    fraction, within the open interval (0, 1) torch accepts, at six decimals rounded down (never above the cap by
-    more than a millionth of the device). ``cap`` an int of at least 0, ``total`` of at least 1: the typed errors of
-    ``sizing.MemoryState`` otherwise."""
-    cap, total = _count("gc_threshold", "cap", cap), _count("gc_threshold", "total", total, low=1)
-    micro = min(999_999, max(1, cap * 1_000_000 // total))
-    return f"0.{micro:06d}"
+def trim_to(cap: int) -> int | None:
+    """Empty torch's cache on this device where its reserve is past ``cap`` bytes: return the reserve it had, or
+    None where it was within (one counter read)."""
+    reserved = int(torch.cuda.memory_reserved())
+    if reserved <= cap:
+        return None
+    torch.cuda.empty_cache()
+    return reserved
 
 
 def _allocator_settings(settings: str) -> None:
@@ -245,6 +245,14 @@ def _allocator_settings(settings: str) -> None:
     if setter is None:  # torch releases before the accelerator API
         setter = torch.cuda.memory._set_allocator_settings
     setter(settings)
+
+
+def _tell_vllm_segments_are_expandable() -> None:
+    """vLLM's sleep-mode pool (``CuMemAllocator.use_memory_pool``) turns expandable segments off around itself, the
+    two being incompatible, only where ``PYTORCH_CUDA_ALLOC_CONF`` says they are on: say so once they are."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" not in conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (conf, "expandable_segments:True")))
 
 
 _ACTIVE: WorkerKV | None = None
