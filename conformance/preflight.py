@@ -31,6 +31,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extensible_kv.boundaries import shown
+
 from . import process_group
 
 PREFIX = "extensible-kv-preflight: "
@@ -123,7 +125,8 @@ def _build(spec: str) -> dict:
 
 def _say(status: str, **payload: object) -> None:
     sys.stdout.flush()
-    print(PREFIX + json.dumps({"status": status, **payload}), flush=True)
+    # on a line of its own, whatever the factory wrote before it without a newline
+    print("\n" + PREFIX + json.dumps({"status": status, **payload}), flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -185,10 +188,11 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
         except ValueError:
             name = f"signal {-code}"
         return Outcome("unbuildable", f"building it ended the process with {name}{_crash_frame(done.stderr)}")
-    last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
+    last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "")
     return Outcome(
         "unbuildable",
-        f"building it ended the process with exit status {code} before it said how it went ({last[:200]})",
+        f"building it ended the process with exit status {code} before it said how it went "
+        f"({'stderr: ' + shown(last, 200) if last else 'no output on stderr'})",
     )
 
 

@@ -78,3 +78,15 @@ def leaves_a_process() -> HostDriver:
 
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     return HostDriver(granularity=4096, name="leaves-a-process")
+
+
+def floods_stdout() -> HostDriver:
+    """Writes 8 MiB to stdout with no newline at the end, then returns a good driver."""
+    os.write(1, b"x" * (8 << 20))
+    return HostDriver(granularity=4096)
+
+
+def exits_with_escapes() -> HostDriver:
+    """Writes a terminal escape sequence to stderr and ends the process before the preflight can say anything."""
+    os.write(2, b"\x1b[2J\x1b[31mred\x1b[0m\r\n")
+    os._exit(3)

@@ -218,3 +218,21 @@ def _sleeps_an_hour(proc: Path) -> bool:
         return b"time.sleep(3600)" in (proc / "cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_a_factory_that_floods_stdout_without_a_newline_is_still_built():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:floods_stdout", timeout=60, env=dict(os.environ), package="conformance")
+    assert got.status == "ok", f"preflight of {FACTORIES}:floods_stdout: expected ok, got {got}"
+
+
+def test_what_a_dead_factory_left_on_stderr_is_shown_escaped_on_one_line():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:exits_with_escapes", timeout=60, env=dict(os.environ), package="conformance")
+    message = got.message
+    assert got.status == "unbuildable" and "exit status 3" in message, got
+    assert "\x1b" not in message and "\r" not in message and "\\x1b[31mred" in message, (
+        f"preflight of {FACTORIES}:exits_with_escapes: expected the escape sequence shown escaped, got {message!r}"
+    )

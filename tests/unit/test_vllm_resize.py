@@ -20,6 +20,7 @@ from extensible_kv.vllm.resize import (
     ResizeFailed,
     ResizeInProgress,
     ResizeRefused,
+    ResizeUnsupported,
     ResizeWhileAsleep,
 )
 from extensible_kv.vllm.worker_kv import WorkerKV
@@ -873,3 +874,10 @@ def test_a_shrink_and_a_growth_back_give_back_the_watermark_and_capacity_figures
     assert (manager.watermark_blocks, cache.kv_cache_size_tokens) == (0, 320)
     resize.engine_resize(engine, 100)
     assert (manager.watermark_blocks, cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency) == before
+
+
+@pytest.mark.parametrize("rounding", [-1, -(10 * PAGE)])
+def test_a_negative_rounding_bound_is_refused_naming_it_not_clamped(rounding):
+    # a worker that reports a negative rounding bound is wrong; clamping it to 0 would hide that
+    with pytest.raises(ResizeUnsupported, match=f"rounding must be at least 0, got {rounding}"):
+        resize.blocks_for_budget(10 * PAGE, PAGE, rounding)

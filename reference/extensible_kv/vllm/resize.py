@@ -200,14 +200,17 @@ def check_count(num_blocks: object, *, current: int, reserved: int, floor: int) 
 
 def blocks_for_budget(budget_bytes: object, bytes_per_block: int, rounding_bytes: int) -> int:
     """The most blocks whose pages fit ``budget_bytes``: ``floor((budget - rounding) / bytes_per_block)``, where
-    ``rounding`` bounds what granule rounding adds (one granule per segment of every buffer); at least 0."""
+    ``rounding`` (at least 0) bounds what granule rounding adds (one granule per segment of every buffer); at least
+    0 blocks."""
     budget = as_count(budget_bytes, "budget_bytes")
     if budget <= 0:
         raise ResizeRefused(f"budget_bytes must be positive, got {budget}")
     bytes_per_block, rounding_bytes = as_count(bytes_per_block, "bytes_per_block"), as_count(rounding_bytes, "rounding")
     if bytes_per_block <= 0:
         raise ResizeUnsupported(f"bytes_per_block must be positive, got {bytes_per_block}")
-    return max(0, (budget - max(0, rounding_bytes)) // bytes_per_block)
+    if rounding_bytes < 0:
+        raise ResizeUnsupported(f"rounding must be at least 0, got {rounding_bytes}")
+    return max(0, (budget - rounding_bytes) // bytes_per_block)
 
 
 def floor_blocks(blocks_per_request: float) -> int:
