@@ -620,3 +620,23 @@ def test_a_reply_cut_off_by_the_engine_is_the_typed_reply_error():
     finally:
         thread.join(10)
         listener.close()
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit], ids=["interrupt", "exit"])
+def test_an_interrupt_in_a_growth_keeps_the_record_of_the_shrink_the_poll_applied(exc):
+    busy = FakeEngine("busy", 100, 17, 4000, demand=600, running=8, waiting=4)
+    idle = FakeEngine("idle", 1800, 17, 4000, demand=0)
+
+    def interrupted(n):
+        raise exc()
+
+    coordinator = Coordinator([EngineHandle("busy", busy.state, interrupted), idle.handle()], Policy(2000 * BPB))
+    coordinator.policy = Policy(2000 * BPB, idle_polls=1)
+    with pytest.raises(exc):
+        coordinator.poll()
+    assert idle.num_blocks == 17, "the shrink before the interrupted growth was not applied"
+    record = coordinator.log[-1] if coordinator.log else {}
+    assert record.get("sizes") == {"busy": 100, "idle": 17} and exc.__name__ in record["errors"].get("busy", ""), (
+        f"poll interrupted by {exc.__name__} in busy's growth: expected the record of idle's shrink to 17 and the "
+        f"interrupt named, got {record}"
+    )

@@ -318,21 +318,26 @@ class Coordinator:
         handles = {h.name: h for h in self.engines}
         record = {"time": time.time(), "loads": [vars(e) for e in loads], "targets": targets, "errors": {}}
         order = sorted(loads, key=lambda e: targets[e.name] - e.num_blocks)  # shrinks first
-        for e in order:
-            n = targets[e.name]
-            if n == sizes[e.name]:
-                continue
-            if n > sizes[e.name] and _bytes(loads, {**sizes, e.name: n}) > self.policy.limit_bytes:
-                record["errors"][e.name] = f"growth to {n} deferred: a shrink before it did not happen"
-                continue
-            try:
-                handles[e.name].resize(n)
-            except Exception as exc:  # the engine keeps its size; the next poll tries again
-                record["errors"][e.name] = error_text(exc)
-                continue
-            sizes[e.name] = n
-        record["sizes"] = sizes
-        self.log.append(record)
+        try:
+            for e in order:
+                n = targets[e.name]
+                if n == sizes[e.name]:
+                    continue
+                if n > sizes[e.name] and _bytes(loads, {**sizes, e.name: n}) > self.policy.limit_bytes:
+                    record["errors"][e.name] = f"growth to {n} deferred: a shrink before it did not happen"
+                    continue
+                try:
+                    handles[e.name].resize(n)
+                except Exception as exc:  # the engine keeps its size; the next poll tries again
+                    record["errors"][e.name] = error_text(exc)
+                    continue
+                except BaseException as exc:  # an interrupt or an exit: recorded with what this poll applied
+                    record["errors"][e.name] = f"{type(exc).__name__} during the resize to {n} blocks"
+                    raise
+                sizes[e.name] = n
+        finally:
+            record["sizes"] = sizes
+            self.log.append(record)
         return record
 
     def run(self, interval: float, polls: int | None = None) -> None:
