@@ -28,7 +28,8 @@ def _by_name(limits: Limits) -> dict:
 def test_the_issue_engine_gets_a_prefill_over_context_that_fills_mlas_workspace():
     # wrong: a context batch at max_model_len - 1, or one that gathers less than the workspace holds
     batches = _by_name(ISSUE)
-    assert list(batches) == ["prefill_fresh", "prefill_over_context", "decode_max_len", "mixed"]
+    sweep = [f"prefill_split_q{q}" for q in (4, 8, 16, 32, 64)]  # from twice a 2-token prefill, below 128
+    assert list(batches) == ["prefill_fresh", "prefill_over_context", *sweep, "decode_max_len", "mixed"]
     over = batches["prefill_over_context"]
     assert over.seqs == ((384, 128),) * 32, over.seqs
     assert over.mla_context_tokens == mla_workspace_tokens(ISSUE) == 8192
@@ -186,11 +187,12 @@ def test_every_component_a_batch_targets_is_in_the_docstring_table():
         "attention_prefill_context": "attention over cached",
         "mla_context_workspace": "MLA context",
         "attention_decode": "decode attention",
+        "attention_split_partials": "split-KV partials",
     }
     for component, batches in derive(limits).by_component().items():
         assert words[component] in table, component
         for name in batches:
-            assert name in table, name
+            assert (name if not name.startswith("prefill_split_q") else "prefill_split_q{q}") in table, name
 
 
 @pytest.mark.parametrize(
@@ -301,3 +303,28 @@ def test_sized_with_the_bound_the_h100_loads_end_inside_the_budget(name):
     over = case["load"]["highest_over_budget"] - fewer * state.bytes_per_block
     assert over <= 0, f"{name}: {fewer} blocks fewer, still {over} bytes over"
     assert fewer * state.bytes_per_block <= sizing.served_step_bound(async_scheduling=True) + state.bytes_per_block
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_strategy)
+def test_the_split_sweep_runs_every_doubled_query_length_between_the_two_context_batches(limits):
+    # wrong: a gap of more than a doubling between the shortest and the longest prefill query, a sweep batch that is
+    # not the most requests of its query length at max_model_len, or one outside the two context batches
+    b = _by_name(limits)
+    if "prefill_over_context" not in b:
+        assert not any(n.startswith("prefill_split_q") for n in b), sorted(b)
+        return
+    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+    longest = max(n for _, n in b["prefill_over_context"].seqs)
+    qs = [limits.prefill_query_len] + sorted(
+        int(n[len("prefill_split_q") :]) for n in b if n.startswith("prefill_split_q")
+    )
+    qs.append(longest)
+    if longest <= limits.prefill_query_len:
+        assert qs == [longest, longest] or qs[0] >= longest, (limits, qs)
+        return
+    for short, long in zip(qs, qs[1:]):
+        assert short < long <= 2 * short, (limits, qs)
+    for q in qs[1:-1]:
+        sweep = b[f"prefill_split_q{q}"]
+        assert sweep.seqs == ((L - q, q),) * min(s, t // q), (limits, q, sweep.seqs)

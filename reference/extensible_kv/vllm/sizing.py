@@ -63,6 +63,18 @@ Note [Torch's cache, held to the budget]
     sleep cycles 113.2 inside; sliding window 36.9 over (86.9 uncapped): its live peak, 210 MiB, is 2.3x the worst
     batches' 93 MiB. Run h100-2026-12-07-torch-cap.
 
+Note [Split partials peak between the shortest and the longest query]
+    Rule: besides the context batches at the shortest and the longest query, the worst batches run every query
+    length between them, doubling (``worst_batch``'s ``prefill_split_q{q}``: the most requests of q new tokens at
+    max_model_len).
+    Why: FlashAttention-3 sizes its split count for one sequence of the batch's longest query over its longest
+    context (fewer query blocks, more splits) and allocates splits x heads x every query token of the batch in
+    fp32: the product peaks at a middle query length that neither end reaches. Triton's and FlashInfer's split-KV
+    paths size partials from the same two numbers.
+    Figure: the sliding-window model (4 heads, 64 dims) served a step whose live tensors peaked at 210 MiB, one
+    FlashAttention call asking 96 MiB, against 93 MiB over every worst batch before the sweep. Run
+    h100-2026-12-07-torch-cap. With the sweep: not yet run on a GPU.
+
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold
     (``reorder_batch_threshold`` of its metadata builders, ``probes.decode_threshold_of``): FlashMLA's is 128.

@@ -21,6 +21,9 @@ max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens
     MLA context: workspace    prefill_over_context where its contexts     Note [MLA's context workspace]
       gather, kv_b_proj         fill W, else prefill_longest_context
       up-projection, merges
+    split-KV partials         prefill_split_q{q}: min(S, T // q)          Note [Split partials peak between the
+      (num_splits x heads x     sequences of q new tokens at L, q          shortest and the longest query]
+      query tokens floats)      doubling between the two context batches
     decode attention          decode_max_len: S sequences of 1 + k new    the most sequences at the longest
       (split-KV partials)       tokens at L                                 context
     sampler (rows x vocab     decode_max_len's sampler run: S x (1 + k)   Note [The speculative step, at its
@@ -221,6 +224,19 @@ def _fits(tokens: int, reqs: int, cap: int) -> int:
     return reqs * per + min(extra, max(0, cap - per))
 
 
+def _split_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
+    """``prefill_split_q{q}``: for ``q`` doubling from twice ``first`` while below ``last``, the most requests
+    (``min(S, T // q)``) of ``q`` new tokens each at max_model_len."""
+    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+    sweep = []
+    q = 2 * first
+    while q < last and q < L:
+        reqs = min(s, t // q)
+        sweep.append(_batch(f"prefill_split_q{q}", ("attention_split_partials",), Dummy(reqs * q, reqs, L), limits))
+        q *= 2
+    return sweep
+
+
 def derive(limits: Limits) -> Plan:
     """The worst batches of an engine with these limits (the table in the module's docstring)."""
     s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
@@ -270,6 +286,9 @@ def derive(limits: Limits) -> Plan:
             not limits.mla or longest_ctx.mla_context_tokens > over.mla_context_tokens
         ):
             batches.append(longest_ctx)
+        # Split-KV partials: every query length between those two, doubling (Note [Split partials peak between the
+        # shortest and the longest query] in ``sizing``).
+        batches.extend(_split_sweep(limits, first=prefill_min, last=max(n for _, n in over.seqs)))
 
     # Decode: every sequence at max_model_len, 1 + k tokens each, then the sampler at its widest.
     q = limits.decode_query_len
