@@ -249,7 +249,9 @@ def _allocator_settings(settings: str) -> None:
 
 def _tell_vllm_segments_are_expandable() -> None:
     """vLLM's sleep-mode pool (``CuMemAllocator.use_memory_pool``) turns expandable segments off around itself, the
-    two being incompatible, only where ``PYTORCH_CUDA_ALLOC_CONF`` says they are on: say so once they are."""
+    two being incompatible, only where ``PYTORCH_CUDA_ALLOC_CONF`` says they are on: say so once they are. The
+    setting and the variable stay for the process: a later engine built in it runs with expandable segments, and
+    vLLM refuses one with a KV connector there unless its cumem allocator is on (its own rule for the setting)."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (conf, "expandable_segments:True")))
