@@ -1423,3 +1423,22 @@ def test_the_sleep_and_connector_scripts_tables_are_rendered_as_text(tmp_path):
     )
     (run / "sleep" / "summary.json").write_text(json.dumps({"pairs": [{"pair": "p", "freed_diff": 10**400}]}))
     assert report_main([str(run), "--out", str(out)]) == 2, "a summary.json with a count of 10**400 is refused"
+
+
+def test_a_scripts_table_shows_at_most_its_row_limit_and_cuts_long_cells_saying_so(tmp_path):
+    from extensible_kv_lab.report import document
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"case": f"c{i}", "over_budget": i, "note": "x" * (5000 if i < 100 else 1)} for i in range(20_000)]
+    (run / "worst-batch-summary.json").write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "out"
+    assert report_main([str(run), "--out", str(out)]) == 0, "report of a run with a 20,000-row worst-batch summary"
+    md = (out / "report.md").read_text()
+    table = md_tables(section(md, "worst batch: rows"))[0]
+    limit = document.FEATURE_ROWS
+    got = (len(table), max(len(r["note"]) for r in table), f"{20_000 - limit} more rows" in md)
+    assert got == (limit, document.FEATURE_CELL_CHARS, True), (
+        f"a 20,000-row table with 5,000-character cells: expected {limit} rows, cells cut to "
+        f"{document.FEATURE_CELL_CHARS} characters and the rows left out counted, got {got}"
+    )

@@ -16,6 +16,10 @@ from .serving import serving_rows
 # The conformance tests that did not pass, listed in the report: a page stays readable (and its Markdown and HTML
 # bounded in size, whatever a run folder holds); summary.json lists every one.
 ODD_ROWS = 100
+# A GPU script's table (``Run.features``): its first rows, each cell cut to a length, the rest counted; the file in
+# the run folder holds them all.
+FEATURE_ROWS = 200
+FEATURE_CELL_CHARS = 200
 
 
 class Document(NamedTuple):
@@ -49,6 +53,13 @@ def _case(b: MemoryBreakdown) -> dict:
         "kv_partner": b.kv_partner.path if b.kv_partner else None,
         "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments],
     }
+
+
+def _cell(value: object) -> object:
+    """A cell of a script's table: a string longer than ``FEATURE_CELL_CHARS`` cut, ending in ``...``."""
+    if isinstance(value, str) and len(value) > FEATURE_CELL_CHARS:
+        return value[: FEATURE_CELL_CHARS - 3] + "..."
+    return value
 
 
 def summary(context: dict) -> dict:
@@ -131,6 +142,8 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
         "environment_names": ENVIRONMENT_NAMES,
         "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
         "odd_rows": ODD_ROWS,
+        "feature_rows": FEATURE_ROWS,
+        "cell": _cell,
         "breakdowns": breakdowns,
         "refused": accounting.refused(run.cases),
         "parity": rows,
