@@ -31,11 +31,12 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from extensible_kv.boundaries import shown
+from extensible_kv.boundaries import named, shown
 
 from . import process_group
 
 PREFIX = "extensible-kv-preflight: "
+EXIT_STATUS = {"ok": 0, "bad-spec": 2, "unbuildable": 1}  # the child's status line and the exit status it ends with
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(rf"{_NAME.pattern}(\.{_NAME.pattern})*")
 
@@ -124,9 +125,17 @@ def _build(spec: str) -> dict:
 
 
 def _say(status: str, **payload: object) -> None:
-    sys.stdout.flush()
-    # on a line of its own, whatever the factory wrote before it without a newline
-    print("\n" + PREFIX + json.dumps({"status": status, **payload}), flush=True)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a stdout the factory closed or replaced
+        pass
+    # to file descriptor 1 itself (the factory may have replaced sys.stdout), on a line of its own (whatever the
+    # factory wrote before it without a newline)
+    line = "\n" + PREFIX + json.dumps({"status": status, **payload}) + "\n"
+    try:
+        os.write(1, line.encode())
+    except OSError:  # descriptor 1 closed: the parent reads no status and says so
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -158,9 +167,9 @@ def _crash_frame(stderr: str) -> str:
     """The innermost frame of the faulthandler dump in ``stderr`` (most recent call first) outside Python's own
     library (the factory's line, not ctypes'), else the innermost one; '' without a dump."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [m for m in (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in stderr.splitlines()) if m]
+    frames = [m for m in (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in stderr.split("\n")) if m]
     frame = next((m for m in frames if not m[1].startswith(stdlib)), frames[0] if frames else None)
-    return f" in {frame[3]} ({frame[1]}:{frame[2]})" if frame else ""
+    return f" in {named(frame[3])} ({named(frame[1])}:{frame[2]})" if frame else ""
 
 
 def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> Outcome:
@@ -179,8 +188,9 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
             answer = json.loads(said[-1])
         except ValueError:
             answer = {}
-        if answer.get("status") in ("ok", "bad-spec", "unbuildable"):
-            return Outcome(answer["status"], str(answer.get("message", "")), dict(answer.get("facts") or {}))
+        status = answer.get("status")
+        if status in EXIT_STATUS and done.returncode == EXIT_STATUS[status]:  # a line the exit contradicts is not
+            return Outcome(status, str(answer.get("message", "")), dict(answer.get("facts") or {}))  # the child's
     code = done.returncode or 0
     if code < 0:
         try:
@@ -188,7 +198,7 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
         except ValueError:
             name = f"signal {-code}"
         return Outcome("unbuildable", f"building it ended the process with {name}{_crash_frame(done.stderr)}")
-    last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "")
+    last = next((line.strip() for line in reversed(done.stderr.split("\n")) if line.strip()), "")
     return Outcome(
         "unbuildable",
         f"building it ended the process with exit status {code} before it said how it went "
@@ -198,6 +208,9 @@ def run(spec: str, *, timeout: float, env: Mapping[str, str], package: str) -> O
 
 if __name__ == "__main__":
     status = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # a stream the factory closed or replaced
+            pass
     os._exit(status)  # a non-daemon thread the driver's code left running does not hold the process (it was named)

@@ -90,3 +90,26 @@ def exits_with_escapes() -> HostDriver:
     """Writes a terminal escape sequence to stderr and ends the process before the preflight can say anything."""
     os.write(2, b"\x1b[2J\x1b[31mred\x1b[0m\r\n")
     os._exit(3)
+
+
+def silences_stdout() -> HostDriver:
+    """Leaves ``sys.stdout`` pointing at /dev/null, then returns a good driver."""
+    import sys
+
+    sys.stdout = open(os.devnull, "w")
+    return HostDriver(granularity=4096)
+
+
+def says_ok_then_fails() -> HostDriver:
+    """Writes a status line of its own that says the driver was built, then ends the process with status 1."""
+    os.write(1, b'\nextensible-kv-preflight: {"status": "ok", "facts": {"name": "fake"}}\n')
+    os._exit(1)
+
+
+def crashes_after_an_escaped_frame() -> HostDriver:
+    """Writes a frame line holding terminal escapes to stderr, then dies of SIGSEGV."""
+    import signal
+
+    os.write(2, b'  File "\x1b[2J\x1b[31mevil.py", line 1 in \x1b[0mf\n')
+    os.kill(os.getpid(), signal.SIGSEGV)
+    raise AssertionError("SIGSEGV did not end the process")

@@ -236,3 +236,30 @@ def test_what_a_dead_factory_left_on_stderr_is_shown_escaped_on_one_line():
     assert "\x1b" not in message and "\r" not in message and "\\x1b[31mred" in message, (
         f"preflight of {FACTORIES}:exits_with_escapes: expected the escape sequence shown escaped, got {message!r}"
     )
+
+
+def test_a_factory_that_redirects_sys_stdout_is_still_built():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:silences_stdout", timeout=60, env=dict(os.environ), package="conformance")
+    assert got.status == "ok", f"preflight of {FACTORIES}:silences_stdout: expected ok, got {got}"
+
+
+def test_a_status_line_that_the_exit_status_contradicts_is_not_believed():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:says_ok_then_fails", timeout=60, env=dict(os.environ), package="conformance")
+    assert got.status == "unbuildable" and "exit status 1" in got.message, (
+        f"preflight of {FACTORIES}:says_ok_then_fails (a status line of the factory's, then exit 1): expected "
+        f"unbuildable naming the exit status, got {got}"
+    )
+
+
+def test_the_crash_frame_of_a_dead_factory_is_shown_escaped():
+    from conformance import preflight
+
+    spec = f"{FACTORIES}:crashes_after_an_escaped_frame"
+    got = preflight.run(spec, timeout=60, env=dict(os.environ), package="conformance")
+    assert got.status == "unbuildable" and "SIGSEGV" in got.message and "\x1b" not in got.message, (
+        f"preflight of {spec}: expected SIGSEGV named and no raw escape in {got.message!r}"
+    )
