@@ -146,6 +146,7 @@ def test_the_worker_makes_segments_expandable_empties_the_cache_then_derives_the
         "used": (79 << 30) - (10 << 30),
         "reserved": 600 * MIB,
         "total": 80 << 30,
+        "expandable": True,
         "trims": 0,
         "highest_before_trim": 600 * MIB,
     }
@@ -188,27 +189,82 @@ def test_a_worker_without_a_cap_never_trims(monkeypatch):
     assert state.trim_torch_cache() is False and cache.calls == [], cache.calls
 
 
-def test_every_step_of_a_bound_worker_trims_after_it_even_when_the_step_raises(monkeypatch):
+class _Runner:
+    """A model runner of vLLM 0.26.0 as the trim sees it: a step in one call (``execute_model`` returning the
+    output) or two (``execute_model`` returning None, then ``sample_tokens``)."""
+
+    def execute_model(self, scheduler_output):
+        if scheduler_output == "bad":
+            raise RuntimeError("step failed")
+        return None if scheduler_output == "split" else scheduler_output
+
+    def sample_tokens(self, grammar_output):
+        return "sampled"
+
+
+def _bound_worker(trim):
     from extensible_kv.vllm import patches
 
-    trims: list = []
-    state = SimpleNamespace(trim_torch_cache=lambda: trims.append(1))
-
-    class Worker:
-        _extensible_kv_state = state
-
-        def execute_model(self, scheduler_output):
-            if scheduler_output == "bad":
-                raise RuntimeError("step failed")
-            return scheduler_output
-
-    worker = Worker()
+    worker = SimpleNamespace(_extensible_kv_state=SimpleNamespace(trim_torch_cache=trim), model_runner=_Runner())
+    worker.execute_model = lambda so: worker.model_runner.execute_model(so)  # the worker calls its runner
     patches.bind_worker_rpcs(worker)
-    patches.bind_worker_rpcs(worker)  # bound twice (a second engine build): still one trim per step
-    assert worker.execute_model("ok") == "ok" and trims == [1], trims
+    patches.bind_worker_rpcs(worker)  # bound twice (a second engine build): still one trim per call
+    return worker
+
+
+def test_every_step_of_a_bound_runner_trims_after_it_raised_or_not_split_in_two_or_not():
+    trims: list = []
+    worker = _bound_worker(lambda: trims.append(1))
+    assert worker.execute_model("ok") == "ok" and len(trims) == 1, trims
     with pytest.raises(RuntimeError, match="step failed"):
         worker.execute_model("bad")
-    assert trims == [1, 1], f"execute_model: expected one trim per step, raised or not; got {len(trims)} for 2 steps"
+    assert len(trims) == 2, f"execute_model: expected one trim per step, raised or not; got {len(trims)} for 2"
+    # vLLM 0.26.0 ends most steps in sample_tokens: the sampler's memory is checked at the step's end
+    assert worker.execute_model("split") is None and worker.model_runner.sample_tokens(None) == "sampled"
+    assert len(trims) == 4, f"a step split in two: expected a trim after each half, got {len(trims) - 2}"
+    # Ray's executor calls the runner's methods itself, never the worker's
+    worker.model_runner.execute_model("ok")
+    assert len(trims) == 5, "a step through the runner directly (Ray) was not trimmed"
+
+
+def test_a_trim_that_fails_leaves_the_steps_outcome_to_its_caller(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    state.hold_torch_to_budget()
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", broken)
+    cache.reserved = 2 << 30
+    worker = _bound_worker(state.trim_torch_cache)
+    assert worker.execute_model("ok") == "ok", "a failing trim replaced the step's output"
+    with pytest.raises(RuntimeError, match="step failed"):
+        worker.execute_model("bad")
+    assert state.torch_cap["trim_error"].startswith("RuntimeError: CUDA error"), state.torch_cap
+    assert state.torch_cap["trims"] == 0, state.torch_cap
+
+
+def test_readings_that_do_not_add_up_put_the_allocator_and_the_variable_back(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=-1, live=-1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setattr(worker_kv, "torch_cap", torch_cap)  # the real derivation refuses reserved_now=-1
+    state.measured = MemoryState(**_valid())
+    assert state.hold_torch_to_budget() is None and "reserved_now=-1" in state.torch_cap["error"], state.torch_cap
+    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    got = (settings, worker_kv.os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    assert got == (["expandable_segments:True", "expandable_segments:False"], "max_split_size_mb:512"), (
+        f"an uncapped engine: expected the setting turned back off and the variable as it was, got {got}"
+    )
+
+
+def test_a_second_commit_keeps_the_trims_counted_before_it(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    state.hold_torch_to_budget()
+    cache.reserved = 3 << 30
+    assert state.trim_torch_cache() is True
+    state.hold_torch_to_budget()  # extensible_kv_commit again
+    got = (state.torch_cap["trims"], state.torch_cap["highest_before_trim"])
+    assert got == (1, 3 << 30), f"after a second hold: expected the earlier trim and its reserve kept, got {got}"
 
 
 def test_a_worker_that_measured_nothing_caps_nothing(monkeypatch):

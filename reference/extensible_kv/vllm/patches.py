@@ -244,19 +244,27 @@ def _determine_available_memory(original: Callable) -> Callable:
 #     process cannot change what an earlier one reports.
 def bind_worker_rpcs(worker: object) -> None:
     """Bind the extensible RPCs (``WORKER_RPCS``, after them) on this worker instance (Note [An engine keeps its
-    RPCs]), and its ``execute_model`` wrapped to trim torch's cache after every step (``_trimming``)."""
+    RPCs]), and wrap the steps of its model runner (``execute_model``, then ``sample_tokens`` where vLLM splits a
+    step in two) to trim torch's cache after each (``_trimming``). The runner's, not the worker's: every executor
+    reaches the runner, Ray's without the worker's methods."""
     for name, function in WORKER_RPCS.items():
         setattr(worker, name, types.MethodType(function, worker))
-    step = getattr(worker, "execute_model", None)
-    if step is not None and not getattr(step, "_extensible_kv_trims", False):
-        worker.execute_model = _trimming(worker, step)  # type: ignore[attr-defined]
+    owner = getattr(worker, "model_runner", None) or worker
+    for name in STEP_METHODS:
+        step = getattr(owner, name, None)
+        if step is not None and not getattr(step, "_extensible_kv_trims", False):
+            setattr(owner, name, _trimming(worker, step))
+
+
+STEP_METHODS = ("execute_model", "sample_tokens")  # a step of vLLM 0.26.0's model runners, in one call or two
 
 
 def _trimming(worker: object, step: Callable) -> Callable:
-    """``step`` (a worker's bound ``execute_model``), then the soft cap on torch's cache (Note [Torch's cache, held
-    to the budget] in sizing); bound on the instance, so it outlives the patch set like the RPCs."""
+    """``step`` (a bound step method), then the soft cap on torch's cache (Note [Torch's cache, held to the budget]
+    in sizing), raised or not; what the step returned or raised is what the caller gets (``trim_torch_cache``
+    raises nothing). Bound on the instance, so it outlives the patch set like the RPCs."""
 
-    def execute_model(*args, **kwargs):
+    def trimmed(*args, **kwargs):
         try:
             return step(*args, **kwargs)
         finally:
@@ -264,8 +272,9 @@ def _trimming(worker: object, step: Callable) -> Callable:
             if state is not None:
                 state.trim_torch_cache()
 
-    execute_model._extensible_kv_trims = True  # type: ignore[attr-defined]
-    return execute_model
+    trimmed.__name__ = getattr(step, "__name__", "step")
+    trimmed._extensible_kv_trims = True  # type: ignore[attr-defined]
+    return trimmed
 
 
 def _state_of(worker: object) -> worker_kv.WorkerKV | None:

@@ -180,23 +180,32 @@ class WorkerKV:
         if self.measured is None:
             return None
         torch.cuda.synchronize()
+        earlier = dict(self.torch_cap or {})  # a commit after a commit: the trims so far still count
         try:  # an allocator without the setting leaves the engine uncapped, the reason recorded
             _allocator_settings("expandable_segments:True")
         except (RuntimeError, ValueError, AttributeError) as exc:
             self._uncapped({}, exc)
             return None
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         _tell_vllm_segments_are_expandable()
         torch.cuda.empty_cache()
         free, total = (int(v) for v in torch.cuda.mem_get_info())
         used = self.measured.init_free - free
         reserved = int(torch.cuda.memory_reserved())
         readings = {"used": used, "reserved": reserved, "total": total}
-        try:  # readings that do not add up leave the engine uncapped, the reason recorded
+        try:  # readings that do not add up leave the engine uncapped as it was, the reason recorded
             cap = torch_cap(self.measured, used, reserved)
         except ExtensibleKVError as exc:
+            _undo_expandable(conf, expandable_before="expandable" in earlier)
             self._uncapped(readings, exc)
             return None
-        self.torch_cap = {"cap": cap, **readings, "trims": 0, "highest_before_trim": reserved}
+        self.torch_cap = {
+            "cap": cap,
+            **readings,
+            "expandable": True,
+            "trims": int(earlier.get("trims", 0)),
+            "highest_before_trim": max(reserved, int(earlier.get("highest_before_trim", 0))),
+        }
         logger.info(
             "extensible KV cache: torch's cache held to %.1f MiB (%.1f MiB reserved now)", cap / 2**20, reserved / 2**20
         )
@@ -205,9 +214,19 @@ class WorkerKV:
     def trim_torch_cache(self) -> bool:
         """After a step: where torch's reserve ended past the cap ``hold_torch_to_budget`` set, empty its cache (its
         free pages unmapped) and count it in ``torch_cap["trims"]``. True where it trimmed; False with no cap or
-        within it (one counter read, no synchronization)."""
+        within it (one counter read, no synchronization) or where the trim failed (``torch_cap["trim_error"]``,
+        logged once: it raises nothing into the step)."""
         held = self.torch_cap
-        if held is None or held.get("cap") is None or (reserved := trim_to(held["cap"])) is None:
+        if held is None or held.get("cap") is None:
+            return False
+        try:
+            reserved = trim_to(held["cap"])
+        except Exception as exc:  # the step's outcome stands; a device error shows again at its next call
+            if "trim_error" not in held:
+                logger.warning("extensible KV cache: trimming torch's cache failed (%s)", exc)
+            held["trim_error"] = f"{type(exc).__name__}: {exc}"
+            return False
+        if reserved is None:
             return False
         held["trims"] += 1
         held["highest_before_trim"] = max(held["highest_before_trim"], reserved)
@@ -245,6 +264,20 @@ def _allocator_settings(settings: str) -> None:
     if setter is None:  # torch releases before the accelerator API
         setter = torch.cuda.memory._set_allocator_settings
     setter(settings)
+
+
+def _undo_expandable(conf: str | None, *, expandable_before: bool) -> None:
+    """Put back what ``hold_torch_to_budget`` changed before readings that did not add up: the allocator's setting
+    (unless an earlier hold made segments expandable) and ``PYTORCH_CUDA_ALLOC_CONF`` as it was."""
+    if not expandable_before:
+        try:
+            _allocator_settings("expandable_segments:False")
+        except (RuntimeError, ValueError, AttributeError):  # it took the setting a moment ago
+            logger.warning("extensible KV cache: could not turn expandable segments off again")
+    if conf is None:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 
 def _tell_vllm_segments_are_expandable() -> None:
