@@ -201,6 +201,9 @@ class _Runner:
     def sample_tokens(self, grammar_output):
         return "sampled"
 
+    def pool(self, hidden_states):
+        return "pooled"
+
 
 def _bound_worker(trim):
     from extensible_kv.vllm import patches
@@ -222,9 +225,10 @@ def test_every_step_of_a_bound_runner_trims_after_it_raised_or_not_split_in_two_
     # vLLM 0.26.0 ends most steps in sample_tokens: the sampler's memory is checked at the step's end
     assert worker.execute_model("split") is None and worker.model_runner.sample_tokens(None) == "sampled"
     assert len(trims) == 4, f"a step split in two: expected a trim after each half, got {len(trims) - 2}"
+    assert worker.model_runner.pool(None) == "pooled" and len(trims) == 5, "a pooling step's end was not trimmed"
     # Ray's executor calls the runner's methods itself, never the worker's
     worker.model_runner.execute_model("ok")
-    assert len(trims) == 5, "a step through the runner directly (Ray) was not trimmed"
+    assert len(trims) == 6, "a step through the runner directly (Ray) was not trimmed"
 
 
 def test_a_trim_that_fails_leaves_the_steps_outcome_to_its_caller(monkeypatch):
@@ -356,3 +360,47 @@ def test_readings_that_do_not_add_up_leave_the_engine_uncapped_naming_them(monke
     assert state.hold_torch_to_budget() is None
     assert "reserved_now=-5 is below 0" in state.torch_cap["error"], state.torch_cap
     assert state.trim_torch_cache() is False and not any(isinstance(c, tuple) for c in calls), calls
+
+
+def _refused_readings(monkeypatch):
+    def refuse(*a):
+        raise InvalidSizeError("torch_cap: reserved_now=-1 is below 0")
+
+    monkeypatch.setattr(worker_kv, "torch_cap", refuse)
+
+
+def test_readings_that_do_not_add_up_leave_the_users_expandable_segments_on(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the user's, before any hold
+    _refused_readings(monkeypatch)
+    state.hold_torch_to_budget()
+    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    assert settings == ["expandable_segments:True"], f"the user's expandable segments were turned off: {settings}"
+
+
+def test_a_later_hold_that_fails_keeps_the_cap_trims_and_setting_of_the_earlier_one(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    assert state.hold_torch_to_budget() == 1 << 30
+    cache.reserved = 3 << 30
+    state.trim_torch_cache()
+    _refused_readings(monkeypatch)
+    for _ in range(2):  # twice: the second must still know the first hold turned segments on
+        assert state.hold_torch_to_budget() == 1 << 30, "a failed later hold dropped the cap the engine had"
+    got = {k: state.torch_cap.get(k) for k in ("cap", "trims", "highest_before_trim", "expandable")}
+    want = {"cap": 1 << 30, "trims": 1, "highest_before_trim": 3 << 30, "expandable": True}
+    assert got == want and "reserved_now=-1" in state.torch_cap["error"], state.torch_cap
+    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    assert "expandable_segments:False" not in settings, f"a failed later hold turned segments off: {settings}"
+    cache.reserved = 2 << 30
+    assert state.trim_torch_cache() is True, "the engine stopped trimming after a failed later hold"
+
+
+def test_an_allocator_that_refuses_a_later_hold_keeps_the_earlier_cap(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    state.hold_torch_to_budget()
+
+    def refuse(text):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(worker_kv, "_allocator_settings", refuse)
+    assert state.hold_torch_to_budget() == 1 << 30 and state.torch_cap["cap"] == 1 << 30, state.torch_cap

@@ -244,9 +244,9 @@ def _determine_available_memory(original: Callable) -> Callable:
 #     process cannot change what an earlier one reports.
 def bind_worker_rpcs(worker: object) -> None:
     """Bind the extensible RPCs (``WORKER_RPCS``, after them) on this worker instance (Note [An engine keeps its
-    RPCs]), and wrap the steps of its model runner (``execute_model``, then ``sample_tokens`` where vLLM splits a
-    step in two) to trim torch's cache after each (``_trimming``). The runner's, not the worker's: every executor
-    reaches the runner, Ray's without the worker's methods."""
+    RPCs]), and wrap the steps of its model runner (``execute_model``, then ``sample_tokens`` or ``pool`` where vLLM
+    splits a step in two) to trim torch's cache after each (``_trimming``). The runner's, not the worker's: every
+    executor reaches the runner, Ray's without the worker's methods."""
     for name, function in WORKER_RPCS.items():
         setattr(worker, name, types.MethodType(function, worker))
     owner = getattr(worker, "model_runner", None) or worker
@@ -256,7 +256,8 @@ def bind_worker_rpcs(worker: object) -> None:
             setattr(owner, name, _trimming(worker, step))
 
 
-STEP_METHODS = ("execute_model", "sample_tokens")  # a step of vLLM 0.26.0's model runners, in one call or two
+# A step of vLLM 0.26.0's model runners: one call, or two (``sample_tokens`` for generation, ``pool`` for pooling)
+STEP_METHODS = ("execute_model", "sample_tokens", "pool")
 
 
 def _trimming(worker: object, step: Callable) -> Callable:

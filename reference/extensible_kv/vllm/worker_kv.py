@@ -174,31 +174,33 @@ class WorkerKV:
         as they grow; emptying its cache unmaps every free page, wherever it lies, not only whole free segments),
         the cache the worst batches left is emptied now, and after every step that ends with torch's reserve past
         the cap ``trim_torch_cache`` empties it again. Nothing is refused: a step that needs more than the cap gets
-        it. Return the cap in bytes, or None before ``measure`` (nothing sized, no cap) or where torch's allocator
-        refuses the setting or the readings do not add up (recorded as ``torch_cap["error"]``, logged; the engine
-        runs uncapped). Note [Torch's cache, held to the budget] in ``sizing``."""
+        it. Return the cap in bytes; None before ``measure`` (nothing sized, no cap). Where torch's allocator refuses
+        the setting or the readings do not add up, the engine stays as it was (the cap of an earlier hold, else
+        uncapped; the setting and ``PYTORCH_CUDA_ALLOC_CONF`` put back), the reason in ``torch_cap["error"]``,
+        logged; that earlier cap is returned, or None. Note [Torch's cache, held to the budget] in ``sizing``."""
         if self.measured is None:
             return None
         torch.cuda.synchronize()
-        earlier = dict(self.torch_cap or {})  # a commit after a commit: the trims so far still count
-        try:  # an allocator without the setting leaves the engine uncapped, the reason recorded
+        earlier = dict(self.torch_cap or {})  # a commit after a commit: the cap and the trims so far still count
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        on_before = "expandable" in earlier or "expandable_segments:True" in (conf or "")  # by a hold or the user
+        try:  # an allocator without the setting leaves the engine as it was, the reason recorded
             _allocator_settings("expandable_segments:True")
         except (RuntimeError, ValueError, AttributeError) as exc:
-            self._uncapped({}, exc)
-            return None
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            self._not_held(earlier, {}, exc)
+            return earlier.get("cap")
         _tell_vllm_segments_are_expandable()
         torch.cuda.empty_cache()
         free, total = (int(v) for v in torch.cuda.mem_get_info())
         used = self.measured.init_free - free
         reserved = int(torch.cuda.memory_reserved())
         readings = {"used": used, "reserved": reserved, "total": total}
-        try:  # readings that do not add up leave the engine uncapped as it was, the reason recorded
+        try:  # readings that do not add up leave the engine as it was, the reason recorded
             cap = torch_cap(self.measured, used, reserved)
         except ExtensibleKVError as exc:
-            _undo_expandable(conf, expandable_before="expandable" in earlier)
-            self._uncapped(readings, exc)
-            return None
+            _undo_expandable(conf, turn_off=not on_before)
+            self._not_held(earlier, readings, exc)
+            return earlier.get("cap")
         self.torch_cap = {
             "cap": cap,
             **readings,
@@ -232,9 +234,13 @@ class WorkerKV:
         held["highest_before_trim"] = max(held["highest_before_trim"], reserved)
         return True
 
-    def _uncapped(self, readings: dict, exc: BaseException) -> None:
-        self.torch_cap = {**readings, "error": f"{type(exc).__name__}: {exc}"}
-        logger.warning("extensible KV cache: torch's cache not capped (%s); the engine runs uncapped", exc)
+    def _not_held(self, earlier: dict, readings: dict, exc: BaseException) -> None:
+        """A hold that could not be made: the cap, trims and setting of an earlier hold stay (the engine keeps the
+        cap it had, or stays uncapped), the readings and the reason recorded."""
+        kept = {k: earlier[k] for k in ("cap", "expandable", "trims", "highest_before_trim") if k in earlier}
+        self.torch_cap = {**readings, **kept, "error": f"{type(exc).__name__}: {exc}"}
+        held = "keeps the cap it had" if "cap" in kept else "runs uncapped"
+        logger.warning("extensible KV cache: torch's cache not capped (%s); the engine %s", exc, held)
 
     def report(self) -> dict:
         stats = self.buffers.stats() if self.buffers is not None else None
@@ -266,10 +272,11 @@ def _allocator_settings(settings: str) -> None:
     setter(settings)
 
 
-def _undo_expandable(conf: str | None, *, expandable_before: bool) -> None:
+def _undo_expandable(conf: str | None, *, turn_off: bool) -> None:
     """Put back what ``hold_torch_to_budget`` changed before readings that did not add up: the allocator's setting
-    (unless an earlier hold made segments expandable) and ``PYTORCH_CUDA_ALLOC_CONF`` as it was."""
-    if not expandable_before:
+    where this hold turned it on (``turn_off``: neither an earlier hold nor the user's ``PYTORCH_CUDA_ALLOC_CONF``
+    had), and the variable as it was."""
+    if turn_off:
         try:
             _allocator_settings("expandable_segments:False")
         except (RuntimeError, ValueError, AttributeError):  # it took the setting a moment ago
