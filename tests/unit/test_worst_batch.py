@@ -328,3 +328,44 @@ def test_the_split_sweep_runs_every_doubled_query_length_between_the_two_context
     for q in qs[1:-1]:
         sweep = b[f"prefill_split_q{q}"]
         assert sweep.seqs == ((L - q, q),) * min(s, t // q), (limits, q, sweep.seqs)
+
+
+wide_limits = st.builds(
+    Limits,
+    max_model_len=st.integers(2, 5_000),
+    max_num_batched_tokens=st.integers(2, 10_000),
+    max_num_seqs=st.integers(1, 300),
+    block_size=st.sampled_from([1, 16, 64]),
+    chunked_prefill=st.booleans(),
+    prefix_caching=st.booleans(),
+    mla=st.booleans(),
+    spec_tokens=st.integers(0, 4),
+    decode_threshold=st.integers(1, 200),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_limits_a_scheduler_accepts_give_a_plan_of_batches_within_them(data):
+    # wrong: derive refusing limits that Limits accepted (a share per request past max_model_len), a batch past the
+    # limits, or fresh prefills with cached context where no prefill can have any
+    try:
+        limits = data.draw(wide_limits)
+    except LimitsError:
+        return  # limits no scheduler accepts: refused where they enter
+    for b in derive(limits).batches:
+        assert b.new_tokens <= limits.max_num_batched_tokens and 1 <= len(b.seqs) <= limits.max_num_seqs, b
+        assert all(ctx >= 0 and new >= 1 and ctx + new <= limits.max_model_len for ctx, new in b.seqs), b
+    if not limits.context_possible:
+        assert all(ctx == 0 for ctx, _ in _by_name(limits)["prefill_fresh"].seqs), limits
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_model_len", 512.5), ("max_model_len", float("nan")), ("max_num_seqs", True), ("spec_tokens", None),
+     ("chunked_prefill", 1), ("attention_backend", 3)],
+)  # fmt: skip
+def test_limits_of_the_wrong_type_are_refused_naming_the_field(field, value):
+    kwargs = dict(max_model_len=512, max_num_batched_tokens=4096, max_num_seqs=8, block_size=16)
+    with pytest.raises(LimitsError, match=field):
+        Limits(**{**kwargs, field: value})

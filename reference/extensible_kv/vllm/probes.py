@@ -250,10 +250,10 @@ def limits_of(model_runner: Any) -> Limits:
         attention_backend=str(getattr(config, "attention_config", None) and config.attention_config.backend),
         spec_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
         vocab_size=int(model.get_vocab_size()),
-        encoder_cache_tokens=budget["encoder_cache_size"] if budget else 0,
-        encoder_tokens_per_item=budget["tokens_per_item"] if budget else 0,
+        encoder_cache_tokens=int(budget["encoder_cache_size"]) if budget else 0,
+        encoder_tokens_per_item=int(budget["tokens_per_item"]) if budget else 0,
         sleep_mode=bool(model.enable_sleep_mode),
-        decode_threshold=decode_threshold_of(model_runner),
+        decode_threshold=int(decode_threshold_of(model_runner)),
     )
 
 

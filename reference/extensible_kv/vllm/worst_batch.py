@@ -43,7 +43,7 @@ of more new tokens per request than that (Note [A prefill is a prefill to the ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MLA_WORKSPACE_CAP = 64 * 1024  # vLLM 0.26.0's cap on MLA's context workspace, in tokens
@@ -73,6 +73,10 @@ class Limits:
     decode_threshold: int = 1  # the longest query the backend takes for a decode (its reorder_batch_threshold)
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value, kind = getattr(self, f.name), {"bool": bool, "str": str}.get(str(f.type), int)
+            if type(value) is not kind:  # a bool is no count, a float or NaN no token count, a string neither
+                raise LimitsError(f"{f.name} must be {kind.__name__}, got {type(value).__name__} {value!r:.60}")
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "decode_threshold"):
             if getattr(self, name) < 1:
                 raise LimitsError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -220,8 +224,8 @@ def _batch(name: str, targets: tuple[str, ...], dummy: Dummy, limits: Limits, **
 def _fits(tokens: int, reqs: int, cap: int) -> int:
     """The most of ``tokens`` that ``reqs`` requests take when the last takes the remainder (as vLLM's dummy run
     spreads them) and no request takes more than ``cap``."""
-    per, extra = divmod(tokens, reqs)
-    return reqs * per + min(extra, max(0, cap - per))
+    per = min(tokens // reqs, cap)
+    return reqs * per + min(tokens - reqs * per, max(0, cap - per))
 
 
 def _split_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
@@ -249,6 +253,8 @@ def derive(limits: Limits) -> Plan:
     if limits.decode_threshold > limits.decode_query_len and t >= prefill_min:
         reqs = min(reqs, t // prefill_min)
     fresh_tokens = _fits(min(t, s * L), reqs, L)
+    if not limits.context_possible:  # every request as long as the last: the dummy run gives all one length
+        fresh_tokens = fresh_tokens // reqs * reqs
     longest = fresh_tokens // reqs + fresh_tokens % reqs
     held = limits.encoder_cache_tokens // limits.encoder_tokens_per_item if limits.encoder_cache_tokens else 0
     targets = ("activations", "sampler") + (("encoder_cache",) if held else ())
