@@ -1442,3 +1442,31 @@ def test_a_scripts_table_shows_at_most_its_row_limit_and_cuts_long_cells_saying_
         f"a 20,000-row table with 5,000-character cells: expected {limit} rows, cells cut to "
         f"{document.FEATURE_CELL_CHARS} characters and the rows left out counted, got {got}"
     )
+
+
+def test_a_scripts_table_has_the_keys_of_every_row_shown_bounded_and_its_headings_cut(tmp_path):
+    from extensible_kv_lab.report import document
+
+    run = tmp_path / "run"
+    run.mkdir()
+    wide = {f"k{i}": i for i in range(document.FEATURE_COLUMNS + 10)}
+    rows = [{"tokens": [1, 2], "t": {"a": 1}}, {"only_in_row2": "seen", "k" * 5000: 1}, wide]
+    (run / "resize-summary.json").write_text(json.dumps({"rows": rows}))
+    (run / "share-summary.json").write_text(json.dumps({"rows": [{"tokens": [1]}]}))
+    out = tmp_path / "out"
+    assert report_main([str(run), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    resize = section(md, "resize: rows")
+    header = next(line for line in resize.splitlines() if line.startswith("|"))
+    got = (
+        "seen" in resize,
+        len(header) < 40 * (document.FEATURE_CELL_CHARS + 3),
+        header.count("|") - 1,
+        "10 more columns in the file" in resize or "12 more columns in the file" in resize,
+        "No plain values" in section(md, "engines sharing a GPU: rows"),
+    )
+    assert got == (True, True, document.FEATURE_COLUMNS, True, True), (
+        "a table whose first row has only lists, whose second row has a key of its own and a 5,000-character key, "
+        f"and a row of {document.FEATURE_COLUMNS + 10} keys: expected the later key's value shown, headings cut, "
+        f"{document.FEATURE_COLUMNS} columns and the rest counted, and a row of lists said so; got {got}"
+    )

@@ -16,9 +16,10 @@ from .serving import serving_rows
 # The conformance tests that did not pass, listed in the report: a page stays readable (and its Markdown and HTML
 # bounded in size, whatever a run folder holds); summary.json lists every one.
 ODD_ROWS = 100
-# A GPU script's table (``Run.features``): its first rows, each cell cut to a length, the rest counted; the file in
-# the run folder holds them all.
+# A GPU script's table (``Run.features``): its first rows and columns (every key of those rows, in the order they
+# first appear), each cell and heading cut to a length, the rest counted; the file in the run folder holds them all.
 FEATURE_ROWS = 200
+FEATURE_COLUMNS = 40
 FEATURE_CELL_CHARS = 200
 
 
@@ -53,6 +54,21 @@ def _case(b: MemoryBreakdown) -> dict:
         "kv_partner": b.kv_partner.path if b.kv_partner else None,
         "segments": None if segments is None else [{"label": s.label, "bytes": s.bytes} for s in segments],
     }
+
+
+class FeatureTable(NamedTuple):
+    columns: list
+    rows: list
+    rows_left: int
+    columns_left: int
+
+
+def feature_table(rows: list[dict]) -> FeatureTable:
+    """What the report shows of a script's table: the first ``FEATURE_ROWS`` rows, the first ``FEATURE_COLUMNS`` of
+    the keys those rows have, in the order they first appear, and how many of each were left out."""
+    shown = rows[:FEATURE_ROWS]
+    keys = list(dict.fromkeys(k for r in shown for k in r))
+    return FeatureTable(keys[:FEATURE_COLUMNS], shown, len(rows) - len(shown), max(0, len(keys) - FEATURE_COLUMNS))
 
 
 def _cell(value: object) -> object:
@@ -142,7 +158,7 @@ def run_document(run: Run, figures: Figures | None = None) -> Document:
         "environment_names": ENVIRONMENT_NAMES,
         "odd": [(c.source, t) for c in run.conformance for t in c.data.tests if t.outcome != "passed"],
         "odd_rows": ODD_ROWS,
-        "feature_rows": FEATURE_ROWS,
+        "feature_table": feature_table,
         "cell": _cell,
         "breakdowns": breakdowns,
         "refused": accounting.refused(run.cases),
