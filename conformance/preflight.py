@@ -127,7 +127,7 @@ def _build(spec: str) -> dict:
 def _say(status: str, **payload: object) -> None:
     try:
         sys.stdout.flush()
-    except (OSError, ValueError):  # a stdout the factory closed or replaced
+    except Exception:  # a stdout the factory closed, replaced or set to None: the line below does not need it
         pass
     # to file descriptor 1 itself (the factory may have replaced sys.stdout), on a line of its own (whatever the
     # factory wrote before it without a newline)
@@ -165,9 +165,15 @@ def main(argv: list[str]) -> int:
 
 def _crash_frame(stderr: str) -> str:
     """The innermost frame of the faulthandler dump in ``stderr`` (most recent call first) outside Python's own
-    library (the factory's line, not ctypes'), else the innermost one; '' without a dump."""
+    library (the factory's line, not ctypes'), else the innermost one; '' without a dump. The crashing thread's
+    section ("Current thread ...") where the dump has one: other threads are dumped before it."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [m for m in (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in stderr.split("\n")) if m]
+    lines = stderr.split("\n")
+    current = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
+    if current:
+        lines = lines[current[-1] + 1 :]
+        lines = lines[: next((i for i, line in enumerate(lines) if not line.startswith(" ")), len(lines))]
+    frames = [m for m in (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in lines) if m]
     frame = next((m for m in frames if not m[1].startswith(stdlib)), frames[0] if frames else None)
     return f" in {named(frame[3])} ({named(frame[1])}:{frame[2]})" if frame else ""
 
@@ -211,6 +217,6 @@ if __name__ == "__main__":
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError, AttributeError):  # a stream the factory closed or replaced
+        except Exception:  # a stream the factory closed, replaced or set to None
             pass
     os._exit(status)  # a non-daemon thread the driver's code left running does not hold the process (it was named)

@@ -113,3 +113,26 @@ def crashes_after_an_escaped_frame() -> HostDriver:
     os.write(2, b'  File "\x1b[2J\x1b[31mevil.py", line 1 in \x1b[0mf\n')
     os.kill(os.getpid(), signal.SIGSEGV)
     raise AssertionError("SIGSEGV did not end the process")
+
+
+def sets_stdout_to_none() -> HostDriver:
+    """Sets ``sys.stdout`` to None, then returns a good driver."""
+    import sys
+
+    sys.stdout = None
+    return HostDriver(granularity=4096)
+
+
+def _idle() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def crashes_beside_a_thread() -> HostDriver:
+    """Starts a thread that idles, then reads address 0: the dump lists the idle thread first."""
+    import threading
+
+    threading.Thread(target=_idle, daemon=True).start()
+    time.sleep(0.2)
+    ctypes.string_at(0)
+    raise AssertionError("ctypes.string_at(0) returned")

@@ -263,3 +263,20 @@ def test_the_crash_frame_of_a_dead_factory_is_shown_escaped():
     assert got.status == "unbuildable" and "SIGSEGV" in got.message and "\x1b" not in got.message, (
         f"preflight of {spec}: expected SIGSEGV named and no raw escape in {got.message!r}"
     )
+
+
+def test_a_factory_that_sets_sys_stdout_to_none_is_still_built():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:sets_stdout_to_none", timeout=60, env=dict(os.environ), package="conformance")
+    assert got.status == "ok", f"preflight of {FACTORIES}:sets_stdout_to_none: expected ok, got {got}"
+
+
+def test_the_crash_frame_is_the_crashing_threads_not_another_threads():
+    from conformance import preflight
+
+    spec = f"{FACTORIES}:crashes_beside_a_thread"
+    got = preflight.run(spec, timeout=60, env=dict(os.environ), package="conformance")
+    assert "in crashes_beside_a_thread" in got.message and "_idle" not in got.message, (
+        f"preflight of {spec}: expected the crashing thread's frame, got {got.message!r}"
+    )
