@@ -756,9 +756,10 @@ def test_measure_runs_the_worst_batches_from_an_emptied_cache_and_sizes_from_wha
         kept = sum(k for _, k in takes)
         got = (memory["order"], names, m.served_reserved, m.served_retained, m.torch_growth, m.free_now)
         expected = (
-            ["empty_cache", "null"] + ["reset", "batch"] * 14 + ["null"],
+            ["empty_cache", "null"] + ["reset", "batch"] * 24 + ["null"],
             ["prefill_fresh", "prefill_over_context", "prefill_longest_context"]
-            + [f"prefill_split_q{q}" for q in (4, 8, 16, 32, 64, 128, 256, 512, 1024)]  # 2 new tokens, doubled
+            + [f"prefill_split_q{q}" for q in (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768)]
+            + [f"prefill_split_q{q}" for q in (1024, 1536)]  # from 2 new tokens, steps of 1.5x and 4/3x
             + ["decode_max_len", "mixed"],
             peak * mib,
             kept * mib,

@@ -64,16 +64,16 @@ Note [Torch's cache, held to the budget]
     batches' 93 MiB. Run h100-2026-12-07-torch-cap.
 
 Note [Split partials peak between the shortest and the longest query]
-    Rule: besides the context batches at the shortest and the longest query, the worst batches run every query
-    length between them, doubling (``worst_batch``'s ``prefill_split_q{q}``: the most requests of q new tokens at
-    max_model_len).
+    Rule: besides the context batches at the shortest and the longest query, the worst batches run query lengths
+    between them in steps of at most 1.5x (``worst_batch``'s ``prefill_split_q{q}``: the most requests of q new
+    tokens at max_model_len, the longest context, which allows the most splits).
     Why: FlashAttention-3 sizes its split count for one sequence of the batch's longest query over its longest
     context (fewer query blocks, more splits) and allocates splits x heads x every query token of the batch in
-    fp32: the product peaks at a middle query length that neither end reaches. Triton's and FlashInfer's split-KV
-    paths size partials from the same two numbers.
-    Figure: the sliding-window model (4 heads, 64 dims) served a step whose live tensors peaked at 210 MiB, one
-    FlashAttention call asking 96 MiB, against 93 MiB over every worst batch before the sweep. Run
-    h100-2026-12-07-torch-cap. With the sweep: not yet run on a GPU.
+    fp32: the product peaks at a middle query length that neither end reaches; where the split count does not grow
+    with the query, a step of 1.5x leaves at most 1.5x of a peak between two batches unrun.
+    Figure: the sliding-window model (4 heads, 64 dims, max_model_len 2048) peaked at 212 MiB allocated on a fresh
+    burst of 8 prompts of up to 1,725 tokens, against 93 MiB over every worst batch before the sweep (its fresh
+    batch: 8 of 2,047). Run h100-2026-12-07-torch-cap. With the sweep: not yet run on a GPU.
 
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold

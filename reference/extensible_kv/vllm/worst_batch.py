@@ -22,8 +22,9 @@ max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens
       gather, kv_b_proj         fill W, else prefill_longest_context
       up-projection, merges
     split-KV partials         prefill_split_q{q}: min(S, T // q)          Note [Split partials peak between the
-      (num_splits x heads x     sequences of q new tokens at L, q          shortest and the longest query]
-      query tokens floats)      doubling between the two context batches
+      (num_splits x heads x     sequences of q new tokens at L, q in         shortest and the longest query]
+      query tokens floats)      steps of at most 1.5x between the two
+                                context batches
     decode attention          decode_max_len: S sequences of 1 + k new    the most sequences at the longest
       (split-KV partials)       tokens at L                                 context
     sampler (rows x vocab     decode_max_len's sampler run: S x (1 + k)   Note [The speculative step, at its
@@ -229,15 +230,18 @@ def _fits(tokens: int, reqs: int, cap: int) -> int:
 
 
 def _split_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
-    """``prefill_split_q{q}``: for ``q`` doubling from twice ``first`` while below ``last``, the most requests
-    (``min(S, T // q)``) of ``q`` new tokens each at max_model_len."""
+    """``prefill_split_q{q}``: for every ``q`` above ``first`` and below ``last`` of the form ``first x 2^i`` or
+    ``first x 3 x 2^i`` (each at most 1.5 times the one before), the most requests (``min(S, T // q)``) of ``q``
+    new tokens each at max_model_len."""
     s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+    qs, p = [], first
+    while p < last:
+        qs += [p, 3 * p // 2] if p > first else [3 * p // 2]
+        p *= 2
     sweep = []
-    q = 2 * first
-    while q < last and q < L:
+    for q in sorted({q for q in qs if first < q < min(last, L)}):
         reqs = min(s, t // q)
         sweep.append(_batch(f"prefill_split_q{q}", ("attention_split_partials",), Dummy(reqs * q, reqs, L), limits))
-        q *= 2
     return sweep
 
 
@@ -292,8 +296,8 @@ def derive(limits: Limits) -> Plan:
             not limits.mla or longest_ctx.mla_context_tokens > over.mla_context_tokens
         ):
             batches.append(longest_ctx)
-        # Split-KV partials: every query length between those two, doubling (Note [Split partials peak between the
-        # shortest and the longest query] in ``sizing``).
+        # Split-KV partials: query lengths between those two, each at most 1.5 times the one before (Note [Split
+        # partials peak between the shortest and the longest query] in ``sizing``).
         batches.extend(_split_sweep(limits, first=prefill_min, last=max(n for _, n in over.seqs)))
 
     # Decode: every sequence at max_model_len, 1 + k tokens each, then the sampler at its widest.
