@@ -234,6 +234,48 @@ def _mib(v) -> str:
     return "-" if v is None else f"{v / MIB:+.1f}"
 
 
+def component_rows(path: Path) -> list[dict]:
+    """Per component of one extensible run: the worst batch that brought its peak back (the most allocated among
+    the batches that target it, since the batch began) beside vLLM's profiled peak and the most the generator's
+    load allocated in one step (whole steps: a step holds every component at once), as the batches count it: its
+    allocated peak less torch's allocated bytes at rest (read after the burst that came closest to the budget);
+    and whether the case fits; [] without the run."""
+    if not path.exists():
+        return []
+    run = json.loads(path.read_text())
+    measured = (run.get("extensible") or {}).get("measured") or {}
+    load = run.get("load") or {}
+    top = load.get("highest_allocated") or {}
+    burst = top.get("burst") or {}
+    rest = ((load.get("highest") or {}).get("reading") or {}).get("torch_allocated")
+    step = top["peak_allocated"] - rest if top.get("peak_allocated") is not None and rest is not None else None
+    over = load.get("highest_over_budget")
+    fits = not (load.get("errors") or run.get("error")) and over is not None and over <= 0
+    best: dict[str, dict] = {}
+    for b in measured.get("worst_batches") or ():
+        for component in b.get("targets") or ():
+            if component not in best or b.get("peak_allocated", 0) > best[component].get("peak_allocated", 0):
+                best[component] = b
+    return [
+        {
+            "case": path.stem.removesuffix("-extensible"),
+            "component": component,
+            "batch": b.get("name"),
+            "batch_allocated_mib": _in_mib(b.get("peak_allocated")),
+            "batch_reserved_mib": _in_mib(b.get("peak_reserved")),
+            "profiled_mib": _in_mib(measured.get("profiled_peak")),
+            "generator_step_mib": _in_mib(step),
+            "generator_burst": f"{burst.get('kind')} #{burst.get('index')}" if burst else None,
+            "case_fits": fits,
+        }
+        for component, b in sorted(best.items())
+    ]
+
+
+def _in_mib(value) -> float | None:
+    return None if value is None else round(value / MIB, 1)
+
+
 def summarize(folder: Path) -> dict:
     rows = []
     for case in CASES:
@@ -294,7 +336,8 @@ def summarize(folder: Path) -> dict:
         )
     ran = [r for r in rows if r.get("extensible_over_budget") is not None or r["extensible_errors"]]
     verdict = bool(ran) and all(r["fits"] for r in ran)
-    summary = {"rows": rows, "all_within_budget": verdict, "table": "\n".join(lines)}
+    components = [c for case in CASES for c in component_rows(folder / f"{case['name']}-extensible.json")]
+    summary = {"rows": rows, "components": components, "all_within_budget": verdict, "table": "\n".join(lines)}
     (folder.parent / "worst-batch-summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (folder.parent / "worst-batch-table.md").write_text(summary["table"] + "\n")
     return summary

@@ -415,6 +415,7 @@ class ScriptSummary(Record):
     cases: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
+    components: list[dict[str, Any]] = []  # integration/worst_batch_run.py: per component, batch against load
 
 
 class CurrentRun(Record):

@@ -202,7 +202,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     for rel, title in scripts.items():
         for p in files(rel):
             script = load(p, ScriptSummary)
-            for key in (k for k in ("pairs", "cases", "rows") if getattr(script, k)):
+            for key in (k for k in ("pairs", "cases", "rows", "components") if getattr(script, k)):
                 scalar = [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in getattr(script, key)]
                 run.features[f"{title}: {key}"] = scalar  # scalar cells only: token lists stay in the files
     return run
