@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -72,18 +73,16 @@ def _sigterm_raises() -> Iterator[None]:
 
 def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float | None = None, capture: bool = False) -> Finished:
     """Run ``cmd`` in a new session and wait for it (at most ``timeout`` seconds, ``None``: no limit); whatever
-    happens, no process of its group outlives this call. With ``capture``, its output is returned as text."""
-    pipe = subprocess.PIPE if capture else None
-    with _sigterm_raises():
-        proc = subprocess.Popen(
-            list(cmd), env=dict(env), stdout=pipe, stderr=pipe, text=True, errors="replace", start_new_session=True
-        )
+    happens, no process of its group outlives this call. With ``capture``, its output is returned as text (the last
+    ``CAPTURE_LIMIT`` bytes of each stream), kept in unnamed files rather than pipes: the wait is for the child
+    itself, not for every process that holds its output open (a helper it left in a session of its own)."""
+    with _sigterm_raises(), _outputs(capture) as (out_file, err_file):
+        proc = subprocess.Popen(list(cmd), env=dict(env), stdout=out_file, stderr=err_file, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc, signal.SIGTERM)
-            out, err = _drain(proc)
-            return Finished(None, True, out, err)
+            return Finished(None, True, _tail(out_file), _tail(err_file))
         except KeyboardInterrupt:
             _end(proc, signal.SIGINT)
             raise
@@ -91,16 +90,25 @@ def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float | None = N
             _end(proc, signal.SIGTERM)
             raise
         kill_group(proc.pid)  # what the child left running in its group (a worker that outlived its controller)
-    return Finished(proc.returncode, False, out or "", err or "")
+        return Finished(proc.returncode, False, _tail(out_file), _tail(err_file))
 
 
-def _drain(proc: subprocess.Popen) -> tuple[str, str]:
-    """What a killed child had written; a grandchild of another group that holds the pipes is not waited for."""
-    try:
-        out, err = proc.communicate(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-        return "", ""
-    return out or "", err or ""
+CAPTURE_LIMIT = 8 << 20  # the most of each captured stream kept, its end: a status line is the last thing said
+
+
+@contextmanager
+def _outputs(capture: bool) -> Iterator[tuple]:
+    if not capture:
+        yield None, None
+        return
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        yield out, err
+
+
+def _tail(file) -> str:
+    """The last ``CAPTURE_LIMIT`` bytes written to ``file`` as text ('' without capture)."""
+    if file is None:
+        return ""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - CAPTURE_LIMIT))
+    return file.read().decode("utf-8", errors="replace")

@@ -136,3 +136,20 @@ def crashes_beside_a_thread() -> HostDriver:
     time.sleep(0.2)
     ctypes.string_at(0)
     raise AssertionError("ctypes.string_at(0) returned")
+
+
+DETACHED_PID_FILE = "HOSTILE_FACTORIES_DETACHED_PID_FILE"
+
+
+def leaves_a_detached_helper() -> HostDriver:
+    """Starts a helper in a session of its own that keeps stdout and stderr open for 30 s (its pid written to the
+    file ``DETACHED_PID_FILE`` names), then returns a good driver at once."""
+    pid = os.fork()
+    if pid == 0:  # the first child: a new session, then a grandchild that outlives it
+        os.setsid()
+        if os.fork() == 0:
+            Path(os.environ[DETACHED_PID_FILE]).write_text(str(os.getpid()))
+            time.sleep(30)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return HostDriver(granularity=4096)

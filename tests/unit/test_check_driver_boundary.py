@@ -280,3 +280,27 @@ def test_the_crash_frame_is_the_crashing_threads_not_another_threads():
     assert "in crashes_beside_a_thread" in got.message and "_idle" not in got.message, (
         f"preflight of {spec}: expected the crashing thread's frame, got {got.message!r}"
     )
+
+
+def test_a_helper_that_left_the_session_holding_the_output_does_not_hold_the_preflight(tmp_path):
+    from conformance import preflight
+
+    pid_file = tmp_path / "detached.pid"
+    env = {**os.environ, "HOSTILE_FACTORIES_DETACHED_PID_FILE": str(pid_file)}
+    start = time.monotonic()
+    try:
+        got = preflight.run(f"{FACTORIES}:leaves_a_detached_helper", timeout=20, env=env, package="conformance")
+        waited = time.monotonic() - start
+    finally:
+        deadline = time.monotonic() + 5
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert got.status == "ok" and waited < 20, (
+        f"preflight of a factory that built a driver and left a helper of its own session holding the output: "
+        f"expected ok without waiting for the helper, got {got} after {waited:.1f} s"
+    )
