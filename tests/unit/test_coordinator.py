@@ -640,3 +640,25 @@ def test_an_interrupt_in_a_growth_keeps_the_record_of_the_shrink_the_poll_applie
         f"poll interrupted by {exc.__name__} in busy's growth: expected the record of idle's shrink to 17 and the "
         f"interrupt named, got {record}"
     )
+
+
+def test_an_interrupt_while_an_engines_error_is_read_is_named_in_the_polls_record():
+    busy = FakeEngine("busy", 100, 17, 4000, demand=600, running=8, waiting=4)
+    idle = FakeEngine("idle", 1800, 17, 4000, demand=0)
+
+    class Unreadable(Exception):
+        def __str__(self):
+            raise KeyboardInterrupt  # Ctrl-C landing while the error is turned into text
+
+    def refuse(n):
+        raise Unreadable()
+
+    coordinator = Coordinator(
+        [busy.handle(), EngineHandle("idle", idle.state, refuse)], Policy(2000 * BPB, idle_polls=1)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        coordinator.poll()
+    record = coordinator.log[-1] if coordinator.log else {}
+    assert "KeyboardInterrupt" in record.get("errors", {}).get("idle", ""), (
+        f"an interrupt while idle's error was read: expected it named in the poll's record, got {record}"
+    )

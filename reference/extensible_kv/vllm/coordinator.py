@@ -329,7 +329,11 @@ class Coordinator:
                 try:
                     handles[e.name].resize(n)
                 except Exception as exc:  # the engine keeps its size; the next poll tries again
-                    record["errors"][e.name] = error_text(exc)
+                    try:
+                        record["errors"][e.name] = error_text(exc)
+                    except BaseException as inner:  # an interrupt while the error was read: named, then goes on
+                        record["errors"][e.name] = f"{type(inner).__name__} while reading the resize's error"
+                        raise
                     continue
                 except BaseException as exc:  # an interrupt or an exit: recorded with what this poll applied
                     record["errors"][e.name] = f"{type(exc).__name__} during the resize to {n} blocks"
