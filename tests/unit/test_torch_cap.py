@@ -114,6 +114,7 @@ def _fake_cuda(monkeypatch, free: int, total: int, cache: FakeCache) -> list:
     monkeypatch.setattr(torch.cuda, "empty_cache", cache.empty_cache)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a: cache.calls.append(("fraction", a)))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     return cache.calls
 
 
@@ -404,3 +405,31 @@ def test_an_allocator_that_refuses_a_later_hold_keeps_the_earlier_cap(monkeypatc
 
     monkeypatch.setattr(worker_kv, "_allocator_settings", refuse)
     assert state.hold_torch_to_budget() == 1 << 30 and state.torch_cap["cap"] == 1 << 30, state.torch_cap
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [("PYTORCH_ALLOC_CONF", "expandable_segments:True"), ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments: True"),
+     ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments :true")],
+)  # fmt: skip
+def test_the_users_expandable_segments_are_read_as_torch_reads_them(monkeypatch, name, value):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+    monkeypatch.setenv(name, value)
+    _refused_readings(monkeypatch)
+    state.hold_torch_to_budget()
+    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    assert settings == ["expandable_segments:True"], f"{name}={value!r}: the user's segments turned off: {settings}"
+
+
+def test_a_reading_that_raises_leaves_the_engine_as_it_was_and_says_why(monkeypatch):
+    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    assert state.hold_torch_to_budget() is None
+    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    got = (settings, worker_kv.os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), state.torch_cap.get("error", ""))
+    assert got[:2] == (["expandable_segments:True", "expandable_segments:False"], None), got
+    assert got[2].startswith("RuntimeError: CUDA error"), got

@@ -183,21 +183,22 @@ class WorkerKV:
         torch.cuda.synchronize()
         earlier = dict(self.torch_cap or {})  # a commit after a commit: the cap and the trims so far still count
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-        on_before = "expandable" in earlier or "expandable_segments:True" in (conf or "")  # by a hold or the user
+        on_before = "expandable" in earlier or users_expandable_segments()  # by a hold or by the user
         try:  # an allocator without the setting leaves the engine as it was, the reason recorded
             _allocator_settings("expandable_segments:True")
         except (RuntimeError, ValueError, AttributeError) as exc:
             self._not_held(earlier, {}, exc)
             return earlier.get("cap")
         _tell_vllm_segments_are_expandable()
-        torch.cuda.empty_cache()
-        free, total = (int(v) for v in torch.cuda.mem_get_info())
-        used = self.measured.init_free - free
-        reserved = int(torch.cuda.memory_reserved())
-        readings = {"used": used, "reserved": reserved, "total": total}
-        try:  # readings that do not add up leave the engine as it was, the reason recorded
+        readings: dict = {}
+        try:  # readings that fail or do not add up leave the engine as it was, the reason recorded
+            torch.cuda.empty_cache()
+            free, total = (int(v) for v in torch.cuda.mem_get_info())
+            used = self.measured.init_free - free
+            reserved = int(torch.cuda.memory_reserved())
+            readings = {"used": used, "reserved": reserved, "total": total}
             cap = torch_cap(self.measured, used, reserved)
-        except ExtensibleKVError as exc:
+        except (ExtensibleKVError, RuntimeError, ValueError, TypeError) as exc:
             _undo_expandable(conf, turn_off=not on_before)
             self._not_held(earlier, readings, exc)
             return earlier.get("cap")
@@ -270,6 +271,20 @@ def _allocator_settings(settings: str) -> None:
     if setter is None:  # torch releases before the accelerator API
         setter = torch.cuda.memory._set_allocator_settings
     setter(settings)
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads either (the first wins)
+
+
+def users_expandable_segments() -> bool:
+    """Whether the user's allocator variables turn expandable segments on, as torch reads them: ``key:value``
+    pairs split at commas, blanks ignored, the value ``True`` or ``true``."""
+    for name in ALLOC_CONF_VARIABLES:
+        for pair in os.environ.get(name, "").split(","):
+            key, _, value = (part.strip() for part in pair.partition(":"))
+            if key == "expandable_segments" and value in ("True", "true"):
+                return True
+    return False
 
 
 def _undo_expandable(conf: str | None, *, turn_off: bool) -> None:
