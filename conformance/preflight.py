@@ -124,6 +124,13 @@ def _build(spec: str) -> dict:
         ) from None
 
 
+def _one_line(text: str) -> str:
+    """``text`` as one line of a message: blanks folded, every character that is not printable escaped (a
+    factory's exception reaches the terminal with no escape sequence of its own)."""
+    folded = " ".join(text.split())
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in folded)
+
+
 def _say(status: str, **payload: object) -> None:
     try:
         sys.stdout.flush()
@@ -150,9 +157,9 @@ def main(argv: list[str]) -> int:
     try:
         status, code, payload = "ok", 0, {"facts": _build(argv[0])}
     except _BadSpec as exc:
-        status, code, payload = "bad-spec", 2, {"message": " ".join(str(exc).split())}
+        status, code, payload = "bad-spec", 2, {"message": _one_line(str(exc))}
     except _Unbuildable as exc:
-        status, code, payload = "unbuildable", 1, {"message": " ".join(str(exc).split())}
+        status, code, payload = "unbuildable", 1, {"message": _one_line(str(exc))}
     if "extensible_kv.boundaries.factories" in sys.modules:  # imported by _build once the driver's code could run
         factories = sys.modules["extensible_kv.boundaries.factories"]
         threads, processes = factories.left_running(threads_before)

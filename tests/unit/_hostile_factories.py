@@ -153,3 +153,8 @@ def leaves_a_detached_helper() -> HostDriver:
         os._exit(0)
     os.waitpid(pid, 0)
     return HostDriver(granularity=4096)
+
+
+def raises_escapes() -> HostDriver:
+    """Raises with terminal escape sequences in its message."""
+    raise RuntimeError("\x1b]0;owned\x07\x1b[31mred\x1b[0m")

@@ -304,3 +304,12 @@ def test_a_helper_that_left_the_session_holding_the_output_does_not_hold_the_pre
         f"preflight of a factory that built a driver and left a helper of its own session holding the output: "
         f"expected ok without waiting for the helper, got {got} after {waited:.1f} s"
     )
+
+
+def test_a_factorys_exception_is_shown_with_its_escape_sequences_escaped():
+    from conformance import preflight
+
+    got = preflight.run(f"{FACTORIES}:raises_escapes", timeout=60, env=dict(os.environ), package="conformance")
+    assert "\x1b" not in got.message and "\x07" not in got.message and "\\x1b[31mred" in got.message, (
+        f"preflight of {FACTORIES}:raises_escapes: expected the escapes shown escaped, got {got.message!r}"
+    )

@@ -1470,3 +1470,17 @@ def test_a_scripts_table_has_the_keys_of_every_row_shown_bounded_and_its_heading
         f"and a row of {document.FEATURE_COLUMNS + 10} keys: expected the later key's value shown, headings cut, "
         f"{document.FEATURE_COLUMNS} columns and the rest counted, and a row of lists said so; got {got}"
     )
+
+
+def test_a_scripts_table_counts_what_it_left_out_below_the_table_and_escapes_control_characters(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"case": "\x1b[31mred\x1b[0m", "n": i} for i in range(300)]
+    (run / "worst-batch-summary.json").write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "out"
+    assert report_main([str(run), "--out", str(out)]) == 0
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    got = ("\x1b" in md or "\x1b" in html, "<td>100 more rows in the file.</td>" in html, "100 more rows" in html)
+    assert got == (False, False, True), (
+        f"a 300-row table of escape sequences: expected no raw ESC and the count outside the table, got {got}"
+    )

@@ -72,10 +72,12 @@ def feature_table(rows: list[dict]) -> FeatureTable:
 
 
 def _cell(value: object) -> object:
-    """A cell of a script's table: a string longer than ``FEATURE_CELL_CHARS`` cut, ending in ``...``."""
-    if isinstance(value, str) and len(value) > FEATURE_CELL_CHARS:
-        return value[: FEATURE_CELL_CHARS - 3] + "..."
-    return value
+    """A cell or heading of a script's table: a string with every character that is not printable escaped
+    (``\\x1b``: no terminal sequence reaches report.md), cut to ``FEATURE_CELL_CHARS``, ending in ``...``."""
+    if not isinstance(value, str):
+        return value
+    value = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+    return value if len(value) <= FEATURE_CELL_CHARS else value[: FEATURE_CELL_CHARS - 3] + "..."
 
 
 def summary(context: dict) -> dict:
