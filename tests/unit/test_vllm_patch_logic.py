@@ -924,3 +924,21 @@ def test_sampler_run_widens_nothing_where_vllms_dummy_runs_no_rejection_sampler(
     assert runner.calls == ["returned early"], (
         f"_sampler_run after a dummy without rejection sampler: expected no rejection sampler call, got {runner.calls}"
     )
+
+
+@pytest.mark.parametrize(
+    "where,value,needle",
+    [("max_num_seqs", None, "max_num_seqs"), ("max_num_seqs", 8.5, "max_num_seqs"),
+     ("max_num_seqs", float("nan"), "max_num_seqs"), ("enable_chunked_prefill", "False", "enable_chunked_prefill")],
+)  # fmt: skip
+def test_limits_from_a_vllm_config_of_odd_types_are_refused_naming_the_setting(where, value, needle):
+    from extensible_kv.vllm import probes
+    from extensible_kv.vllm.worst_batch import LimitsError
+
+    config = _limits_config()
+    setattr(config.scheduler_config, where, value)
+    runner = SimpleNamespace(vllm_config=config, max_model_len=512, max_num_tokens=16384, speculative_config=None)
+    with pytest.raises(LimitsError, match=needle):
+        probes.limits_of(runner)
+    setattr(config.scheduler_config, where, 8.0 if where == "max_num_seqs" else True)  # whole, and a real switch
+    assert probes.limits_of(runner).max_num_seqs == 8

@@ -6,13 +6,14 @@ probe names the member it uses, and ``patches`` is the only caller.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, cast
 
 from . import worker_kv
 from .worker_kv import ExtensibleKVUnsupported
-from .worst_batch import Batch, Dummy, Limits, Plan
+from .worst_batch import Batch, Dummy, Limits, LimitsError, Plan
 
 _MISSING = object()  # an attribute the instance did not have
 
@@ -240,21 +241,42 @@ def limits_of(model_runner: Any) -> Limits:
     groups = getattr(getattr(model_runner, "kv_cache_config", None), "kv_cache_groups", None) or ()
     block_sizes = [g.kv_cache_spec.block_size for g in groups] or [cache.block_size]
     return Limits(
-        max_model_len=int(model_runner.max_model_len),
-        max_num_batched_tokens=int(min(scheduler.max_num_batched_tokens, model_runner.max_num_tokens)),
-        max_num_seqs=int(scheduler.max_num_seqs),
-        block_size=int(min(block_sizes)),
-        chunked_prefill=bool(scheduler.enable_chunked_prefill),
-        prefix_caching=bool(cache.enable_prefix_caching),
-        mla=bool(model.use_mla),
+        max_model_len=_whole("max_model_len", model_runner.max_model_len),
+        max_num_batched_tokens=_whole(
+            "max_num_batched_tokens", min(scheduler.max_num_batched_tokens, model_runner.max_num_tokens)
+        ),
+        max_num_seqs=_whole("max_num_seqs", scheduler.max_num_seqs),
+        block_size=_whole("block_size", min(block_sizes)),
+        chunked_prefill=_flag("enable_chunked_prefill", scheduler.enable_chunked_prefill),
+        prefix_caching=_flag("enable_prefix_caching", cache.enable_prefix_caching),
+        mla=_flag("use_mla", model.use_mla),
         attention_backend=str(getattr(config, "attention_config", None) and config.attention_config.backend),
-        spec_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
-        vocab_size=int(model.get_vocab_size()),
-        encoder_cache_tokens=int(budget["encoder_cache_size"]) if budget else 0,
-        encoder_tokens_per_item=int(budget["tokens_per_item"]) if budget else 0,
-        sleep_mode=bool(model.enable_sleep_mode),
-        decode_threshold=int(decode_threshold_of(model_runner)),
+        spec_tokens=_whole("num_speculative_tokens", spec.num_speculative_tokens) if spec is not None else 0,
+        vocab_size=_whole("vocab_size", model.get_vocab_size()),
+        encoder_cache_tokens=_whole("encoder_cache_size", budget["encoder_cache_size"]) if budget else 0,
+        encoder_tokens_per_item=_whole("tokens_per_item", budget["tokens_per_item"]) if budget else 0,
+        sleep_mode=_flag("enable_sleep_mode", model.enable_sleep_mode),
+        decode_threshold=_whole("reorder_batch_threshold", decode_threshold_of(model_runner)),
     )
+
+
+def _whole(name: str, value: object) -> int:
+    """A count from vLLM's config as an int: an int (numpy's too) or a float with nothing after the point;
+    ``LimitsError`` naming it otherwise (a bool, None, NaN, 4096.9, a string)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+    raise LimitsError(f"vLLM's {name} is not a whole number: {type(value).__name__} {value!r:.60}")
+
+
+def _flag(name: str, value: object) -> bool:
+    """A switch from vLLM's config as a bool: a bool, or 0 or 1; ``LimitsError`` naming it otherwise ("False")."""
+    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise LimitsError(f"vLLM's {name} is not a switch: {type(value).__name__} {value!r:.60}")
 
 
 def decode_threshold_of(model_runner: Any) -> int:
