@@ -255,7 +255,7 @@ def test_readings_that_do_not_add_up_put_the_allocator_and_the_variable_back(mon
     monkeypatch.setattr(worker_kv, "torch_cap", torch_cap)  # the real derivation refuses reserved_now=-1
     state.measured = MemoryState(**_valid())
     assert state.hold_torch_to_budget() is None and "reserved_now=-1" in state.torch_cap["error"], state.torch_cap
-    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    settings = _settings(cache)
     got = (settings, worker_kv.os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     assert got == (["expandable_segments:True", "expandable_segments:False"], "max_split_size_mb:512"), (
         f"an uncapped engine: expected the setting turned back off and the variable as it was, got {got}"
@@ -363,20 +363,16 @@ def test_readings_that_do_not_add_up_leave_the_engine_uncapped_naming_them(monke
     assert state.trim_torch_cache() is False and not any(isinstance(c, tuple) for c in calls), calls
 
 
+def _settings(cache: FakeCache) -> list:
+    """The expandable-segments settings the worker gave torch's allocator, in order."""
+    return [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+
+
 def _refused_readings(monkeypatch):
     def refuse(*a):
         raise InvalidSizeError("torch_cap: reserved_now=-1 is below 0")
 
     monkeypatch.setattr(worker_kv, "torch_cap", refuse)
-
-
-def test_readings_that_do_not_add_up_leave_the_users_expandable_segments_on(monkeypatch):
-    state, cache, _ = _capped_worker(monkeypatch, cap=1 << 30, reserved=0, live=0)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the user's, before any hold
-    _refused_readings(monkeypatch)
-    state.hold_torch_to_budget()
-    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
-    assert settings == ["expandable_segments:True"], f"the user's expandable segments were turned off: {settings}"
 
 
 def test_a_later_hold_that_fails_keeps_the_cap_trims_and_setting_of_the_earlier_one(monkeypatch):
@@ -390,7 +386,7 @@ def test_a_later_hold_that_fails_keeps_the_cap_trims_and_setting_of_the_earlier_
     got = {k: state.torch_cap.get(k) for k in ("cap", "trims", "highest_before_trim", "expandable")}
     want = {"cap": 1 << 30, "trims": 1, "highest_before_trim": 3 << 30, "expandable": True}
     assert got == want and "reserved_now=-1" in state.torch_cap["error"], state.torch_cap
-    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    settings = _settings(cache)
     assert "expandable_segments:False" not in settings, f"a failed later hold turned segments off: {settings}"
     cache.reserved = 2 << 30
     assert state.trim_torch_cache() is True, "the engine stopped trimming after a failed later hold"
@@ -409,7 +405,8 @@ def test_an_allocator_that_refuses_a_later_hold_keeps_the_earlier_cap(monkeypatc
 
 @pytest.mark.parametrize(
     "name,value",
-    [("PYTORCH_ALLOC_CONF", "expandable_segments:True"), ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments: True"),
+    [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"), ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
+     ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments: True"),
      ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments :true")],
 )  # fmt: skip
 def test_the_users_expandable_segments_are_read_as_torch_reads_them(monkeypatch, name, value):
@@ -417,7 +414,7 @@ def test_the_users_expandable_segments_are_read_as_torch_reads_them(monkeypatch,
     monkeypatch.setenv(name, value)
     _refused_readings(monkeypatch)
     state.hold_torch_to_budget()
-    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    settings = _settings(cache)
     assert settings == ["expandable_segments:True"], f"{name}={value!r}: the user's segments turned off: {settings}"
 
 
@@ -429,7 +426,7 @@ def test_a_reading_that_raises_leaves_the_engine_as_it_was_and_says_why(monkeypa
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
     assert state.hold_torch_to_budget() is None
-    settings = [c for c in cache.calls if isinstance(c, str) and c.startswith("expandable")]
+    settings = _settings(cache)
     got = (settings, worker_kv.os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), state.torch_cap.get("error", ""))
     assert got[:2] == (["expandable_segments:True", "expandable_segments:False"], None), got
     assert got[2].startswith("RuntimeError: CUDA error"), got
