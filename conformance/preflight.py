@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from extensible_kv.boundaries import named, shown
+from extensible_kv.boundaries import escaped, named, shown
 
 from . import process_group
 
@@ -127,8 +127,7 @@ def _build(spec: str) -> dict:
 def _one_line(text: str) -> str:
     """``text`` as one line of a message: blanks folded, every character that is not printable escaped (a
     factory's exception reaches the terminal with no escape sequence of its own)."""
-    folded = " ".join(text.split())
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in folded)
+    return escaped(" ".join(text.split()))
 
 
 def _say(status: str, **payload: object) -> None:

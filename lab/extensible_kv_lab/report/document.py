@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
+from extensible_kv.boundaries import escaped
+
 from ..measurements import ExtensibleFigures
 from . import accounting, verdict
 from .accounting import MemoryBreakdown
@@ -76,7 +78,7 @@ def _cell(value: object) -> object:
     (``\\x1b``: no terminal sequence reaches report.md), cut to ``FEATURE_CELL_CHARS``, ending in ``...``."""
     if not isinstance(value, str):
         return value
-    value = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+    value = escaped(value)
     return value if len(value) <= FEATURE_CELL_CHARS else value[: FEATURE_CELL_CHARS - 3] + "..."
 
 

@@ -19,7 +19,7 @@ import re
 
 from ..errors import ExtensibleKVError
 
-__all__ = ["BoundaryError", "named", "shown", "text"]
+__all__ = ["BoundaryError", "escaped", "named", "shown", "text"]
 
 _ESCAPED_BYTE = re.compile(r"(?<!\\)\\udc([89a-f][0-9a-f])")  # a byte that is not UTF-8, as repr shows it
 SHOWN_CHARS = 120  # the most of one value a message shows: its start and its end, the middle elided
@@ -28,6 +28,12 @@ SHOWN_CHARS = 120  # the most of one value a message shows: its start and its en
 class BoundaryError(ExtensibleKVError, ValueError):
     """A value from outside (a file, a number, an output path, a factory's result) refused where it entered; the
     message names the value and why, on one line."""
+
+
+def escaped(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it (``\\x1b``, ``\\n``,
+    ``\\u2028``), nothing else changed and nothing cut: no terminal sequence or line break of its own survives."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:

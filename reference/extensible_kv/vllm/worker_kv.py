@@ -289,8 +289,8 @@ def users_expandable_segments() -> bool:
 
 def _undo_expandable(conf: str | None, *, turn_off: bool) -> None:
     """Put back what ``hold_torch_to_budget`` changed before readings that did not add up: the allocator's setting
-    where this hold turned it on (``turn_off``: neither an earlier hold nor the user's ``PYTORCH_CUDA_ALLOC_CONF``
-    had), and the variable as it was."""
+    where this hold turned it on (``turn_off``: neither an earlier hold nor the user's allocator variables had,
+    ``users_expandable_segments``), and ``PYTORCH_CUDA_ALLOC_CONF`` as it was."""
     if turn_off:
         try:
             _allocator_settings("expandable_segments:False")
