@@ -755,11 +755,13 @@ def test_measure_runs_the_worst_batches_from_an_emptied_cache_and_sizes_from_wha
         )  # the most held above the emptied cache
         kept = sum(k for _, k in takes)
         got = (memory["order"], names, m.served_reserved, m.served_retained, m.torch_growth, m.free_now)
+        ladder = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536)  # 2 x 1.5, 4/3
         expected = (
-            ["empty_cache", "null"] + ["reset", "batch"] * 24 + ["null"],
-            ["prefill_fresh", "prefill_over_context", "prefill_longest_context"]
-            + [f"prefill_split_q{q}" for q in (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768)]
-            + [f"prefill_split_q{q}" for q in (1024, 1536)]  # from 2 new tokens, steps of 1.5x and 4/3x
+            ["empty_cache", "null"] + ["reset", "batch"] * 43 + ["null"],
+            ["prefill_fresh"]
+            + [f"prefill_fresh_q{q}" for q in ladder]
+            + ["prefill_over_context", "prefill_longest_context"]
+            + [f"prefill_split_q{q}" for q in ladder]
             + ["decode_max_len", "mixed"],
             peak * mib,
             kept * mib,

@@ -28,8 +28,10 @@ def _by_name(limits: Limits) -> dict:
 def test_the_issue_engine_gets_a_prefill_over_context_that_fills_mlas_workspace():
     # wrong: a context batch at max_model_len - 1, or one that gathers less than the workspace holds
     batches = _by_name(ISSUE)
-    sweep = [f"prefill_split_q{q}" for q in (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)]  # 2 x 1.5 ... below 128
-    assert list(batches) == ["prefill_fresh", "prefill_over_context", *sweep, "decode_max_len", "mixed"]
+    ladder = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # 2 x 1.5 ... below 128
+    split = [f"prefill_split_q{q}" for q in ladder]
+    fresh = [f"prefill_fresh_q{q}" for q in ladder]
+    assert list(batches) == ["prefill_fresh", *fresh, "prefill_over_context", *split, "decode_max_len", "mixed"]
     over = batches["prefill_over_context"]
     assert over.seqs == ((384, 128),) * 32, over.seqs
     assert over.mla_context_tokens == mla_workspace_tokens(ISSUE) == 8192
@@ -192,7 +194,7 @@ def test_every_component_a_batch_targets_is_in_the_docstring_table():
     for component, batches in derive(limits).by_component().items():
         assert words[component] in table, component
         for name in batches:
-            assert (name if not name.startswith("prefill_split_q") else "prefill_split_q{q}") in table, name
+            assert re.sub(r"_q\d+$", "_q{q}", name) in table, name
 
 
 @pytest.mark.parametrize(
@@ -328,6 +330,25 @@ def test_the_split_sweep_steps_at_most_1_5x_between_the_two_context_batches(limi
     for q in qs[1:-1]:
         sweep = b[f"prefill_split_q{q}"]
         assert sweep.seqs == ((L - q, q),) * min(s, t // q), (limits, q, sweep.seqs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_strategy)
+def test_the_fresh_sweep_steps_at_most_1_5x_up_to_the_fresh_batch(limits):
+    # wrong: fresh prompts of one length only (the profile batch's), a step of more than 1.5x between a prefill's
+    # shortest query and the fresh batch's longest, or a sweep batch with cached context or fewer requests than fit
+    b = _by_name(limits)
+    s, t = limits.max_num_seqs, limits.max_num_batched_tokens
+    longest = max(n for _, n in b["prefill_fresh"].seqs)
+    qs = sorted(int(n[len("prefill_fresh_q") :]) for n in b if n.startswith("prefill_fresh_q"))
+    if longest <= limits.prefill_query_len:
+        assert not qs, (limits, qs)
+        return
+    qs = [limits.prefill_query_len, *qs, longest]
+    for short, long in zip(qs, qs[1:]):
+        assert short < long and 2 * long <= 3 * short + 1, (limits, qs)
+    for q in qs[1:-1]:
+        assert b[f"prefill_fresh_q{q}"].seqs == ((0, q),) * min(s, t // q), (limits, q)
 
 
 wide_limits = st.builds(

@@ -66,7 +66,8 @@ Note [Torch's cache, held to the budget]
 Note [Split partials peak between the shortest and the longest query]
     Rule: besides the context batches at the shortest and the longest query, the worst batches run query lengths
     between them in steps of at most 1.5x (``worst_batch``'s ``prefill_split_q{q}``: the most requests of q new
-    tokens at max_model_len, the longest context, which allows the most splits).
+    tokens at max_model_len, the longest context, which allows the most splits), and the same ladder of fresh
+    prompts up to the fresh batch's (``prefill_fresh_q{q}``: a kernel's heuristics read the query and the context).
     Why: FlashAttention-3 sizes its split count for one sequence of the batch's longest query over its longest
     context (fewer query blocks, more splits) and allocates splits x heads x every query token of the batch in
     fp32: the product peaks at a middle query length that neither end reaches; where the split count does not grow

@@ -24,7 +24,9 @@ max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens
     split-KV partials         prefill_split_q{q}: min(S, T // q)          Note [Split partials peak between the
       (num_splits x heads x     sequences of q new tokens at L, q in         shortest and the longest query]
       query tokens floats)      steps of at most 1.5x between the two
-                                context batches
+                                context batches; prefill_fresh_q{q}: the
+                                same query lengths with no context, up
+                                to prefill_fresh's
     decode attention          decode_max_len: S sequences of 1 + k new    the most sequences at the longest
       (split-KV partials)       tokens at L                                 context
     sampler (rows x vocab     decode_max_len's sampler run: S x (1 + k)   Note [The speculative step, at its
@@ -229,19 +231,35 @@ def _fits(tokens: int, reqs: int, cap: int) -> int:
     return reqs * per + min(tokens - reqs * per, max(0, cap - per))
 
 
-def _split_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
-    """``prefill_split_q{q}``: for every ``q`` above ``first`` and below ``last`` of the form ``first x 2^i`` or
-    ``first x 3 x 2^i`` (each at most 1.5 times the one before), the most requests (``min(S, T // q)``) of ``q``
-    new tokens each at max_model_len."""
-    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+def _ladder(first: int, last: int) -> list[int]:
+    """Every ``q`` above ``first`` and below ``last`` of the form ``first x 2^i`` or ``first x 3 x 2^i``: each at
+    most 1.5 times the one before."""
     qs, p = [], first
     while p < last:
         qs += [p, 3 * p // 2] if p > first else [3 * p // 2]
         p *= 2
+    return sorted({q for q in qs if first < q < last})
+
+
+def _split_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
+    """``prefill_split_q{q}``: for every ``q`` of the ladder between ``first`` and ``last``, the most requests
+    (``min(S, T // q)``) of ``q`` new tokens each at max_model_len."""
+    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
     sweep = []
-    for q in sorted({q for q in qs if first < q < min(last, L)}):
+    for q in _ladder(first, min(last, L)):
         reqs = min(s, t // q)
         sweep.append(_batch(f"prefill_split_q{q}", ("attention_split_partials",), Dummy(reqs * q, reqs, L), limits))
+    return sweep
+
+
+def _fresh_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
+    """``prefill_fresh_q{q}``: for every ``q`` of the ladder between ``first`` and ``last``, the most requests
+    (``min(S, T // q)``) of ``q`` new tokens each with no cached context."""
+    s, t = limits.max_num_seqs, limits.max_num_batched_tokens
+    sweep = []
+    for q in _ladder(first, last):
+        reqs = min(s, t // q)
+        sweep.append(_batch(f"prefill_fresh_q{q}", ("attention_split_partials",), Dummy(reqs * q, reqs, q), limits))
     return sweep
 
 
@@ -272,6 +290,9 @@ def derive(limits: Limits) -> Plan:
             encoder_items_held=held,
         )
     )
+    # Fresh prompts of every query length between a prefill's shortest and the fresh batch's, each at most 1.5 times
+    # the one before (Note [Split partials peak between the shortest and the longest query] in ``sizing``).
+    batches.extend(_fresh_sweep(limits, first=prefill_min, last=min(longest, L)))
 
     if limits.context_possible and L > prefill_min and t >= prefill_min:
         # The most new tokens at the longest context: each sequence at max_model_len.
