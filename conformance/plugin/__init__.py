@@ -3,7 +3,8 @@
 - ``selection``: ``--driver``, which drivers the rules run on, the ``driver`` fixture, the report header;
 - ``leaks``: the leak guard the ``driver`` fixture runs after each rule;
 - ``watchdog``: ``--build-timeout`` and ``--rule-timeout`` in pytest-xdist workers;
-- ``summary``: each rule's outcome per driver, and the end-of-run table and ``--summary-json``.
+- ``summary``: each rule's outcome per driver, and the end-of-run table and ``--summary-json``;
+- ``outcomes``: a driver that raises pytest's own outcomes (skip, xfail, exit) fails the rule it ran in.
 
 No entry point loads it into every pytest run: the rules' ``conftest.py`` registers it under ``NAME``, and elsewhere
 ``-p extensible_kv_conformance.plugin`` names it. In a run that does not ask for the rules it stays out of the way:
@@ -26,4 +27,9 @@ settings.register_profile(
     "extensible-kv-meta", max_examples=5, phases=[Phase.explicit, Phase.generate], database=None, derandomize=True
 )
 
-pytest_plugins = [f"{__name__}.watchdog", f"{__name__}.selection", f"{__name__}.summary"]  # each before its importers
+pytest_plugins = [
+    f"{__name__}.watchdog",
+    f"{__name__}.selection",
+    f"{__name__}.summary",
+    f"{__name__}.outcomes",
+]  # each before its importers

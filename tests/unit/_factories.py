@@ -24,6 +24,39 @@ def no_zero() -> HostDriver:
     return _NoZero(granularity=4096, name="unit-no-zero")
 
 
+class _EndsRules(HostDriver):
+    """reserve() raises one of pytest's outcomes (``outcome``: skip, xfail or exit)."""
+
+    outcome = "skip"
+
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        import pytest
+
+        if self.outcome == "exit":
+            pytest.exit("a driver ends the run", returncode=0)
+        getattr(pytest, self.outcome)("a driver decides")
+        return 0
+
+
+def skips() -> HostDriver:
+    """A driver whose reserve() calls pytest.skip."""
+    return _EndsRules(granularity=4096, name="unit-skips")
+
+
+def xfails() -> HostDriver:
+    """A driver whose reserve() calls pytest.xfail."""
+    driver = _EndsRules(granularity=4096, name="unit-xfails")
+    driver.outcome = "xfail"
+    return driver
+
+
+def exits() -> HostDriver:
+    """A driver whose reserve() calls pytest.exit(returncode=0)."""
+    driver = _EndsRules(granularity=4096, name="unit-exits")
+    driver.outcome = "exit"
+    return driver
+
+
 class _Partial:
     """Has some of the protocol (granularity, reserve, name) but not the rest."""
 

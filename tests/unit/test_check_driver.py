@@ -97,6 +97,21 @@ def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, ex
     )
 
 
+@pytest.mark.parametrize("factory", ["skips", "xfails", "exits"])
+def test_a_driver_that_raises_pytests_outcomes_fails_the_rules(factory):
+    # wrong: rules that the driver's pytest.skip or xfail turns into skips (exit 0), or a pytest.exit that ends the
+    # run with no summary
+    proc = _cli(
+        "check-driver", f"tests.unit._factories:{factory}", *RULES, pythonpath=[ROOT / "reference", ROOT], cwd=ROOT
+    )
+    output = (proc.stdout + proc.stderr)[-6000:]
+    got = (proc.returncode, "extensible-kv conformance summary" in output, "DriverEndedRule" in output)
+    assert got == (1, True, True), (
+        f"check-driver tests.unit._factories:{factory}: expected (exit 1, a summary, DriverEndedRule), got {got}:\n"
+        f"{output}"
+    )
+
+
 @pytest.mark.parametrize(("absent", "options"), [("extensible_kv_conformance", []), ("pytest", [])])
 def test_the_command_line_without_the_conformance_extra_says_so_in_one_line(monkeypatch, capsys, absent, options):
     real_find = cli._find
