@@ -829,7 +829,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         m, t = self.model["a"], self.real["a"]
         if m.state != "open":
             return
-        mark = {"tuple": (0, 0), "none": None, "other tensor": self.real["b"].checkpoint()}[what]
+        others = [self.real[n] for n in ("b", "kv") if self.model[n].state != "closed"]  # a closed one hands none
+        if what == "other tensor" and not others:
+            return
+        mark = {"tuple": lambda: (0, 0), "none": lambda: None, "other tensor": lambda: others[0].checkpoint()}[what]()
         self.refused("a", f"rollback_to({what})", InvalidArgumentError, lambda: t.rollback_to(mark),
                      ("rollback_to", type(mark).__name__))  # fmt: skip
         self.check(f"rollback a to a foreign mark ({what})")
@@ -1227,6 +1230,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                  ("a", "resize_per_segment_", lambda: t.resize_per_segment_(m.segment_bytes)),
                  ("a", "release_physical", t.release_physical), ("a", "close()", lambda: t.close(force=True)),
                  ("a", "full_view", t.full_view), ("a", "recommit_physical", t.recommit_physical),
+                 ("a", "checkpoint", t.checkpoint), ("a", "pin", lambda: t.pin("finalizer")),
+                 ("a", "unpin", lambda: t.unpin("finalizer")),
                  ("b", "full_view", b.full_view), ("b", "recommit_physical", b.recommit_physical),
                  ("b", "rollback_to", lambda: b.rollback_to(b.checkpoint())),
                  ("b", "stats", b.stats), ("b", "check_shrink", lambda: b.check_shrink(mb.per_segment)),
@@ -1255,6 +1260,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             runs = who == "b" and name in ("stats", "check_shrink", "full_view")
             if runs and mb.state == "open":
                 want, names = None, ()
+            elif who == "b" and name == "rollback_to" and mb.state == "closed":  # its checkpoint() first
+                want, names = ClosedError, ("checkpoint", "closed")
             elif runs:
                 want, names = ClosedError, (name if name != "check_shrink" else "shrink_per_segment_", "closed")
             else:
@@ -1551,6 +1558,40 @@ class LifecycleMachine(RuleBasedStateMachine):
                          * self.g, got)  # fmt: skip
             expect_equal(self.driver, f"num_blocks after shrink_blocks({blocks})", blocks, b.num_blocks)
         self.check(f"shrink to {blocks} KV blocks")
+
+    @rule(how=st.sampled_from(["grow", "shrink", "unpin"]))
+    def change_kv_underneath(self, how):
+        """A KV buffer's tensor grown, shrunk or unpinned directly through ``tensor(name)``: the buffers are
+        ``failed`` and refuse growth and views with ``FailedStateError`` naming the buffer (Note [A buffer changed
+        underneath] in ``kv_cache``); undone the same way, they are open again at the count on record."""
+        b, m, t = self.worker.buffers, self.model["kv"], self.real["kv"]
+        if self.kv_state != "open":
+            return
+        old, name = t.bytes_per_segment, b.buffers[0].name
+        if how == "grow" and not self.registered and old + m.alignment <= m.segment_bytes:
+            t.resize_per_segment_(old + m.alignment)
+            m.grown(old + m.alignment)
+            undo = lambda: (t.shrink_per_segment_(old), m.shrunk(old))  # noqa: E731
+        elif how == "shrink" and not self.registered and old > 0:
+            t.shrink_per_segment_(old - m.alignment)
+            m.shrunk(old - m.alignment)
+            undo = lambda: (t.resize_per_segment_(old), m.grown(old))  # noqa: E731
+        elif how == "unpin" and self.registered:
+            holder = next(iter(b.pinned_by))
+            t.unpin(holder)
+            undo = lambda: t.pin(holder)  # noqa: E731
+        else:
+            return
+        expect_equal(self.driver, f"KV buffers' state after {how} of buffer {name} through tensor(name)", "failed",
+                     b.state)  # fmt: skip
+        self.refused("kv", f"ensure_blocks after {how} through tensor(name)", FailedStateError,
+                     lambda: b.ensure_blocks(self.kv_blocks + 1), (name,))  # fmt: skip
+        for layer in [x.name for buffer in b.buffers for x in buffer.layers][:1]:
+            self.refused("kv", f"committed_layer_views after {how} through tensor(name)", FailedStateError,
+                         lambda layer=layer: b.committed_layer_views(layer), (name,))  # fmt: skip
+        undo()
+        expect_equal(self.driver, f"KV buffers' state after {how} through tensor(name) was undone", "open", b.state)
+        self.check(f"{how} of the KV buffer through tensor(name), refused, undone")
 
     @rule(kind=st.sampled_from(["-1", "past", "float", "bool"]))
     def shrink_blocks_invalid(self, kind):

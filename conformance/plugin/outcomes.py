@@ -60,11 +60,17 @@ def judged(exc: BaseException) -> DriverEndedRule | None:
     )
 
 
-def _guarded():
+def _a_rule(node: pytest.Item | None) -> bool:
+    """Whether ``node`` is one of the rules (elsewhere, a test's own skips are its own)."""
+    path = getattr(node, "path", None)
+    return path is not None and str(Path(path).resolve()).startswith(RULES)
+
+
+def _guarded(node: pytest.Item | None):
     try:
         return (yield)
     except (OutcomeException, Exit) as exc:
-        ended = judged(exc)
+        ended = judged(exc) if _a_rule(node) else None
         if ended is None:
             raise
         raise ended from None
@@ -72,9 +78,9 @@ def _guarded():
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function):
-    return (yield from _guarded())
+    return (yield from _guarded(pyfuncitem))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_fixture_setup(fixturedef, request):
-    return (yield from _guarded())
+    return (yield from _guarded(getattr(request, "node", None)))

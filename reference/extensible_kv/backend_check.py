@@ -201,10 +201,17 @@ def validate_backend(
     except ExtensibleKVError as exc:  # the reservation does not fit the driver
         report.add("fits the driver", False, _does_not_fit(driver, page, max_blocks, exc))
         return report
+    except BACKEND_FAULTS as exc:  # the views ask the backend for its shape again: whatever it raises is its failure
+        report.add("backend", False, f"get_kv_cache_shape raised {type(exc).__name__} building the views: {exc}")
+        left = ledger.outstanding()
+        report.add("no leaks", not left, f"after the failed construction: {left}")
+        return report
     try:
         _exercise(report, cache, block_dim, page, max_blocks, ledger)
     except ExtensibleKVError as exc:  # a commit the driver cannot hold (CommitOutOfMemory) or refuses
         report.add("fits the driver", False, _does_not_fit(driver, page, max_blocks, exc))
+    except BACKEND_FAULTS as exc:  # the backend's shape asked again for the views
+        report.add("backend", False, f"get_kv_cache_shape raised {type(exc).__name__} during the checks: {exc}")
     finally:
         try:
             cache.close()

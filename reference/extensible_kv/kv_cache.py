@@ -32,6 +32,15 @@ Note [A registration pins the committed blocks]
         pin("KV connector X") at 40 blocks -> ensure_blocks(40): 40 | ensure_blocks(41): BusyError
                                            -> release_physical(): BusyError, nothing released
 
+Note [A buffer changed underneath]
+    Rule: buffers whose tensor was resized, shrunk or unpinned directly through ``tensor(name)`` (its committed size
+    is not the block count on record, or a holder of ``pin`` no longer pins it) are ``failed``, as for a tensor
+    closed through it: every call but ``close()`` is refused with ``FailedStateError`` naming the buffer.
+    Why: the buffers trust their record: ``ensure_blocks`` of the recorded count did nothing and
+    ``committed_layer_views`` handed out views of pages a direct ``shrink_per_segment_(0)`` had unmapped (a write
+    through one ended the process with SIGSEGV).
+    Figure: ``tests/unit/test_kv_buffer_refusals.py``, the buffers changed underneath: failed, data kept.
+
 Note [A shrink of the KV buffers is one step]
     ``shrink_blocks(n)`` shrinks every buffer to ``n`` blocks or none: each buffer's shrink is all-or-nothing
     (Note [A shrink unmaps whole mappings] in ``tensor``), and when one fails (a driver error, an interrupt) the
@@ -234,10 +243,21 @@ class ExtensibleKVCacheBuffers(Unshareable):
             return "closed" if all(t.closed for t in tensors) else "failed"
         states = {t.state for t in tensors}
         if (
-            self._mixed or "failed" in states or "closed" in states or states >= {"open", "released"}
-        ):  # part released, part open, or a buffer closed underneath: nothing to resume
+            self._mixed or "failed" in states or "closed" in states or states >= {"open", "released"} or self._changed()
+        ):  # part released, part open, or a buffer closed, resized or unpinned underneath: nothing to resume
             return "failed"
         return "released" if "released" in states else "open"
+
+    def _changed(self) -> list[str]:
+        """The buffers changed directly through ``tensor(name)``: resized or shrunk away from the block count on
+        record, or no longer pinned by a holder of ``pin`` (Note [A buffer changed underneath])."""
+        changed = []
+        for b in self._buffers:
+            t = self._tensors[b.name]
+            size = self._num_blocks * (b.page_size_bytes // t.num_segments)
+            if t.bytes_per_segment != size or any(holder not in t.pinned_by for holder in self._pins):
+                changed.append(b.name)
+        return changed
 
     @property
     def closed(self) -> bool:
@@ -420,9 +440,17 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._check_open("pin")
         if holder in self._pins:
             raise InvalidArgumentError(f"pin({holder!r}): already pinned at {self._pins[holder]} blocks")
-        for t in self._tensors.values():
-            t.pin(holder)
-        self._pins[holder] = self._num_blocks
+        before = [(t, t.pinned_by.count(holder)) for t in self._tensors.values()]
+        try:
+            for t in self._tensors.values():
+                t.pin(holder)
+            self._pins[holder] = self._num_blocks
+        except BaseException:  # an interrupt between two buffers: no buffer keeps a pin the buffers do not record
+            if holder not in self._pins:
+                for t, count in reversed(before):
+                    while t.pinned_by.count(holder) > count:
+                        t.unpin(holder)
+            raise
 
     def unpin(self, holder: str) -> None:
         """Drop ``holder``'s registration (``pin``)."""
@@ -561,7 +589,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
                 if self._closed
                 else self._mixed
                 or (f"buffer(s) {failed} could not undo a growth or shrink step" if failed else "")
-                or f"buffer(s) {closed} were closed directly, through tensor(name)"
+                or (f"buffer(s) {closed} were closed directly, through tensor(name)" if closed else "")
+                or f"buffer(s) {self._changed()} were resized or unpinned directly, through tensor(name)"
             )
             raise FailedStateError(
                 f"{op} on failed ExtensibleKVCacheBuffers ({len(self._buffers)} buffer(s), "

@@ -840,8 +840,13 @@ class ExtensibleTensor(Unshareable):
     def checkpoint(self) -> Checkpoint:
         """A point to ``rollback_to`` (for callers that grow several tensors as one step, as
         ``ExtensibleKVCacheBuffers.ensure_blocks`` does): valid until a release, a recommit or a rollback past it
-        (Note [A checkpoint names a lineage])."""
-        self._refuse_forked("checkpoint")
+        (Note [A checkpoint names a lineage]). Waits for an operation of another thread (a mark taken in the middle of
+        a growth would name a step that is not there); refused after ``close()`` (``ClosedError``)."""
+        with self._locked("checkpoint", driver=False): return self._checkpoint()  # one line: see reaper  # fmt: skip
+
+    def _checkpoint(self) -> Checkpoint:
+        if self._state == "closed":
+            self._check_open("checkpoint")
         lineage = self._lineage
         mark = Checkpoint(weakref.ref(self), self._per_segment, len(self._memory.mappings), len(lineage), lineage[-1])
         live = set(lineage)
@@ -1070,14 +1075,18 @@ class ExtensibleTensor(Unshareable):
         ``release_physical`` is refused with ``BusyError`` naming it, since it would leave them on unmapped memory."""
         if not isinstance(holder, str) or not holder:
             raise InvalidArgumentError(f"pin needs a holder's name, got {type(holder).__name__} {holder!r}")
-        self._refuse_forked("pin")
+        with self._locked("pin", driver=False): return self._pin(holder)  # one line: see reaper  # fmt: skip
+
+    def _pin(self, holder: str) -> None:
         self._check_open("pin")
         self._pins, self._pin_reach = [*self._pins, holder], [*self._pin_reach, self._per_segment]  # one step
 
     def unpin(self, holder: str) -> None:
         """Drop one registration of ``holder`` (``pin``); one that is not there is refused with
         ``InvalidArgumentError``."""
-        self._refuse_forked("unpin")
+        with self._locked("unpin", driver=False): return self._unpin(holder)  # one line: see reaper  # fmt: skip
+
+    def _unpin(self, holder: str) -> None:
         if holder not in self._pins:
             raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {self._pins}")
         i = self._pins.index(holder)

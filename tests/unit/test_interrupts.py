@@ -551,6 +551,58 @@ def _expect_kv_open_or_failed(d: HostDriver, ctx: dict, raised: BaseException | 
     return ctx["bases"]
 
 
+def _expect_pinned_or_not(d: HostDriver, ctx: dict, raised: BaseException | None, where: str) -> list:
+    """After an interrupted ``pin``: every buffer pinned by the holder and the registration recorded, or neither;
+    never a buffer pinned that the buffers do not record (nothing could unpin it, and no release would pass)."""
+    cache = ctx["cache"]
+    got = (cache.state, cache.pinned_by, {b.name: cache.tensor(b.name).pinned_by for b in cache.buffers})
+    whole = ("open", {"conn": ctx["old"]}, {"kv": ("conn",), "state": ("conn",)})
+    none = ("open", {}, {"kv": (), "state": ()})
+    allowed = (whole, none) if raised is not None else (whole,)
+    assert got in allowed, f"{d.name}: {where}: expected (state, pinned_by, each buffer's pins) in {allowed}, got {got}"
+    if got == whole:
+        cache.unpin("conn")
+    return ctx["bases"]
+
+
+class _Inner:
+    """vLLM's sleep backend, as the KV sleep backend sees it."""
+
+    asleep = False
+
+    def suspend(self, level: int) -> None:
+        self.asleep = True
+
+    def resume(self, tags: object = None) -> None:
+        self.asleep = False
+
+
+def _sleeper(d: HostDriver) -> dict:
+    """``_kv``'s buffers held by a worker, and the KV sleep backend over a vLLM backend that is awake."""
+    from extensible_kv.vllm.sleep import KVSleepBackend
+    from extensible_kv.vllm.worker_kv import WorkerKV
+
+    ctx = _kv(d)
+    state = WorkerKV(driver=d)
+    state.buffers = ctx["cache"]
+    worker = type("Worker", (), {})()
+    worker._extensible_kv_state = state
+    ctx["inner"] = _Inner()
+    ctx["sleep"] = KVSleepBackend(worker, ctx["inner"])
+    return ctx
+
+
+def _expect_asleep_or_awake(d: HostDriver, ctx: dict, raised: BaseException | None, where: str) -> list:
+    """After an interrupted ``suspend``: the KV released and vLLM's backend asleep, or both awake; never the KV
+    released under an engine that is awake (its next step would touch unmapped pages). A release interrupted
+    between two buffers leaves the buffers failed (Note [A registration pins the committed blocks]'s
+    ``release_physical``): refused, never released silently."""
+    got = (ctx["cache"].state, ctx["inner"].asleep)
+    allowed = {("released", True)} | ({("open", False), ("failed", False)} if raised is not None else set())
+    assert got in allowed, f"{d.name}: {where}: expected (KV state, vLLM asleep) in {sorted(allowed)}, got {got}"
+    return ctx["bases"]
+
+
 STEPS = [
     Case(
         "resize_per_segment_",
@@ -571,6 +623,20 @@ STEPS = [
         _kv,
         lambda ctx, d: ctx["cache"].ensure_blocks(ctx["new"]),
         _expect_kv_open_or_failed,
+        lambda ctx, d: close_retrying(ctx["cache"]),
+    ),
+    Case(
+        "KV buffers pin",
+        _kv,
+        lambda ctx, d: ctx["cache"].pin("conn"),
+        _expect_pinned_or_not,
+        lambda ctx, d: close_retrying(ctx["cache"]),
+    ),
+    Case(
+        "KV sleep backend suspend",
+        _sleeper,
+        lambda ctx, d: ctx["sleep"].suspend(1),
+        _expect_asleep_or_awake,
         lambda ctx, d: close_retrying(ctx["cache"]),
     ),
 ]

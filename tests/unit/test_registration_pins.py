@@ -101,3 +101,27 @@ def test_a_count_past_the_reservation_is_refused_before_anything_is_committed(mo
         _refused(state, ledger, lambda: state.ensure_blocks(blocks, reason="warmup"), what, InvalidSizeError, match)
     finally:
         state.buffers.close()
+
+
+@pytest.mark.parametrize("name", ["C" * 300, "Conn\x1b]0;title\x07"])
+def test_a_connector_of_any_name_is_pinned_before_it_is_handed_the_views(monkeypatch, name):
+    # wrong: the views handed over first and the pin refused after (a name past the holder limit or with control
+    # characters), leaving the connector's views unprotected: release and growth then pass under them
+    monkeypatch.setattr(connector, "_SESSION", None)
+    ledger = Ledger(HostDriver(granularity=G, budget_bytes=1 << 20, name="unit-host"))
+    state = worker_kv.WorkerKV(ledger, segments=[1])
+    config = SimpleNamespace(
+        num_blocks=BLOCKS, kv_cache_tensors=[SimpleNamespace(size=BLOCKS * PAGE, shared_by=["l0"])]
+    )
+    conn = type(name, (_Connector,), {})(config)
+    connector.defer(state, conn)
+    conn.register_kv_caches({"l0": state.allocate(config)["l0"].view(BLOCKS, PAGE)})
+    state.ensure_blocks(COMMITTED, reason="final size")
+    try:
+        connector.register(state)
+        holders = list(state.buffers.pinned_by)
+        assert len(holders) == 1 and holders[0].startswith("KV connector") and holders[0].isprintable(), holders
+        _refused(state, ledger, state.buffers.release_physical, "release_physical()", match="KV connector")
+        _refused(state, ledger, lambda: state.buffers.ensure_blocks(COMMITTED + 1), "ensure_blocks", match="KV conn")
+    finally:
+        state.buffers.close()

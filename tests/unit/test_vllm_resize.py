@@ -335,6 +335,17 @@ def test_a_worker_rpc_answers_a_refusal_instead_of_raising():
     assert reply["ok"] is False and reply["num_blocks"] == 100 and "released buffers" in reply["error"]
 
 
+@pytest.mark.parametrize("value", [2.9, True, 0, -1, None, "2.5", 2**64])
+def test_a_worker_rpc_refuses_a_count_that_is_no_positive_integer_and_moves_nothing(value):
+    # wrong: int() of the count (2.9 moved to 2 blocks, True to 1, 0 to none), or ok that disagrees with the count
+    worker = StandInWorker(0, 100, 500)
+    reply = resize.extensible_kv_set_blocks(worker, value)
+    got = (reply["ok"], reply["num_blocks"], worker.buffers.num_blocks, "num_blocks" in (reply["error"] or ""))
+    assert got == (False, 100, 100, True), (
+        f"extensible_kv_set_blocks({value!r}): expected (False, 100, 100, True), got {got}: {reply}"
+    )
+
+
 def test_buffers_that_cannot_shrink_are_named():
     worker = StandInWorker(0, 100, 500)
     del StandInBuffers.shrink_blocks  # restored below

@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from ..boundaries import escaped
+from ..kv_cache import HOLDER_CHARS
 from ..layout import LayoutError, block_dim
 from . import worker_kv
 from .worker_kv import ExtensibleKVUnsupported
@@ -394,20 +396,23 @@ def register(state: worker_kv.WorkerKV) -> Registration | None:
     current.restore()
     tell_committed_count(current.connector._kv_cache_config, n)
     method = "register_kv_caches" if kind == "kv_caches" else "register_cross_layers_kv_cache"
+    assert state.buffers is not None  # the narrowing above refused a state without buffers
+    holder = escaped(f"KV connector {current.name}")
+    holder = holder if len(holder) <= HOLDER_CHARS else holder[: HOLDER_CHARS - 3] + "..."
+    state.buffers.pin(holder)  # before the views are handed over: every release and growth path refuses from now on
     try:
         getattr(current.connector, method)(*args)
         if "set_host_xfer_buffer_ops" in current.calls:
             call_args, call_kwargs = current.calls["set_host_xfer_buffer_ops"]
             current.connector.set_host_xfer_buffer_ops(*call_args, **call_kwargs)
-    except ExtensibleKVUnsupported:
-        raise
-    except Exception as exc:
+    except BaseException as exc:
+        state.buffers.unpin(holder)  # the connector refused them: it holds no view
+        if isinstance(exc, ExtensibleKVUnsupported) or not isinstance(exc, Exception):
+            raise
         raise ExtensibleKVUnsupported(
             f"KV connector {current.name} refused the KV caches of this model "
             f"({kind}, {n} blocks): {type(exc).__name__}: {exc}"
         ) from exc
-    assert state.buffers is not None  # the narrowing above refused a state without buffers
-    state.buffers.pin(f"KV connector {current.name}")  # every release and growth path refuses from now on
     current.registration = Registration(current.name, kind, n, committed, storage_bytes, rows)
     logger.info(
         "extensible KV cache: KV connector %s registered %d committed blocks (%d bytes in %d tensors)",

@@ -392,7 +392,8 @@ def extensible_kv_set_blocks(self: Any, num_blocks: int) -> dict:
     except Exception as exc:
         return {"ok": False, "rank": rank, "num_blocks": None, "error": f"{type(exc).__name__}: {exc}"}
     try:
-        moved = set_blocks(state, int(num_blocks))
+        count = positive_count(num_blocks, "num_blocks")  # refused as the engine's call refuses it, never coerced
+        moved = set_blocks(state, count)
     except Exception as exc:
         return {"ok": False, "rank": rank, "num_blocks": getattr(state.buffers, "num_blocks", None), "error": f"{exc}"}
     runner = getattr(self, "model_runner", None)
@@ -400,7 +401,7 @@ def extensible_kv_set_blocks(self: Any, num_blocks: int) -> dict:
         runner.kv_cache_config.num_blocks = moved["num_blocks"]
     if getattr(self, "cache_config", None) is not None:
         self.cache_config.num_gpu_blocks = moved["num_blocks"]
-    return {"ok": moved["num_blocks"] == num_blocks, "rank": rank, **moved, "error": None}
+    return {"ok": moved["num_blocks"] == count, "rank": rank, **moved, "error": None}
 
 
 def extensible_kv_block_bytes(self: Any) -> dict:

@@ -134,16 +134,15 @@ class KVSleepBackend:
         worker is awake, as it was) and its error raised."""
         level = check_level(level)
         buffers = self._buffers()
-        released_here = False
-        if buffers is not None and not buffers.released:
-            start = time.perf_counter()
-            buffers.release_physical()
-            released_here = True
-            self._record("release", level=level, seconds=round(time.perf_counter() - start, 6))
-        try:
+        awake = buffers is not None and not buffers.released
+        try:  # the release inside: an interrupt after it returns still recommits (the worker stays awake)
+            if awake:
+                start = time.perf_counter()
+                buffers.release_physical()
+                self._record("release", level=level, seconds=round(time.perf_counter() - start, 6))
             self.inner.suspend(level)
         except BaseException:
-            if released_here:
+            if awake and buffers.released:
                 self._recommit_after_failed_sleep(buffers)
             raise
 
