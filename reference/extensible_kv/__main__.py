@@ -193,7 +193,7 @@ def _environment(args: argparse.Namespace) -> int:
     outputs.output_folder(args.out_dir, option="OUT_DIR", files=["environment.json"])
     path = os.path.join(args.out_dir, "environment.json")
     try:
-        print(record.write(path, record.environment()).as_posix())
+        print(boundaries.named(record.write(path, record.environment()).as_posix()))
     except OSError as exc:
         print(f"error: cannot write {boundaries.shown(path)}: {exc.strerror or exc}", file=sys.stderr)
         return 2

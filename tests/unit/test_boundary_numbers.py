@@ -81,7 +81,11 @@ def test_a_time_limit_is_returned_in_range_or_refused(text):
 @settings(max_examples=300, deadline=None)
 @given(
     st.one_of(
-        st.text(max_size=30), st.floats().map(repr), st.integers().map(str), st.sampled_from(list(VALUES.values()))
+        st.text(max_size=30),
+        st.floats().map(repr),
+        st.integers().map(str),
+        st.sampled_from(list(VALUES.values())),
+        st.from_regex(r"\s?[+-]{0,3}[0-9]{0,45}\s?", fullmatch=True),  # signs and digits in any number: "+-5"
     )
 )
 def test_a_count_is_returned_in_range_or_refused(text):

@@ -451,6 +451,23 @@ def test_rerendering_removes_stale_pngs(tmp_path):
     assert (out / "notes.png").exists(), "a PNG the report did not write was removed"
 
 
+@pytest.mark.parametrize(
+    "earlier",
+    ['{"figures": ["precious.png", "notes.png"]}', '{"figures": 5}', "[" * 100_000 + "]" * 100_000, '"text"'],
+    ids=["lists-a-user-png", "not-a-list", "deep", "not-an-object"],
+)
+def test_a_summary_json_not_of_an_earlier_report_removes_nothing_and_fails_nothing(tmp_path, earlier):
+    # wrong: every PNG an earlier summary.json lists removed (a hand-written one deleted the user's precious.png),
+    # or a summary.json nested deeply or with figures that are no list ending the report (RecursionError, TypeError)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text(earlier)
+    (out / "precious.png").write_bytes(b"\x89PNG user's")
+    render(PARTIAL, out)
+    assert (out / "precious.png").read_bytes() == b"\x89PNG user's", "a PNG the report did not draw was removed"
+    assert (out / "report.md").exists(), "the report was not written"
+
+
 # -- plumbing ------------------------------------------------------------------------------------------------------
 def test_report_takes_the_benchmark_figures_of_the_bench_summary():
     bench = load_run(FULL).bench[0]

@@ -130,6 +130,11 @@ def bench_tables(summary: dict, source: str) -> str:
     return markdown("bench.md.j2", {"s": summary, "source": source}, Figures())
 
 
+OWN_FIGURE = re.compile(r"(memory-[a-z0-9-]+|kv-blocks)\.png")
+"""The names of the PNGs the report draws (``fig`` in the templates): the only files a later report removes as
+stale, whatever an earlier ``summary.json`` in the folder lists."""
+
+
 def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figures) -> Path:
     """Write the report into ``out_dir`` (``boundaries.outputs.write_folder``): a new folder appears whole, and in an
     existing one each file is replaced whole; PNGs an earlier report there listed and this one does not are removed.
@@ -138,9 +143,10 @@ def write(out_dir: str | Path, md: str, page: str, summary: dict, figures: Figur
     drawn = {f.name: f.png for f in figures.drawn.values() if f.png is not None}
     try:
         old = json.loads(files.read_text(out / "summary.json")).get("figures", [])
-    except (BoundaryError, ValueError, AttributeError):
+    except (BoundaryError, ValueError, AttributeError, RecursionError):  # not an earlier report's: nothing is stale
         old = []
-    stale = [str(name) for name in old if isinstance(name, str) and name.endswith(".png") and name not in drawn]
+    old = old if isinstance(old, list) else []
+    stale = [name for name in old if isinstance(name, str) and OWN_FIGURE.fullmatch(name) and name not in drawn]
     contents = {
         **drawn,
         "report.md": md.encode("utf-8", "backslashreplace"),

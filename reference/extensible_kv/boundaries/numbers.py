@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 from . import BoundaryError, shown
@@ -54,9 +55,8 @@ def positive(value: str, *, option: str, high: float, what: str = "a number") ->
 def integer(value: str, *, option: str, low: int = 1, high: int = INT_LIMIT - 1, what: str = "an integer") -> int:
     """``value`` as an integer from ``low`` to ``high`` (decimal digits only: no ``1e3``, no ``0x10``)."""
     text = str(value).strip()
-    digits = text.lstrip("+-")
     number = None
-    if digits.isascii() and digits.isdigit() and len(digits) <= 40:
+    if re.fullmatch(r"[+-]?[0-9]{1,40}", text, re.ASCII):  # one sign at most: "+-5" is no integer
         number = int(text)
     if number is None or not low <= number <= high:
         raise BadNumber(f"{option} must be {what} from {low:,} to {high:,}, got {shown(value)}")

@@ -49,6 +49,8 @@ class BadOutputPath(BoundaryError):
 def _limits(path: str, option: str) -> None:
     """``BadOutputPath`` for a path the kernel would refuse as too long (``ENAMETOOLONG``), or that holds a NUL."""
     raw = os.fsencode(path)
+    if not raw:
+        raise BadOutputPath(f"{option} is empty: name a file or folder")
     if b"\0" in raw:
         raise BadOutputPath(f"{option} {shown(path)} holds a NUL character")
     absolute = os.fsencode(os.path.abspath(path))
