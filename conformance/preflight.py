@@ -18,6 +18,7 @@ Run as ``python -m <suite>.preflight SPEC``: the last line on stdout is ``PREFIX
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import importlib
 import importlib.util
@@ -36,6 +37,7 @@ from extensible_kv.boundaries import escaped, named, shown
 from . import process_group
 
 PREFIX = "extensible-kv-preflight: "
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 EXIT_STATUS = {"ok": 0, "bad-spec": 2, "unbuildable": 1}  # the child's status line and the exit status it ends with
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(rf"{_NAME.pattern}(\.{_NAME.pattern})*")
@@ -144,6 +146,17 @@ def _say(status: str, **payload: object) -> None:
         pass
 
 
+def _become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so that a helper
+    the factory detached stays a descendant that ``factories.left_running`` finds; whether it took."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: list[str]) -> int:
     """The child: build ``argv[0]`` and say how it went (exit 0, 2 for a bad spec, 1 for a driver not built). A
     factory that returned but left a non-daemon thread or a process running is not built, and what it left is named
@@ -153,6 +166,7 @@ def main(argv: list[str]) -> int:
         _say("bad-spec", message=f"the preflight takes one driver spec, got {argv!r}")
         return 2
     threads_before = {t.ident for t in threading.enumerate()}
+    _become_subreaper()  # a helper the factory detaches (a double fork, setsid) stays ours to find and end
     try:
         status, code, payload = "ok", 0, {"facts": _build(argv[0])}
     except _BadSpec as exc:

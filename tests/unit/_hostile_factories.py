@@ -80,6 +80,17 @@ def leaves_a_process() -> HostDriver:
     return HostDriver(granularity=4096, name="leaves-a-process")
 
 
+def detaches_a_process() -> HostDriver:
+    """Returns a driver at once, but leaves a helper running that it detached: a new session, then a double fork
+    (its parent is gone, so it is no child of the factory's process)."""
+    import subprocess
+    import sys
+
+    code = "import os, time; os.fork() and os._exit(0); time.sleep(3600)"
+    subprocess.run([sys.executable, "-c", code], start_new_session=True, check=True)
+    return HostDriver(granularity=4096, name="detaches-a-process")
+
+
 def floods_stdout() -> HostDriver:
     """Writes 8 MiB to stdout with no newline at the end, then returns a good driver."""
     os.write(1, b"x" * (8 << 20))

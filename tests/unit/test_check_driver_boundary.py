@@ -182,7 +182,11 @@ def test_a_factory_that_returns_no_driver_object_is_one_line_and_exit_2(factory,
     assert got == want and not out, f"check-driver {spec}: expected {want} and no output, got {got}\n{out}{err}"
 
 
-LEFT_RUNNING = {"leaves_a_thread": "non-daemon thread 'factory-helper'", "leaves_a_process": "process "}
+LEFT_RUNNING = {
+    "leaves_a_thread": "non-daemon thread 'factory-helper'",
+    "leaves_a_process": "process ",
+    "detaches_a_process": "process ",
+}
 
 
 @pytest.mark.parametrize(("factory", "words"), LEFT_RUNNING.items(), ids=LEFT_RUNNING.keys())

@@ -77,17 +77,31 @@ def left_running(threads_before: set[int]) -> tuple[list[threading.Thread], list
 
 
 def _processes() -> list[int]:
+    """The live processes descended from this one (children, and theirs), and the others of its group when it
+    leads one."""
     me, group = os.getpid(), os.getpgrp()
-    found = []
+    table = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             fields = (entry / "stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        pid, state, ppid, pgrp = int(entry.name), fields[0], int(fields[1]), int(fields[2])
-        if pid != me and state != "Z" and (ppid == me or (group == me and pgrp == group)):
-            found.append(pid)
-    return sorted(found)
+        table[int(entry.name)] = (fields[0], int(fields[1]), int(fields[2]))
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid in table and pid not in seen and pid > 1:
+            seen.add(pid)
+            pid = table[pid][1]
+            if pid == me:
+                return True
+        return False
+
+    return sorted(
+        pid
+        for pid, (state, _, pgrp) in table.items()
+        if pid != me and state != "Z" and (descends(pid) or (group == me and pgrp == group))
+    )
 
 
 def _command(pid: int) -> str:
