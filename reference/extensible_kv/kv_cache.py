@@ -63,8 +63,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,6 +76,7 @@ from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentErr
 from .layout import Layer, LayoutError, Segments, buffer_segments
 from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, refuse_reentry
 
+T = TypeVar("T")
 HOLDER_CHARS = 200
 """The longest name a ``pin`` holder may have: it is named in every refusal the pin causes, on one line."""
 
@@ -196,6 +198,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._closed = False
         self._mixed = ""  # why the buffers' block counts disagree (Note [A shrink of the KV buffers is one step])
         self._pid = os.getpid()
+        self._in_step = False  # a step is changing the buffers one by one (``_step``)
         self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
         self._pins: dict[str, int] = {}  # holder -> the block count it registered
         self._tensors: dict[str, ExtensibleTensor] = {}
@@ -243,17 +246,35 @@ class ExtensibleKVCacheBuffers(Unshareable):
             return "closed" if all(t.closed for t in tensors) else "failed"
         states = {t.state for t in tensors}
         if (
-            self._mixed or "failed" in states or "closed" in states or states >= {"open", "released"} or self._changed()
+            self._mixed
+            or "failed" in states
+            or "closed" in states
+            or states >= {"open", "released"}
+            or (not self._in_step and self._changed())
         ):  # part released, part open, or a buffer closed, resized or unpinned underneath: nothing to resume
             return "failed"
         return "released" if "released" in states else "open"
+
+    def _step(self, op: str, body: Callable[..., T], *args: Any) -> T:
+        """``body(*args)`` as one step, under the lock: first refused if a buffer was changed underneath; then,
+        until it ends, ``state`` reads the record without comparing it to the buffers, which the step changes one by
+        one (a reader in another thread or a signal handler sees no half-made step as a change)."""
+        if self._changed():
+            self._check_open(op)  # failed: refused naming the buffers
+        try:
+            self._in_step = True
+            return body(*args)
+        finally:
+            self._in_step = False
 
     def _changed(self) -> list[str]:
         """The buffers changed directly through ``tensor(name)``: resized or shrunk away from the block count on
         record, or no longer pinned by a holder of ``pin`` (Note [A buffer changed underneath])."""
         changed = []
         for b in self._buffers:
-            t = self._tensors[b.name]
+            t = self._tensors.get(b.name)
+            if t is None:  # a construction that did not finish: its close() returns what it made
+                continue
             size = self._num_blocks * (b.page_size_bytes // t.num_segments)
             if t.bytes_per_segment != size or any(holder not in t.pinned_by for holder in self._pins):
                 changed.append(b.name)
@@ -291,7 +312,8 @@ class ExtensibleKVCacheBuffers(Unshareable):
             raise InvalidSizeError(
                 f"num_blocks={num_blocks} exceeds the reserved upper bound max_num_blocks={self._max_num_blocks}"
             )
-        with self._locked("ensure_blocks"): return self._ensure(num_blocks, zero_new)  # one line  # fmt: skip
+        step, op = self._step, "ensure_blocks"
+        with self._locked(op): return step(op, self._ensure, num_blocks, zero_new)  # one line: see reaper  # fmt: skip
 
     def _ensure(self, num_blocks: int, zero_new: bool) -> int:
         self._check_open("ensure_blocks")
@@ -330,7 +352,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         num_blocks = _check_int("num_blocks", num_blocks)
         if num_blocks < 0:
             raise InvalidSizeError(f"shrink_blocks needs a non-negative block count, got num_blocks={num_blocks}")
-        with self._locked("shrink_blocks"): return self._shrink(num_blocks)  # one line: see reaper  # fmt: skip
+        with self._locked("shrink_blocks"): return self._step("shrink_blocks", self._shrink, num_blocks)  # fmt: skip
 
     def _shrink(self, num_blocks: int) -> int:
         self._check_open("shrink_blocks")
@@ -383,7 +405,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         views handed out keep their addresses and must not be touched until ``recommit_physical()``. Refused unless
         open (``ReleasedError`` when released already). A release that does not finish leaves the buffers
         ``failed``: ``close()`` returns the rest."""
-        with self._locked("release_physical"): return self._release()  # one line: see reaper  # fmt: skip
+        with self._locked("release_physical"): return self._step("release_physical", self._release)  # fmt: skip
 
     def _release(self) -> None:
         self._check_open("release_physical")
@@ -402,7 +424,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         """Map zeroed pages back for the block count on record in every buffer, at the same addresses, as one step;
         return the block count. On any exception the buffers recommitted in the step are released again and the
         buffers stay ``released``. Refused unless released."""
-        with self._locked("recommit_physical"): return self._recommit()  # one line: see reaper  # fmt: skip
+        with self._locked("recommit_physical"): return self._step("recommit_physical", self._recommit)  # fmt: skip
 
     def _recommit(self) -> int:
         if self.state != "released":
@@ -434,7 +456,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
                 f"pin needs a holder's name of printable text, at most {HOLDER_CHARS} characters, got "
                 f"{type(holder).__name__} {shown(holder)}"
             )
-        with self._locked("pin", driver=False): return self._pin(holder)  # one line: see reaper  # fmt: skip
+        with self._locked("pin", driver=False): return self._step("pin", self._pin, holder)  # fmt: skip
 
     def _pin(self, holder: str) -> None:
         self._check_open("pin")
@@ -454,7 +476,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
 
     def unpin(self, holder: str) -> None:
         """Drop ``holder``'s registration (``pin``)."""
-        with self._locked("unpin", driver=False): return self._unpin(holder)  # one line: see reaper  # fmt: skip
+        with self._locked("unpin", driver=False): return self._step("unpin", self._unpin, holder)  # fmt: skip
 
     def _unpin(self, holder: str) -> None:
         if holder not in self._pins:

@@ -80,6 +80,7 @@ import gc
 import os
 import sys
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -172,7 +173,8 @@ def defer(record: Owned) -> None:
 def sweep() -> None:
     """Tear down every owned record whose owner is gone, unless this thread is inside a section (then a later
     sweep does: Note [A put-off sweep is never lost]). A teardown the driver fails (``ExtensibleKVError``) is
-    reported once through ``sys.unraisablehook``, as the interpreter reports a failed finalizer, and retried by later
+    reported once through ``sys.unraisablehook`` (``_report``: written to stderr where the hook takes only the
+    interpreter's own type), as the interpreter reports a failed finalizer, and retried by later
     sweeps; any other exception (an interrupt) leaves the record owned and propagates."""
     global _put_off
     if not _owned:
@@ -228,10 +230,29 @@ def _sweep_once() -> bool:
                 left = True
                 if not record.reported:
                     record.reported = True
-                    sys.unraisablehook(_Unraisable(exc, record))
+                    _report(exc, record)
             else:
                 disown(record)
     return left
+
+
+def _report(exc: BaseException, record: object) -> None:
+    """``exc`` through ``sys.unraisablehook`` where it takes an object of the hook's fields (pytest's, a user's),
+    else written to stderr as the interpreter's own hook writes it (that one takes only the interpreter's type, and
+    raising there would come out of whatever call ran the sweep)."""
+    args = _Unraisable(exc, record)
+    hook = sys.unraisablehook
+    if hook is not sys.__unraisablehook__:
+        try:
+            hook(args)
+            return
+        except Exception:  # a hook that does not take it: written below instead
+            pass
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        sys.stderr.write(f"{args.err_msg}: {record!r}\n{text}")
+    except Exception:  # no stderr to write to: the record stays owned and is retried; nothing else to do
+        pass
 
 
 class _Unraisable:

@@ -70,8 +70,9 @@ Note [Operations never wait on themselves]
     the message names the operation and which of the two it ran inside. Those that call no driver (``stats``,
     ``check_shrink``, views) run there as anywhere else, on a tensor whose lock is free. ``checkpoint``, ``pin`` and
     ``unpin`` take the lock too (another thread's wait for an operation to end; inside one, ``BusyError``): a mark or
-    a pin taken in the middle of a growth or a shrink named half a step. Nothing has changed when it is refused; a finalizer's ``close()`` refused there leaves the memory to the reaper, which returns it once the
-    tensor is collected, or to a later ``close()``.
+    a pin taken in the middle of a growth or a shrink named half a step. Nothing has changed when it is refused; a
+    finalizer's ``close()`` refused there leaves the memory to the reaper, which returns it once the tensor is
+    collected, or to a later ``close()``.
 
         finalizer -> b.close() inside host.reserve (driver lock held): BusyError at once, b still open
         finalizer -> b.close() between operations:                     b closed, memory returned

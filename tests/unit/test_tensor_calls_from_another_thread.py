@@ -75,3 +75,28 @@ def test_a_call_of_another_thread_waits_for_the_operation_in_progress(op, call):
         t.unpin("x")
     t.close()
     assert driver.mem_info()[1] - driver.mem_info()[0] == 0
+
+
+def test_a_reader_of_the_buffers_during_another_threads_growth_sees_them_open():
+    # wrong: the buffers' state compares their record with each buffer's size while a growth changes them one by
+    # one: a reader saw "failed" (a buffer "resized underneath") and num_blocks 0 in the middle of ensure_blocks
+    from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+    driver = _Stalling("grow")
+    kv = ExtensibleKVCacheBuffers(
+        [KVBuffer("a", MIB, num_segments=1), KVBuffer("b", MIB, num_segments=1)], 8, driver=driver
+    )
+    step = threading.Thread(target=kv.ensure_blocks, args=(4,))
+    step.start()
+    try:
+        assert driver.inside.wait(10), "unit-stalling: ensure_blocks never reached its second map"
+        during = (kv.state, kv.num_blocks)
+    finally:
+        driver.go.set()
+        step.join(10)
+    after = (kv.state, kv.num_blocks)
+    kv.close()
+    assert (during, after) == (("open", 0), ("open", 4)), (
+        f"unit-stalling: ensure_blocks(4) from 0 blocks: expected the state and block count read by another thread "
+        f"during and after ('open', 0), ('open', 4), got {during}, {after}"
+    )

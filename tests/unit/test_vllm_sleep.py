@@ -245,6 +245,31 @@ def test_a_failed_vllm_sleep_recommits_the_kv_and_raises_its_error():
     )
 
 
+def test_an_interrupt_in_the_recommit_after_a_failed_sleep_reaches_the_caller():
+    # wrong: the recommit's failures caught whole, a KeyboardInterrupt among them: logged and lost
+    log: list = []
+    buffers = _Buffers(log, fail_recommit=KeyboardInterrupt())
+    worker = _Worker(log, buffers, _VllmBackend(log, fail_suspend=RuntimeError("cudaMemcpy failed")))
+    sleep.bind(worker)
+    with pytest.raises(KeyboardInterrupt):
+        worker.sleep(1)
+
+
+@pytest.mark.parametrize(
+    "make", [iter, tuple, lambda names: (n for n in names)], ids=["iterator", "tuple", "generator"]
+)
+def test_a_wake_with_tags_of_any_iterable_wakes_the_kv_and_hands_vllm_the_same_names(make):
+    # wrong: the names read once to see whether they wake the KV cache, then the used-up iterator handed to vLLM,
+    # which woke nothing
+    worker, buffers, log = _bound()
+    worker.sleep(1)
+    del log[:]
+    worker.wake_up(make(["weights", "kv_cache"]))
+    got = (log[:2], buffers.released)
+    want = (["recommit", ("resume", ["weights", "kv_cache"])], False)
+    assert got == want, f"wake_up of an {type(make).__name__} of tags: expected {want}, got {got}"
+
+
 def test_a_failed_release_stops_before_vllms_backend_sleeps():
     worker, _, log = _bound(fail_release=RuntimeError("cuMemUnmap failed"))
     with pytest.raises(RuntimeError, match="cuMemUnmap failed"):

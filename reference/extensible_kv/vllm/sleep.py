@@ -150,6 +150,8 @@ class KVSleepBackend:
         try:
             buffers.recommit_physical()
         except BaseException as exc:  # the KV stays released; the caller sees the sleep's own error
+            if not isinstance(exc, Exception):  # an interrupt is the user's: it reaches the caller
+                raise
             logger.error(
                 "extensible KV cache: vLLM's sleep failed and recommitting the released KV pages failed "
                 "too (%s: %s); the KV cache stays released until wake_up(tags=['kv_cache'])",
@@ -161,7 +163,13 @@ class KVSleepBackend:
             self._record("recommit", after="failed sleep")
 
     def resume(self, tags: list[str] | None = None) -> None:
-        """Recommit the KV pages when ``tags`` wakes the KV cache, then let vLLM's backend wake ``tags``."""
+        """Recommit the KV pages when ``tags`` wakes the KV cache, then let vLLM's backend wake ``tags`` (read once:
+        an iterator of names reaches vLLM as the list it held)."""
+        if tags is not None and not isinstance(tags, (str, bytes, list)):
+            try:
+                tags = list(cast(Iterable[object], tags))
+            except TypeError:  # not iterable: wakes_kv names it
+                pass
         buffers = self._buffers() if wakes_kv(tags) else None
         if buffers is not None and buffers.released:
             start = time.perf_counter()
