@@ -128,6 +128,10 @@ class Summary:
         self.session = session
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        maxfail = getattr(session.config.option, "maxfail", 0) or 0
+        failed = sum(outcome == "failed" for outcome in self.outcomes.values())
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED and maxfail and failed >= maxfail:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # -x stopped a run that failed: 1, as without it
         output = getattr(session.config, "workeroutput", None)
         if output is not None:  # a pytest-xdist worker: its figures go back to the controller
             output[_FIGURES] = {

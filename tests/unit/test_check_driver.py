@@ -85,6 +85,7 @@ def _cli(*args: str, pythonpath: list[Path], cwd: Path) -> subprocess.CompletedP
     [
         ("host-4k", [], 0),  # pytest arguments right after the driver ...
         ("tests.unit._factories:no_zero", ["--"], 1),  # ... or after "--"
+        ("tests.unit._factories:no_zero", ["-x"], 1),  # stopped at the first failure: failed, not interrupted (2)
     ],
 )
 def test_the_command_line_exits_with_the_status_of_the_rules(spec, separator, expected):
