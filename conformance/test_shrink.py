@@ -554,6 +554,24 @@ def _kv_cycled(driver) -> tuple[ExtensibleKVCacheBuffers, list]:
     return kv, calls
 
 
+def _failure(kv) -> str:
+    """Why the buffers refuse growth ('' while they take it)."""
+    try:
+        kv.ensure_blocks(0)
+    except FailedStateError as exc:
+        return str(exc)
+    except Exception as exc:  # judged by the caller: not a failed state
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _failed_by_the_step(kv) -> bool:
+    """Failed, and for a reason a failed step may give: a buffer failed by its own undo, or one that could not grow
+    back; never only because the buffers' sizes disagree (a step that shrank one and did not grow it back)."""
+    reason = _failure(kv)
+    return kv.state == "failed" and bool(reason) and "through tensor(name)" not in reason
+
+
 def test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back(driver):
     kv, calls = _kv_cycled(driver)
     first = kv.tensor("kv")
@@ -567,11 +585,11 @@ def test_kv_shrink_blocks_failing_in_one_buffer_grows_the_others_back(driver):
     finally:
         driver.clear_faults()
     expect(
-        kv.state in ("open", "failed"),
+        kv.state == "open" or _failed_by_the_step(kv),
         driver,
         "KV state after a shrink_blocks failing in its second buffer",
-        "open or failed",
-        kv.state,
+        "open, or failed by a buffer that could not undo its own step",
+        f"{kv.state}: {_failure(kv)}",
     )
     if kv.state == "open":
         expect_equal(driver, "num_blocks after a failed shrink_blocks", 20, kv.num_blocks)
@@ -622,7 +640,9 @@ def test_a_kv_shrink_interrupted_at_any_line_leaves_the_old_count_or_failed(driv
             total = trap.lines  # n == 0: the uninterrupted step, counted
         where = f"shrink_blocks(1) from 6 interrupted at line event {n} of {total} ({trap.fired})"
         got = (kv.state, kv.num_blocks)
-        expect(got in {("open", 6), ("open", 1), ("failed", 0)}, driver, where, "open at 6 or 1 blocks, or failed", got)
+        expect(got in {("open", 6), ("open", 1)} or _failed_by_the_step(kv), driver, where,
+               "open at 6 or 1 blocks, or failed by a buffer that could not undo its own step",
+               f"{got}: {_failure(kv)}")  # fmt: skip
         outcomes[str(got)] = outcomes.get(str(got), 0) + 1
         if kv.state == "open":
             for b in kv.buffers:

@@ -198,7 +198,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         self._closed = False
         self._mixed = ""  # why the buffers' block counts disagree (Note [A shrink of the KV buffers is one step])
         self._pid = os.getpid()
-        self._in_step = False  # a step is changing the buffers one by one (``_step``)
+        self._in_step = threading.Lock()  # held while a step changes the buffers one by one (``_step``)
         self._lock = threading.RLock()  # reentry is refused, not waited on: Note [Operations never wait on themselves]
         self._pins: dict[str, int] = {}  # holder -> the block count it registered
         self._tensors: dict[str, ExtensibleTensor] = {}
@@ -250,7 +250,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
             or "failed" in states
             or "closed" in states
             or states >= {"open", "released"}
-            or (not self._in_step and self._changed())
+            or (not self._in_step.locked() and self._changed())
         ):  # part released, part open, or a buffer closed, resized or unpinned underneath: nothing to resume
             return "failed"
         return "released" if "released" in states else "open"
@@ -261,11 +261,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         one (a reader in another thread or a signal handler sees no half-made step as a change)."""
         if self._changed():
             self._check_open(op)  # failed: refused naming the buffers
-        try:
-            self._in_step = True
-            return body(*args)
-        finally:
-            self._in_step = False
+        with self._in_step: return body(*args)  # one line: no line event after the body returns  # fmt: skip
 
     def _changed(self) -> list[str]:
         """The buffers changed directly through ``tensor(name)``: resized or shrunk away from the block count on

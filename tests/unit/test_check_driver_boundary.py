@@ -286,7 +286,7 @@ def test_the_crash_frame_is_the_crashing_threads_not_another_threads():
     )
 
 
-def test_a_helper_that_left_the_session_holding_the_output_does_not_hold_the_preflight(tmp_path):
+def test_a_helper_that_left_the_session_holding_the_output_is_named_without_holding_the_preflight(tmp_path):
     from conformance import preflight
 
     pid_file = tmp_path / "detached.pid"
@@ -304,9 +304,10 @@ def test_a_helper_that_left_the_session_holding_the_output_does_not_hold_the_pre
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert got.status == "ok" and waited < 20, (
+    assert got.status == "unbuildable" and "left running process" in got.message and waited < 20, (
         f"preflight of a factory that built a driver and left a helper of its own session holding the output: "
-        f"expected ok without waiting for the helper, got {got} after {waited:.1f} s"
+        f"expected unbuildable naming the process left running, without waiting for it, got {got} after "
+        f"{waited:.1f} s"
     )
 
 
