@@ -7,7 +7,8 @@ Note [A driver does not decide a rule's outcome]
     Why: pytest's outcomes are ``BaseException``s the rules cannot tell from their own: a driver whose ``reserve``
     called ``pytest.skip`` turned 255 rules into skips and ``check-driver`` exited 0 ("15 passed, 255 skipped"), and
     ``pytest.exit`` ended the xdist run with an INTERNALERROR and no summary.
-    Figure: that driver now fails every rule that reserves, exit status 1 (``tests/unit/test_rule_outcomes.py``).
+    Figure: that driver now fails every rule that reserves, exit status 1 (``tests/unit/test_check_driver.py``,
+    ``test_a_driver_that_raises_pytests_outcomes_fails_the_rules``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ Note [A buffer changed underneath]
     Why: the buffers trust their record: ``ensure_blocks`` of the recorded count did nothing and
     ``committed_layer_views`` handed out views of pages a direct ``shrink_per_segment_(0)`` had unmapped (a write
     through one ended the process with SIGSEGV).
-    Figure: ``tests/unit/test_kv_buffer_refusals.py``, the buffers changed underneath: failed, data kept.
+    Figure: the lifecycle model's ``change_kv_underneath`` (grown, shrunk or unpinned through ``tensor(name)``:
+    failed, growth and views refused naming the buffer; undone, open at the count on record).
 
 Note [A shrink of the KV buffers is one step]
     ``shrink_blocks(n)`` shrinks every buffer to ``n`` blocks or none: each buffer's shrink is all-or-nothing

@@ -74,7 +74,8 @@ def test_a_call_of_another_thread_waits_for_the_operation_in_progress(op, call):
             t.shrink_per_segment_(target - 1 * MIB)  # the pin saw the step's result and holds it
         t.unpin("x")
     t.close()
-    assert driver.mem_info()[1] - driver.mem_info()[0] == 0
+    held = driver.mem_info()[1] - driver.mem_info()[0]
+    assert held == 0, f"unit-stalling: {call} during {op}, then close(): expected 0 bytes held, got {held}"
 
 
 def test_a_reader_of_the_buffers_during_another_threads_growth_sees_them_open():

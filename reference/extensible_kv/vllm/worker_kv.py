@@ -273,7 +273,7 @@ def _allocator_settings(settings: str) -> None:
     setter(settings)
 
 
-ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads either (the first wins)
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads one: which, by release
 
 
 def users_expandable_segments() -> bool:
