@@ -149,12 +149,19 @@ def plan(shape: Shape, seed: int, batches: int, sleep_every: int | None = None, 
 
 
 # -- on the engine (GPU) -------------------------------------------------------------------------------------------
-def _recorder_start(worker) -> None:
-    """In the worker: record every step's shape and restart torch's peak statistics."""
+def _recorder_start(worker, trace: bool = False) -> None:
+    """In the worker: record every step's shape and restart torch's peak statistics; with ``trace``, torch's
+    allocation history too (``memory_trace``: the readings replay the step that allocated the most so far)."""
     import torch
 
     original = worker.execute_model
     worker._load_steps = []
+    worker._load_trace = trace
+    if trace:
+        from integration import memory_trace
+
+        worker._load_traced_top = getattr(worker, "_load_traced_top", 0)
+        memory_trace.open_window()
 
     def execute_model(scheduler_output, *args, **kwargs):
         new = getattr(scheduler_output, "scheduled_new_reqs", None) or []
@@ -189,7 +196,16 @@ def _reading(worker) -> dict:
     steps, worker._load_steps = worker._load_steps, []
     peak_allocated, peak_reserved = int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
     torch.cuda.reset_peak_memory_stats()
+    trace = None
+    if worker._load_trace:
+        from integration import memory_trace
+
+        if peak_allocated > worker._load_traced_top:
+            worker._load_traced_top = peak_allocated
+            trace = memory_trace.close_window()
+        memory_trace.open_window()
     return {
+        "trace": trace,  # the replay of the steps since the last reading, where they allocated the most so far
         "over_budget": used - int(worker.requested_memory),
         "used": used,
         "torch_reserved": int(torch.cuda.memory_reserved()),
@@ -203,7 +219,11 @@ def _reading(worker) -> dict:
 
 def _recorder_stop(worker) -> None:
     worker.execute_model = worker._load_original
-    del worker._load_original, worker._load_steps
+    if worker._load_trace:
+        from integration import memory_trace
+
+        memory_trace.stop()
+    del worker._load_original, worker._load_steps, worker._load_trace
 
 
 @dataclass
@@ -219,17 +239,22 @@ class Report:
     errors: list = field(default_factory=list)
 
 
-def drive(llm, bursts: list[Burst], seed: int, deadline: float | None = None, prompt_of=None) -> Report:
+def drive(
+    llm, bursts: list[Burst], seed: int, deadline: float | None = None, prompt_of=None, trace: bool = False
+) -> Report:
     """Run ``bursts`` on ``llm`` step by step, reading memory after every step; stop early at ``deadline``
     (``time.monotonic()``). ``prompt_of(request, name)``: the vLLM prompt of a request (default: its token ids; a
-    multimodal case attaches images)."""
+    multimodal case attaches images). ``trace``: the step with the most allocated carries what was live at its
+    peak and where it was allocated (``highest_allocated['trace']``, ``memory_trace.peak_of``)."""
     import time
+    from functools import partial
 
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     report = Report(seed)
-    llm.collective_rpc(_recorder_start)
+    start = partial(_recorder_start, trace=trace)
+    llm.collective_rpc(start)
     try:
         for burst in bursts:
             if deadline is not None and time.monotonic() > deadline:
@@ -239,7 +264,7 @@ def drive(llm, bursts: list[Burst], seed: int, deadline: float | None = None, pr
                 llm.collective_rpc(_recorder_stop)
                 llm.sleep(level=burst.sleep_level)
                 llm.wake_up()
-                llm.collective_rpc(_recorder_start)
+                llm.collective_rpc(start)
                 report.sleep_cycles += 1
             for p in range(burst.passes):
                 for j, r in enumerate(burst.requests):
@@ -250,6 +275,7 @@ def drive(llm, bursts: list[Burst], seed: int, deadline: float | None = None, pr
                 while engine.has_unfinished_requests():
                     engine.step()
                     reading = llm.collective_rpc(_reading)[0]
+                    traced = reading.pop("trace", None)
                     report.steps += 1
                     over = reading["over_budget"]
                     kind = report.per_kind.setdefault(burst.kind, {"bursts": set(), "highest_over_budget": None})
@@ -263,6 +289,7 @@ def drive(llm, bursts: list[Burst], seed: int, deadline: float | None = None, pr
                             "burst": burst.summary(),
                             "pass": p,
                             "steps": reading["steps"],
+                            "trace": traced,
                         }
                     if report.highest_over_budget is None or over > report.highest_over_budget:
                         report.highest_over_budget = over

@@ -158,8 +158,12 @@ def _prompt_of(config: dict, image_tokens: int, max_model_len: int):
     return prompt_of
 
 
-def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
+def one(case: dict, mode: str, out: Path, batches: int, seconds: float, trace: bool = False) -> dict:
+    """One engine of ``case`` in ``mode`` under the load. ``trace``: what was live at the peaks and where it was
+    allocated (``memory_trace``), for each worst batch and profile run at start and the served step that allocated
+    the most (``memory_trace`` in the result, ``load.highest_allocated.trace``)."""
     from integration import load_generator as lg
+    from integration import memory_trace
     from integration import run_case as rc
 
     args = rc.parser().parse_args(run_case_argv(case, mode))
@@ -177,8 +181,12 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
     from extensible_kv.vllm import extensible_kv_cache
 
     start = time.perf_counter()
+    traced: dict = {}
     try:
-        with extensible_kv_cache() if mode == "extensible" else _nothing():
+        with (
+            extensible_kv_cache() if mode == "extensible" else _nothing(),
+            memory_trace.engine_start(traced) if trace else _nothing(),
+        ):
             llm = LLM(**kwargs)
     except rc._refusal_types() as exc:
         return {"case": case, "mode": mode, "refused": f"{type(exc).__name__}: {exc}"}
@@ -200,7 +208,7 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
     if rc.is_multimodal(config):
         budget = llm.collective_rpc(rc.encoder_budget)[0]
         prompt_of = _prompt_of(config, budget["tokens_per_item"], shape.max_model_len) if budget else None
-    load = lg.drive(llm, bursts, SEED, deadline=deadline, prompt_of=prompt_of)
+    load = lg.drive(llm, bursts, SEED, deadline=deadline, prompt_of=prompt_of, trace=trace)
     # Note [Torch's cache, held to the budget] in sizing: the soft cap's trims happen under the load, so read after it
     cap_after = llm.collective_rpc("extensible_kv_report")[0].get("torch_cap") if mode == "extensible" else None
     memory = rc.as_written(warmup.memory[0])
@@ -218,6 +226,7 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float) -> dict:
         "token_ids": passes["token_ids"],
         "load": lg.report_dict(load),
         "torch_cap_after_load": cap_after,
+        **({"memory_trace": traced} if trace else {}),
     }
 
 
@@ -368,6 +377,7 @@ def matrix(args: argparse.Namespace) -> int:
                 return 0
             cmd = [sys.executable, "-m", "integration.worst_batch_run", "one", "--case", case["name"]]
             cmd += ["--mode", mode, "--out", str(path), "--batches", str(args.batches)]
+            cmd += ["--trace-memory"] if args.trace_memory else []
             log = folder / f"{case['name']}-{mode}.log"
             t0 = time.monotonic()
             with log.open("w") as f:
@@ -397,9 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--mode", choices=["legacy", "extensible"], required=True)
         p.add_argument("--out", required=True)
         p.add_argument("--batches", type=int, default=200)
+        p.add_argument("--trace-memory", action="store_true", help="replay torch's allocations at the peaks")
         a = p.parse_args(argv[1:])
         case = case_named(a.case)
-        result = one(case, a.mode, Path(a.out), a.batches, case["seconds"])
+        result = one(case, a.mode, Path(a.out), a.batches, case["seconds"], a.trace_memory)
         Path(a.out).write_text(json.dumps(result, default=str))
         load = result.get("load") or {}
         print(json.dumps({k: result.get(k) for k in ("mode", "engine_seconds", "num_gpu_blocks", "refused")}))
@@ -411,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-seconds", type=float, default=540)
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--list", action="store_true")
+    p.add_argument("--trace-memory", action="store_true", help="every run replays torch's allocations at its peaks")
     return matrix(p.parse_args(argv))
 
 
