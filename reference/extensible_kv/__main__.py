@@ -9,19 +9,24 @@ write plain JSON (``record``).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import sys
-from importlib.machinery import ModuleSpec
-from pathlib import Path
-from typing import NoReturn
 
-import torch
+try:  # torch takes seconds to load: an interrupt meanwhile is one line too (the package itself loads nothing heavy)
+    import argparse
+    import importlib.util
+    import os
+    from importlib.machinery import ModuleSpec
+    from pathlib import Path
+    from typing import NoReturn
 
-from . import boundaries, drivers
-from .boundaries import numbers, outputs
-from .errors import ExtensibleKVError
+    import torch
+
+    from . import boundaries, drivers
+    from .boundaries import numbers, outputs
+    from .errors import ExtensibleKVError
+except KeyboardInterrupt:
+    print("error: interrupted while starting; no command ran", file=sys.stderr)
+    sys.exit(130)
 
 SCRIPT = "extensible-kv"  # the console script (pyproject.toml)
 SUITE_NEEDS = ("pytest", "xdist", "hypothesis")  # what the conformance extra brings and the rules import

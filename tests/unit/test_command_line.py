@@ -78,3 +78,34 @@ def test_a_drivers_probe_reason_ends_with_the_install_command(monkeypatch):
     got = drivers.probe("fake-gpu")
     expected = "fake-bindings is not installed; install the 'rocm' extra (pip install 'extensible-kv[rocm]')"
     assert got == expected, f"probe('fake-gpu') installed from an index: expected {expected!r}, got {got!r}"
+
+
+INTERRUPTED_AT_IMPORT = """
+import sys
+
+class Interrupt:  # Ctrl-C arrives while {module} loads
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+{start}
+"""
+STARTS = {
+    "console script": "from extensible_kv.__main__ import main\nsys.exit(main(['drivers']))",
+    "python -m": "import runpy\nsys.argv = ['extensible_kv', 'drivers']\n"
+    "runpy.run_module('extensible_kv', run_name='__main__')",
+}
+
+
+@pytest.mark.parametrize("start", sorted(STARTS))
+@pytest.mark.parametrize("module", ["torch", "extensible_kv.drivers"])
+def test_an_interrupt_while_the_command_line_starts_is_one_line(start, module):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "reference"), str(ROOT)]))
+    code = INTERRUPTED_AT_IMPORT.format(module=module, start=STARTS[start])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    got = (proc.returncode, proc.stderr)
+    assert got == (130, "error: interrupted while starting; no command ran\n"), (
+        f"{start}, interrupted while {module} loads: expected (exit 130, one line), got {got}"
+    )
