@@ -62,6 +62,7 @@ the driver from inside a driver call of this thread (a finalizer or a signal han
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -241,7 +242,15 @@ class ExtensibleKVCacheBuffers(Unshareable):
     def state(self) -> str:
         """``open``, ``released`` (every buffer released), ``failed`` (a close did not finish, a buffer is failed or
         was closed directly through ``tensor(name)``, or buffers are part released, part open: retry ``close()``) or
-        ``closed``."""
+        ``closed``. Read from another thread it waits for a step in progress and names its result (Note [A reading
+        waits for a step in another thread] in ``tensor``: a release is part released, part open until its last
+        buffer)."""
+        with self._reading(): return self._state_now()  # one line: see reaper  # fmt: skip
+
+    def _reading(self) -> threading.RLock | contextlib.nullcontext[None]:
+        return self._lock if self._pid == os.getpid() else contextlib.nullcontext()
+
+    def _state_now(self) -> str:
         tensors = self._tensors.values()
         if self._closed:
             return "closed" if all(t.closed for t in tensors) else "failed"

@@ -78,26 +78,79 @@ def test_a_call_of_another_thread_waits_for_the_operation_in_progress(op, call):
     assert held == 0, f"unit-stalling: {call} during {op}, then close(): expected 0 bytes held, got {held}"
 
 
-def test_a_reader_of_the_buffers_during_another_threads_growth_sees_them_open():
-    # wrong: the buffers' state compares their record with each buffer's size while a growth changes them one by
-    # one: a reader saw "failed" (a buffer "resized underneath") and num_blocks 0 in the middle of ensure_blocks
+@pytest.mark.parametrize("op", ["grow", "release"])
+def test_a_reader_of_the_buffers_during_another_threads_step_waits_for_its_result(op):
+    # wrong: between two buffers of a step no tensor's lock is held: a reader saw the record before the growth
+    # ("open", 0 blocks) with one buffer grown, and a release part released, part open ("failed")
     from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
 
-    driver = _Stalling("grow")
     kv = ExtensibleKVCacheBuffers(
-        [KVBuffer("a", MIB, num_segments=1), KVBuffer("b", MIB, num_segments=1)], 8, driver=driver
+        [KVBuffer("a", MIB, num_segments=1), KVBuffer("b", MIB, num_segments=1)], 8, driver=HostDriver(1 << 30)
     )
-    step = threading.Thread(target=kv.ensure_blocks, args=(4,))
+    if op == "release":
+        kv.ensure_blocks(4)
+    second_buffer, inside, go = kv.tensor("b"), threading.Event(), threading.Event()
+    name = "checkpoint" if op == "grow" else "release_physical"
+    original = getattr(second_buffer, name)
+
+    def stalled(*args):  # the step has done buffer a and not yet begun buffer b
+        inside.set()
+        go.wait(10)
+        return original(*args)
+
+    setattr(second_buffer, name, stalled)
+    step = threading.Thread(target=kv.ensure_blocks if op == "grow" else kv.release_physical, args=(4,)[: op == "grow"])
     step.start()
+    got: dict = {}
     try:
-        assert driver.inside.wait(10), "unit-stalling: ensure_blocks never reached its second map"
-        during = (kv.state, kv.num_blocks)
+        assert inside.wait(10), f"{op} of the buffers never reached buffer b"
+        second = threading.Thread(target=lambda: got.update(r=(kv.state, kv.num_blocks)))
+        second.start()
+        second.join(0.2)
+        waited = second.is_alive()
+    finally:
+        go.set()
+        step.join(10)
+    second.join(10)
+    delattr(second_buffer, name)
+    kv.close()
+    expected = ("open", 4) if op == "grow" else ("released", 4)
+    assert (waited, got.get("r")) == (True, expected), (
+        f"host: {op} of the buffers: expected a reader in another thread to wait and read {expected}, "
+        f"got waited={waited}, {got.get('r')}"
+    )
+
+
+@pytest.mark.parametrize("op", ["grow", "shrink", "close"])
+@pytest.mark.parametrize("reading", ["state", "closed", "bytes_per_segment"])
+def test_a_reading_of_another_thread_names_the_result_of_the_step_in_progress(op, reading):
+    # wrong: a reading without the lock saw a shrink or a close half done ("failed", 0 bytes per segment), which
+    # a caller could act on (close a tensor that the shrink leaves open)
+    driver = _Stalling("grow" if op == "grow" else "shrink")
+    t = ExtensibleTensor(16 * MIB, 2, driver=driver)
+    if op != "grow":
+        t.resize_per_segment_(4 * MIB)
+        driver.n = 0
+    target = {"grow": 4 * MIB, "shrink": 2 * MIB, "close": 0}[op]
+    run = {"grow": t.resize_per_segment_, "shrink": t.shrink_per_segment_, "close": lambda _n: t.close()}[op]
+    step = threading.Thread(target=run, args=(target,))
+    step.start()
+    got: dict = {}
+    try:
+        assert driver.inside.wait(10), f"unit-stalling: {op}: the driver call never stalled"
+        second = threading.Thread(target=lambda: got.update(r=getattr(t, reading)))
+        second.start()
+        second.join(0.2)
+        waited = second.is_alive()
     finally:
         driver.go.set()
         step.join(10)
-    after = (kv.state, kv.num_blocks)
-    kv.close()
-    assert (during, after) == (("open", 0), ("open", 4)), (
-        f"unit-stalling: ensure_blocks(4) from 0 blocks: expected the state and block count read by another thread "
-        f"during and after ('open', 0), ('open', 4), got {during}, {after}"
+    second.join(10)
+    expected = {"state": "closed" if op == "close" else "open", "closed": op == "close", "bytes_per_segment": target}[
+        reading
+    ]
+    assert (waited, got.get("r")) == (True, expected), (
+        f"unit-stalling: {reading} read by another thread during {op}: expected it to wait and read {expected!r}, "
+        f"got waited={waited}, {got.get('r')!r}"
     )
+    t.close()

@@ -257,7 +257,30 @@ def limits_of(model_runner: Any) -> Limits:
         encoder_tokens_per_item=_whole("tokens_per_item", budget["tokens_per_item"]) if budget else 0,
         sleep_mode=_flag("enable_sleep_mode", model.enable_sleep_mode),
         decode_threshold=_whole("reorder_batch_threshold", decode_threshold_of(model_runner)),
+        **fa3_shape_of(model_runner),
     )
+
+
+def fa3_shape_of(model_runner: Any) -> dict[str, int]:
+    """``Limits``' FlashAttention-3 fields from the first of the runner's attention layers that runs FA3 over the
+    whole context (no sliding window: a window caps the key blocks, and so the splits); none where no layer does
+    (Note [FlashAttention-3 splits by the longest query, not the batch] in ``attention_splits``)."""
+    import torch
+
+    compilation = getattr(model_runner.vllm_config, "compilation_config", None)
+    for layer in (getattr(compilation, "static_forward_context", None) or {}).values():
+        impl = getattr(layer, "impl", None)
+        whole_context = tuple(getattr(impl, "sliding_window", ())) == (-1, -1)
+        if getattr(impl, "vllm_flash_attn_version", None) != 3 or not whole_context:
+            continue
+        sms = torch.cuda.get_device_properties(model_runner.device).multi_processor_count
+        return {
+            "fa3_heads": _whole("num_heads", impl.num_heads),
+            "fa3_kv_heads": _whole("num_kv_heads", impl.num_kv_heads),
+            "fa3_head_dim": _whole("head_size", impl.head_size),
+            "fa3_sms": _whole("multi_processor_count", sms),
+        }
+    return {}
 
 
 def _whole(name: str, value: object) -> int:

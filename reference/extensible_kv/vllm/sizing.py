@@ -74,7 +74,9 @@ Note [Split partials peak between the shortest and the longest query]
     with the query, a step of 1.5x leaves at most 1.5x of a peak between two batches unrun.
     Figure: the sliding-window model (4 heads, 64 dims, max_model_len 2048) peaked at 212 MiB allocated on a fresh
     burst of 8 prompts of up to 1,725 tokens, against 93 MiB over every worst batch before the sweep (its fresh
-    batch: 8 of 2,047). Run h100-2026-12-07-torch-cap. With the sweep: not yet run on a GPU.
+    batch: 8 of 2,047). Run h100-2026-12-07-torch-cap. The ladder did not bring it back (28.9 MiB over, run
+    h100-2026-12-07-fresh-sweep): FA3's split count jumps between two rungs, and Note [FlashAttention-3 splits by
+    the longest query, not the batch] in ``attention_splits`` derives the rung that does (65.1 MiB inside).
 
 Note [A prefill is a prefill to the backend]
     Rule: a prefill batch gives each request more new tokens than the backend's decode threshold

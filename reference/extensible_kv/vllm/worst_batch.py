@@ -27,6 +27,9 @@ max_model_len, ``k`` speculative tokens, ``W`` MLA's context workspace in tokens
                                 context batches; prefill_fresh_q{q}: the
                                 same query lengths with no context, up
                                 to prefill_fresh's
+                              prefill_split_fa3_q{q}: the same at the    Note [FlashAttention-3 splits by the
+                                q that FA3's split count makes worst        longest query, not the batch] in
+                                (FlashAttention-3 on Hopper)                ``attention_splits``
     decode attention          decode_max_len: S sequences of 1 + k new    the most sequences at the longest
       (split-KV partials)       tokens at L                                 context
     sampler (rows x vocab     decode_max_len's sampler run: S x (1 + k)   Note [The speculative step, at its
@@ -48,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .attention_splits import SplitShape, worst_query
 
 MLA_WORKSPACE_CAP = 64 * 1024  # vLLM 0.26.0's cap on MLA's context workspace, in tokens
 
@@ -74,6 +79,12 @@ class Limits:
     encoder_tokens_per_item: int = 0
     sleep_mode: bool = False
     decode_threshold: int = 1  # the longest query the backend takes for a decode (its reorder_batch_threshold)
+    # FlashAttention-3 on Hopper: its layers' heads, KV heads, head size (per rank) and the device's SMs; 0: not FA3
+    # (Note [FlashAttention-3 splits by the longest query, not the batch] in ``attention_splits``)
+    fa3_heads: int = 0
+    fa3_kv_heads: int = 0
+    fa3_head_dim: int = 0
+    fa3_sms: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,6 +111,13 @@ class Limits:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}): a prompt of max_model_len tokens could never be scheduled"
             )
+        fa3 = (self.fa3_heads, self.fa3_kv_heads, self.fa3_head_dim, self.fa3_sms)
+        if any(fa3) and (min(fa3) < 1 or self.fa3_heads % self.fa3_kv_heads):
+            raise LimitsError(
+                f"FlashAttention-3's heads {self.fa3_heads}, KV heads {self.fa3_kv_heads}, head size "
+                f"{self.fa3_head_dim} and SMs {self.fa3_sms} must all be 0 (not FA3) or >= 1 with the heads a "
+                f"multiple of the KV heads"
+            )
         if self.encoder_cache_tokens and self.encoder_tokens_per_item < 1:
             raise LimitsError(
                 f"an encoder cache of {self.encoder_cache_tokens} tokens needs encoder_tokens_per_item >= 1, "
@@ -111,6 +129,13 @@ class Limits:
         """A prefill may run on top of cached context: a chunk after the first (chunked prefill) or a prefix-cache
         hit."""
         return self.chunked_prefill or self.prefix_caching
+
+    @property
+    def fa3(self) -> SplitShape | None:
+        """The attention shape FlashAttention-3 splits for, if the engine runs it."""
+        if not self.fa3_sms:
+            return None
+        return SplitShape(self.fa3_heads, self.fa3_kv_heads, self.fa3_head_dim, self.fa3_sms)
 
     @property
     def decode_query_len(self) -> int:
@@ -263,6 +288,20 @@ def _fresh_sweep(limits: Limits, first: int, last: int) -> list[Batch]:
     return sweep
 
 
+def _fa3_split(limits: Limits, first: int, before: list[Batch]) -> list[Batch]:
+    """``prefill_split_fa3_q{q}``: FlashAttention-3's accumulators at their largest step, the most requests of the
+    ``q`` new tokens at max_model_len that ``attention_splits.worst_query`` derives (none where no step splits or a
+    batch before runs the same sequences; Note [FlashAttention-3 splits by the longest query, not the batch])."""
+    shape = limits.fa3
+    if shape is None:
+        return []
+    s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+    q, nbytes = worst_query(shape, first, L, s, t)
+    reqs = min(s, t // q)
+    batch = _batch(f"prefill_split_fa3_q{q}", ("attention_split_partials",), Dummy(reqs * q, reqs, L), limits)
+    return [batch] if nbytes and all(b.seqs != batch.seqs for b in before) else []
+
+
 def derive(limits: Limits) -> Plan:
     """The worst batches of an engine with these limits (the table in the module's docstring)."""
     s, t, L = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
@@ -320,6 +359,7 @@ def derive(limits: Limits) -> Plan:
         # Split-KV partials: query lengths between those two, each at most 1.5 times the one before (Note [Split
         # partials peak between the shortest and the longest query] in ``sizing``).
         batches.extend(_split_sweep(limits, first=prefill_min, last=max(n for _, n in over.seqs)))
+        batches.extend(_fa3_split(limits, prefill_min, batches))
 
     # Decode: every sequence at max_model_len, 1 + k tokens each, then the sampler at its widest.
     q = limits.decode_query_len
