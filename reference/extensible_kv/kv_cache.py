@@ -76,7 +76,7 @@ from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES, check_process
 from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, refuse_reentry
+from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, inside_operation, refuse_reentry
 
 T = TypeVar("T")
 HOLDER_CHARS = 200
@@ -248,7 +248,9 @@ class ExtensibleKVCacheBuffers(Unshareable):
         with self._reading(): return self._state_now()  # one line: see reaper  # fmt: skip
 
     def _reading(self) -> threading.RLock | contextlib.nullcontext[None]:
-        return self._lock if self._pid == os.getpid() else contextlib.nullcontext()
+        if self._pid != os.getpid() or inside_operation():
+            return contextlib.nullcontext()
+        return self._lock
 
     def _state_now(self) -> str:
         tensors = self._tensors.values()
@@ -291,7 +293,10 @@ class ExtensibleKVCacheBuffers(Unshareable):
         return self.state == "closed"
 
     def raw(self, buffer: str) -> torch.Tensor:
-        """The whole buffer as a 1-D int8 tensor at its upper-bound size (what vLLM's runners reshape)."""
+        """The whole buffer as a 1-D int8 tensor at its upper-bound size (what vLLM's runners reshape); a view, so
+        refused with ``FailedStateError`` while the buffers are ``failed``."""
+        if self.state == "failed":
+            self._check_open("raw")
         return self.tensor(buffer).full_view(torch.int8)
 
     def tensor(self, buffer: str) -> ExtensibleTensor:
@@ -485,12 +490,20 @@ class ExtensibleKVCacheBuffers(Unshareable):
         with self._locked("unpin", driver=False): return self._step("unpin", self._unpin, holder)  # fmt: skip
 
     def _unpin(self, holder: str) -> None:
-        if holder not in self._pins:
-            raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {sorted(self._pins)}")
-        for t in self._tensors.values():
-            if holder in t.pinned_by:
-                t.unpin(holder)
-        del self._pins[holder]
+        if not isinstance(holder, str) or holder not in self._pins:
+            raise InvalidArgumentError(f"unpin({holder!r:.80}): not pinned by it; pinned by {sorted(self._pins)}")
+        before = [(t, t.pinned_by.count(holder)) for t in self._tensors.values()]
+        try:
+            for t in self._tensors.values():
+                if holder in t.pinned_by:
+                    t.unpin(holder)
+            del self._pins[holder]
+        except BaseException:  # an interrupt between two buffers: every buffer keeps the pin the buffers record
+            if holder in self._pins:
+                for t, count in reversed(before):
+                    while t.pinned_by.count(holder) < count:
+                        t.pin(holder)
+            raise
 
     @property
     def pinned_by(self) -> dict[str, int]:
@@ -610,14 +623,21 @@ class ExtensibleKVCacheBuffers(Unshareable):
                 f"release_physical(); call recommit_physical() first"
             )
         if state == "failed" and failed_too:
-            failed = [name for name, t in self._tensors.items() if t.state == "failed"]
-            closed = [name for name, t in self._tensors.items() if t.closed]
+            states = {name: t.state for name, t in self._tensors.items()}
+            failed = [f"{name} ({t._failure})" for name, t in self._tensors.items() if states[name] == "failed"]
+            closed = [name for name, state in states.items() if state == "closed"]
+            released = [name for name, state in states.items() if state == "released"]
             what = (
                 "close() did not finish"
                 if self._closed
                 else self._mixed
-                or (f"buffer(s) {failed} could not undo a growth or shrink step" if failed else "")
+                or (f"buffer(s) {', '.join(failed)}" if failed else "")
                 or (f"buffer(s) {closed} were closed directly, through tensor(name)" if closed else "")
+                or (
+                    f"a release or a recommit did not finish: buffer(s) {released} released, the others open"
+                    if released and len(released) < len(states)
+                    else ""
+                )
                 or f"buffer(s) {self._changed()} were resized or unpinned directly, through tensor(name)"
             )
             raise FailedStateError(

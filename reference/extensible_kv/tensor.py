@@ -77,6 +77,19 @@ Note [Operations never wait on themselves]
         finalizer -> b.close() inside host.reserve (driver lock held): BusyError at once, b still open
         finalizer -> b.close() between operations:                     b closed, memory returned
 
+Note [A reading waits for a step in another thread]
+    A growth, a shrink, a release or a close passes through states that are not its result (a shrink is
+    ``failed`` from its first unmap to its last map; a close is ``failed`` until everything is returned). So
+    ``state``, ``closed``, ``released`` and ``bytes_per_segment`` take the tensor's lock like ``stats``: read from
+    another thread they wait for the step to end and name its result, never a state in between, which a caller
+    could act on (closing a tensor that a shrink leaves open). A thread inside an operation of any tensor or KV
+    buffers, or inside a driver call (a finalizer, a signal handler, the KV buffers' own step reading their
+    tensors), never waits: it reads the record as it stands, since the thread it would wait for may be waiting for
+    the lock it holds (a KV step waits for its tensors' locks). In a forked child, whose lock a thread of the
+    parent may hold forever, the reading takes no lock (Note [Forked children]).
+
+        thread A: shrink 4 -> 2 MiB (stalled in unmap) | thread B: t.state waits, then "open" (never "failed")
+
 Note [A checkpoint names a lineage]
     ``rollback_to`` unmaps the mappings made since its checkpoint and sets the size back; that is right only if the
     mappings before the checkpoint are still the ones it counted. A release unmaps all of them and a recommit maps
@@ -96,9 +109,10 @@ Note [A rollback never strands a view]
     covers bytes up there, and a write through it after the rollback would fault (a SIGSEGV on the host driver, an
     illegal address on CUDA), which is what ``close()`` refuses with ``BusyError`` for the whole tensor. So each
     view's keeper records the bytes per segment it covers, and a rollback below that, while the view is alive after
-    a collection, is refused with ``BusyError`` and undoes nothing. Views taken before the checkpoint (what a KV
-    cache's users hold while ``ensure_blocks`` rolls a failed step back) cover no byte above it and never block
-    it; ``full_view`` is exempt, as touching uncommitted bytes through it is undefined already.
+    a collection, is refused with ``BusyError`` and undoes nothing; so is one below what a pin saw committed (a
+    connector's registered views are views too). Views taken before the checkpoint (what a KV cache's users hold
+    while ``ensure_blocks`` rolls a failed step back) cover no byte above it and never block it; ``full_view`` is
+    exempt, as touching uncommitted bytes through it is undefined already.
 
 Note [A shrink unmaps whole mappings]
     ``shrink_per_segment_`` gives back the granules no kept byte touches (``granules.released_granule_runs``): a
@@ -134,6 +148,7 @@ Note [CUDA graphs do not keep memory alive]
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -146,6 +161,7 @@ from typing import NoReturn, cast
 import torch
 
 from . import granules
+from .boundaries import number
 from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES
 from .errors import (
@@ -170,9 +186,14 @@ _SERIALS = itertools.count(1)
 lineage]."""
 
 
+MAX_INT_BITS = 1024  # no size or count has more bits: refused by its size before any message formats it
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSizeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise InvalidSizeError(f"{name} must be an int, got {type(value).__name__} {value!r:.200}")
+    if value.bit_length() > MAX_INT_BITS:
+        raise InvalidSizeError(f"{name} must fit in {MAX_INT_BITS} bits, got {number(value)}")
     return value
 
 
@@ -193,6 +214,20 @@ def refuse_reentry(op: str, owner: object, kind: str, lock: threading.RLock, dri
             f"{op} on {owner!r} ran inside {inside} in this thread (from a finalizer or a signal handler): "
             f"refused, nothing changed"
         )
+    entered = getattr(_ENTERED, "locks", None)
+    if entered is None:
+        entered = _ENTERED.locks = []
+    entered[:] = [held for held in entered if held._is_owned()] + [lock]
+
+
+_ENTERED = threading.local()  # the locks of the operations this thread entered (``refuse_reentry``), pruned lazily
+
+
+def inside_operation() -> bool:
+    """Whether this thread is inside an operation of a tensor or of KV buffers (it holds one's lock), or inside a
+    driver call: where a reading must not wait for another thread (Note [A reading waits for a step in another
+    thread])."""
+    return inside_section() or any(held._is_owned() for held in getattr(_ENTERED, "locks", ()))
 
 
 class Unshareable:
@@ -510,8 +545,8 @@ class ExtensibleTensor(Unshareable):
     @property
     def bytes_per_segment(self) -> int:
         """Committed bytes in each segment (the same in all of them); 0 unless open. Released, the size on record
-        that ``recommit_physical`` maps back."""
-        return self._per_segment if self._state in ("open", "released") else 0
+        that ``recommit_physical`` maps back. Note [A reading waits for a step in another thread]."""
+        with self._reading(): return self._per_segment if self._state in ("open", "released") else 0  # fmt: skip
 
     @property
     def granularity(self) -> int:
@@ -520,9 +555,19 @@ class ExtensibleTensor(Unshareable):
     @property
     def state(self) -> str:
         """``open``, ``released`` (``release_physical``), ``failed`` (a close, a rollback or a release did not finish:
-        retry ``close()``) or ``closed``."""
+        retry ``close()``) or ``closed``. Note [A reading waits for a step in another thread]."""
+        with self._reading(): return self._state_now()  # one line: see reaper  # fmt: skip
+
+    def _state_now(self) -> str:
         self._notice_reclaimed()
         return self._state
+
+    def _reading(self) -> threading.RLock | contextlib.nullcontext[None]:
+        """The lock a reading takes (Note [A reading waits for a step in another thread]); none inside an operation
+        or a driver call of this thread, or in a forked child."""
+        if self._memory.pid != os.getpid() or inside_operation():
+            return contextlib.nullcontext()
+        return self._lock
 
     @property
     def closed(self) -> bool:
@@ -536,7 +581,7 @@ class ExtensibleTensor(Unshareable):
 
     @property
     def released(self) -> bool:
-        return self._state == "released"
+        return self.state == "released"
 
     def stats(self) -> TensorStats:
         """The accounting; in the ``failed`` state it says so, counts nothing as committed and reports what is
@@ -695,12 +740,6 @@ class ExtensibleTensor(Unshareable):
             )
         if nbytes % self._alignment:
             raise InvalidSizeError(f"nbytes={nbytes} per segment is not a multiple of alignment={self._alignment}")
-        pinned = [f"{h} (at {r})" for h, r in zip(self._pins, self._pin_reach) if r > nbytes]
-        if pinned:
-            raise BusyError(
-                f"shrink_per_segment_({nbytes}) on {self!r} is refused: {', '.join(pinned)} registered views of "
-                f"the committed bytes per segment and would be left on unmapped memory; nothing was released"
-            )
         self._refuse_stranding(nbytes, f"shrink_per_segment_({nbytes})", "released")
 
     def _shrink_plan(self, new: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]]]:
@@ -893,8 +932,14 @@ class ExtensibleTensor(Unshareable):
         return self._rollback(mark.mappings, mark.per_segment, mark.depth)
 
     def _refuse_stranding(self, per_segment: int, op: str, undone: str) -> None:
-        """Refuse ``op`` (a rollback or a shrink to ``per_segment``) while a segment view over bytes above it is
-        alive: Note [A rollback never strands a view]. ``undone``: what nothing was, in the message."""
+        """Refuse ``op`` (a rollback or a shrink to ``per_segment``) while a pin or a segment view reaches the bytes
+        above it: Note [A rollback never strands a view]. ``undone``: what nothing was, in the message."""
+        pinned = [f"{h} (at {r})" for h, r in zip(self._pins, self._pin_reach) if r > per_segment]
+        if pinned:
+            raise BusyError(
+                f"{op} on {self!r} is refused: {', '.join(pinned)} registered views of the committed bytes per "
+                f"segment and would be left on unmapped memory; nothing was {undone}"
+            )
         if any(k.reach > per_segment for k in self._views):
             gc.collect()
         beyond = sorted({k.reach for k in self._views if k.reach > per_segment})
@@ -1089,6 +1134,8 @@ class ExtensibleTensor(Unshareable):
         with self._locked("unpin", driver=False): return self._unpin(holder)  # one line: see reaper  # fmt: skip
 
     def _unpin(self, holder: str) -> None:
+        if self._state == "closed":
+            self._check_open("unpin")
         if holder not in self._pins:
             raise InvalidArgumentError(f"unpin({holder!r}): not pinned by it; pinned by {self._pins}")
         i = self._pins.index(holder)

@@ -94,18 +94,13 @@ def _engines(specs):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(engine_strategy, min_size=2, max_size=4), st.integers(0, 3000), st.data())
 def test_a_plan_is_never_over_the_limit_nor_below_a_floor_nor_above_a_reservation(specs, slack, data):
+    # an engine may start below its floor (a resize of its own, a smaller start): the dead band must not keep it there
+    starts = [max(2, s["start"] - data.draw(st.sampled_from([0, 0, 1, s["floor"] // 2]))) for s in specs]
     loads = [
         EngineLoad(
-            f"e{i}",
-            s["start"],
-            s["floor"],
-            s["reserved"],
-            BPB,
-            min(s["demand"], s["start"] - 1),
-            s["running"],
-            s["waiting"],
+            f"e{i}", start, s["floor"], s["reserved"], BPB, min(s["demand"], start - 1), s["running"], s["waiting"]
         )
-        for i, s in enumerate(specs)
+        for i, (s, start) in enumerate(zip(specs, starts))
     ]
     limit = sum(e.floor_blocks for e in loads) + slack
     idle_for = {e.name: data.draw(st.integers(0, 5)) for e in loads}
@@ -662,3 +657,18 @@ def test_an_interrupt_while_an_engines_error_is_read_is_named_in_the_polls_recor
     assert "KeyboardInterrupt" in record.get("errors", {}).get("idle", ""), (
         f"an interrupt while idle's error was read: expected it named in the poll's record, got {record}"
     )
+
+
+@pytest.mark.parametrize("state", [3, "num_blocks", [1, 2]], ids=["int", "str", "list"])
+def test_a_state_that_is_no_mapping_is_refused_naming_the_engine(state):
+    # wrong: a scalar or a sequence indexed by key: IndexError or TypeError escaped untyped (numpy scalars too)
+    np = pytest.importorskip("numpy")
+    for shaped in (state, np.int64(3) if state == 3 else np.zeros(3)):
+        with pytest.raises(CoordinatorError, match="engine e: its state is not a KV state"):
+            EngineLoad.from_state("e", shaped)
+
+
+def test_an_engine_below_its_floor_is_brought_to_it_even_within_the_dead_band():
+    # wrong: 104 is within 5% of 100, so the dead band kept the engine at 100, below its floor of 104
+    load = EngineLoad("a", 100, 104, 200, BPB, 0, 0, 0)
+    assert plan([load], Policy(10_000 * BPB), {"a": 0}) == {"a": 104}

@@ -264,7 +264,7 @@ KV_CALLS = """
 KV_EXPECTED = {
     **{op: ["DriverError", op, "DETAIL"] for op in ("ensure_blocks", "release_physical", "recommit_physical")},
     **{op: ["DriverError", op, "DETAIL"] for op in ("pin", "unpin", "stats", "tensor")},
-    "raw": ["DriverError", "tensor", "DETAIL"],
+    "raw": ["DriverError", "raw", "DETAIL"],
     "layer_views": ["DriverError", "layer views", "DETAIL"],
     "committed_layer_views": ["DriverError", "layer views", "DETAIL"],
     "close": ["returned", "None"],  # nothing to give back: the parent owns the memory

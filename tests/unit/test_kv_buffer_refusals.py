@@ -308,3 +308,96 @@ def test_a_pin_holder_that_is_not_one_short_line_is_refused_and_pins_nothing(hol
         assert kv.num_blocks == 1
     finally:
         kv.close()
+
+
+def _pinned_buffers():
+    kv = ExtensibleKVCacheBuffers(
+        [KVBuffer(f"b{i}", 2048, num_segments=2) for i in range(3)], 64, driver=HostDriver(granularity=4096)
+    )
+    kv.ensure_blocks(8)
+    kv.pin("connector")
+    return kv
+
+
+def _interrupt_at_line(n: int, function: str, filename: str):
+    """A trace function that raises KeyboardInterrupt at the ``n``-th line event of ``function`` in ``filename``."""
+    seen = [0]
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if event == "line" and code.co_name == function and code.co_filename.endswith(filename):
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt
+        return trace
+
+    return trace, seen
+
+
+def test_an_interrupt_at_any_line_of_unpin_leaves_the_buffers_open_with_every_pin_or_none():
+    # wrong: an interrupt after the first buffer's unpin left the buffers failed ("unpinned directly, through
+    # tensor(name)"), the pin recorded but gone from one buffer, and every retry refused
+    import sys
+
+    n, interrupted = 1, 0
+    while True:
+        kv = _pinned_buffers()
+        trace, seen = _interrupt_at_line(n, "_unpin", "kv_cache.py")
+        sys.settrace(trace)
+        try:
+            kv.unpin("connector")
+            done = True
+        except KeyboardInterrupt:
+            done, interrupted = False, interrupted + 1
+        finally:
+            sys.settrace(None)
+        pins = [kv.tensor(f"b{i}").pinned_by for i in range(3)]
+        expected = (((),) * 3, {}) if "connector" not in kv.pinned_by else ((("connector",),) * 3, {"connector": 8})
+        got = (kv.state, tuple(pins), kv.pinned_by)
+        assert got == ("open", *expected), f"host: unpin interrupted at line {n} of _unpin: got {got}"
+        if "connector" in kv.pinned_by:
+            kv.unpin("connector")  # a retry goes through
+        kv.close()
+        if done and seen[0] < n:
+            break
+        n += 1
+    assert interrupted >= 5, f"host: only {interrupted} lines of _unpin were interrupted"
+
+
+def test_after_an_interrupted_release_the_refusal_names_the_release():
+    import sys
+
+    kv = _pinned_buffers()
+    kv.unpin("connector")
+    calls = [0]  # the second buffer's release is interrupted before it does anything
+
+    def second(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_release" and frame.f_code.co_filename.endswith("tensor.py"):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+        return second
+
+    sys.settrace(second)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.release_physical()
+    finally:
+        sys.settrace(None)
+    with pytest.raises(
+        FailedStateError, match=r"a release or a recommit did not finish: buffer\(s\) \['b0'\] released"
+    ):
+        kv.ensure_blocks(8)
+    with pytest.raises(FailedStateError, match="raw on failed"):
+        kv.raw("b0")  # a view of failed buffers is refused like the layer views
+    kv.close()
+
+
+def test_unpin_after_close_is_refused_and_a_holder_of_another_type_is_named():
+    kv = _pinned_buffers()
+    with pytest.raises(InvalidArgumentError, match=r"unpin\(\[\]\)"):
+        kv.unpin([])
+    t = kv.tensor("b0")
+    kv.close()
+    with pytest.raises(ClosedError, match="unpin on a closed"):
+        t.unpin("connector")

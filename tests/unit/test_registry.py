@@ -129,3 +129,32 @@ def test_a_module_factory_spec_loads_a_working_driver():
     assert state == (True, False, 7 * 4096), (
         f"{spec} driver: expected (mapped, unmapped, sum) == (True, False, {7 * 4096}), got {state}"
     )
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "said"),
+    [
+        ("raise RuntimeError('no device here')\n", "ekv_unit_broken:make", "does not import: RuntimeError: no device"),
+        ("def make(:\n", "ekv_unit_syntax:make", "does not import: SyntaxError"),
+        ("def make(size):\n    return size\n", "ekv_unit_args:make", "make() raised TypeError"),
+    ],
+    ids=["import-raises", "syntax-error", "factory-needs-arguments"],
+)
+def test_a_module_that_does_not_import_or_a_factory_that_raises_is_a_driver_load_error(
+    tmp_path, monkeypatch, source, spec, said
+):
+    # wrong: only ImportError was caught: the module's own error, a SyntaxError or the factory's TypeError escaped
+    module = spec.partition(":")[0]
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DriverLoadError, match=re.escape(said)):
+        drivers.get_driver(spec)
+
+
+def test_a_typed_refusal_of_the_factory_is_raised_as_it_is(tmp_path, monkeypatch):
+    (tmp_path / "ekv_unit_unavailable.py").write_text(
+        "from extensible_kv.errors import DriverUnavailable\n\ndef make():\n    raise DriverUnavailable('no GPU')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DriverUnavailable, match="no GPU"):
+        drivers.get_driver("ekv_unit_unavailable:make")

@@ -48,6 +48,26 @@ def test_a_rollback_below_a_live_segment_view_is_refused_and_undoes_nothing(ledg
     t.close()
 
 
+def test_a_rollback_below_what_a_pin_saw_committed_is_refused_and_undoes_nothing(ledger):
+    # wrong: the pin's holder (a connector) registered the grown bytes; a rollback unmapped them under it while
+    # shrink_per_segment_ and release_physical refused
+    t = ExtensibleTensor(16 * G, 1, driver=ledger)
+    t.resize_per_segment_(G)
+    mark = t.checkpoint()
+    t.resize_per_segment_(4 * G)
+    t.pin("connector X")
+    before = _held(t, ledger)
+    with pytest.raises(BusyError, match="connector X") as info:
+        t.rollback_to(mark)
+    assert _held(t, ledger) == before, (
+        f"unit-host: rollback_to({G}) past a pin at {4 * G}: expected nothing undone, got {_held(t, ledger)}"
+    )
+    assert "nothing was undone" in str(info.value)
+    t.unpin("connector X")
+    assert t.rollback_to(mark) == [] and t.bytes_per_segment == G  # once unpinned it goes through
+    t.close()
+
+
 def test_views_taken_before_the_checkpoint_never_block_its_rollback(ledger):
     t = ExtensibleTensor(8 * G, 2, driver=ledger)
     t.resize_per_segment_(G)

@@ -154,3 +154,62 @@ def test_a_reading_of_another_thread_names_the_result_of_the_step_in_progress(op
         f"got waited={waited}, {got.get('r')!r}"
     )
     t.close()
+
+
+def test_a_finalizer_reading_the_buffers_inside_a_tensor_operation_never_waits_on_a_step_of_another_thread():
+    # wrong: readings that wait on the lock: thread A, inside a shrink of a buffer's tensor (its lock held, the
+    # collector running a user finalizer that reads kv.state), waits for the KV lock; thread B, in a KV step that
+    # holds the KV lock, waits for the tensor's lock: both forever
+    import gc
+    import time
+
+    from extensible_kv import ExtensibleKVError
+    from extensible_kv.kv_cache import ExtensibleKVCacheBuffers, KVBuffer
+
+    kv = ExtensibleKVCacheBuffers([KVBuffer("a", 4096, num_segments=1)], 64, driver=HostDriver(granularity=4096))
+    kv.ensure_blocks(8)
+    tensor, seen, inside = kv.tensor("a"), [], threading.Event()
+
+    class Cycle:
+        def __init__(self):
+            self.me = self  # only the collector frees it
+
+        def __del__(self):
+            inside.set()  # the tensor's lock is held
+            time.sleep(0.2)  # the step of the other thread holds the KV lock by now
+            seen.append(kv.state)
+
+    view = tensor.segment_view(0)  # reaches 8 blocks: a shrink below it collects garbage under the tensor's lock
+
+    def step():
+        inside.wait(5)
+        try:
+            kv.shrink_blocks(8)  # the KV lock, then the tensor's
+        except ExtensibleKVError:
+            pass
+
+    refused = []
+
+    def shrink():  # refused, the view reaching past it, after the collector ran the finalizer under the lock
+        try:
+            tensor.shrink_per_segment_(0)
+        except ExtensibleKVError as exc:
+            refused.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=step, daemon=True), threading.Thread(target=shrink, daemon=True)]
+    gc.disable()  # the collection is the shrink's own
+    try:
+        Cycle()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)  # a deadlock leaves them waiting: daemons, so the run goes on to fail
+    finally:
+        gc.enable()
+    alive = [t.is_alive() for t in threads]
+    del view
+    assert (alive, len(seen), refused) == ([False, False], 1, ["BusyError"]), (
+        f"host: a finalizer reading kv.state inside a tensor shrink while another thread runs a KV step: expected "
+        f"both threads to finish, one reading and the shrink refused, got alive={alive}, readings {seen}, {refused}"
+    )
+    kv.close()

@@ -892,3 +892,15 @@ def test_a_negative_rounding_bound_is_refused_naming_it_not_clamped(rounding):
     # a worker that reports a negative rounding bound is wrong; clamping it to 0 would hide that
     with pytest.raises(ResizeUnsupported, match=f"rounding must be at least 0, got {rounding}"):
         resize.blocks_for_budget(10 * PAGE, PAGE, rounding)
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("args", "kwargs"), [(5, None), ("1200", None), ((), ["1200"]), ((), "n=12")], ids=["int", "str", "list", "str-kw"]
+)
+def test_arguments_of_another_shape_are_refused_naming_them(args, kwargs):
+    # wrong: an int as args was iterated (TypeError), a list as kwargs asked for .values() (AttributeError)
+    engine = Engine(num_blocks=100)
+    with pytest.raises(ResizeArgumentError, match="takes its arguments as a list and a mapping"):
+        resize.engine_call(engine, resize.RESIZE, args, kwargs)
+    assert engine.pool.num_gpu_blocks == 100

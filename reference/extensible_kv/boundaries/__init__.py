@@ -19,7 +19,7 @@ import re
 
 from ..errors import ExtensibleKVError
 
-__all__ = ["BoundaryError", "escaped", "named", "shown", "text"]
+__all__ = ["BoundaryError", "escaped", "named", "number", "shown", "text"]
 
 _ESCAPED_BYTE = re.compile(r"(?<!\\)\\udc([89a-f][0-9a-f])")  # a byte that is not UTF-8, as repr shows it
 SHOWN_CHARS = 120  # the most of one value a message shows: its start and its end, the middle elided
@@ -47,6 +47,17 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         half = (limit - 5) // 2
         body = f"{body[: half + 1]}...{body[-half - 1 :]}"
     return body
+
+
+SHOWN_INT_BITS = 64  # an int past this is shown by its size: str() of one past 4,300 digits raises ValueError
+
+
+def number(value: object) -> str:
+    """``value`` as a message shows a number: its ``repr``, except an int of more than 64 bits, shown by its bit
+    length (Python refuses to format an int of more than 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > SHOWN_INT_BITS:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
 
 
 def named(value: str | os.PathLike) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DriverLoadError, DriverUnavailable
+from ..errors import DriverLoadError, DriverUnavailable, ExtensibleKVError
 from . import cuda as _cuda
 from . import hip as _hip
 from . import host as _host
@@ -123,8 +123,10 @@ def best_available() -> str:
 def get_driver(spec: str) -> Driver:
     """Build the driver named by ``spec``: a registered name or ``module:factory``.
 
-    Raises ``DriverLoadError`` for an unknown name, a module that does not import, a missing factory, or a factory
-    that returns something without the protocol's methods; ``DriverUnavailable`` when the driver cannot run here.
+    Raises ``DriverLoadError`` for an unknown name, a module that does not import (whatever its import raised), a
+    missing factory, a factory that raises an untyped error (one that needs arguments, say) or returns something
+    without the protocol's methods; ``DriverUnavailable`` when the driver cannot run here; a typed error the
+    factory raises, as it is.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise DriverLoadError(f"a driver spec is a registered name or 'module:factory', got {spec!r}")
@@ -139,12 +141,21 @@ def get_driver(spec: str) -> Driver:
         raise DriverLoadError(f"driver spec {spec!r} must look like 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DriverLoadError(f"driver spec {spec!r}: module {module_name!r} does not import: {exc}") from exc
+    except Exception as exc:  # any error while it imports (ImportError, SyntaxError, what its code raises)
+        raise DriverLoadError(
+            f"driver spec {spec!r}: module {module_name!r} does not import: {type(exc).__name__}: {exc}"
+        ) from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise DriverLoadError(f"driver spec {spec!r}: {module_name} has no callable {attr!r}")
-    driver = factory()
+    try:
+        driver = factory()
+    except ExtensibleKVError:  # the factory's own typed refusal (DriverUnavailable, DriverError): as it is
+        raise
+    except Exception as exc:  # a factory that needs arguments, or fails in its own way
+        raise DriverLoadError(
+            f"driver spec {spec!r}: {module_name}.{attr}() raised {type(exc).__name__}: {exc}"
+        ) from exc
     return conforming(f"driver spec {spec!r} built {type(driver).__name__}", driver)
 
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..boundaries import shown
+from ..boundaries import number, shown
 from ..errors import ExtensibleKVError
 from .resize import (
     COUNT_LIMIT,
@@ -109,7 +109,7 @@ class EngineLoad:
         ``num_blocks - 1``, as the null block is never free; ``num_blocks`` at most ``reserved_blocks``)."""
         try:
             return cls._from_state(name, state)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, CoordinatorError):
                 raise
             raise CoordinatorError(
@@ -161,15 +161,20 @@ class Policy:
         def integer(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def real(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        def real(v: object) -> bool:  # an int too large for a float is finite, and outside every range here
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
         if not integer(self.limit_bytes) or not 0 < self.limit_bytes < 2**63:
-            raise CoordinatorError(f"limit_bytes must be an integer from 1 to 2**63 - 1, got {self.limit_bytes!r}")
+            raise CoordinatorError(
+                f"limit_bytes must be an integer from 1 to 2**63 - 1, got {number(self.limit_bytes)}"
+            )
         if not real(self.target_usage) or not MIN_TARGET_USAGE <= self.target_usage <= 1:
-            raise CoordinatorError(f"target_usage must be in [{MIN_TARGET_USAGE}, 1], got {self.target_usage!r}")
+            raise CoordinatorError(f"target_usage must be in [{MIN_TARGET_USAGE}, 1], got {number(self.target_usage)}")
         if not integer(self.idle_polls) or self.idle_polls < 1 or not real(self.min_step) or not 0 <= self.min_step < 1:
-            raise CoordinatorError(f"idle_polls must be an integer >= 1 and min_step in [0, 1), got {self}")
+            raise CoordinatorError(
+                f"idle_polls must be an integer >= 1 and min_step in [0, 1), got idle_polls "
+                f"{number(self.idle_polls)}, min_step {number(self.min_step)}"
+            )
 
 
 def desired(load: EngineLoad, policy: Policy, idle_for: int, held: int = 0) -> int:
@@ -217,7 +222,8 @@ def plan(
     out = {}
     for e in loads:
         target = share[e.name]
-        if abs(target - e.num_blocks) < policy.min_step * e.num_blocks:
+        inside = e.floor_blocks <= e.num_blocks <= e.reserved_blocks  # the band never keeps a size out of bounds
+        if inside and abs(target - e.num_blocks) < policy.min_step * e.num_blocks:
             target = e.num_blocks
         out[e.name] = target
     if _bytes(loads, out) > policy.limit_bytes:  # an engine kept above its share by the dead band gives it back

@@ -269,7 +269,7 @@ def fa3_shape_of(model_runner: Any) -> dict[str, int]:
 
     compilation = getattr(model_runner.vllm_config, "compilation_config", None)
     for layer in (getattr(compilation, "static_forward_context", None) or {}).values():
-        impl = getattr(layer, "impl", None)
+        impl: Any = getattr(layer, "impl", None)
         whole_context = tuple(getattr(impl, "sliding_window", ())) == (-1, -1)
         if getattr(impl, "vllm_flash_attn_version", None) != 3 or not whole_context:
             continue

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NoReturn
 
+from ..boundaries import number
 from ..errors import BusyError, ExtensibleKVError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from . import worker_kv
 from .worker_kv import ExtensibleKVUnsupported
@@ -164,6 +165,8 @@ def as_count(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise ResizeArgumentError(f"{what} must be an integer, got bool {value!r}")
     if isinstance(value, int):
+        if value.bit_length() > 1024:  # no count; and past 4,300 digits no message could show it
+            raise ResizeArgumentError(f"{what} must be an integer of at most 40 digits, got {number(value)}")
         return value
     if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,40}\s*", value, re.ASCII):
         return int(value)
@@ -649,12 +652,17 @@ def _wake(core: Any) -> None:
 def engine_call(core: Any, method: str, args: tuple, kwargs: dict | None) -> list | Future:
     """Answer one of ``ENGINE_METHODS`` on the engine core, in ``collective_rpc``'s shape: a list of one reply (or
     a Future of it)."""
+    if not isinstance(args, (tuple, list, type(None))) or not isinstance(kwargs, (dict, type(None))):
+        raise ResizeArgumentError(
+            f"{method} takes its arguments as a list and a mapping, got args {type(args).__name__} "
+            f"{short(args, 80)} and kwargs {type(kwargs).__name__} {short(kwargs, 80)}"
+        )
     args = tuple(args or ()) + tuple((kwargs or {}).values())
     state = EngineResize.of(core)
     if method == KV_STATE:
         return [state.state()]
     if len(args) != 1:
-        raise ResizeArgumentError(f"{method} takes one argument, got {len(args)}: {args!r}")
+        raise ResizeArgumentError(f"{method} takes one argument, got {len(args)}: {short(args, 200)}")
     target: object = args[0]
     if method == RESIZE_BYTES:
         sizes = state.block_bytes()
