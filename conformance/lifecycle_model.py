@@ -725,11 +725,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check(f"shrink a invalid {kind} {value!r}")
 
     # -- tensor a: views and data ------------------------------------------------------------------------------------
-    def strands(self, mark) -> bool:
-        """Whether rolling tensor a back to ``mark`` would leave a segment view the machine holds over unmapped bytes:
-        refused with ``BusyError`` (Note [A rollback never strands a view])."""
+    def strands(self, mark) -> list[int]:
+        """What rolling tensor a back to ``mark`` would leave over unmapped bytes: the reaches of the segment views
+        the machine holds and of the pins above it; refused with ``BusyError`` where any (Note [A rollback never
+        strands a view])."""
         m = self.model["a"]
-        return mark.per_segment < m.per_segment and any(r > mark.per_segment for r in self.reaches("a"))
+        if mark.per_segment >= m.per_segment:
+            return []
+        return sorted({r for r in [*self.reaches("a"), *(r for _, r in m.pins)] if r > mark.per_segment})
 
     @rule(segment=st.integers(-1, 3), full=st.booleans(), dtype=st.sampled_from(DTYPES))
     def take_view(self, segment, full, dtype):
@@ -813,9 +816,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.refused("a", "rollback_to(a checkpoint of another lineage)", InvalidArgumentError,
                          lambda: t.rollback_to(mark.real), ("rollback_to", str(mark.per_segment),
                                                             f"keeps {m.per_segment} bytes"))  # fmt: skip
-        elif self.strands(mark):
-            beyond = sorted({r for r in self.reaches("a") if r > mark.per_segment})
-            self.refused("a", "rollback_to(a checkpoint below a live segment view)", BusyError,
+        elif beyond := self.strands(mark):
+            self.refused("a", "rollback_to(a checkpoint below a live segment view or a pin)", BusyError,
                          lambda: t.rollback_to(mark.real), (f"rollback_to {mark.per_segment} bytes",
                                                             ", ".join(map(str, beyond))))  # fmt: skip
         else:
