@@ -1587,7 +1587,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         expect_equal(self.driver, f"KV buffers' state after {how} of buffer {name} through tensor(name)", "failed",
                      b.state)  # fmt: skip
         self.refused("kv", f"ensure_blocks after {how} through tensor(name)", FailedStateError,
-                     lambda: b.ensure_blocks(self.kv_blocks + 1), (name,))  # fmt: skip
+                     lambda: b.ensure_blocks(min(self.kv_blocks + 1, b.max_num_blocks)), (name,))  # fmt: skip
         for layer in [x.name for buffer in b.buffers for x in buffer.layers][:1]:
             self.refused("kv", f"committed_layer_views after {how} through tensor(name)", FailedStateError,
                          lambda layer=layer: b.committed_layer_views(layer), (name,))  # fmt: skip
