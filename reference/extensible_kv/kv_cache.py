@@ -62,7 +62,6 @@ the driver from inside a driver call of this thread (a finalizer or a signal han
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -76,7 +75,7 @@ from .drivers import Driver, resolve
 from .drivers.records import MAX_BYTES, check_process
 from .errors import BusyError, ClosedError, FailedStateError, InvalidArgumentError, InvalidSizeError, ReleasedError
 from .layout import Layer, LayoutError, Segments, buffer_segments
-from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, inside_operation, refuse_reentry
+from .tensor import ExtensibleTensor, TensorStats, Unshareable, _check_int, reading_lock, refuse_reentry
 
 T = TypeVar("T")
 HOLDER_CHARS = 200
@@ -245,12 +244,7 @@ class ExtensibleKVCacheBuffers(Unshareable):
         ``closed``. Read from another thread it waits for a step in progress and names its result (Note [A reading
         waits for a step in another thread] in ``tensor``: a release is part released, part open until its last
         buffer)."""
-        with self._reading(): return self._state_now()  # one line: see reaper  # fmt: skip
-
-    def _reading(self) -> threading.RLock | contextlib.nullcontext[None]:
-        if self._pid != os.getpid() or inside_operation():
-            return contextlib.nullcontext()
-        return self._lock
+        with reading_lock(self._lock, self._pid): return self._state_now()  # one line: see reaper  # fmt: skip
 
     def _state_now(self) -> str:
         tensors = self._tensors.values()

@@ -223,6 +223,14 @@ def refuse_reentry(op: str, owner: object, kind: str, lock: threading.RLock, dri
 _ENTERED = threading.local()  # the locks of the operations this thread entered (``refuse_reentry``), pruned lazily
 
 
+def reading_lock(lock: threading.RLock, pid: int) -> threading.RLock | contextlib.nullcontext[None]:
+    """The lock a reading of an object made in process ``pid`` takes: ``lock``, or none inside an operation or a
+    driver call of this thread, or in a forked child (Note [A reading waits for a step in another thread])."""
+    if pid != os.getpid() or inside_operation():
+        return contextlib.nullcontext()
+    return lock
+
+
 def inside_operation() -> bool:
     """Whether this thread is inside an operation of a tensor or of KV buffers (it holds one's lock), or inside a
     driver call: where a reading must not wait for another thread (Note [A reading waits for a step in another
@@ -565,9 +573,7 @@ class ExtensibleTensor(Unshareable):
     def _reading(self) -> threading.RLock | contextlib.nullcontext[None]:
         """The lock a reading takes (Note [A reading waits for a step in another thread]); none inside an operation
         or a driver call of this thread, or in a forked child."""
-        if self._memory.pid != os.getpid() or inside_operation():
-            return contextlib.nullcontext()
-        return self._lock
+        return reading_lock(self._lock, self._memory.pid)
 
     @property
     def closed(self) -> bool:
