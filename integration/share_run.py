@@ -19,10 +19,12 @@ The stages: ``start`` (both servers up); ``size`` (each engine's ``extensible_kv
 card's KV limit]; both resized to the fixed split, shrinks first); ``warmup`` (a few requests per engine, not
 measured); ``fixed`` (the two phases at the fixed split, a monitor reading both states every ``--interval`` s);
 ``shared`` (both back at the fixed split, the ``Coordinator`` polling in a thread of this process with
-``Policy(limit_bytes=LIMIT)``, the same two phases with the same requests). A phase: ``phase1`` is heavy on ``a``
-and light on ``b``, ``phase2`` the other way; its length follows from the time left (``phase_seconds``), the same for
-all four. After a phase's time no request is sent; those in flight get ``DRAIN_S`` to finish (later ones count as
-failed).
+``Policy(limit_bytes=LIMIT)``, the same two phases with the same requests). With ``--arrivals open``,
+``calibrate`` (the fixed split under the closed load) runs first, and the busy engine's load in ``fixed`` and
+``shared`` is open arrivals at its rate (Note [Open arrivals at the fixed split's rate]). A phase: ``phase1`` is
+heavy on ``a`` and light on ``b``, ``phase2`` the other way; its length follows from the time left
+(``phase_seconds``), the same for all. After a phase's time no request is sent; those in flight get ``DRAIN_S`` to
+finish (later ones count as failed).
 
 Per request (``stream_completion``: streamed ``/v1/completions``, standard library only): time to the first chunk
 that carries a choice (TTFT), to ``[DONE]`` (end-to-end), the output tokens from the final usage chunk, and whether
@@ -75,6 +77,17 @@ Note [A light engine goes idle]
     an engine that went from heavy to a light load that never leaves it idle keeps that ask, and the next busy one
     gets half of the room. With gaps between light requests a poll finds it idle and its ask is let go.
     Figure: a light request takes about 1 to 2 s, so about half the polls of a light engine find it idle.
+
+Note [Open arrivals at the fixed split's rate]
+    Rule: with ``--arrivals open`` the run first measures the fixed split under the closed load (``calibrate``),
+    then sends the busy engine Poisson arrivals at ``rate-factor`` x the requests per second the fixed split
+    completed there, phase by phase, the same seeded schedule to ``fixed`` and to ``shared``.
+    Why: under closed arrivals each configuration sets its own load: the one that serves faster is sent more, so
+    its steps mix more prefills with more decodes and its median TTFT measures that, not the memory. Users do not
+    wait for each other: at one offered load both configurations serve the same requests, and the rate is the
+    fixed split's own saturation point (its closed-loop throughput while it queued), chosen by neither side.
+    Figure: H100, 2026-12-07, closed arrivals (``reports/runs/h100-2026-12-07-share``): the coordinator served
+    4,199 requests to the fixed split's 3,477 in 60 s and its TTFT p50 was 54 ms to 49 (p99 110 to 595).
 """
 
 from __future__ import annotations
@@ -129,6 +142,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("a", "b")
 PHASES = (("phase1", "a"), ("phase2", "b"))  # (name, the busy engine)
 CONFIGS = ("fixed", "shared")
+CALIBRATE = "calibrate"  # open arrivals: the fixed split under closed arrivals first, for the rate
+ARRIVALS = ("closed", "open")
 MAX_MODEL_LEN, UTILIZATION, MAX_NUM_SEQS, BATCHED_TOKENS, BLOCK_SIZE = 2048, 0.4, 64, 8192, 16
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 HEADROOM = 1.5  # Note [The card's KV limit]
@@ -152,7 +167,10 @@ TIME_CLEARANCE_S = 1e-3  # a check that must be strictly better: at least this m
 # -- the load (pure) ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Load:
-    """One role's workers on one engine: each sends a request, waits for its end, waits ``think`` s, repeats."""
+    """One role's workers on one engine: each sends a request, waits for its end, waits ``think`` s, repeats
+    (closed arrivals). With ``rate`` > 0 the arrivals are open instead: one dispatcher sends a request every
+    exponential gap of mean ``1 / rate`` s without waiting for any to end (Note [Open arrivals at the fixed split's
+    rate]); ``workers`` and the think times do not apply."""
 
     role: str
     workers: int
@@ -162,6 +180,16 @@ class Load:
     think_lo: float = 0.0
     think_hi: float = 0.0
     ramp_s: float = 0.0  # worker w starts at w x ramp_s / workers
+    rate: float = 0.0  # requests a second, open arrivals; 0: closed (workers back to back)
+
+    @property
+    def open(self) -> bool:
+        return self.rate > 0
+
+    @property
+    def senders(self) -> int:
+        """Threads drawing requests: one dispatcher for open arrivals, else one per worker."""
+        return 1 if self.open else self.workers
 
     @property
     def mean_prompt(self) -> float:
@@ -195,8 +223,8 @@ def phase_loads(busy: str, heavy: Load = HEAVY, light: Load = LIGHT) -> dict[str
 
 def start_offset(load: Load, worker: int) -> float:
     """Seconds after the phase's start at which ``worker`` sends its first request (Note [A light engine goes
-    idle])."""
-    return worker * load.ramp_s / load.workers
+    idle]); open arrivals start at once (their first gap is drawn like every other)."""
+    return 0.0 if load.open else worker * load.ramp_s / load.workers
 
 
 def worker_requests(seed: int, phase: str, engine: str, load: Load, worker: int, vocab: int) -> Iterator[Spec]:
@@ -205,7 +233,10 @@ def worker_requests(seed: int, phase: str, engine: str, load: Load, worker: int,
     index = 0
     while True:
         length = rng.randint(load.prompt_lo, load.prompt_hi)
-        think = rng.uniform(load.think_lo, load.think_hi) if load.think_hi > 0 else 0.0
+        if load.open:
+            think = rng.expovariate(load.rate)
+        else:
+            think = rng.uniform(load.think_lo, load.think_hi) if load.think_hi > 0 else 0.0
         prompt = tuple(rng.randrange(3, vocab) for _ in range(length))
         yield Spec(phase, engine, load.role, worker, index, prompt, load.max_tokens, think)
         index += 1
@@ -478,14 +509,44 @@ def run_worker(
         _sleep_until(time.monotonic() + spec.think_s, end_at)
         if time.monotonic() >= end_at:
             return
-        record = spec_record(config, spec)
-        key = (spec.engine, spec.role, spec.worker, spec.index)
-        sink.begin(key, record)
-        try:
-            reply = send(url, model, spec.prompt, spec.max_tokens)
-        except Exception as exc:  # a sender that raised: the request failed, the worker goes on
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        sink.end(key, record | reply)
+        send_one(config, spec, url, model, sink, send)
+
+
+def run_arrivals(
+    config: str,
+    specs: Iterator[Spec],
+    url: str,
+    model: str,
+    first_at: float,
+    end_at: float,
+    sink: Sink,
+    send: Sender,
+    spawned: list[threading.Thread],
+) -> None:
+    """Open arrivals: from ``first_at`` until ``end_at``, each of ``specs`` after its gap from the one before, each in
+    a thread of its own (appended to ``spawned``), whether or not the ones before have ended."""
+    _sleep_until(first_at, end_at)
+    due = time.monotonic()
+    for spec in specs:
+        due += spec.think_s  # gaps from the schedule, not from when the last thread started
+        _sleep_until(due, end_at)
+        if time.monotonic() >= end_at:
+            return
+        thread = threading.Thread(target=send_one, args=(config, spec, url, model, sink, send), daemon=True)
+        spawned.append(thread)
+        thread.start()
+
+
+def send_one(config: str, spec: Spec, url: str, model: str, sink: Sink, send: Sender) -> None:
+    """One request, recorded in ``sink`` when it begins and when it ends."""
+    record = spec_record(config, spec)
+    key = (spec.engine, spec.role, spec.worker, spec.index)
+    sink.begin(key, record)
+    try:
+        reply = send(url, model, spec.prompt, spec.max_tokens)
+    except Exception as exc:  # a sender that raised: the request failed, the worker goes on
+        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    sink.end(key, record | reply)
 
 
 def _sleep_until(when: float, end_at: float) -> None:
@@ -512,15 +573,22 @@ def run_phase(
     sink = Sink()
     start_mono, start = time.monotonic(), time.time()
     end_at = start_mono + seconds
-    threads = []
+    threads: list[threading.Thread] = []
+    spawned: list[threading.Thread] = []  # open arrivals' requests
     for engine, load in phase_loads(busy, heavy, light).items():
-        for worker in range(load.workers):
+        for worker in range(load.senders):
             specs = worker_requests(seed, phase, engine, load, worker, vocab)
             args = (config, specs, urls[engine], served_name(engine), start_mono + start_offset(load, worker))
-            threads.append(threading.Thread(target=run_worker, args=(*args, end_at, sink, send), daemon=True))
+            if load.open:
+                target, args = run_arrivals, (*args, end_at, sink, send, spawned)
+            else:
+                target, args = run_worker, (*args, end_at, sink, send)
+            threads.append(threading.Thread(target=target, args=args, daemon=True))
     for t in threads:
         t.start()
     for t in threads:
+        t.join(max(0.0, end_at + drain_s - time.monotonic()))
+    for t in list(spawned):
         t.join(max(0.0, end_at + drain_s - time.monotonic()))
     records = sink.close()
     meta = {"config": config, "phase": phase, "busy": busy, "seconds": seconds, "start": start}
@@ -694,8 +762,8 @@ def summarize(result: Mapping, records: Sequence[dict]) -> dict:
     """Rows per configuration, phase and engine; the verdicts, the premises and the limit checks."""
     limit = result.get("limit") or {}
     rows, checks = [], {}
-    for config in CONFIGS:
-        run = (result.get("runs") or {}).get(config) or {}
+    for config in result.get("runs") or {}:  # in the order they ran: the calibration first
+        run = result["runs"][config] or {}
         polls = run.get("polls") or []
         for meta in run.get("phases") or []:
             mine = [r for r in records if r["config"] == config and r["phase"] == meta["phase"]]
@@ -716,6 +784,7 @@ def summarize(result: Mapping, records: Sequence[dict]) -> dict:
         "limit_checks": checks,
         "memory": result.get("memory", []),
         "stages": result.get("stages", {}),
+        "rates": result.get("rates"),
         "error": result.get("error"),
     }
 
@@ -753,6 +822,11 @@ def render_table(summary: Mapping) -> str:
             _num(r["waiting_max"], "{}"),
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for phase, rate in (summary.get("rates") or {}).items():
+        lines.append(
+            f"Open arrivals, {phase}: {rate['rate']:.2f} requests/s to {rate['busy']} (calibrate: {rate['completed']} "
+            f"completed in {rate['span_s']:.1f} s)"
+        )
     lines += ["", f"Verdict: {summary['verdict']}"]
     lines += [f"- {name.replace('_', ' ')}: {_flag(v)}" for name, v in summary["verdicts"].items()]
     lines += ["", "Premises:"] + [f"- {name.replace('_', ' ')}: {_flag(v)}" for name, v in summary["premises"].items()]
@@ -848,7 +922,7 @@ def start_servers(run: Run, plugin_dir: str) -> None:
         run.servers[name] = launch_server(command, env, log)
         engine = run.result.setdefault("engines", {}).setdefault(name, {})
         engine |= {"url": run.urls[name], "command": command, "pid": run.servers[name].proc.pid}
-        phases = len(CONFIGS) * len(PHASES)
+        phases = len(configs(run.args)) * len(PHASES)
         timeout = min(START_TIMEOUT_S, run.left() - END_RESERVE_S - phases * (MIN_PHASE_S + PHASE_OVERHEAD_S))
         if timeout <= 0:
             raise StepFailed(f"no time left to start engine {name}", "start")
@@ -902,6 +976,8 @@ def run_config(run: Run, config: str, seconds: float) -> None:
     poller.start()
     try:
         for phase, busy in PHASES:
+            if run.args.arrivals == "open" and config != CALIBRATE:
+                heavy = replace(heavy, rate=run.result["rates"][phase]["rate"])
             meta, records = run_phase(config, phase, busy, run.urls, seconds, run.send, run.args.seed, _vocab(), heavy)
             summary["phases"].append(meta)
             run.records += records
@@ -909,6 +985,28 @@ def run_config(run: Run, config: str, seconds: float) -> None:
     finally:
         summary["polls"] = poller.stop(run.args.interval + 2 * RPC_TIMEOUT_S)
     summary["states_at_end"] = {e.name: dict(e.state()) for e in engines}
+    if config == CALIBRATE:
+        mine = [r for r in run.records if r["config"] == CALIBRATE]
+        run.result["rates"] = calibrated_rates(summary["phases"], mine, run.args.rate_factor)
+
+
+def configs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The configurations a run measures, in order: with open arrivals the calibration comes first."""
+    return (CALIBRATE, *CONFIGS) if args.arrivals == "open" else CONFIGS
+
+
+def calibrated_rates(phases: Sequence[Mapping], records: Sequence[dict], factor: float = 1.0) -> dict:
+    """Per phase, the open arrivals' rate: ``factor`` x the requests the busy engine completed per second at the
+    fixed split under closed arrivals (Note [Open arrivals at the fixed split's rate])."""
+    rates = {}
+    for meta in phases:
+        row = phase_row(meta, meta["busy"], [r for r in records if r["phase"] == meta["phase"]], [])
+        completed = row["requests"] - row["failed"]
+        if not completed or not row["span_s"]:
+            raise StepFailed(f"{meta['phase']}: the busy engine completed no request, no rate to offer", CALIBRATE)
+        rate = factor * completed / row["span_s"]
+        rates[meta["phase"]] = {"busy": meta["busy"], "completed": completed, "span_s": row["span_s"], "rate": rate}
+    return rates
 
 
 def _vocab() -> int:
@@ -920,7 +1018,8 @@ def write_outputs(run: Run) -> dict:
     summary["runs"] = {
         c: {"phases": r.get("phases"), "polls": r.get("polls")} for c, r in run.result.get("runs", {}).items()
     }
-    summary |= {k: run.result.get(k) for k in ("engines", "resizes", "warmup", "phase_seconds", "stop", "args")}
+    keys = ("engines", "resizes", "warmup", "phase_seconds", "stop", "args")
+    summary |= {k: run.result.get(k) for k in keys}
     write_json(run.out / "share-requests.json", {"records": run.records})
     write_json(run.out / "share-summary.json", summary)
     table = render_table(summary)
@@ -945,9 +1044,9 @@ def run_all(args: argparse.Namespace) -> int:
                 size(run)
             with Stage(run, "warmup"):
                 warmup(run)
-            seconds = phase_seconds(run.left())
+            seconds = phase_seconds(run.left(), len(configs(args)) * len(PHASES))
             run.result["phase_seconds"] = seconds
-            for config in CONFIGS:
+            for config in configs(args):
                 with Stage(run, config):
                     if seconds is None:
                         raise StepFailed(f"{run.left():.0f} s left: not enough for phases of {MIN_PHASE_S:g} s", config)
@@ -957,7 +1056,7 @@ def run_all(args: argparse.Namespace) -> int:
         finally:
             run.result["stop"] = stop_all(run.servers)
             run.read_memory("stopped")
-    for name in (*("start", "size", "warmup"), *CONFIGS):
+    for name in (*("start", "size", "warmup"), *configs(args)):
         run.result.setdefault("stages", {}).setdefault(name, {"state": "not run"})
     write_outputs(run)
     return 0 if all(s["state"] == "complete" for s in run.result["stages"].values()) else 1
@@ -996,6 +1095,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=positive(float), default=INTERVAL_S, help="seconds between polls")
     p.add_argument("--idle-polls", type=positive(int), default=IDLE_POLLS, help="the coordinator's idle_polls")
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="closed",
+        help="the busy engine's load: closed (workers back to back) or open (Poisson arrivals at the fixed split's "
+        "rate, measured first)",
+    )
+    p.add_argument(
+        "--rate-factor", type=positive(float), default=1.0, help="open arrivals: this x the fixed split's rate"
+    )
     return p
 
 
@@ -1003,13 +1112,17 @@ def schedule_lines(args: argparse.Namespace) -> list[str]:
     """The load, the phases' length for the budget (with ``EXPECTED_START_S`` a server) and the limit as the
     model's shape predicts it."""
     heavy = replace(HEAVY, workers=args.heavy_workers)
-    seconds = phase_seconds(args.budget_seconds - len(ENGINES) * EXPECTED_START_S - SETUP_S)
+    runs = configs(args)
+    seconds = phase_seconds(args.budget_seconds - len(ENGINES) * EXPECTED_START_S - SETUP_S, len(runs) * len(PHASES))
     length = "not enough time" if seconds is None else f"{seconds:.1f} s"
     lines = [f"phase length: {length} (budget {args.budget_seconds:g} s, {EXPECTED_START_S:g} s a server start)"]
-    for config in CONFIGS:
+    for config in runs:
         for phase, busy in PHASES:
-            loads = phase_loads(busy, heavy, LIGHT)
-            words = [f"{e} {describe_load(loads[e])}" for e in ENGINES]
+            load = heavy
+            if args.arrivals == "open" and config != CALIBRATE:
+                load = replace(heavy, rate=float("nan"))  # measured by the calibration
+            loads = phase_loads(busy, load, LIGHT)
+            words = [f"{e} {describe_load(loads[e], args.rate_factor)}" for e in ENGINES]
             lines.append(f"{config} {phase}: " + "; ".join(words))
     config = json.loads((MODEL_DIR / "config.json").read_text())
     per_block = estimated_bytes_per_block(config)
@@ -1026,7 +1139,13 @@ def schedule_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def describe_load(load: Load) -> str:
+def describe_load(load: Load, factor: float = 1.0) -> str:
+    if load.rate != 0:  # nan in a dry run: measured by the calibration
+        rate = f"{factor:g} x the calibration's rate" if math.isnan(load.rate) else f"{load.rate:.2f} requests/s"
+        return (
+            f"{load.role} open arrivals at {rate}, prompts {load.prompt_lo}-{load.prompt_hi} tokens, "
+            f"max_tokens {load.max_tokens}"
+        )
     think = f", think {load.think_lo:g}-{load.think_hi:g} s" if load.think_hi else ""
     ramp = f", ramp {load.ramp_s:g} s" if load.ramp_s else ""
     return (

@@ -67,6 +67,16 @@ def test_heavy_workers_start_spread_over_the_ramp_and_the_busy_engine_gets_the_h
         sr.phase_loads("c")
 
 
+def test_open_arrivals_draw_the_same_exponential_gaps_every_time_from_one_dispatcher():
+    load = sr.replace(sr.HEAVY, rate=40.0)
+    gaps = [s.think_s for s in _take(load=load, n=4_000)]
+    assert gaps == [s.think_s for s in _take(load=load, n=4_000)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 40.0, rel=0.06)  # mean 1 / rate
+    assert sum(g > 3 / 40.0 for g in gaps) / len(gaps) == pytest.approx(0.0498, abs=0.012)  # e^-3: exponential
+    assert load.open and load.senders == 1 and sr.start_offset(load, 0) == 0.0
+    assert not sr.HEAVY.open and sr.HEAVY.senders == sr.HEAVY.workers
+
+
 def test_phases_share_the_time_left_after_the_reserves_capped_and_refused_below_the_minimum():
     assert sr.phase_seconds(1_000) == sr.MAX_PHASE_S
     # 300 s left: (300 - 45 - 4 x 15) / 4 = 48.75 s a phase
@@ -269,7 +279,16 @@ def test_the_dry_run_prints_both_commands_and_the_schedule_and_starts_nothing(tm
     assert "phase length: not enough time" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--util", "1.2"], ["--budget-seconds", "0"], ["--heavy-workers", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--util", "1.2"],
+        ["--budget-seconds", "0"],
+        ["--heavy-workers", "x"],
+        ["--arrivals", "poisson"],
+        ["--rate-factor", "0"],
+    ],
+)
 def test_the_command_line_refuses_values_out_of_range(argv, capsys):
     with pytest.raises(SystemExit):
         sr.parser().parse_args(["out", *argv])
@@ -381,6 +400,58 @@ def test_a_phase_sends_each_engines_load_and_fails_what_the_drain_did_not_finish
     assert len(b) == 1 and b[0]["ok"] is False and "drain" in b[0]["error"] and b[0]["role"] == "light"
     assert all(r["config"] == "fixed" and r["phase"] == "phase1" for r in records)
     assert meta["drained"] - meta["start"] < 1.5 and meta["busy"] == "a"
+
+
+def test_open_arrivals_send_on_schedule_without_waiting_for_replies_and_the_drain_counts_the_rest():
+    lock, sent = threading.Lock(), []
+
+    def send(url, model, prompt, max_tokens):
+        with lock:
+            sent.append(time.monotonic())
+            n = len(sent)
+        time.sleep(0.3 if n <= 5 else 5.0)  # the later ones outlive the drain
+        return {"ok": True, "ttft_s": 0.01, "e2e_s": 0.3, "output_tokens": max_tokens}
+
+    heavy = sr.replace(sr.HEAVY, prompt_lo=4, prompt_hi=8, rate=60.0)
+    light = sr.replace(sr.LIGHT, prompt_lo=4, prompt_hi=8, think_lo=5.0, think_hi=5.0)
+    meta, records = sr.run_phase("shared", "phase1", "a", {"a": "x", "b": "y"}, 0.5, send, 1, 100, heavy, light, 0.5)
+    due, expected = 0.0, 0
+    for spec in sr.worker_requests(1, "phase1", "a", heavy, 0, 100):
+        due += spec.think_s
+        if due >= 0.5:
+            break
+        expected += 1
+    assert 15 <= expected <= 50 and abs(len(records) - expected) <= 1  # the schedule, not one request per 0.3 s
+    assert {r["worker"] for r in records} == {0} and all(r["role"] == "heavy" for r in records)
+    assert sum(r["ok"] for r in records) == 5 and all("drain" in r["error"] for r in records if not r["ok"])
+    assert meta["drained"] - meta["start"] < 1.5
+
+
+def test_the_open_rate_is_the_busy_engines_completions_per_second_at_the_fixed_split():
+    phases = [_meta("calibrate", "phase1", "a", start=100.0), _meta("calibrate", "phase2", "b", start=200.0)]
+    records = [_rec("calibrate", "phase1", "a", start=100.0 + i, e2e=2.0) for i in range(10)]
+    records += [_rec("calibrate", "phase1", "a", ok=False), _rec("calibrate", "phase1", "b", start=100.0)]
+    records += [_rec("calibrate", "phase2", "b", start=200.0 + i / 2, e2e=1.0) for i in range(30)]
+    rates = sr.calibrated_rates(phases, records, factor=1.0)
+    assert rates["phase1"] == {"busy": "a", "completed": 10, "span_s": 11.0, "rate": 10 / 11.0}
+    assert rates["phase2"]["completed"] == 30 and rates["phase2"]["rate"] == pytest.approx(30 / 15.5)
+    assert sr.calibrated_rates(phases, records, factor=1.5)["phase1"]["rate"] == pytest.approx(1.5 * 10 / 11.0)
+    with pytest.raises(sr.StepFailed, match="phase2: the busy engine completed no request"):
+        sr.calibrated_rates(phases, [r for r in records if r["phase"] == "phase1"])
+
+
+def test_with_open_arrivals_the_calibration_comes_first_and_the_table_names_the_rates():
+    args = sr.parser().parse_args(["out", "--arrivals", "open"])
+    assert sr.configs(args) == ("calibrate", "fixed", "shared")
+    assert sr.configs(sr.parser().parse_args(["out"])) == ("fixed", "shared")
+    runs = {
+        c: {"phases": [_meta(c, "phase1", "a", start=100.0 * i)], "polls": []} for i, c in enumerate(sr.configs(args))
+    }
+    records = [_rec(c, "phase1", "a", start=100.0 * i) for i, c in enumerate(sr.configs(args))]
+    rate = {"busy": "a", "completed": 1, "span_s": 2.0, "rate": 0.5}
+    summary = sr.summarize({"runs": runs, "rates": {"phase1": rate}}, records)
+    assert [r["config"] for r in summary["rows"] if r["engine"] == "a"] == ["calibrate", "fixed", "shared"]
+    assert "Open arrivals, phase1: 0.50 requests/s to a (calibrate: 1 completed in 2.0 s)" in sr.render_table(summary)
 
 
 def test_a_sender_that_raises_fails_its_request_and_the_worker_goes_on():
