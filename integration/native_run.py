@@ -1,0 +1,231 @@
+"""vLLM's own extensible KV cache (0.34 and later: ``enable_extensible_kv_cache``) on the GPU against the same engine
+with it off: greedy tokens, the KV blocks each commits, and the adversarial load's highest memory over the budget.
+
+    python -m integration.native_run OUT [--only PATTERN ...] [--budget-seconds S] [--batches N] [--seconds S]
+    python -m integration.native_run one --case NAME --mode off|native --out FILE [--batches N]
+
+The cases are ``worst_batch_run``'s V2 cases (vLLM 0.34 has no V1 runner), built by ``run_case``'s engine arguments
+with ``enable_extensible_kv_cache`` set: ``off`` is vLLM's preallocated KV cache, ``native`` its extensible one.
+Each engine runs in a fresh process (``one``): its start seconds, what the worker reads after warmup (requested
+memory, free memory, blocks, whether the extensible cache is on), the measured pass's greedy tokens over seeded
+weights (``run_case.measured_passes``), then the load generator's bursts (``integration/load_generator.py``, the
+seed ``worst_batch_run`` uses) read after every step against the budget. The load generator and this file never
+import the package's sizing: they measure vLLM's. Resumable: a run whose JSON exists under ``OUT`` is read, not
+rerun; ``--budget-seconds`` stops starting runs that would not finish in time. ``OUT/native-summary.json`` and
+``OUT/native-table.md`` are rebuilt at the end of every call.
+
+Note [vLLM's native path on a torch it does not pin]
+    Rule: nothing of this harness depends on the installed vLLM's version beyond ``LLM``'s public arguments, the
+    worker's ``init_snapshot`` and ``requested_memory`` and ``collective_rpc`` of a function; the engine is
+    told its utilization (0.34 raises the default to 1.0 when its extensible cache is on), so both modes promise
+    the same budget.
+    Why: the comparison is of one vLLM with its feature on and off; a harness that patched vLLM would measure
+    itself. Figure: the harness's own cost is one RPC per engine step (``load_generator._reading``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from integration.worst_batch_run import CASES, SEED, case_named, run_case_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+MODES = ("off", "native")
+NATIVE_CASES = [c for c in CASES if c["runner"] == "v2"]
+
+
+def worker_figures(worker) -> dict:
+    """In the worker after warmup: the budget's terms and the cache vLLM committed."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    cache = worker.cache_config
+    return {
+        "total": int(total),
+        "init_free": int(worker.init_snapshot.free_memory),
+        "requested": int(worker.requested_memory),
+        "free_after_warmup": int(free),
+        "used_after_warmup": int(worker.init_snapshot.free_memory) - int(free),
+        "num_gpu_blocks": int(cache.num_gpu_blocks),
+        "extensible": bool(getattr(cache, "enable_extensible_kv_cache", False)),
+        "torch_reserved": int(torch.cuda.memory_reserved()),
+        "torch_allocated": int(torch.cuda.memory_allocated()),
+    }
+
+
+def one(case: dict, mode: str, batches: int, seconds: float) -> dict:
+    """One engine of ``case`` with vLLM's extensible KV cache ``mode``, under the load."""
+    from integration import load_generator as lg
+    from integration import run_case as rc
+
+    args = rc.parser().parse_args(run_case_argv(case, "legacy"))
+    rc._env(args)
+    os.environ.setdefault("PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK", "1")
+    config = rc.model_config(args.model)
+    kwargs = rc.engine_kwargs(args)
+    kwargs["enable_extensible_kv_cache"] = mode == "native"
+    import vllm
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine_seconds = time.perf_counter() - start
+    deadline = time.monotonic() + seconds
+    figures = llm.collective_rpc(worker_figures)[0]
+    llm.apply_model(rc.reinit_weights)
+    passes = rc.measured_passes(llm, rc.measured_batch(args, config), args.max_tokens, False, False)
+    vllm_config = llm.llm_engine.vllm_config
+    shape = lg.Shape(
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        vocab=rc.text_token_limit(config),
+    )
+    load = lg.drive(llm, lg.plan(shape, SEED, batches), SEED, deadline=deadline)
+    return {
+        "case": case,
+        "mode": mode,
+        "vllm": vllm.__version__,
+        "engine_seconds": round(engine_seconds, 2),
+        "figures": figures,
+        "num_gpu_blocks": figures["num_gpu_blocks"],
+        "token_ids": passes["token_ids"],
+        "load": lg.report_dict(load),
+    }
+
+
+# -- the matrix --------------------------------------------------------------------------------------------------------
+def selected(patterns: list[str]) -> list[dict]:
+    if not patterns:
+        return NATIVE_CASES
+    return [c for c in NATIVE_CASES if any(fnmatch.fnmatch(c["name"], p) for p in patterns)]
+
+
+def summarize(folder: Path) -> dict:
+    """One row per case from the JSON files present: blocks, start seconds and the highest over budget of each
+    mode, whether the tokens match, and any error."""
+    rows = []
+    for case in NATIVE_CASES:
+        runs = {m: json.loads(p.read_text()) for m in MODES if (p := folder / f"{case['name']}-{m}.json").exists()}
+        if not runs:
+            continue
+        row: dict = {"case": case["name"]}
+        for mode, run in runs.items():
+            load = run.get("load") or {}
+            row[f"{mode}_blocks"] = run.get("num_gpu_blocks")
+            row[f"{mode}_seconds"] = run.get("engine_seconds")
+            row[f"{mode}_over_budget"] = load.get("highest_over_budget")
+            row[f"{mode}_bursts"] = load.get("bursts")
+            row[f"{mode}_extensible"] = (run.get("figures") or {}).get("extensible")
+            row[f"{mode}_errors"] = (load.get("errors") or []) + ([run["error"]] if run.get("error") else [])
+            row["vllm"] = run.get("vllm", row.get("vllm"))
+        if all(runs.get(m, {}).get("token_ids") is not None for m in MODES):
+            row["tokens_identical"] = runs["off"]["token_ids"] == runs["native"]["token_ids"]
+        rows.append(row)
+    summary = {"rows": rows}
+    (folder / "native-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (folder / "native-table.md").write_text(render(rows))
+    return summary
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / MIB:+.1f}"
+
+
+def render(rows: list[dict]) -> str:
+    lines = [
+        "| case | vLLM | blocks off / native | over budget MiB off / native | start s off / native | tokens identical "
+        "| extensible on (off / native) | errors |",
+        "|" + " --- |" * 8,
+    ]
+    for r in rows:
+        errors = "; ".join(str(e)[:120] for m in MODES for e in r.get(f"{m}_errors") or []) or "-"
+        lines.append(
+            f"| {r['case']} | {r.get('vllm', '-')} | {r.get('off_blocks', '-')} / {r.get('native_blocks', '-')} | "
+            f"{_mib(r.get('off_over_budget'))} / {_mib(r.get('native_over_budget'))} | "
+            f"{r.get('off_seconds', '-')} / {r.get('native_seconds', '-')} | {r.get('tokens_identical', '-')} | "
+            f"{r.get('off_extensible', '-')} / {r.get('native_extensible', '-')} | {errors} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def matrix(out: Path, patterns: list[str], budget_s: float, batches: int, seconds: float | None = None) -> int:
+    """Every selected case in both modes, each engine in its own process, within ``budget_s``; ``seconds``: the
+    load's time box per engine (default: the case's own)."""
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s
+    status = 0
+    for case in selected(patterns):
+        for mode in MODES:
+            path = out / f"{case['name']}-{mode}.json"
+            if path.exists():
+                continue
+            box = case["seconds"] if seconds is None else seconds
+            need = box + 90  # the engine's start and the passes, beside the load's time box
+            left = deadline - time.monotonic()
+            if left < need:
+                print(f"{case['name']} {mode}: {left:.0f} s left, needs {need} s: not started", flush=True)
+                status = 1
+                continue
+            cmd = [sys.executable, "-m", "integration.native_run", "one", "--case", case["name"], "--mode", mode]
+            cmd += ["--out", str(path), "--batches", str(batches), "--seconds", str(box)]
+            log = out / f"{case['name']}-{mode}.txt"
+            t0 = time.monotonic()
+            with open(log, "w") as f:
+                try:
+                    rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            print(f"{case['name']} {mode}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+            if not path.exists():
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                path.write_text(json.dumps({"case": case, "mode": mode, "error": f"exit {rc}", "log_tail": tail}))
+                status = 1
+    print(render(summarize(out)["rows"]), flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["one"]:
+        p = argparse.ArgumentParser(prog="python -m integration.native_run one")
+        p.add_argument("--case", required=True)
+        p.add_argument("--mode", choices=MODES, required=True)
+        p.add_argument("--out", required=True)
+        p.add_argument("--batches", type=int, default=200)
+        p.add_argument("--seconds", type=float, default=None, help="the load's time box (default: the case's)")
+        args = p.parse_args(argv[1:])
+        case = case_named(args.case)
+        try:
+            result = one(case, args.mode, args.batches, case["seconds"] if args.seconds is None else args.seconds)
+        except Exception as exc:  # recorded: the matrix goes on with the next engine
+            import traceback
+
+            result = {"case": case, "mode": args.mode, "error": f"{type(exc).__name__}: {exc}"}
+            result["traceback"] = traceback.format_exc()[-4000:]
+        Path(args.out).write_text(json.dumps(result) + "\n")
+        return 0 if "error" not in result else 1
+    p = argparse.ArgumentParser(prog="python -m integration.native_run")
+    p.add_argument("out")
+    p.add_argument("--only", action="append", default=[])
+    p.add_argument("--budget-seconds", type=float, default=540)
+    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=None, help="each engine's load time box (default: the case's)")
+    args = p.parse_args(argv)
+    return matrix(Path(args.out), args.only, args.budget_seconds, args.batches, args.seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
