@@ -19,12 +19,12 @@ t0=$(date +%s)
 site=/tmp/site034
 if [ ! -f "$site/.unpacked" ]; then
   shopt -s nullglob
-  for carried in .device-stage034/*; do cp -n "$carried" /tmp/stage034/ 2>/dev/null || { mkdir -p /tmp/stage034; cp "$carried" /tmp/stage034/; }; done
-  mkdir -p "$site"
+  mkdir -p /tmp/stage034 "$site"
+  for carried in .device-stage034/*; do cp "$carried" /tmp/stage034/; done
   for g in a b c; do
-    parts=$(ls /tmp/stage034/"$g"* 2>/dev/null | sort -V)
-    [ -n "$parts" ] || { echo "no /tmp/stage034/${g}* parts: stage them first"; exit 3; }
-    cat $parts | xz -d | tar -x -C "$site" || { echo "archive $g did not unpack (a part missing?)"; exit 3; }
+    parts=(/tmp/stage034/"$g"[0-9]*)  # split's two-digit suffixes sort in order
+    [ ${#parts[@]} -gt 0 ] || { echo "no /tmp/stage034/${g}* parts: stage them first"; exit 3; }
+    cat "${parts[@]}" | xz -d | tar -x -C "$site" || { echo "archive $g did not unpack (a part missing?)"; exit 3; }
   done
   image=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   for lib in "$image"/nvidia/*; do

@@ -11,13 +11,16 @@
 #      does not export, and a library resolved at load fails the import of torch.
 # Usage, from the project's root:  ci/stage_vllm034.sh   (downloads about 1.1 GB; a few minutes on 2 cores)
 set -euo pipefail
-DEST=.device-stage034
+DEST=${DEST:-.device-stage034}  # a folder of the tree (ignored by git) or an absolute path
 WORK=${WORK:-$(mktemp -d)}
-grep -qxF "/$DEST/" .git/info/exclude 2>/dev/null || echo "/$DEST/" >> .git/info/exclude
+case "$DEST" in /*) ;; *) grep -qxF "/$DEST/" .git/info/exclude 2>/dev/null || echo "/$DEST/" >> .git/info/exclude ;; esac
 PLAT=""
 for p in 2_39 2_35 2_34 2_31 2_28 2_27 2_26 2_25 2_24 2_18 2_17 2_12; do PLAT="$PLAT --platform manylinux_${p}_x86_64"; done
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64"
-get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+get() {  # pip's own status decides (its location warnings filtered out)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$@" \
+    2> >(grep -v '^WARNING: Location' >&2)
+}
 get "$WORK/a" torch==2.14.0 torchvision==0.29.0 triton==3.8.0
 get "$WORK/b" vllm==0.34.0 transformers==5.22.0 tokenizers==0.23.3 huggingface_hub==2.5.0 hf-xet==1.8.0 \
   httpx2==2.17.0 httpcore2==2.17.0 safetensors==0.8.0 regex==2026.12.2 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \

@@ -113,12 +113,30 @@ def selected(patterns: list[str]) -> list[dict]:
     return [c for c in NATIVE_CASES if any(fnmatch.fnmatch(c["name"], p) for p in patterns)]
 
 
+def finished(path: Path) -> dict | None:
+    """The run a JSON file holds, if it ran to its end (no ``error``); ``None`` for a missing, unreadable or failed
+    one, which the matrix runs again."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) and "error" not in run else None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return {"error": f"unreadable {path.name}: {type(exc).__name__}"} if path.exists() else None
+    return run if isinstance(run, dict) else {"error": f"{path.name} holds no object"}
+
+
 def summarize(folder: Path) -> dict:
     """One row per case from the JSON files present: blocks, start seconds and the highest over budget of each
     mode, whether the tokens match, and any error."""
     rows = []
     for case in NATIVE_CASES:
-        runs = {m: json.loads(p.read_text()) for m in MODES if (p := folder / f"{case['name']}-{m}.json").exists()}
+        runs = {m: r for m in MODES if (r := _read(folder / f"{case['name']}-{m}.json")) is not None}
         if not runs:
             continue
         row: dict = {"case": case["name"]}
@@ -130,7 +148,7 @@ def summarize(folder: Path) -> dict:
             row[f"{mode}_bursts"] = load.get("bursts")
             row[f"{mode}_extensible"] = (run.get("figures") or {}).get("extensible")
             row[f"{mode}_errors"] = (load.get("errors") or []) + ([run["error"]] if run.get("error") else [])
-            row["vllm"] = run.get("vllm", row.get("vllm"))
+            row["vllm"] = run.get("vllm") or row.get("vllm")
         if all(runs.get(m, {}).get("token_ids") is not None for m in MODES):
             row["tokens_identical"] = runs["off"]["token_ids"] == runs["native"]["token_ids"]
         rows.append(row)
@@ -144,6 +162,10 @@ def _mib(v) -> str:
     return "-" if v is None else f"{v / MIB:+.1f}"
 
 
+def _cell(v) -> str:
+    return "-" if v is None else str(v)
+
+
 def render(rows: list[dict]) -> str:
     lines = [
         "| case | vLLM | blocks off / native | over budget MiB off / native | start s off / native | tokens identical "
@@ -153,10 +175,10 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         errors = "; ".join(str(e)[:120] for m in MODES for e in r.get(f"{m}_errors") or []) or "-"
         lines.append(
-            f"| {r['case']} | {r.get('vllm', '-')} | {r.get('off_blocks', '-')} / {r.get('native_blocks', '-')} | "
-            f"{_mib(r.get('off_over_budget'))} / {_mib(r.get('native_over_budget'))} | "
-            f"{r.get('off_seconds', '-')} / {r.get('native_seconds', '-')} | {r.get('tokens_identical', '-')} | "
-            f"{r.get('off_extensible', '-')} / {r.get('native_extensible', '-')} | {errors} |"
+            f"| {r['case']} | {_cell(r.get('vllm'))} | {_cell(r.get('off_blocks'))} / "
+            f"{_cell(r.get('native_blocks'))} | {_mib(r.get('off_over_budget'))} / {_mib(r.get('native_over_budget'))} "
+            f"| {_cell(r.get('off_seconds'))} / {_cell(r.get('native_seconds'))} | {_cell(r.get('tokens_identical'))} "
+            f"| {_cell(r.get('off_extensible'))} / {_cell(r.get('native_extensible'))} | {errors} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -164,13 +186,18 @@ def render(rows: list[dict]) -> str:
 def matrix(out: Path, patterns: list[str], budget_s: float, batches: int, seconds: float | None = None) -> int:
     """Every selected case in both modes, each engine in its own process, within ``budget_s``; ``seconds``: the
     load's time box per engine (default: the case's own)."""
+    cases = selected(patterns)
+    if not cases:
+        names = ", ".join(c["name"] for c in NATIVE_CASES)
+        print(f"no case matches {' '.join(patterns)}; cases: {names}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget_s
     status = 0
-    for case in selected(patterns):
+    for case in cases:
         for mode in MODES:
             path = out / f"{case['name']}-{mode}.json"
-            if path.exists():
+            if finished(path) is not None:
                 continue
             box = case["seconds"] if seconds is None else seconds
             need = box + 90  # the engine's start and the passes, beside the load's time box
@@ -189,10 +216,11 @@ def matrix(out: Path, patterns: list[str], budget_s: float, batches: int, second
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
             print(f"{case['name']} {mode}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
-            if not path.exists():
+            if _read(path) is None or "error" in (_read(path) or {}):
+                status = 1
+            if finished(path) is None and (_read(path) or {}).get("traceback") is None:
                 tail = log.read_text(errors="replace").splitlines()[-15:]
                 path.write_text(json.dumps({"case": case, "mode": mode, "error": f"exit {rc}", "log_tail": tail}))
-                status = 1
     print(render(summarize(out)["rows"]), flush=True)
     return status
 
@@ -215,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = {"case": case, "mode": args.mode, "error": f"{type(exc).__name__}: {exc}"}
             result["traceback"] = traceback.format_exc()[-4000:]
-        Path(args.out).write_text(json.dumps(result) + "\n")
+        Path(args.out).write_text(json.dumps(result, default=str) + "\n")
         return 0 if "error" not in result else 1
     p = argparse.ArgumentParser(prog="python -m integration.native_run")
     p.add_argument("out")

@@ -533,8 +533,8 @@ def run_arrivals(
         if time.monotonic() >= end_at:
             return
         thread = threading.Thread(target=send_one, args=(config, spec, url, model, sink, send), daemon=True)
+        thread.start()  # a start that fails ends the arrivals; those before it are joined as usual
         spawned.append(thread)
-        thread.start()
 
 
 def send_one(config: str, spec: Spec, url: str, model: str, sink: Sink, send: Sender) -> None:
@@ -659,11 +659,28 @@ def in_phase(poll: dict, meta: Mapping) -> bool:
     return meta["start"] <= poll.get("time", -1) <= meta["drained"]
 
 
+def censored_percentile(done: Sequence[float], failed: int, q: float) -> float | None:
+    """The ``q``-th percentile of a phase's times where each of ``failed`` requests counts as longer than any that
+    completed; ``None`` where the percentile falls on one of them (no time was measured there). A configuration
+    cannot look faster by leaving its slowest requests unfinished."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    count = len(done) + failed
+    if not count:
+        return None
+    rank = (count - 1) * q / 100
+    if math.ceil(rank) >= len(done):  # the percentile reaches a request that never finished
+        return None
+    return percentile(done, q * (count - 1) / (len(done) - 1)) if len(done) > 1 else float(done[0])
+
+
 def phase_row(meta: Mapping, engine: str, records: Sequence[dict], polls: Sequence[dict]) -> dict:
-    """One configuration, phase and engine: requests, failures, TTFT and end-to-end percentiles, output tokens per
-    second over the phase, and the engine's blocks and queue at the phase's polls."""
+    """One configuration, phase and engine: requests, failures, TTFT and end-to-end percentiles (a failed request
+    longer than any: ``censored_percentile``), output tokens per second over the phase, and the engine's blocks
+    and queue at the phase's polls."""
     mine = [r for r in records if r["engine"] == engine]
     ok = [r for r in mine if r.get("ok")]
+    failed = len(mine) - len(ok)
     ttft = [r["ttft_s"] for r in ok]
     e2e = [r["e2e_s"] for r in ok]
     tokens = sum(r.get("output_tokens") or 0 for r in ok)
@@ -677,11 +694,11 @@ def phase_row(meta: Mapping, engine: str, records: Sequence[dict], polls: Sequen
         "engine": engine,
         "role": "heavy" if engine == meta["busy"] else "light",
         "requests": len(mine),
-        "failed": len(mine) - len(ok),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "e2e_p50_s": percentile(e2e, 50),
-        "e2e_p99_s": percentile(e2e, 99),
+        "failed": failed,
+        "ttft_p50_s": censored_percentile(ttft, failed, 50),
+        "ttft_p99_s": censored_percentile(ttft, failed, 99),
+        "e2e_p50_s": censored_percentile(e2e, failed, 50),
+        "e2e_p99_s": censored_percentile(e2e, failed, 99),
         "output_tokens": tokens,
         "span_s": span,
         "tokens_per_s": tokens / span if span else None,
@@ -733,7 +750,7 @@ def verdicts(rows: Sequence[dict], shared_limit: Mapping | None) -> dict:
                 shared.get(f"ttft_{q}_s"), fixed.get(f"ttft_{q}_s")
             )
     complete = all((c, p, e) in by for c in CONFIGS for p, _ in PHASES for e in ENGINES)
-    failed = sum(r["failed"] for r in rows)
+    failed = sum(r["failed"] for r in rows if r["config"] in CONFIGS)  # the calibration is not compared
     out["no_failed_requests"] = (failed == 0) if complete else (False if failed else None)
     out["limit_never_exceeded"] = None if shared_limit is None else shared_limit.get("held")
     return out
@@ -822,6 +839,8 @@ def render_table(summary: Mapping) -> str:
             _num(r["waiting_max"], "{}"),
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if summary.get("rates"):
+        lines.append("")
     for phase, rate in (summary.get("rates") or {}).items():
         lines.append(
             f"Open arrivals, {phase}: {rate['rate']:.2f} requests/s to {rate['busy']} (calibrate: {rate['completed']} "
@@ -1002,7 +1021,7 @@ def calibrated_rates(phases: Sequence[Mapping], records: Sequence[dict], factor:
     for meta in phases:
         row = phase_row(meta, meta["busy"], [r for r in records if r["phase"] == meta["phase"]], [])
         completed = row["requests"] - row["failed"]
-        if not completed or not row["span_s"]:
+        if not completed or not row["span_s"] or row["span_s"] <= 0:
             raise StepFailed(f"{meta['phase']}: the busy engine completed no request, no rate to offer", CALIBRATE)
         rate = factor * completed / row["span_s"]
         rates[meta["phase"]] = {"busy": meta["busy"], "completed": completed, "span_s": row["span_s"], "rate": rate}

@@ -54,3 +54,29 @@ def test_the_matrix_reads_finished_engines_and_starts_none_without_the_time(tmp_
     assert nr.matrix(tmp_path, ["mla-v2"], budget_s=1.0, batches=1) == 1
     assert "mla-v2 native: 1 s left" in capsys.readouterr().out
     assert not (tmp_path / "mla-v2-native.json").exists()
+
+
+def test_failed_or_unreadable_engines_run_again_and_the_matrix_says_it_failed(tmp_path, monkeypatch):
+    started = []
+
+    def fake_run(cmd, **kwargs):
+        out = cmd[cmd.index("--out") + 1]
+        started.append(out.rsplit("/", 1)[-1])
+        (tmp_path / out.rsplit("/", 1)[-1]).write_text(json.dumps({"error": "ImportError: x", "traceback": "t"}))
+        return type("Done", (), {"returncode": 1})()
+
+    monkeypatch.setattr(nr.subprocess, "run", fake_run)
+    _run(tmp_path, "mla-v2", "off")
+    (tmp_path / "mla-v2-native.json").write_text('{"case": {"name": "mla-')  # cut short
+    assert nr.matrix(tmp_path, ["mla-v2"], budget_s=10_000, batches=1) == 1
+    assert started == ["mla-v2-native.json"]  # the finished one is read, the cut one rerun
+    assert nr.matrix(tmp_path, ["mla-v2"], budget_s=10_000, batches=1) == 1 and started[-1] == "mla-v2-native.json"
+    (tmp_path / "mla-v2-native.json").write_text("not json")
+    (row,) = nr.summarize(tmp_path)["rows"]
+    assert row["native_errors"] == ["unreadable mla-v2-native.json: JSONDecodeError"]
+    assert "| mla-v2 | 0.34.0 | 1000 / - |" in (tmp_path / "native-table.md").read_text()
+
+
+def test_a_pattern_that_matches_no_case_is_refused(tmp_path, capsys):
+    assert nr.matrix(tmp_path, ["qwen3-V2"], budget_s=10_000, batches=1) == 2
+    assert "no case matches qwen3-V2; cases: " in capsys.readouterr().err and not list(tmp_path.iterdir())

@@ -163,7 +163,7 @@ def test_a_row_counts_failures_apart_and_takes_ttft_and_throughput_from_successf
     polls = [_poll(99), _poll(120, a_blocks=2_000, a_waiting=3), _poll(180, a_blocks=5_000, a_waiting=9)]
     row = sr.phase_row(_meta(), "a", records, polls)
     assert (row["requests"], row["failed"], row["role"]) == (3, 1, "heavy")
-    assert row["ttft_p50_s"] == pytest.approx(0.2) and row["ttft_p99_s"] == pytest.approx(0.298)
+    assert row["ttft_p50_s"] == pytest.approx(0.3) and row["ttft_p99_s"] is None  # the failed one ranks last
     assert row["output_tokens"] == 256 and row["span_s"] == pytest.approx(10.0)  # last end 101 + 9 - start 100
     assert row["tokens_per_s"] == pytest.approx(25.6)
     assert (row["polls"], row["blocks_min"], row["blocks_max"], row["waiting_max"]) == (1, 2_000, 2_000, 3)
@@ -209,6 +209,32 @@ def test_shared_passes_only_where_it_beats_fixed_for_the_busy_engine_without_fai
     missing = sr.verdicts(_rows(drop=("shared", "phase2", "b")), None)
     assert missing["phase2_busy_b_ttft_p50_shared_better"] is None and missing["no_failed_requests"] is None
     assert missing["limit_never_exceeded"] is None
+
+
+def test_a_configuration_cannot_look_faster_by_leaving_its_slowest_requests_unfinished():
+    meta = _meta("shared", "phase1", "a")
+    served = [_rec("shared", ttft=0.1) for _ in range(20)]
+    dropped = [_rec("shared", ok=False) for _ in range(10)]
+    row = sr.phase_row(meta, "a", served + dropped, [])
+    assert row["failed"] == 10 and row["ttft_p50_s"] == pytest.approx(0.1) and row["ttft_p99_s"] is None
+    assert sr.phase_row(meta, "a", served + dropped * 2, [])["ttft_p50_s"] is None  # half never finished
+    assert sr.censored_percentile([0.1, 0.2], 0, 50) == pytest.approx(0.15)
+    done = [0.1 * i for i in range(1, 11)]
+    for q in (0, 10, 50, 77, 88.9):  # below the failed ones: the percentile of all, interpolated between the done
+        assert sr.censored_percentile(done, 1, q) == pytest.approx(sr.percentile([*done, 99.0], q))
+    assert sr.censored_percentile(done, 1, 91) is None and sr.censored_percentile([0.5], 0, 99) == 0.5
+    assert sr.censored_percentile([], 0, 50) is None and sr.censored_percentile([], 3, 50) is None
+    rows = _rows()
+    for r in rows:
+        if r["config"] == "shared" and r["phase"] == "phase1" and r["engine"] == "a":
+            r["ttft_p99_s"], r["failed"] = None, 10
+    judged = sr.verdicts(rows, {"held": True})
+    assert judged["phase1_busy_a_ttft_p99_shared_better"] is None and judged["no_failed_requests"] is False
+
+
+def test_the_calibrations_failures_are_reported_but_not_judged():
+    rows = _rows() + [{"config": "calibrate", "phase": "phase1", "engine": "a", "failed": 3}]
+    assert sr.verdicts(rows, {"held": True})["no_failed_requests"] is True
 
 
 def test_premises_say_whether_the_busy_engine_queued_at_half_and_grew_under_the_coordinator():
@@ -438,6 +464,9 @@ def test_the_open_rate_is_the_busy_engines_completions_per_second_at_the_fixed_s
     assert sr.calibrated_rates(phases, records, factor=1.5)["phase1"]["rate"] == pytest.approx(1.5 * 10 / 11.0)
     with pytest.raises(sr.StepFailed, match="phase2: the busy engine completed no request"):
         sr.calibrated_rates(phases, [r for r in records if r["phase"] == "phase1"])
+    backwards = [_rec("calibrate", "phase1", "a", start=90.0, e2e=1.0)]  # the wall clock stepped back
+    with pytest.raises(sr.StepFailed, match="phase1"):
+        sr.calibrated_rates(phases[:1], backwards)
 
 
 def test_with_open_arrivals_the_calibration_comes_first_and_the_table_names_the_rates():
@@ -451,7 +480,8 @@ def test_with_open_arrivals_the_calibration_comes_first_and_the_table_names_the_
     rate = {"busy": "a", "completed": 1, "span_s": 2.0, "rate": 0.5}
     summary = sr.summarize({"runs": runs, "rates": {"phase1": rate}}, records)
     assert [r["config"] for r in summary["rows"] if r["engine"] == "a"] == ["calibrate", "fixed", "shared"]
-    assert "Open arrivals, phase1: 0.50 requests/s to a (calibrate: 1 completed in 2.0 s)" in sr.render_table(summary)
+    table = sr.render_table(summary)
+    assert "\n\nOpen arrivals, phase1: 0.50 requests/s to a (calibrate: 1 completed in 2.0 s)" in table  # not a row
 
 
 def test_a_sender_that_raises_fails_its_request_and_the_worker_goes_on():
