@@ -13,6 +13,16 @@
 # vLLM 0.26.0 bundle's packages (/tmp/site, where staged) after it. RUN (default /tmp/native-run) keeps finished
 # engines while the machine stays up. Everything written comes back under $OUT; the table is printed last.
 set -u
+run=${RUN:-/tmp/native-run}
+copy_out() {  # on every exit, a time limit's too: what ran comes back
+  if [ -n "${OUT:-}" ] && [ -d "$run" ]; then
+    mkdir -p "$OUT"
+    tar -czf "$OUT/native.tar.gz" -C "$(dirname "$run")" "$(basename "$run")"
+    cp "$run"/native-summary.json "$run"/native-table.md "$OUT/" 2>/dev/null
+  fi
+}
+trap copy_out EXIT
+trap 'exit 143' TERM INT
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 t0=$(date +%s)
@@ -38,15 +48,11 @@ extra=""
 export PYTHONPATH="$site$extra:$root/reference:$root/lab:$root" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 NCCL_NVLS_ENABLE=0
 export VLLM_CACHE_ROOT=/tmp/cc034/vllm TRITON_CACHE_DIR=/tmp/cc034/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cc034/inductor
-run=${RUN:-/tmp/native-run}
 mkdir -p "$run"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, torch.__file__); print("vllm", vllm.__version__, vllm.__file__); print("nccl", torch.cuda.nccl.version())' 2>&1 | tee "$run/versions.txt"
 python3 -m extensible_kv environment "$run" > /dev/null 2>&1 || true
-python3 -m integration.native_run "$run" "$@" 2>&1 | tee -a "$run/matrix.log" | tail -n 30
-status=${PIPESTATUS[0]}
-if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT"
-  tar -czf "$OUT/native.tar.gz" -C "$(dirname "$run")" "$(basename "$run")"
-  cp "$run"/native-summary.json "$run"/native-table.md "$OUT/" 2>/dev/null
-fi
+python3 -m integration.native_run "$run" "$@" >> "$run/matrix.log" 2>&1 &
+wait $!  # in the background: a signal reaches the trap now, not after the matrix ends
+status=$?
+tail -n 30 "$run/matrix.log"
 exit $status
