@@ -37,7 +37,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from integration.worst_batch_run import CASES, SEED, case_named, run_case_argv
+from integration.worst_batch_run import CASES, SEED, case_named, load_shape, run_case_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -86,14 +86,7 @@ def one(case: dict, mode: str, batches: int, seconds: float) -> dict:
     figures = llm.collective_rpc(worker_figures)[0]
     llm.apply_model(rc.reinit_weights)
     passes = rc.measured_passes(llm, rc.measured_batch(args, config), args.max_tokens, False, False)
-    vllm_config = llm.llm_engine.vllm_config
-    shape = lg.Shape(
-        max_model_len=vllm_config.model_config.max_model_len,
-        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        vocab=rc.text_token_limit(config),
-    )
-    load = lg.drive(llm, lg.plan(shape, SEED, batches), SEED, deadline=deadline)
+    load = lg.drive(llm, lg.plan(load_shape(llm, config), SEED, batches), SEED, deadline=deadline)
     return {
         "case": case,
         "mode": mode,

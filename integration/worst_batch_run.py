@@ -196,13 +196,7 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float, trace: b
     llm.apply_model(rc.reinit_weights)
     batch = rc.measured_batch(args, config)
     passes = rc.measured_passes(llm, batch, args.max_tokens, False, rc.is_multimodal(config))
-    vllm_config = llm.llm_engine.vllm_config
-    shape = lg.Shape(
-        max_model_len=vllm_config.model_config.max_model_len,
-        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        vocab=rc.text_token_limit(config),
-    )
+    shape = load_shape(llm, config)
     bursts = lg.plan(shape, SEED, batches, SLEEP_EVERY if case.get("sleep") else None)
     prompt_of = None
     if rc.is_multimodal(config):
@@ -228,6 +222,20 @@ def one(case: dict, mode: str, out: Path, batches: int, seconds: float, trace: b
         "torch_cap_after_load": cap_after,
         **({"memory_trace": traced} if trace else {}),
     }
+
+
+def load_shape(llm, config: dict):
+    """The load generator's view of an engine: its scheduler's limits and the text token ids its model takes."""
+    from integration import load_generator as lg
+    from integration import run_case as rc
+
+    vllm_config = llm.llm_engine.vllm_config
+    return lg.Shape(
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        vocab=rc.text_token_limit(config),
+    )
 
 
 class _nothing:
