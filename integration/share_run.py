@@ -532,14 +532,19 @@ def run_arrivals(
         _sleep_until(due, end_at)
         if time.monotonic() >= end_at:
             return
-        thread = threading.Thread(target=send_one, args=(config, spec, url, model, sink, send), daemon=True)
+        args = (config, spec, url, model, sink, send, due)
+        thread = threading.Thread(target=send_one, args=args, daemon=True)
         thread.start()  # a start that fails ends the arrivals; those before it are joined as usual
         spawned.append(thread)
 
 
-def send_one(config: str, spec: Spec, url: str, model: str, sink: Sink, send: Sender) -> None:
-    """One request, recorded in ``sink`` when it begins and when it ends."""
+def send_one(config: str, spec: Spec, url: str, model: str, sink: Sink, send: Sender, due: float | None = None) -> None:
+    """One request, recorded in ``sink`` when it begins and when it ends; ``due`` (monotonic): when the open
+    arrivals' schedule meant to send it, recorded as ``dispatch_lag_s`` (a client that falls behind its schedule
+    would otherwise hide its lag from TTFT, which starts when the request is sent)."""
     record = spec_record(config, spec)
+    if due is not None:
+        record["dispatch_lag_s"] = max(0.0, time.monotonic() - due)
     key = (spec.engine, spec.role, spec.worker, spec.index)
     sink.begin(key, record)
     try:
@@ -683,6 +688,7 @@ def phase_row(meta: Mapping, engine: str, records: Sequence[dict], polls: Sequen
     failed = len(mine) - len(ok)
     ttft = [r["ttft_s"] for r in ok]
     e2e = [r["e2e_s"] for r in ok]
+    lags = [r["dispatch_lag_s"] for r in mine if r.get("dispatch_lag_s") is not None]
     tokens = sum(r.get("output_tokens") or 0 for r in ok)
     last_end = max((r["start"] + r["e2e_s"] for r in ok), default=None)
     span = None if last_end is None else last_end - meta["start"]
@@ -699,6 +705,7 @@ def phase_row(meta: Mapping, engine: str, records: Sequence[dict], polls: Sequen
         "ttft_p99_s": censored_percentile(ttft, failed, 99),
         "e2e_p50_s": censored_percentile(e2e, failed, 50),
         "e2e_p99_s": censored_percentile(e2e, failed, 99),
+        "dispatch_lag_p99_s": percentile(lags, 99),  # open arrivals: how far the client fell behind its schedule
         "output_tokens": tokens,
         "span_s": span,
         "tokens_per_s": tokens / span if span else None,
@@ -825,8 +832,8 @@ def render_table(summary: Mapping) -> str:
     memory and stages."""
     lines = [
         "| config | phase | engine | role | requests | failed | TTFT p50 ms | TTFT p99 ms | E2E p50 s | E2E p99 s | "
-        "out tok/s | blocks min-max | waiting max |",
-        "|" + " --- |" * 13,
+        "out tok/s | blocks min-max | waiting max | send lag p99 ms |",
+        "|" + " --- |" * 14,
     ]
     for r in summary["rows"]:
         blocks = "-" if r["blocks_min"] is None else f"{r['blocks_min']}-{r['blocks_max']}"
@@ -837,6 +844,7 @@ def render_table(summary: Mapping) -> str:
             _num(r["tokens_per_s"], "{:.0f}"),
             blocks,
             _num(r["waiting_max"], "{}"),
+            _ms(r.get("dispatch_lag_p99_s")),
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if summary.get("rates"):

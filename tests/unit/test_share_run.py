@@ -450,6 +450,9 @@ def test_open_arrivals_send_on_schedule_without_waiting_for_replies_and_the_drai
     assert 15 <= expected <= 50 and abs(len(records) - expected) <= 1  # the schedule, not one request per 0.3 s
     assert {r["worker"] for r in records} == {0} and all(r["role"] == "heavy" for r in records)
     assert sum(r["ok"] for r in records) == 5 and all("drain" in r["error"] for r in records if not r["ok"])
+    assert all(0 <= r["dispatch_lag_s"] < 0.2 for r in records)  # sent on schedule, not after the replies
+    row = sr.phase_row(meta, "a", records, [])
+    assert row["dispatch_lag_p99_s"] == pytest.approx(sr.percentile([r["dispatch_lag_s"] for r in records], 99))
     assert meta["drained"] - meta["start"] < 1.5
 
 
