@@ -177,9 +177,16 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def matrix(out: Path, patterns: list[str], budget_s: float, batches: int, seconds: float | None = None) -> int:
-    """Every selected case in both modes, each engine in its own process, within ``budget_s``; ``seconds``: the
-    load's time box per engine (default: the case's own)."""
+def matrix(
+    out: Path,
+    patterns: list[str],
+    budget_s: float,
+    batches: int,
+    seconds: float | None = None,
+    modes: tuple[str, ...] = MODES,
+) -> int:
+    """Every selected case in ``modes`` (in that order), each engine in its own process, within ``budget_s``;
+    ``seconds``: the load's time box per engine (default: the case's own)."""
     cases = selected(patterns)
     if not cases:
         names = ", ".join(c["name"] for c in NATIVE_CASES)
@@ -189,7 +196,7 @@ def matrix(out: Path, patterns: list[str], budget_s: float, batches: int, second
     deadline = time.monotonic() + budget_s
     status = 0
     for case in cases:
-        for mode in MODES:
+        for mode in modes:
             path = out / f"{case['name']}-{mode}.json"
             if finished(path) is not None:
                 continue
@@ -245,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-seconds", type=float, default=540)
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--seconds", type=float, default=None, help="each engine's load time box (default: the case's)")
+    p.add_argument("--mode", action="append", choices=MODES, help="these modes, in this order (default: off, native)")
     args = p.parse_args(argv)
-    return matrix(Path(args.out), args.only, args.budget_seconds, args.batches, args.seconds)
+    modes = tuple(dict.fromkeys(args.mode)) if args.mode else MODES
+    return matrix(Path(args.out), args.only, args.budget_seconds, args.batches, args.seconds, modes)
 
 
 if __name__ == "__main__":

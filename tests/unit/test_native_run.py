@@ -80,3 +80,15 @@ def test_failed_or_unreadable_engines_run_again_and_the_matrix_says_it_failed(tm
 def test_a_pattern_that_matches_no_case_is_refused(tmp_path, capsys):
     assert nr.matrix(tmp_path, ["qwen3-V2"], budget_s=10_000, batches=1) == 2
     assert "no case matches qwen3-V2; cases: " in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_the_modes_run_in_the_order_asked(tmp_path, monkeypatch):
+    started = []
+
+    def fake_run(cmd, **kwargs):
+        started.append(cmd[cmd.index("--mode") + 1])
+        return type("Done", (), {"returncode": 1})()
+
+    monkeypatch.setattr(nr.subprocess, "run", fake_run)
+    nr.main([str(tmp_path), "--only", "mla-v2", "--mode", "native", "--mode", "off", "--budget-seconds", "10000"])
+    assert started == ["native", "off"]
