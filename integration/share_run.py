@@ -158,7 +158,8 @@ START_TIMEOUT_S = 300.0
 SETUP_S = 10.0  # sizing and warmup (the dry run's schedule only)
 MIN_PHASE_S, MAX_PHASE_S = 15.0, 60.0
 DRAIN_S = 15.0  # after a phase's time, for the requests in flight
-PHASE_OVERHEAD_S = DRAIN_S  # per phase: the drain (the resizes and readings around it take seconds)
+SETTLE_S = 5.0  # after the drain, for the requests it failed to end before the next phase starts
+PHASE_OVERHEAD_S = DRAIN_S + SETTLE_S  # per phase (the resizes and readings around it take seconds)
 END_RESERVE_S = 45.0  # stopping both servers and writing the files
 STOP_GRACE_S = 15.0
 TIME_CLEARANCE_S = 1e-3  # a check that must be strictly better: at least this much
@@ -572,9 +573,11 @@ def run_phase(
     heavy: Load = HEAVY,
     light: Load = LIGHT,
     drain_s: float = DRAIN_S,
+    settle_s: float = SETTLE_S,
 ) -> tuple[dict, list[dict]]:
-    """One phase: every engine's workers for ``seconds``, then ``drain_s`` for the requests in flight. Returns the
-    phase's times and its records."""
+    """One phase: every engine's workers for ``seconds``, then ``drain_s`` for the requests in flight (those still
+    running fail), then up to ``settle_s`` for them to end before the next phase (``late``: ended meanwhile;
+    ``unsettled``: still running). Returns the phase's times and its records."""
     sink = Sink()
     start_mono, start = time.monotonic(), time.time()
     end_at = start_mono + seconds
@@ -596,8 +599,15 @@ def run_phase(
     for t in list(spawned):
         t.join(max(0.0, end_at + drain_s - time.monotonic()))
     records = sink.close()
+    drained = time.time()
+    # The requests the drain did not finish are failed already; wait up to settle_s more for them to end, so that
+    # they do not load the next phase, and count those that ended late.
+    settle_at = time.monotonic() + settle_s
+    for t in [*threads, *spawned]:
+        t.join(max(0.0, settle_at - time.monotonic()))
+    unsettled = sum(t.is_alive() for t in [*threads, *spawned])
     meta = {"config": config, "phase": phase, "busy": busy, "seconds": seconds, "start": start}
-    meta |= {"end": start + seconds, "drained": time.time(), "late": len(sink.late)}
+    meta |= {"end": start + seconds, "drained": drained, "late": len(sink.late), "unsettled": unsettled}
     return meta, records
 
 

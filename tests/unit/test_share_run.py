@@ -418,14 +418,14 @@ def test_a_phase_sends_each_engines_load_and_fails_what_the_drain_did_not_finish
     heavy = sr.replace(sr.HEAVY, workers=3, prompt_lo=4, prompt_hi=8, ramp_s=0.1)
     light = sr.replace(sr.LIGHT, prompt_lo=4, prompt_hi=8, think_lo=0.0, think_hi=0.01)
     urls = {"a": "http://a", "b": "http://b"}
-    meta, records = sr.run_phase("fixed", "phase1", "a", urls, 0.4, send, 1, 100, heavy, light, drain_s=0.2)
+    meta, records = sr.run_phase("fixed", "phase1", "a", urls, 0.4, send, 1, 100, heavy, light, 0.2, settle_s=0.0)
     a = [r for r in records if r["engine"] == "a"]
     b = [r for r in records if r["engine"] == "b"]
     assert {r["worker"] for r in a} == {0, 1, 2} and all(r["ok"] and r["role"] == "heavy" for r in a)
     assert len(a) >= 9  # three workers, back to back, for 0.4 s
     assert len(b) == 1 and b[0]["ok"] is False and "drain" in b[0]["error"] and b[0]["role"] == "light"
     assert all(r["config"] == "fixed" and r["phase"] == "phase1" for r in records)
-    assert meta["drained"] - meta["start"] < 1.5 and meta["busy"] == "a"
+    assert meta["drained"] - meta["start"] < 1.5 and meta["busy"] == "a" and meta["unsettled"] == 1
 
 
 def test_open_arrivals_send_on_schedule_without_waiting_for_replies_and_the_drain_counts_the_rest():
@@ -440,7 +440,8 @@ def test_open_arrivals_send_on_schedule_without_waiting_for_replies_and_the_drai
 
     heavy = sr.replace(sr.HEAVY, prompt_lo=4, prompt_hi=8, rate=60.0)
     light = sr.replace(sr.LIGHT, prompt_lo=4, prompt_hi=8, think_lo=5.0, think_hi=5.0)
-    meta, records = sr.run_phase("shared", "phase1", "a", {"a": "x", "b": "y"}, 0.5, send, 1, 100, heavy, light, 0.5)
+    urls = {"a": "x", "b": "y"}
+    meta, records = sr.run_phase("shared", "phase1", "a", urls, 0.5, send, 1, 100, heavy, light, 0.5, settle_s=0.0)
     due, expected = 0.0, 0
     for spec in sr.worker_requests(1, "phase1", "a", heavy, 0, 100):
         due += spec.think_s
@@ -487,13 +488,26 @@ def test_with_open_arrivals_the_calibration_comes_first_and_the_table_names_the_
     assert "\n\nOpen arrivals, phase1: 0.50 requests/s to a (calibrate: 1 completed in 2.0 s)" in table  # not a row
 
 
+def test_requests_that_outlive_the_drain_fail_then_settle_before_the_next_phase_and_count_late():
+    def send(url, model, prompt, max_tokens):
+        time.sleep(0.4)  # past the drain, within the settle
+        return {"ok": True, "ttft_s": 0.01, "e2e_s": 0.4, "output_tokens": max_tokens}
+
+    heavy = sr.replace(sr.HEAVY, prompt_lo=4, prompt_hi=4, rate=20.0)
+    light = sr.replace(sr.LIGHT, prompt_lo=4, prompt_hi=4, think_lo=5.0, think_hi=5.0)
+    urls = {"a": "x", "b": "y"}
+    meta, records = sr.run_phase("fixed", "phase1", "a", urls, 0.3, send, 1, 100, heavy, light, 0.05, settle_s=2.0)
+    assert records and all(not r["ok"] and "drain" in r["error"] for r in records)
+    assert meta["late"] == len(records) and meta["unsettled"] == 0  # ended during the settle, not in the next phase
+
+
 def test_a_sender_that_raises_fails_its_request_and_the_worker_goes_on():
     def send(url, model, prompt, max_tokens):
         raise RuntimeError("refused")
 
     heavy = sr.replace(sr.HEAVY, workers=1, prompt_lo=4, prompt_hi=4)
     light = sr.replace(sr.LIGHT, workers=1, prompt_lo=4, prompt_hi=4, think_lo=0.3, think_hi=0.3)
-    _, records = sr.run_phase("shared", "phase2", "b", {"a": "x", "b": "y"}, 0.1, send, 1, 100, heavy, light, 0.2)
+    _, records = sr.run_phase("shared", "phase2", "b", {"a": "x", "b": "y"}, 0.1, send, 1, 100, heavy, light, 0.2, 0.0)
     b = [r for r in records if r["engine"] == "b"]
     assert len(b) > 1 and all(r["ok"] is False and "RuntimeError: refused" in r["error"] for r in b)
     assert not [r for r in records if r["engine"] == "a"]  # its think time outlasted the phase
