@@ -109,14 +109,12 @@ def selected(patterns: list[str]) -> list[dict]:
 def finished(path: Path) -> dict | None:
     """The run a JSON file holds, if it ran to its end (no ``error``); ``None`` for a missing, unreadable or failed
     one, which the matrix runs again."""
-    try:
-        run = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return run if isinstance(run, dict) and "error" not in run else None
+    run = _read(path)
+    return run if run is not None and "error" not in run else None
 
 
 def _read(path: Path) -> dict | None:
+    """The run a JSON file holds; ``None`` where there is no file, an ``error`` naming why where it cannot be read."""
     try:
         run = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -217,11 +215,12 @@ def matrix(
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
             print(f"{case['name']} {mode}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
-            if _read(path) is None or "error" in (_read(path) or {}):
+            run = _read(path)
+            if run is None or "error" in run:
                 status = 1
-            if finished(path) is None and (_read(path) or {}).get("traceback") is None:
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                path.write_text(json.dumps({"case": case, "mode": mode, "error": f"exit {rc}", "log_tail": tail}))
+                if (run or {}).get("traceback") is None:  # no word from the engine's own process: its log's tail
+                    tail = log.read_text(errors="replace").splitlines()[-15:]
+                    path.write_text(json.dumps({"case": case, "mode": mode, "error": f"exit {rc}", "log_tail": tail}))
     print(render(summarize(out)["rows"]), flush=True)
     return status
 

@@ -658,7 +658,8 @@ def resize_all(engines: Sequence[ServeEngine], targets: Mapping[str, int]) -> li
 
 # -- the summary (pure) ------------------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) by linear interpolation between the closest ranks; ``None`` for no values."""
+    """The ``q``-th percentile (0-100) by linear interpolation between the closest ranks; ``None`` for no values.
+    A value may be ``math.inf`` (a time never measured): interpolating towards it gives ``inf``."""
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
     ordered = sorted(values)
@@ -666,8 +667,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
         return None
     rank = (len(ordered) - 1) * q / 100
     low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    lo, hi = ordered[low], ordered[min(low + 1, len(ordered) - 1)]
+    if rank == low or lo == hi:
+        return lo
+    return lo + (hi - lo) * (rank - low)
 
 
 def in_phase(poll: dict, meta: Mapping) -> bool:
@@ -678,15 +681,8 @@ def censored_percentile(done: Sequence[float], failed: int, q: float) -> float |
     """The ``q``-th percentile of a phase's times where each of ``failed`` requests counts as longer than any that
     completed; ``None`` where the percentile falls on one of them (no time was measured there). A configuration
     cannot look faster by leaving its slowest requests unfinished."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    count = len(done) + failed
-    if not count:
-        return None
-    rank = (count - 1) * q / 100
-    if math.ceil(rank) >= len(done):  # the percentile reaches a request that never finished
-        return None
-    return percentile(done, q * (count - 1) / (len(done) - 1)) if len(done) > 1 else float(done[0])
+    value = percentile([*done, *[math.inf] * failed], q)
+    return None if value is None or math.isinf(value) else value
 
 
 def phase_row(meta: Mapping, engine: str, records: Sequence[dict], polls: Sequence[dict]) -> dict:
@@ -1039,7 +1035,7 @@ def calibrated_rates(phases: Sequence[Mapping], records: Sequence[dict], factor:
     for meta in phases:
         row = phase_row(meta, meta["busy"], [r for r in records if r["phase"] == meta["phase"]], [])
         completed = row["requests"] - row["failed"]
-        if not completed or not row["span_s"] or row["span_s"] <= 0:
+        if not completed or (row["span_s"] or 0) <= 0:
             raise StepFailed(f"{meta['phase']}: the busy engine completed no request, no rate to offer", CALIBRATE)
         rate = factor * completed / row["span_s"]
         rates[meta["phase"]] = {"busy": meta["busy"], "completed": completed, "span_s": row["span_s"], "rate": rate}
@@ -1055,8 +1051,7 @@ def write_outputs(run: Run) -> dict:
     summary["runs"] = {
         c: {"phases": r.get("phases"), "polls": r.get("polls")} for c, r in run.result.get("runs", {}).items()
     }
-    keys = ("engines", "resizes", "warmup", "phase_seconds", "stop", "args")
-    summary |= {k: run.result.get(k) for k in keys}
+    summary |= {k: run.result.get(k) for k in ("engines", "resizes", "warmup", "phase_seconds", "stop", "args")}
     write_json(run.out / "share-requests.json", {"records": run.records})
     write_json(run.out / "share-summary.json", summary)
     table = render_table(summary)
